@@ -1,0 +1,68 @@
+//! Command-line parsing and dispatch.
+
+mod plugin;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::Config;
+
+#[derive(Parser, Debug)]
+#[command(name = "mmgate", version, about = "A multimodal LLM gateway with sandboxed WebAssembly preprocessing plugins")]
+pub struct Cli {
+    /// Log filter, e.g. `info` or `mmgate=debug` (default: $RUST_LOG, else `info`).
+    #[arg(long, global = true)]
+    pub log: Option<String>,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the gateway (with no config: the embedded default on 127.0.0.1:8080).
+    Serve {
+        /// A TOML config file.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Address to listen on (overrides the config).
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+    },
+    /// Manage and inspect modality plugins.
+    #[command(subcommand)]
+    Plugin(plugin::PluginCommand),
+}
+
+pub fn init_logging(filter: Option<&str>) {
+    use tracing_subscriber::EnvFilter;
+    let filter = match filter {
+        Some(f) => EnvFilter::new(f),
+        None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+    };
+    // Logs go to stderr so that command output on stdout stays machine-readable.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Serve { config, listen } => {
+            let mut config = match config {
+                Some(path) => Config::load(&path)?,
+                None => Config::default(),
+            };
+            if let Some(listen) = listen {
+                config.listen = listen;
+            }
+            crate::server::serve(config)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Plugin(command) => plugin::run(command),
+    }
+}

@@ -1,0 +1,113 @@
+//! One mapping from everything that can go wrong in a request to an OpenAI-shaped JSON error:
+//! `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
+
+use http::StatusCode;
+use mmgate_host::{CallError, PluginError};
+use serde_json::json;
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    /// OpenAI's `type`: `invalid_request_error`, `server_error`, ...
+    pub kind: &'static str,
+    /// A stable machine-readable code.
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        let kind = if status.is_server_error() {
+            "server_error"
+        } else {
+            "invalid_request_error"
+        };
+        ApiError {
+            status,
+            kind,
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn not_found(path: &str) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no route for {path}"))
+    }
+
+    pub fn method_not_allowed(method: &str, path: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            format!("{method} is not allowed on {path}"),
+        )
+    }
+
+    pub fn body(&self) -> Vec<u8> {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": null,
+                "code": self.code,
+            }
+        })
+        .to_string()
+        .into_bytes()
+    }
+}
+
+impl From<&CallError> for ApiError {
+    fn from(error: &CallError) -> ApiError {
+        let message = error.to_string();
+        match error {
+            CallError::Plugin(plugin_error) => match plugin_error {
+                PluginError::Unsupported(_) => {
+                    ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media", message)
+                }
+                PluginError::InvalidMedia(_) => {
+                    ApiError::new(StatusCode::BAD_REQUEST, "invalid_media", message)
+                }
+                PluginError::OverBudget(_) => {
+                    ApiError::new(StatusCode::BAD_REQUEST, "context_length_exceeded", message)
+                }
+                PluginError::LimitExceeded(_) => {
+                    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "media_too_large", message)
+                }
+                PluginError::Internal(_) => {
+                    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "plugin_error", message)
+                }
+            },
+            // The media made the plugin run too long or too big: the client's item is the cause.
+            CallError::Deadline(_) => {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "media_too_complex", message)
+            }
+            CallError::Memory { .. } | CallError::OutputTooLarge { .. } => {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "media_too_large", message)
+            }
+            CallError::Overloaded { .. } => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", message)
+            }
+            CallError::Trap(_) | CallError::Contract(_) | CallError::Host(_) => {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "plugin_failed", message)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plugin_errors_map_to_client_statuses_and_crashes_to_server_errors() {
+        let invalid = CallError::Plugin(PluginError::InvalidMedia("truncated".into()));
+        assert_eq!(ApiError::from(&invalid).status, StatusCode::BAD_REQUEST);
+        let trap = CallError::Trap("unreachable".into());
+        let api = ApiError::from(&trap);
+        assert_eq!(api.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(api.kind, "server_error");
+        let body: serde_json::Value = serde_json::from_slice(&api.body()).unwrap();
+        assert_eq!(body["error"]["code"], "plugin_failed");
+        assert!(body["error"]["message"].as_str().unwrap().contains("unreachable"));
+    }
+}

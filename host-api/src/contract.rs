@@ -1,0 +1,174 @@
+//! The plugin contract on the host side: bindings generated from `wit/modality.wit`, and what the host
+//! checks about values crossing the boundary.
+
+use crate::error::CallError;
+
+wasmtime::component::bindgen!({
+    world: "modality-plugin",
+    path: "../wit",
+    additional_derives: [serde::Serialize, serde::Deserialize],
+});
+
+pub use exports::mmgate::modality::plugin::Descriptor;
+pub use mmgate::modality::host::LogLevel;
+pub use mmgate::modality::types::{
+    Budget, Dtype, Media, MediaInfo, OverBudget, PluginError, Tensor, TokenPlan,
+};
+
+/// The contract version this host implements (the `mmgate:modality` package version in `wit/`).
+pub const CONTRACT_VERSION: Version = Version {
+    major: 0,
+    minor: 1,
+    patch: 0,
+};
+
+/// The interface every plugin exports, without its version suffix.
+pub const PLUGIN_INTERFACE: &str = "mmgate:modality/plugin";
+
+/// A contract version, `major.minor.patch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+pub struct Version {
+    pub major: u64,
+    pub minor: u64,
+    pub patch: u64,
+}
+
+impl Version {
+    pub fn parse(text: &str) -> Option<Version> {
+        let mut parts = text.split('.').map(|p| p.parse::<u64>().ok());
+        let version = Version {
+            major: parts.next()??,
+            minor: parts.next()??,
+            patch: parts.next()??,
+        };
+        parts.next().is_none().then_some(version)
+    }
+
+    /// Whether a plugin built against `self` can run on a host implementing `host`: the component
+    /// model's semver rule (same major; for 0.x, same minor), and not newer than the host, since a newer
+    /// plugin may import capabilities this host lacks.
+    pub fn runs_on(self, host: Version) -> bool {
+        let same_series = if self.major == 0 {
+            host.major == 0 && self.minor == host.minor
+        } else {
+            self.major == host.major
+        };
+        same_series && self <= host
+    }
+}
+
+impl std::fmt::Display for Version {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
+    }
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::U8 => 1,
+            Dtype::F16 | Dtype::Bf16 => 2,
+            Dtype::I32 | Dtype::F32 => 4,
+            Dtype::I64 => 8,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::U8 => "u8",
+            Dtype::I32 => "i32",
+            Dtype::I64 => "i64",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+            Dtype::F32 => "f32",
+        }
+    }
+}
+
+impl Tensor {
+    /// Number of elements, or `None` when the shape's product overflows.
+    pub fn element_count(&self) -> Option<usize> {
+        self.shape.iter().try_fold(1usize, |acc, &d| {
+            usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+        })
+    }
+
+    /// Check the contract's tensor invariant: shape × dtype size = bytes.
+    pub fn validate(&self) -> Result<(), CallError> {
+        let expected = self
+            .element_count()
+            .and_then(|n| n.checked_mul(self.dtype.size()));
+        match expected {
+            Some(bytes) if bytes == self.data.len() => Ok(()),
+            Some(bytes) => Err(CallError::Contract(format!(
+                "tensor {:?}: shape {:?} of {} needs {bytes} bytes but carries {}",
+                self.name,
+                self.shape,
+                self.dtype.name(),
+                self.data.len()
+            ))),
+            None => Err(CallError::Contract(format!(
+                "tensor {:?}: shape {:?} overflows",
+                self.name, self.shape
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for PluginError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PluginError::Unsupported(m) => write!(f, "unsupported: {m}"),
+            PluginError::InvalidMedia(m) => write!(f, "invalid media: {m}"),
+            PluginError::OverBudget(o) => write!(
+                f,
+                "over budget: needs {} tokens, {} available: {}",
+                o.needed_tokens, o.budget_tokens, o.message
+            ),
+            PluginError::LimitExceeded(m) => write!(f, "limit exceeded: {m}"),
+            PluginError::Internal(m) => write!(f, "plugin internal error: {m}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_compatibility_follows_component_semver() {
+        let host = Version::parse("0.1.3").unwrap();
+        assert!(Version::parse("0.1.0").unwrap().runs_on(host));
+        assert!(Version::parse("0.1.3").unwrap().runs_on(host));
+        assert!(!Version::parse("0.1.4").unwrap().runs_on(host));
+        assert!(!Version::parse("0.2.0").unwrap().runs_on(host));
+        assert!(!Version::parse("1.1.0").unwrap().runs_on(host));
+        let host1 = Version::parse("1.4.0").unwrap();
+        assert!(Version::parse("1.0.0").unwrap().runs_on(host1));
+        assert!(!Version::parse("2.0.0").unwrap().runs_on(host1));
+        assert!(Version::parse("0.1").is_none());
+        assert!(Version::parse("0.1.0-rc1").is_none());
+    }
+
+    #[test]
+    fn tensor_validation_catches_mismatched_bytes_and_overflow() {
+        let ok = Tensor {
+            name: "x".into(),
+            dtype: Dtype::F32,
+            shape: vec![2, 3],
+            data: vec![0; 24],
+        };
+        assert!(ok.validate().is_ok());
+        let short = Tensor {
+            data: vec![0; 23],
+            ..ok.clone()
+        };
+        assert!(matches!(short.validate(), Err(CallError::Contract(_))));
+        let overflow = Tensor {
+            shape: vec![u64::MAX, 2],
+            ..ok
+        };
+        assert!(matches!(overflow.validate(), Err(CallError::Contract(_))));
+    }
+}

@@ -1,0 +1,69 @@
+//! Typed errors of the plugin host: loading a plugin, and calling one.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::contract::PluginError;
+
+/// Why one plugin call failed. Every case ends that call only: the host and other calls go on.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The plugin ran past its CPU deadline and was interrupted.
+    #[error("plugin ran past its deadline of {0:?} and was stopped")]
+    Deadline(Duration),
+    /// The plugin tried to grow its memory past the cap.
+    #[error("plugin tried to use more than its memory limit of {limit} bytes")]
+    Memory { limit: usize },
+    /// The plugin trapped (a panic, an out-of-bounds access, a stack overflow, ...).
+    #[error("plugin crashed: {0}")]
+    Trap(String),
+    /// The plugin returned a typed error: its message is meant for the client.
+    #[error("{0}")]
+    Plugin(PluginError),
+    /// The plugin returned more bytes than the host accepts from one call.
+    #[error("plugin returned {size} bytes, more than the limit of {limit}")]
+    OutputTooLarge { size: usize, limit: usize },
+    /// The plugin returned something the contract forbids (e.g. a tensor whose bytes do not match its
+    /// shape).
+    #[error("plugin broke the contract: {0}")]
+    Contract(String),
+    /// Every plugin worker is busy and the queue is full.
+    #[error("plugin workers are saturated ({queued} calls queued); try again")]
+    Overloaded { queued: usize },
+    /// The host itself failed (e.g. the pool shut down).
+    #[error("plugin host error: {0}")]
+    Host(String),
+}
+
+/// Why a plugin could not be loaded. Loading never panics and never leaves a half-registered plugin.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The bytes are not a valid WebAssembly component (a core module, garbage, or unsupported features).
+    #[error("{origin} is not a valid WebAssembly component: {reason}")]
+    InvalidComponent { origin: String, reason: String },
+    /// The component is not a plugin of a contract version this host implements, or needs imports the
+    /// host does not provide.
+    #[error("{origin}: {reason}")]
+    ContractMismatch { origin: String, reason: String },
+    /// The manifest is unreadable, or disagrees with the component.
+    #[error("manifest {path}: {reason}")]
+    Manifest { path: PathBuf, reason: String },
+    /// `describe()` itself failed.
+    #[error("{origin}: describe() failed: {source}")]
+    Describe { origin: String, source: CallError },
+    /// Two plugins claim the same name in one directory.
+    #[error("plugin name {name:?} is defined twice ({first} and {second})")]
+    Duplicate {
+        name: String,
+        first: String,
+        second: String,
+    },
+    /// The engine could not be configured (should not happen with valid limits).
+    #[error("cannot create the wasm engine: {0}")]
+    Engine(String),
+}

@@ -1,0 +1,31 @@
+//! `mmgate-host`: the sandboxed WebAssembly plugin host of mmgate.
+//!
+//! - [`contract`]: the plugin contract (`wit/modality.wit`) as Rust types, and its version rules;
+//! - [`sandbox`]: the wasmtime engine, per-call limits, and the state every call's store holds;
+//! - [`plugin`]: loading one component and calling its exports, each call in a fresh store;
+//! - [`manifest`] and [`registry`]: the built-in plugins plus a plugin directory;
+//! - [`pool`]: the bounded thread pool plugin calls run on, away from async reactors;
+//! - [`error`]: what can go wrong, typed.
+//!
+//! This crate knows nothing of HTTP or models: the gateway drives it, the inference core consumes the
+//! tensors it returns.
+
+pub mod builtin;
+pub mod contract;
+pub mod error;
+pub mod manifest;
+pub mod plugin;
+pub mod pool;
+pub mod registry;
+pub mod sandbox;
+
+pub use contract::{
+    Budget, CONTRACT_VERSION, Descriptor, Dtype, Media, MediaInfo, PluginError, Tensor, TokenPlan,
+    Version,
+};
+pub use error::{CallError, LoadError};
+pub use manifest::Manifest;
+pub use plugin::{LoadedPlugin, PluginOrigin};
+pub use pool::PluginPool;
+pub use registry::PluginRegistry;
+pub use sandbox::{Sandbox, SandboxLimits};

@@ -1,0 +1,278 @@
+//! One loaded plugin: its compiled component, pre-linked once, and the calls into it. Each call
+//! instantiates into a fresh `Store` (from the pooling allocator), so nothing survives between calls
+//! and a failed call cannot poison the next one.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+use wasmtime::component::Component;
+use wasmtime::{Store, Trap};
+
+use crate::contract::{
+    Budget, CONTRACT_VERSION, Descriptor, Media, MediaInfo, ModalityPlugin, ModalityPluginPre,
+    PLUGIN_INTERFACE, Tensor, TokenPlan, Version,
+};
+use crate::error::{CallError, LoadError};
+use crate::sandbox::{CallState, Sandbox};
+
+/// Where a plugin came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PluginOrigin {
+    /// Embedded in the binary.
+    Builtin,
+    /// Loaded from a file (a plugin directory, or `mmgate plugin check`).
+    File(PathBuf),
+}
+
+impl std::fmt::Display for PluginOrigin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PluginOrigin::Builtin => f.write_str("built-in"),
+            PluginOrigin::File(path) => write!(f, "{}", path.display()),
+        }
+    }
+}
+
+/// A plugin ready to be called: compiled, contract-checked, linked, and described.
+pub struct LoadedPlugin {
+    sandbox: Arc<Sandbox>,
+    pre: ModalityPluginPre<CallState>,
+    descriptor: Descriptor,
+    contract: Version,
+    origin: PluginOrigin,
+    sha256: String,
+    name: Arc<str>,
+}
+
+impl LoadedPlugin {
+    /// Compile `bytes`, check that they are a plugin of a compatible contract version whose imports
+    /// this host provides, and call `describe()`.
+    pub fn load(
+        sandbox: Arc<Sandbox>,
+        bytes: &[u8],
+        origin: PluginOrigin,
+    ) -> Result<LoadedPlugin, LoadError> {
+        let label = origin.to_string();
+        let component = Component::new(sandbox.engine(), bytes).map_err(|e| {
+            LoadError::InvalidComponent {
+                origin: label.clone(),
+                reason: format!("{e:#}"),
+            }
+        })?;
+        let contract = exported_contract_version(&sandbox, &component, &label)?;
+        let instance_pre = sandbox
+            .linker()
+            .instantiate_pre(&component)
+            .map_err(|e| LoadError::ContractMismatch {
+                origin: label.clone(),
+                reason: format!("it needs an import this host does not provide: {e:#}"),
+            })?;
+        let pre = ModalityPluginPre::new(instance_pre).map_err(|e| LoadError::ContractMismatch {
+            origin: label.clone(),
+            reason: format!("its exports do not match the contract: {e:#}"),
+        })?;
+        let mut plugin = LoadedPlugin {
+            sandbox,
+            pre,
+            descriptor: Descriptor {
+                name: String::new(),
+                version: String::new(),
+                description: String::new(),
+                modalities: Vec::new(),
+                mime_types: Vec::new(),
+                processor_types: Vec::new(),
+            },
+            contract,
+            sha256: hex::encode(Sha256::digest(bytes)),
+            name: Arc::from(label.as_str()),
+            origin,
+        };
+        let descriptor = plugin
+            .call(|store, p| p.mmgate_modality_plugin().call_describe(store))
+            .map_err(|source| LoadError::Describe {
+                origin: label.clone(),
+                source,
+            })?;
+        check_descriptor(&descriptor).map_err(|reason| LoadError::ContractMismatch {
+            origin: label,
+            reason,
+        })?;
+        plugin.name = Arc::from(descriptor.name.as_str());
+        plugin.descriptor = descriptor;
+        Ok(plugin)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn descriptor(&self) -> &Descriptor {
+        &self.descriptor
+    }
+
+    /// The contract version the plugin was built against.
+    pub fn contract_version(&self) -> Version {
+        self.contract
+    }
+
+    pub fn origin(&self) -> &PluginOrigin {
+        &self.origin
+    }
+
+    /// Hex sha256 of the component bytes.
+    pub fn sha256(&self) -> &str {
+        &self.sha256
+    }
+
+    /// `describe()`, in a fresh sandbox.
+    pub fn describe(&self) -> Result<Descriptor, CallError> {
+        self.call(|store, p| p.mmgate_modality_plugin().call_describe(store))
+    }
+
+    /// `probe(media)`: read the header.
+    pub fn probe(&self, media: &Media) -> Result<MediaInfo, CallError> {
+        self.call(|store, p| p.mmgate_modality_plugin().call_probe(store, media))?
+            .map_err(CallError::Plugin)
+    }
+
+    /// `plan(info, budget, config)`: decide what to produce and its exact token cost.
+    pub fn plan(
+        &self,
+        info: &MediaInfo,
+        budget: Budget,
+        processor_config: &str,
+    ) -> Result<TokenPlan, CallError> {
+        self.call(|store, p| {
+            p.mmgate_modality_plugin()
+                .call_plan(store, info, budget, processor_config)
+        })?
+        .map_err(CallError::Plugin)
+    }
+
+    /// `preprocess(media, plan, config)`: produce the tensors, checked against the contract and the
+    /// output cap before they are handed on.
+    pub fn preprocess(
+        &self,
+        media: &Media,
+        plan: &TokenPlan,
+        processor_config: &str,
+    ) -> Result<Vec<Tensor>, CallError> {
+        let tensors = self
+            .call(|store, p| {
+                p.mmgate_modality_plugin()
+                    .call_preprocess(store, media, plan, processor_config)
+            })?
+            .map_err(CallError::Plugin)?;
+        let limit = self.sandbox.limits().max_output_bytes;
+        let size = tensors
+            .iter()
+            .map(|t| t.data.len())
+            .fold(0usize, usize::saturating_add);
+        if size > limit {
+            return Err(CallError::OutputTooLarge { size, limit });
+        }
+        tensors.iter().try_for_each(Tensor::validate)?;
+        Ok(tensors)
+    }
+
+    /// Run `f` against a fresh instance in a fresh store with this sandbox's limits, and turn whatever
+    /// went wrong into a typed [`CallError`].
+    fn call<R>(
+        &self,
+        f: impl FnOnce(&mut Store<CallState>, &ModalityPlugin) -> wasmtime::Result<R>,
+    ) -> Result<R, CallError> {
+        let limits = self.sandbox.limits();
+        let mut store = Store::new(
+            self.sandbox.engine(),
+            CallState::new(self.name.clone(), limits),
+        );
+        store.limiter(|state| state.limiter());
+        store.set_epoch_deadline(self.sandbox.deadline_ticks());
+        let result = self
+            .pre
+            .instantiate(&mut store)
+            .and_then(|instance| f(&mut store, &instance));
+        result.map_err(|error| classify(error, store.data(), &self.sandbox))
+    }
+}
+
+fn classify(error: wasmtime::Error, state: &CallState, sandbox: &Sandbox) -> CallError {
+    if state.memory_limit_hit() {
+        return CallError::Memory {
+            limit: sandbox.limits().memory_bytes,
+        };
+    }
+    match error.downcast_ref::<Trap>() {
+        Some(Trap::Interrupt) => CallError::Deadline(sandbox.limits().deadline()),
+        Some(Trap::StackOverflow) => CallError::Trap("wasm stack overflow".into()),
+        Some(trap) => CallError::Trap(trap.to_string()),
+        None => CallError::Host(format!("{error:#}")),
+    }
+}
+
+/// Find the `mmgate:modality/plugin@X.Y.Z` export and check its version against this host's.
+fn exported_contract_version(
+    sandbox: &Sandbox,
+    component: &Component,
+    label: &str,
+) -> Result<Version, LoadError> {
+    let ty = component.component_type();
+    let prefix = format!("{PLUGIN_INTERFACE}@");
+    let exported: Vec<&str> = ty.exports(sandbox.engine()).map(|(name, _)| name).collect();
+    let Some(version_text) = exported.iter().find_map(|name| name.strip_prefix(&prefix)) else {
+        return Err(LoadError::ContractMismatch {
+            origin: label.to_owned(),
+            reason: format!(
+                "it does not export {PLUGIN_INTERFACE} (exports: {}); is it built against the \
+                 mmgate plugin SDK?",
+                if exported.is_empty() {
+                    "none".to_owned()
+                } else {
+                    exported.join(", ")
+                }
+            ),
+        });
+    };
+    let version = Version::parse(version_text).ok_or_else(|| LoadError::ContractMismatch {
+        origin: label.to_owned(),
+        reason: format!("unreadable contract version {version_text:?}"),
+    })?;
+    if !version.runs_on(CONTRACT_VERSION) {
+        return Err(LoadError::ContractMismatch {
+            origin: label.to_owned(),
+            reason: format!(
+                "built for contract {version}, but this host implements {CONTRACT_VERSION} \
+                 (compatible: {}.{}.x up to {CONTRACT_VERSION})",
+                CONTRACT_VERSION.major, CONTRACT_VERSION.minor
+            ),
+        });
+    }
+    Ok(version)
+}
+
+/// What the host needs of a descriptor to route requests to the plugin.
+fn check_descriptor(d: &Descriptor) -> Result<(), String> {
+    let valid_name = !d.name.is_empty()
+        && d.name.len() <= 64
+        && d
+            .name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if !valid_name {
+        return Err(format!(
+            "describe() returned the name {:?}: use 1-64 of a-z, 0-9, '-', '_'",
+            d.name
+        ));
+    }
+    if Version::parse(&d.version).is_none() {
+        return Err(format!(
+            "describe() returned the version {:?}: use major.minor.patch",
+            d.version
+        ));
+    }
+    if d.modalities.is_empty() || d.modalities.iter().any(|m| m.is_empty()) {
+        return Err("describe() must name at least one modality".into());
+    }
+    Ok(())
+}

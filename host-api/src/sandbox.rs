@@ -1,0 +1,282 @@
+//! The sandbox every plugin call runs in: one shared wasmtime `Engine` (pooling allocator, epoch
+//! interruption driven by a ticker thread), and the per-call `Store` state with its limits.
+//!
+//! Per call a plugin gets: a fresh store, a memory cap, a CPU deadline, a wasm stack cap, WASI with no
+//! preopened directories, no network, no environment, no arguments and closed stdio, and a cap on the
+//! bytes it may hand back (enforced by the caller, see `plugin.rs`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use wasmtime::component::{HasSelf, Linker, ResourceTable};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use crate::contract::{LogLevel, ModalityPlugin, mmgate};
+use crate::error::LoadError;
+
+/// How often the epoch advances. A deadline is rounded up to whole ticks, so a call overruns its
+/// deadline by at most one tick (plus the time to unwind).
+pub const EPOCH_TICK: Duration = Duration::from_millis(5);
+
+/// Limits applied to every plugin call.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SandboxLimits {
+    /// Most bytes of linear memory one call may use.
+    pub memory_bytes: usize,
+    /// CPU deadline of one call, in milliseconds.
+    pub deadline_ms: u64,
+    /// Most bytes one call may return (sum of its tensors' data).
+    pub max_output_bytes: usize,
+    /// Most bytes of wasm stack.
+    pub max_wasm_stack: usize,
+    /// Most plugin instances alive at once (sizes the pooling allocator).
+    pub max_instances: u32,
+}
+
+impl Default for SandboxLimits {
+    fn default() -> Self {
+        SandboxLimits {
+            // A 12.8 MP image (Qwen2-VL's max_pixels) is ~37 MB decoded and ~80 MB of u8 patches.
+            memory_bytes: 1 << 30,
+            deadline_ms: 10_000,
+            max_output_bytes: 512 << 20,
+            max_wasm_stack: 1 << 20,
+            max_instances: 64,
+        }
+    }
+}
+
+impl SandboxLimits {
+    pub fn deadline(&self) -> Duration {
+        Duration::from_millis(self.deadline_ms)
+    }
+}
+
+/// The shared engine, its linker, and the ticker that drives deadlines.
+pub struct Sandbox {
+    engine: Engine,
+    linker: Linker<CallState>,
+    limits: SandboxLimits,
+    ticker: Ticker,
+}
+
+impl Sandbox {
+    pub fn new(limits: SandboxLimits) -> Result<Self, LoadError> {
+        let engine_error = |e: wasmtime::Error| LoadError::Engine(format!("{e:#}"));
+        let mut pool = PoolingAllocationConfig::new();
+        pool.total_component_instances(limits.max_instances)
+            .total_core_instances(limits.max_instances.saturating_mul(8))
+            .total_memories(limits.max_instances.saturating_mul(2))
+            .total_tables(limits.max_instances.saturating_mul(4))
+            .max_memory_size(limits.memory_bytes);
+        let mut config = Config::new();
+        config
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
+            .epoch_interruption(true)
+            .max_wasm_stack(limits.max_wasm_stack)
+            // We use no WASIp3 async; leaving this on makes synchronous component calls far slower.
+            .concurrency_support(false);
+        let engine = Engine::new(&config).map_err(engine_error)?;
+
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(engine_error)?;
+        ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
+            .map_err(engine_error)?;
+
+        let ticker = Ticker::start(engine.clone());
+        Ok(Sandbox {
+            engine,
+            linker,
+            limits,
+            ticker,
+        })
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub fn linker(&self) -> &Linker<CallState> {
+        &self.linker
+    }
+
+    pub fn limits(&self) -> &SandboxLimits {
+        &self.limits
+    }
+
+    /// Deadline in epoch ticks, rounded up, plus one because the current tick may be nearly over.
+    pub fn deadline_ticks(&self) -> u64 {
+        let tick = EPOCH_TICK.as_micros().max(1);
+        let deadline = self.limits.deadline().as_micros();
+        u64::try_from(deadline.div_ceil(tick)).unwrap_or(u64::MAX) + 1
+    }
+
+    /// Whether the ticker thread is still advancing the epoch (it only stops when the sandbox drops).
+    pub fn ticking(&self) -> bool {
+        self.ticker.handle.as_ref().is_some_and(|h| !h.is_finished())
+    }
+}
+
+/// A thread that advances the engine's epoch every [`EPOCH_TICK`]; stopped and joined on drop.
+struct Ticker {
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Ticker {
+    fn start(engine: Engine) -> Ticker {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let handle = std::thread::Builder::new()
+            .name("mmgate-epoch".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    engine.increment_epoch();
+                }
+            })
+            .ok();
+        if handle.is_none() {
+            tracing::error!("cannot start the epoch ticker thread: plugin deadlines will not fire");
+        }
+        Ticker { stop, handle }
+    }
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(handle) = self.handle.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// Longest log line a plugin may write; longer ones are cut.
+const MAX_LOG_LINE: usize = 4096;
+
+/// The data of one call's `Store`.
+pub struct CallState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    limiter: MemoryLimiter,
+    plugin: Arc<str>,
+    deadline_at: Instant,
+}
+
+impl CallState {
+    pub fn new(plugin: Arc<str>, limits: &SandboxLimits) -> CallState {
+        // The default builder already inherits nothing; the network switches are spelled out because
+        // they are the sandbox's promise, not an accident of defaults.
+        let wasi = WasiCtx::builder()
+            .allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false)
+            .build();
+        CallState {
+            wasi,
+            table: ResourceTable::new(),
+            limiter: MemoryLimiter {
+                limit: limits.memory_bytes,
+                hit: false,
+            },
+            plugin,
+            deadline_at: Instant::now() + limits.deadline(),
+        }
+    }
+
+    pub fn limiter(&mut self) -> &mut MemoryLimiter {
+        &mut self.limiter
+    }
+
+    /// Whether the call tried to grow memory past the cap (a trap after that is the cap's doing).
+    pub fn memory_limit_hit(&self) -> bool {
+        self.limiter.hit
+    }
+}
+
+impl WasiView for CallState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+/// Caps linear memory per call, remembering whether the cap was hit so a later trap is reported as a
+/// memory error rather than a crash. Growth is refused (not trapped) so that a plugin that can cope
+/// with a failed allocation may.
+pub struct MemoryLimiter {
+    limit: usize,
+    hit: bool,
+}
+
+/// Most table elements per call; tables hold function references, far fewer than this in practice.
+const MAX_TABLE_ELEMENTS: usize = 1 << 20;
+
+impl wasmtime::ResourceLimiter for MemoryLimiter {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.limit {
+            self.hit = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= MAX_TABLE_ELEMENTS)
+    }
+}
+
+impl mmgate::modality::types::Host for CallState {}
+
+impl mmgate::modality::host::Host for CallState {
+    fn log(&mut self, level: LogLevel, mut message: String) {
+        if message.len() > MAX_LOG_LINE {
+            let mut cut = MAX_LOG_LINE;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+        }
+        let plugin = &*self.plugin;
+        match level {
+            LogLevel::Trace => tracing::trace!(plugin, "{message}"),
+            LogLevel::Debug => tracing::debug!(plugin, "{message}"),
+            LogLevel::Info => tracing::info!(plugin, "{message}"),
+            LogLevel::Warn => tracing::warn!(plugin, "{message}"),
+            LogLevel::Error => tracing::error!(plugin, "{message}"),
+        }
+    }
+
+    fn monotonic_now(&mut self) -> u64 {
+        monotonic_origin().elapsed().as_nanos() as u64
+    }
+
+    fn time_remaining(&mut self) -> u64 {
+        self.deadline_at
+            .saturating_duration_since(Instant::now())
+            .as_nanos() as u64
+    }
+}
+
+fn monotonic_origin() -> Instant {
+    static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *ORIGIN.get_or_init(Instant::now)
+}

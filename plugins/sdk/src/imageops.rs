@@ -1,0 +1,280 @@
+//! Image operations shared by image-like plugins, on packed RGB8 buffers (row-major, 3 bytes a pixel).
+//!
+//! The resampler reproduces Pillow's `Image.resize(..., BICUBIC)` on 8-bit images, because that is what
+//! HF processors run: a separable convolution (horizontal pass, then vertical) whose support widens
+//! with the downscale factor (so downsampling is antialiased), Keys' cubic with a = -0.5, weights
+//! normalised per output pixel then turned into 22-bit fixed point, and each pass rounded and clamped
+//! back to u8.
+
+/// Bytes per RGB pixel.
+const CHANNELS: usize = 3;
+/// Pillow's fixed-point precision for 8-bit resampling (32 - 8 - 2).
+const PRECISION_BITS: u32 = 22;
+/// Support radius of the bicubic kernel at scale 1.
+const BICUBIC_SUPPORT: f64 = 2.0;
+
+/// A packed RGB8 image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RgbImage {
+    pub width: usize,
+    pub height: usize,
+    /// `width * height * 3` bytes.
+    pub data: Vec<u8>,
+}
+
+fn bicubic(x: f64) -> f64 {
+    const A: f64 = -0.5;
+    let x = x.abs();
+    if x < 1.0 {
+        ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+    } else if x < 2.0 {
+        (((x - 5.0) * x + 8.0) * x - 4.0) * A
+    } else {
+        0.0
+    }
+}
+
+/// For each output index along one axis: the first input index and the fixed-point weights.
+struct AxisWeights {
+    starts: Vec<usize>,
+    /// `ksize` weights per output index (zero-padded).
+    weights: Vec<i32>,
+    ksize: usize,
+}
+
+fn axis_weights(in_size: usize, out_size: usize) -> AxisWeights {
+    let scale = in_size as f64 / out_size as f64;
+    let filter_scale = scale.max(1.0);
+    let support = BICUBIC_SUPPORT * filter_scale;
+    // Pillow multiplies by the reciprocal; dividing instead can differ in the last bit.
+    let inverse_scale = 1.0 / filter_scale;
+    let ksize = support.ceil() as usize * 2 + 1;
+    let mut starts = Vec::with_capacity(out_size);
+    let mut weights = vec![0i32; out_size * ksize];
+    let mut row = vec![0f64; ksize];
+    for (xx, kk) in weights.chunks_exact_mut(ksize).enumerate() {
+        let center = (xx as f64 + 0.5) * scale;
+        // Pillow truncates towards zero here; both values are >= -0.5 + 0.5 so `as` matches.
+        let xmin = ((center - support + 0.5).max(0.0)) as usize;
+        let xmax = (((center + support + 0.5) as usize).min(in_size)).saturating_sub(xmin);
+        let mut total = 0.0;
+        for (x, w) in row.iter_mut().enumerate().take(xmax) {
+            *w = bicubic((x as f64 + xmin as f64 - center + 0.5) * inverse_scale);
+            total += *w;
+        }
+        for (x, k) in kk.iter_mut().enumerate().take(xmax) {
+            let w = if total != 0.0 { row[x] / total } else { 0.0 };
+            let fixed = w * f64::from(1u32 << PRECISION_BITS);
+            *k = if fixed < 0.0 {
+                (fixed - 0.5) as i32
+            } else {
+                (fixed + 0.5) as i32
+            };
+        }
+        starts.push(xmin);
+    }
+    AxisWeights {
+        starts,
+        weights,
+        ksize,
+    }
+}
+
+#[inline]
+fn clip8(acc: i64) -> u8 {
+    (acc >> PRECISION_BITS).clamp(0, 255) as u8
+}
+
+const ROUNDING: i64 = 1 << (PRECISION_BITS - 1);
+
+fn resample_horizontal(src: &RgbImage, out_width: usize) -> RgbImage {
+    let axis = axis_weights(src.width, out_width);
+    let mut data = vec![0u8; out_width * src.height * CHANNELS];
+    let in_row = src.width * CHANNELS;
+    for (y, out_row) in data.chunks_exact_mut(out_width * CHANNELS).enumerate() {
+        let row = &src.data[y * in_row..(y + 1) * in_row];
+        for (xx, out) in out_row.chunks_exact_mut(CHANNELS).enumerate() {
+            let start = axis.starts[xx];
+            let kk = &axis.weights[xx * axis.ksize..(xx + 1) * axis.ksize];
+            let (mut r, mut g, mut b) = (ROUNDING, ROUNDING, ROUNDING);
+            for (k, px) in kk.iter().zip(row[start * CHANNELS..].chunks_exact(CHANNELS)) {
+                let k = i64::from(*k);
+                r += i64::from(px[0]) * k;
+                g += i64::from(px[1]) * k;
+                b += i64::from(px[2]) * k;
+            }
+            out[0] = clip8(r);
+            out[1] = clip8(g);
+            out[2] = clip8(b);
+        }
+    }
+    RgbImage {
+        width: out_width,
+        height: src.height,
+        data,
+    }
+}
+
+fn resample_vertical(src: &RgbImage, out_height: usize) -> RgbImage {
+    let axis = axis_weights(src.height, out_height);
+    let row_len = src.width * CHANNELS;
+    let mut data = vec![0u8; row_len * out_height];
+    let mut acc = vec![0i64; row_len];
+    for (yy, out_row) in data.chunks_exact_mut(row_len).enumerate() {
+        let start = axis.starts[yy];
+        let kk = &axis.weights[yy * axis.ksize..(yy + 1) * axis.ksize];
+        acc.fill(ROUNDING);
+        // Row-wise accumulation keeps the inner loop contiguous (and vectorisable).
+        for (k, y) in kk.iter().zip(start..src.height) {
+            let k = i64::from(*k);
+            if k == 0 {
+                continue;
+            }
+            let row = &src.data[y * row_len..(y + 1) * row_len];
+            for (a, &p) in acc.iter_mut().zip(row) {
+                *a += i64::from(p) * k;
+            }
+        }
+        for (o, &a) in out_row.iter_mut().zip(&acc) {
+            *o = clip8(a);
+        }
+    }
+    RgbImage {
+        width: src.width,
+        height: out_height,
+        data,
+    }
+}
+
+impl RgbImage {
+    /// Resize like Pillow's `Image.resize((width, height), Image.BICUBIC)` on an RGB image.
+    pub fn resize_bicubic(&self, width: usize, height: usize) -> RgbImage {
+        let mut image = if width != self.width {
+            resample_horizontal(self, width)
+        } else {
+            self.clone()
+        };
+        if height != self.height {
+            image = resample_vertical(&image, height);
+        }
+        image
+    }
+
+    /// The `width` x `height` window whose top-left corner is (`left`, `top`); parts outside the
+    /// image are black, as Pillow's `crop` does.
+    pub fn crop(&self, left: isize, top: isize, width: usize, height: usize) -> RgbImage {
+        let mut data = vec![0u8; width * height * CHANNELS];
+        for y in 0..height {
+            let sy = top + y as isize;
+            if sy < 0 || sy as usize >= self.height {
+                continue;
+            }
+            for x in 0..width {
+                let sx = left + x as isize;
+                if sx < 0 || sx as usize >= self.width {
+                    continue;
+                }
+                let s = (sy as usize * self.width + sx as usize) * CHANNELS;
+                let d = (y * width + x) * CHANNELS;
+                data[d..d + CHANNELS].copy_from_slice(&self.data[s..s + CHANNELS]);
+            }
+        }
+        RgbImage {
+            width,
+            height,
+            data,
+        }
+    }
+}
+
+/// Per-channel `(x * rescale - mean) / std`, done as HF does it: rescale in f64 then cast to f32,
+/// normalise in f32.
+#[derive(Debug, Clone, Copy)]
+pub struct Normalize {
+    pub rescale: f64,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+}
+
+impl Normalize {
+    /// A lookup table per channel: 256 entries, so normalising is one load per byte.
+    pub fn table(&self) -> [[f32; 256]; 3] {
+        let mut table = [[0f32; 256]; 3];
+        for (c, channel) in table.iter_mut().enumerate() {
+            for (v, out) in channel.iter_mut().enumerate() {
+                let rescaled = (v as f64 * self.rescale) as f32;
+                *out = (rescaled - self.mean[c]) / self.std[c];
+            }
+        }
+        table
+    }
+}
+
+/// Qwen2-VL's patch layout of one image repeated over `temporal` frames (HF: `np.tile` of a single
+/// image to `temporal_patch_size` frames), as rows of `3 * temporal * patch * patch` values:
+/// reshape (t, tp, C, gh/m, m, p, gw/m, m, p) → transpose (0,3,6,4,7,2,1,5,8).
+///
+/// `image` must have dimensions divisible by `patch * merge`. Values are written through `map`, so the
+/// same walk emits normalised floats or raw bytes.
+pub fn qwen2vl_patches<T: Copy + Default>(
+    image: &RgbImage,
+    patch: usize,
+    merge: usize,
+    temporal: usize,
+    map: impl Fn(usize, u8) -> T,
+) -> Vec<T> {
+    let (gh, gw) = (image.height / patch, image.width / patch);
+    let row_len = CHANNELS * temporal * patch * patch;
+    let mut out = vec![T::default(); gh * gw * row_len];
+    let mut o = 0;
+    for bh in 0..gh / merge {
+        for bw in 0..gw / merge {
+            for mh in 0..merge {
+                for mw in 0..merge {
+                    let py = (bh * merge + mh) * patch;
+                    let px = (bw * merge + mw) * patch;
+                    for c in 0..CHANNELS {
+                        // Every temporal copy is the same frame.
+                        for _ in 0..temporal {
+                            for y in 0..patch {
+                                let base = ((py + y) * image.width + px) * CHANNELS + c;
+                                for x in 0..patch {
+                                    out[o] = map(c, image.data[base + x * CHANNELS]);
+                                    o += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_sum_to_one_in_fixed_point() {
+        for (input, output) in [(100, 37), (37, 100), (1000, 28), (3, 3)] {
+            let axis = axis_weights(input, output);
+            for kk in axis.weights.chunks_exact(axis.ksize) {
+                let sum: i64 = kk.iter().map(|&k| i64::from(k)).sum();
+                assert!((sum - (1 << PRECISION_BITS)).abs() <= axis.ksize as i64, "{sum}");
+            }
+        }
+    }
+
+    #[test]
+    fn constant_image_stays_constant() {
+        let image = RgbImage {
+            width: 50,
+            height: 30,
+            data: [10u8, 200, 77].repeat(50 * 30),
+        };
+        let resized = image.resize_bicubic(17, 61);
+        assert!(resized.data.chunks_exact(3).all(|p| p == [10, 200, 77]));
+    }
+}

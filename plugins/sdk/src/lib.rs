@@ -1,0 +1,126 @@
+//! The mmgate plugin SDK: everything a modality plugin needs to talk to the host.
+//!
+//! A plugin implements [`Plugin`] (the contract's exported interface) for a type of its own and exports
+//! it with [`export_plugin!`]:
+//!
+//! ```ignore
+//! use mmgate_plugin_sdk::*;
+//!
+//! struct MyPlugin;
+//! impl Plugin for MyPlugin { /* describe, probe, plan, preprocess */ }
+//! mmgate_plugin_sdk::export_plugin!(MyPlugin);
+//! ```
+//!
+//! and is built with `cargo build --release --target wasm32-wasip2` into a component the host loads.
+//! The contract itself, with every type documented, is `wit/modality.wit`.
+
+pub mod imageops;
+pub mod log;
+mod tensor;
+
+/// Generated bindings of the `modality-plugin` world (the contract in `wit/modality.wit`).
+pub mod bindings {
+    wit_bindgen::generate!({
+        world: "modality-plugin",
+        path: "../../wit",
+        pub_export_macro: true,
+        export_macro_name: "export_plugin",
+        default_bindings_module: "mmgate_plugin_sdk::bindings",
+    });
+}
+
+pub use bindings::export_plugin;
+pub use bindings::exports::mmgate::modality::plugin::Guest as Plugin;
+pub use bindings::mmgate::modality::types::{
+    Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, TokenPlan, PluginError, ProcessorConfig,
+    Tensor,
+};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// The contract version this SDK was built against (the `mmgate:modality` package version).
+pub const CONTRACT_VERSION: &str = "0.1.0";
+
+/// Result type of the fallible contract functions.
+pub type PluginResult<T> = Result<T, PluginError>;
+
+impl PluginError {
+    /// The bytes are not a valid item of the claimed format.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        PluginError::InvalidMedia(message.into())
+    }
+
+    /// The format, codec or processor type is not handled.
+    pub fn unsupported(message: impl Into<String>) -> Self {
+        PluginError::Unsupported(message.into())
+    }
+
+    /// The item exceeds a configured limit.
+    pub fn limit(message: impl Into<String>) -> Self {
+        PluginError::LimitExceeded(message.into())
+    }
+
+    /// Something unexpected inside the plugin.
+    pub fn internal(message: impl Into<String>) -> Self {
+        PluginError::Internal(message.into())
+    }
+
+    /// Even the cheapest plan needs `needed` tokens but only `budget` are available.
+    pub fn over_budget(needed: u32, budget: u32, message: impl Into<String>) -> Self {
+        PluginError::OverBudget(OverBudget {
+            needed_tokens: needed,
+            budget_tokens: budget,
+            message: message.into(),
+        })
+    }
+}
+
+impl TokenPlan {
+    /// A plan whose machine-readable `choices` are `choices` serialised as JSON.
+    pub fn new(
+        tokens: u32,
+        reduced: bool,
+        reason: impl Into<String>,
+        choices: &impl Serialize,
+    ) -> PluginResult<Self> {
+        let choices = serde_json::to_string(choices)
+            .map_err(|e| PluginError::internal(format!("cannot serialise plan choices: {e}")))?;
+        Ok(TokenPlan {
+            tokens,
+            reduced,
+            reason: reason.into(),
+            choices,
+        })
+    }
+
+    /// Read back the choices `plan` stored (the host hands the plan to `preprocess` unchanged).
+    pub fn choices<T: DeserializeOwned>(&self) -> PluginResult<T> {
+        serde_json::from_str(&self.choices)
+            .map_err(|e| PluginError::internal(format!("plan choices do not parse: {e}")))
+    }
+}
+
+/// Parse the processor configuration (the model's `preprocessor_config.json` plus overrides).
+pub fn parse_config<T: DeserializeOwned>(config: &str) -> PluginResult<T> {
+    serde_json::from_str(config)
+        .map_err(|e| PluginError::unsupported(format!("processor config: {e}")))
+}
+
+impl MediaInfo {
+    /// A media-info with only the modality and format set; fill in the fields that apply.
+    pub fn new(modality: impl Into<String>, format: impl Into<String>) -> Self {
+        MediaInfo {
+            modality: modality.into(),
+            format: format.into(),
+            width: None,
+            height: None,
+            frame_count: None,
+            fps: None,
+            duration_seconds: None,
+            sample_rate: None,
+            channels: None,
+            extra: Vec::new(),
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! A test-only plugin. Its `preprocess` behaves as the media bytes say, so one component can play every
+//! well-behaved and hostile part the host's sandbox tests and benchmarks need:
+//!
+//! | media bytes        | behaviour                                                         |
+//! |--------------------|-------------------------------------------------------------------|
+//! | `echo` + payload   | returns the whole media as one `u8` tensor (benchmarks, healthy)  |
+//! | `spin`             | loops forever (CPU deadline)                                      |
+//! | `grow`             | allocates memory without bound (memory cap)                       |
+//! | `recurse`          | recurses until the wasm stack overflows                           |
+//! | `huge:N`           | returns an `N`-byte tensor (output byte cap)                      |
+//! | `trap`             | panics (a wasm trap)                                              |
+//! | `malformed`        | returns a tensor whose shape does not match its bytes             |
+//! | `fail`             | returns a typed `invalid-media` error                             |
+//!
+//! `probe` and `plan` are always well-behaved. Never embedded in the gateway.
+
+use mmgate_plugin_sdk::*;
+use std::hint::black_box;
+
+struct TestPlugin;
+
+impl Plugin for TestPlugin {
+    fn describe() -> Descriptor {
+        Descriptor {
+            name: "testing".into(),
+            version: "0.1.0".into(),
+            description: "test-only plugin: well-behaved or hostile on demand".into(),
+            modalities: vec!["test".into()],
+            mime_types: vec!["application/x-mmgate-test".into()],
+            processor_types: vec![],
+        }
+    }
+
+    fn probe(media: Media) -> PluginResult<MediaInfo> {
+        let mut info = MediaInfo::new("test", "test");
+        info.extra.push(("bytes".into(), media.data.len().to_string()));
+        Ok(info)
+    }
+
+    fn plan(_info: MediaInfo, budget: Budget, _config: ProcessorConfig) -> PluginResult<TokenPlan> {
+        if budget.max_tokens < 1 {
+            return Err(PluginError::over_budget(1, budget.max_tokens, "needs one token"));
+        }
+        TokenPlan::new(1, false, "one token, always", &serde_json::json!({}))
+    }
+
+    fn preprocess(media: Media, _plan: TokenPlan, _config: ProcessorConfig) -> PluginResult<Vec<Tensor>> {
+        let data = media.data;
+        let command = data.get(..data.len().min(16)).unwrap_or_default();
+        let text = String::from_utf8_lossy(command);
+        if data.starts_with(b"echo") {
+            let len = data.len();
+            return Ok(vec![Tensor::from_u8("echo", &[len], data)?]);
+        }
+        match text.split(':').next().unwrap_or_default() {
+            "spin" => spin(),
+            "grow" => grow(),
+            "recurse" => Ok(vec![Tensor::from_i64("depth", &[1], &[recurse(1)])?]),
+            "huge" => {
+                let n: usize = text
+                    .split(':')
+                    .nth(1)
+                    .and_then(|s| s.trim().parse().ok())
+                    .ok_or_else(|| PluginError::invalid("huge:N needs a byte count"))?;
+                Ok(vec![Tensor::from_u8("huge", &[n], vec![7u8; n])?])
+            }
+            "trap" => panic!("the test plugin was asked to trap"),
+            "malformed" => Ok(vec![Tensor {
+                name: "malformed".into(),
+                dtype: Dtype::F32,
+                shape: vec![10, 10],
+                data: vec![1, 2, 3],
+            }]),
+            "fail" => Err(PluginError::invalid("the test plugin was asked to fail")),
+            other => Err(PluginError::unsupported(format!("unknown test command {other:?}"))),
+        }
+    }
+}
+
+fn spin() -> ! {
+    let mut x = 0u64;
+    loop {
+        x = black_box(x.wrapping_add(1));
+    }
+}
+
+fn grow() -> ! {
+    let mut hoard: Vec<Vec<u8>> = Vec::new();
+    loop {
+        // Touch every page so nothing can be optimised away or left uncommitted.
+        hoard.push(black_box(vec![1u8; 1 << 20]));
+    }
+}
+
+// Unbounded on purpose: the host's stack limit must stop it.
+#[allow(unconditional_recursion)]
+fn recurse(depth: i64) -> i64 {
+    let frame = black_box([depth; 64]);
+    black_box(recurse(frame[0] + 1)) + frame[63]
+}
+
+mmgate_plugin_sdk::export_plugin!(TestPlugin);
