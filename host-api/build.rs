@@ -34,8 +34,14 @@ fn run() -> Result<(), String> {
     let plugins = root.join("plugins");
     let out_dir = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
 
-    println!("cargo:rerun-if-changed={}", plugins.join("Cargo.toml").display());
-    println!("cargo:rerun-if-changed={}", plugins.join("Cargo.lock").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        plugins.join("Cargo.toml").display()
+    );
+    println!(
+        "cargo:rerun-if-changed={}",
+        plugins.join("Cargo.lock").display()
+    );
     for dir in ["sdk", "image", "video", "audio", "testing"] {
         let path = plugins.join(dir);
         if path.exists() {
@@ -96,19 +102,38 @@ fn build_plugins(plugins: &Path, target_dir: &Path, profile: &str) -> Result<(),
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(plugins)
-        .args(["build", "--locked", "--target", WASM_TARGET, "--profile", profile])
+        .args([
+            "build",
+            "--locked",
+            "--target",
+            WASM_TARGET,
+            "--profile",
+            profile,
+        ])
         .arg("--target-dir")
         .arg(target_dir);
     // The outer build's settings are for the host target: none of them may leak into the wasm build.
     for (key, _) in env::vars_os() {
         let key = key.to_string_lossy();
         let outer = key.starts_with("CARGO_")
-            && !matches!(key.as_ref(), "CARGO_HOME" | "CARGO_NET_OFFLINE" | "CARGO_TERM_COLOR");
+            && !matches!(
+                key.as_ref(),
+                "CARGO_HOME" | "CARGO_NET_OFFLINE" | "CARGO_TERM_COLOR"
+            );
         if outer
             || matches!(
                 key.as_ref(),
-                "RUSTFLAGS" | "RUSTC_WRAPPER" | "RUSTC_WORKSPACE_WRAPPER" | "RUSTDOCFLAGS"
-                    | "RUSTC" | "TARGET" | "HOST" | "OUT_DIR" | "OPT_LEVEL" | "PROFILE" | "DEBUG"
+                "RUSTFLAGS"
+                    | "RUSTC_WRAPPER"
+                    | "RUSTC_WORKSPACE_WRAPPER"
+                    | "RUSTDOCFLAGS"
+                    | "RUSTC"
+                    | "TARGET"
+                    | "HOST"
+                    | "OUT_DIR"
+                    | "OPT_LEVEL"
+                    | "PROFILE"
+                    | "DEBUG"
             )
         {
             cmd.env_remove(key.as_ref());

@@ -45,9 +45,9 @@ impl Default for PoolConfig {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            listen: DEFAULT_LISTEN.parse().unwrap_or_else(|_| {
-                SocketAddr::from(([127, 0, 0, 1], 8080))
-            }),
+            listen: DEFAULT_LISTEN
+                .parse()
+                .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 8080))),
             plugin_dir: None,
             sandbox: SandboxLimits::default(),
             plugin_pool: PoolConfig::default(),
@@ -62,10 +62,10 @@ impl Config {
         let mut config: Config =
             toml::from_str(&text).with_context(|| format!("config {}", path.display()))?;
         // A relative plugin directory is relative to the config file, not to wherever mmgate started.
-        if let (Some(dir), Some(base)) = (&config.plugin_dir, path.parent()) {
-            if dir.is_relative() {
-                config.plugin_dir = Some(base.join(dir));
-            }
+        if let (Some(dir), Some(base)) = (&config.plugin_dir, path.parent())
+            && dir.is_relative()
+        {
+            config.plugin_dir = Some(base.join(dir));
         }
         config
             .validate()
@@ -76,7 +76,10 @@ impl Config {
     pub fn validate(&self) -> anyhow::Result<()> {
         let s = &self.sandbox;
         if s.memory_bytes < (1 << 20) {
-            bail!("sandbox.memory_bytes must be at least 1 MiB (is {})", s.memory_bytes);
+            bail!(
+                "sandbox.memory_bytes must be at least 1 MiB (is {})",
+                s.memory_bytes
+            );
         }
         if s.deadline_ms == 0 {
             bail!("sandbox.deadline_ms must be positive");
@@ -87,10 +90,10 @@ impl Config {
         if self.plugin_pool.threads == 0 {
             bail!("plugin_pool.threads must be positive");
         }
-        if let Some(dir) = &self.plugin_dir {
-            if !dir.is_dir() {
-                bail!("plugin_dir {} is not a directory", dir.display());
-            }
+        if let Some(dir) = &self.plugin_dir
+            && !dir.is_dir()
+        {
+            bail!("plugin_dir {} is not a directory", dir.display());
         }
         Ok(())
     }

@@ -31,7 +31,11 @@ impl ApiError {
     }
 
     pub fn not_found(path: &str) -> ApiError {
-        ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no route for {path}"))
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no route for {path}"),
+        )
     }
 
     pub fn method_not_allowed(method: &str, path: &str) -> ApiError {
@@ -61,9 +65,11 @@ impl From<&CallError> for ApiError {
         let message = error.to_string();
         match error {
             CallError::Plugin(plugin_error) => match plugin_error {
-                PluginError::Unsupported(_) => {
-                    ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media", message)
-                }
+                PluginError::Unsupported(_) => ApiError::new(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "unsupported_media",
+                    message,
+                ),
                 PluginError::InvalidMedia(_) => {
                     ApiError::new(StatusCode::BAD_REQUEST, "invalid_media", message)
                 }
@@ -78,9 +84,11 @@ impl From<&CallError> for ApiError {
                 }
             },
             // The media made the plugin run too long or too big: the client's item is the cause.
-            CallError::Deadline(_) => {
-                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "media_too_complex", message)
-            }
+            CallError::Deadline(_) => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "media_too_complex",
+                message,
+            ),
             CallError::Memory { .. } | CallError::OutputTooLarge { .. } => {
                 ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "media_too_large", message)
             }
@@ -108,6 +116,11 @@ mod tests {
         assert_eq!(api.kind, "server_error");
         let body: serde_json::Value = serde_json::from_slice(&api.body()).unwrap();
         assert_eq!(body["error"]["code"], "plugin_failed");
-        assert!(body["error"]["message"].as_str().unwrap().contains("unreachable"));
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("unreachable")
+        );
     }
 }

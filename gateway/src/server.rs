@@ -6,7 +6,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use async_trait::async_trait;
 use http::{Response, StatusCode};
-use mmgate_host::{CONTRACT_VERSION, PluginPool, PluginRegistry, Sandbox};
+use mmgate_host::{CONTRACT_VERSION, PluginRegistry, Sandbox};
 use pingora::apps::http_app::{HttpServer, ServeHttp};
 use pingora::protocols::http::ServerSession;
 use pingora::server::Server;
@@ -19,9 +19,6 @@ use crate::error::ApiError;
 /// What every request handler shares.
 pub struct Gateway {
     registry: PluginRegistry,
-    // Used by the request paths that call plugins; kept here so its threads live as long as the server.
-    #[allow(dead_code)]
-    pool: PluginPool,
 }
 
 impl Gateway {
@@ -32,9 +29,7 @@ impl Gateway {
             None => PluginRegistry::builtin(&sandbox),
         }
         .context("loading plugins")?;
-        let pool = PluginPool::new(config.plugin_pool.threads, config.plugin_pool.queue)
-            .context("starting the plugin pool")?;
-        Ok(Gateway { registry, pool })
+        Ok(Gateway { registry })
     }
 
     fn plugins_json(&self) -> serde_json::Value {

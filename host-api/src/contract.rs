@@ -9,10 +9,9 @@ wasmtime::component::bindgen!({
     additional_derives: [serde::Serialize, serde::Deserialize],
 });
 
-pub use exports::mmgate::modality::plugin::Descriptor;
 pub use mmgate::modality::host::LogLevel;
 pub use mmgate::modality::types::{
-    Budget, Dtype, Media, MediaInfo, OverBudget, PluginError, Tensor, TokenPlan,
+    Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, PluginError, Tensor, TokenPlan,
 };
 
 /// The contract version this host implements (the `mmgate:modality` package version in `wit/`).
@@ -116,18 +115,19 @@ impl Tensor {
     }
 }
 
-impl std::fmt::Display for PluginError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl PluginError {
+    /// The message a client sees: what kind of failure, and the plugin's words.
+    /// (The generated `Display` prints the Rust debug form.)
+    pub fn message(&self) -> String {
         match self {
-            PluginError::Unsupported(m) => write!(f, "unsupported: {m}"),
-            PluginError::InvalidMedia(m) => write!(f, "invalid media: {m}"),
-            PluginError::OverBudget(o) => write!(
-                f,
+            PluginError::Unsupported(m) => format!("unsupported: {m}"),
+            PluginError::InvalidMedia(m) => format!("invalid media: {m}"),
+            PluginError::OverBudget(o) => format!(
                 "over budget: needs {} tokens, {} available: {}",
                 o.needed_tokens, o.budget_tokens, o.message
             ),
-            PluginError::LimitExceeded(m) => write!(f, "limit exceeded: {m}"),
-            PluginError::Internal(m) => write!(f, "plugin internal error: {m}"),
+            PluginError::LimitExceeded(m) => format!("limit exceeded: {m}"),
+            PluginError::Internal(m) => format!("plugin internal error: {m}"),
         }
     }
 }

@@ -18,7 +18,7 @@ pub enum CallError {
     #[error("plugin crashed: {0}")]
     Trap(String),
     /// The plugin returned a typed error: its message is meant for the client.
-    #[error("{0}")]
+    #[error("{}", .0.message())]
     Plugin(PluginError),
     /// The plugin returned more bytes than the host accepts from one call.
     #[error("plugin returned {size} bytes, more than the limit of {limit}")]
@@ -38,7 +38,7 @@ pub enum CallError {
 /// Why a plugin could not be loaded. Loading never panics and never leaves a half-registered plugin.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}")]
     Io {
         path: PathBuf,
         source: std::io::Error,
@@ -54,7 +54,7 @@ pub enum LoadError {
     #[error("manifest {path}: {reason}")]
     Manifest { path: PathBuf, reason: String },
     /// `describe()` itself failed.
-    #[error("{origin}: describe() failed: {source}")]
+    #[error("{origin}: describe() failed")]
     Describe { origin: String, source: CallError },
     /// Two plugins claim the same name in one directory.
     #[error("plugin name {name:?} is defined twice ({first} and {second})")]

@@ -54,24 +54,23 @@ impl LoadedPlugin {
         origin: PluginOrigin,
     ) -> Result<LoadedPlugin, LoadError> {
         let label = origin.to_string();
-        let component = Component::new(sandbox.engine(), bytes).map_err(|e| {
-            LoadError::InvalidComponent {
+        let component =
+            Component::new(sandbox.engine(), bytes).map_err(|e| LoadError::InvalidComponent {
                 origin: label.clone(),
                 reason: format!("{e:#}"),
-            }
-        })?;
+            })?;
         let contract = exported_contract_version(&sandbox, &component, &label)?;
-        let instance_pre = sandbox
-            .linker()
-            .instantiate_pre(&component)
-            .map_err(|e| LoadError::ContractMismatch {
+        let instance_pre = sandbox.linker().instantiate_pre(&component).map_err(|e| {
+            LoadError::ContractMismatch {
                 origin: label.clone(),
                 reason: format!("it needs an import this host does not provide: {e:#}"),
-            })?;
-        let pre = ModalityPluginPre::new(instance_pre).map_err(|e| LoadError::ContractMismatch {
-            origin: label.clone(),
-            reason: format!("its exports do not match the contract: {e:#}"),
+            }
         })?;
+        let pre =
+            ModalityPluginPre::new(instance_pre).map_err(|e| LoadError::ContractMismatch {
+                origin: label.clone(),
+                reason: format!("its exports do not match the contract: {e:#}"),
+            })?;
         let mut plugin = LoadedPlugin {
             sandbox,
             pre,
@@ -145,7 +144,7 @@ impl LoadedPlugin {
     ) -> Result<TokenPlan, CallError> {
         self.call(|store, p| {
             p.mmgate_modality_plugin()
-                .call_plan(store, info, budget, processor_config)
+                .call_plan(store, info, budget, &processor_config.to_owned())
         })?
         .map_err(CallError::Plugin)
     }
@@ -160,8 +159,12 @@ impl LoadedPlugin {
     ) -> Result<Vec<Tensor>, CallError> {
         let tensors = self
             .call(|store, p| {
-                p.mmgate_modality_plugin()
-                    .call_preprocess(store, media, plan, processor_config)
+                p.mmgate_modality_plugin().call_preprocess(
+                    store,
+                    media,
+                    plan,
+                    &processor_config.to_owned(),
+                )
             })?
             .map_err(CallError::Plugin)?;
         let limit = self.sandbox.limits().max_output_bytes;
@@ -255,8 +258,7 @@ fn exported_contract_version(
 fn check_descriptor(d: &Descriptor) -> Result<(), String> {
     let valid_name = !d.name.is_empty()
         && d.name.len() <= 64
-        && d
-            .name
+        && d.name
             .bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
     if !valid_name {

@@ -32,7 +32,9 @@ impl PluginPool {
                         // A panic in host code must cost one call, not a worker: the caller sees its
                         // result channel close and gets a host error.
                         if std::panic::catch_unwind(AssertUnwindSafe(job)).is_err() {
-                            tracing::error!("a plugin call panicked in the host; the worker goes on");
+                            tracing::error!(
+                                "a plugin call panicked in the host; the worker goes on"
+                            );
                         }
                     }
                 })?;

@@ -23,7 +23,8 @@ impl PluginRegistry {
     pub fn builtin(sandbox: &Arc<Sandbox>) -> Result<PluginRegistry, LoadError> {
         let mut registry = PluginRegistry::default();
         for builtin in BUILTIN_PLUGINS {
-            let plugin = LoadedPlugin::load(sandbox.clone(), builtin.component, PluginOrigin::Builtin)?;
+            let plugin =
+                LoadedPlugin::load(sandbox.clone(), builtin.component, PluginOrigin::Builtin)?;
             registry.insert(plugin);
         }
         Ok(registry)
@@ -69,7 +70,8 @@ impl PluginRegistry {
 
     /// The plugin serving `modality`: one loaded from a directory wins over a built-in.
     pub fn for_modality(&self, modality: &str) -> Option<&Arc<LoadedPlugin>> {
-        let serves = |p: &&Arc<LoadedPlugin>| p.descriptor().modalities.iter().any(|m| m == modality);
+        let serves =
+            |p: &&Arc<LoadedPlugin>| p.descriptor().modalities.iter().any(|m| m == modality);
         self.plugins
             .values()
             .filter(serves)

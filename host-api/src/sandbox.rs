@@ -118,7 +118,10 @@ impl Sandbox {
 
     /// Whether the ticker thread is still advancing the epoch (it only stops when the sandbox drops).
     pub fn ticking(&self) -> bool {
-        self.ticker.handle.as_ref().is_some_and(|h| !h.is_finished())
+        self.ticker
+            .handle
+            .as_ref()
+            .is_some_and(|h| !h.is_finished())
     }
 }
 

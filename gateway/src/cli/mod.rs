@@ -11,7 +11,11 @@ use clap::{Parser, Subcommand};
 use crate::config::Config;
 
 #[derive(Parser, Debug)]
-#[command(name = "mmgate", version, about = "A multimodal LLM gateway with sandboxed WebAssembly preprocessing plugins")]
+#[command(
+    name = "mmgate",
+    version,
+    about = "A multimodal LLM gateway with sandboxed WebAssembly preprocessing plugins"
+)]
 pub struct Cli {
     /// Log filter, e.g. `info` or `mmgate=debug` (default: $RUST_LOG, else `info`).
     #[arg(long, global = true)]

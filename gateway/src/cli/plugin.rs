@@ -7,8 +7,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Subcommand;
 use mmgate_host::{
-    CONTRACT_VERSION, LoadedPlugin, Manifest, PluginOrigin, PluginRegistry, Sandbox,
-    SandboxLimits,
+    CONTRACT_VERSION, LoadedPlugin, Manifest, PluginOrigin, PluginRegistry, Sandbox, SandboxLimits,
 };
 use serde_json::json;
 
@@ -66,7 +65,9 @@ fn check(
 ) -> anyhow::Result<LoadedPlugin> {
     let bytes = std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?;
     let sibling = file.with_extension("toml");
-    let manifest_path = manifest.map(Path::to_owned).or_else(|| sibling.is_file().then_some(sibling));
+    let manifest_path = manifest
+        .map(Path::to_owned)
+        .or_else(|| sibling.is_file().then_some(sibling));
     let manifest = manifest_path
         .as_deref()
         .map(|path| Manifest::read(path).map(|m| (path, m)))
@@ -97,7 +98,8 @@ fn plugin_json(plugin: &LoadedPlugin) -> serde_json::Value {
 fn print_list(registry: &PluginRegistry, json: bool) {
     if json {
         let plugins: Vec<_> = registry.iter().map(|p| plugin_json(p)).collect();
-        let out = json!({ "host_contract_version": CONTRACT_VERSION.to_string(), "plugins": plugins });
+        let out =
+            json!({ "host_contract_version": CONTRACT_VERSION.to_string(), "plugins": plugins });
         println!("{out:#}");
         return;
     }
@@ -130,7 +132,10 @@ fn print_check(plugin: &LoadedPlugin, json: bool) {
     }
     let d = plugin.descriptor();
     println!("ok: {} {} — {}", d.name, d.version, d.description);
-    println!("  contract:        {} (host {CONTRACT_VERSION})", plugin.contract_version());
+    println!(
+        "  contract:        {} (host {CONTRACT_VERSION})",
+        plugin.contract_version()
+    );
     println!("  modalities:      {}", d.modalities.join(", "));
     println!("  mime types:      {}", d.mime_types.join(", "));
     println!("  processor types: {}", d.processor_types.join(", "));

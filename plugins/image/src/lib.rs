@@ -59,7 +59,13 @@ fn reader(data: &[u8]) -> PluginResult<ImageReader<Cursor<&[u8]>>> {
 
 fn format_name(format: Option<ImageFormat>) -> String {
     format
-        .map(|f| f.extensions_str().first().copied().unwrap_or("image").to_owned())
+        .map(|f| {
+            f.extensions_str()
+                .first()
+                .copied()
+                .unwrap_or("image")
+                .to_owned()
+        })
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
@@ -108,11 +114,14 @@ impl Plugin for ImagePlugin {
         Descriptor {
             name: "image".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            description: "decode images; Qwen2-VL smart resize + patchify, or fixed-size CLIP/SigLIP"
-                .into(),
+            description:
+                "decode images; Qwen2-VL smart resize + patchify, or fixed-size CLIP/SigLIP".into(),
             modalities: vec!["image".into()],
             mime_types: MIME_TYPES.iter().map(|m| (*m).to_owned()).collect(),
-            processor_types: processor::SUPPORTED.iter().map(|p| (*p).to_owned()).collect(),
+            processor_types: processor::SUPPORTED
+                .iter()
+                .map(|p| (*p).to_owned())
+                .collect(),
         }
     }
 
@@ -137,7 +146,11 @@ impl Plugin for ImagePlugin {
         processor.plan(width as usize, height as usize, budget.max_tokens)
     }
 
-    fn preprocess(media: Media, plan: TokenPlan, config: ProcessorConfig) -> PluginResult<Vec<Tensor>> {
+    fn preprocess(
+        media: Media,
+        plan: TokenPlan,
+        config: ProcessorConfig,
+    ) -> PluginResult<Vec<Tensor>> {
         let processor = Processor::from_config(&config)?;
         let choices: Choices = plan.choices()?;
         let image = decode_rgb(&media.data)?;

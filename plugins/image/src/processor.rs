@@ -15,6 +15,8 @@ pub const SUPPORTED: &[&str] = &[
 ];
 
 const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+// Written exactly as HF's OPENAI_CLIP_STD so the two can be compared by eye.
+#[allow(clippy::excessive_precision)]
 const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
 
 #[derive(Debug, Default, Deserialize)]
@@ -79,7 +81,9 @@ pub struct Choices {
 
 fn positive(name: &str, value: usize) -> PluginResult<usize> {
     if value == 0 {
-        return Err(PluginError::unsupported(format!("processor config: {name} must be positive")));
+        return Err(PluginError::unsupported(format!(
+            "processor config: {name} must be positive"
+        )));
     }
     Ok(value)
 }
@@ -115,12 +119,17 @@ impl Processor {
                     min_pixels,
                     max_pixels: positive("max_pixels", max_pixels)?,
                     patch: positive("patch_size", raw.patch_size.unwrap_or(14))?,
-                    temporal: positive("temporal_patch_size", raw.temporal_patch_size.unwrap_or(2))?,
+                    temporal: positive(
+                        "temporal_patch_size",
+                        raw.temporal_patch_size.unwrap_or(2),
+                    )?,
                     merge: positive("merge_size", raw.merge_size.unwrap_or(2))?,
                     normalize: normalize(CLIP_MEAN, CLIP_STD),
                 })
             }
-            "CLIPImageProcessor" | "CLIPImageProcessorFast" | "SiglipImageProcessor"
+            "CLIPImageProcessor"
+            | "CLIPImageProcessorFast"
+            | "SiglipImageProcessor"
             | "SiglipImageProcessorFast" => {
                 let siglip = kind.starts_with("Siglip");
                 let size = raw.size.unwrap_or_default();
@@ -137,12 +146,24 @@ impl Processor {
                     }
                 };
                 let crop = match (raw.do_center_crop.unwrap_or(!siglip), raw.crop_size) {
-                    (true, Some(SizeConfig { height: Some(h), width: Some(w), .. })) => {
-                        Some((positive("crop_size.width", w)?, positive("crop_size.height", h)?))
-                    }
-                    (true, Some(SizeConfig { shortest_edge: Some(e), .. })) => {
-                        Some((positive("crop_size", e)?, e))
-                    }
+                    (
+                        true,
+                        Some(SizeConfig {
+                            height: Some(h),
+                            width: Some(w),
+                            ..
+                        }),
+                    ) => Some((
+                        positive("crop_size.width", w)?,
+                        positive("crop_size.height", h)?,
+                    )),
+                    (
+                        true,
+                        Some(SizeConfig {
+                            shortest_edge: Some(e),
+                            ..
+                        }),
+                    ) => Some((positive("crop_size", e)?, e)),
                     (true, _) => {
                         return Err(PluginError::unsupported(
                             "processor config: do_center_crop needs crop_size",
@@ -195,7 +216,12 @@ impl Processor {
                     }
                     let (h, w) = smart_resize(height, width, factor, *min_pixels, cap)?;
                     if tokens_of(h, w) > budget as usize {
-                        return Err(over_budget(needed.max(tokens_of(h, w)), budget, width, height));
+                        return Err(over_budget(
+                            needed.max(tokens_of(h, w)),
+                            budget,
+                            width,
+                            height,
+                        ));
                     }
                     (h, w, true)
                 };
@@ -257,8 +283,13 @@ impl Processor {
                 ..
             } => {
                 let factor = patch * merge;
-                if choices.width % factor != 0 || choices.height % factor != 0 || choices.width == 0 {
-                    return Err(PluginError::internal("planned size is not a multiple of the patch factor"));
+                if !choices.width.is_multiple_of(factor)
+                    || !choices.height.is_multiple_of(factor)
+                    || choices.width == 0
+                {
+                    return Err(PluginError::internal(
+                        "planned size is not a multiple of the patch factor",
+                    ));
                 }
                 let resized = image.resize_bicubic(choices.width, choices.height);
                 let table = normalize.table();
@@ -289,7 +320,11 @@ impl Processor {
                         values[c * w * h + i] = table[c][usize::from(px[c])];
                     }
                 }
-                Ok(vec![Tensor::from_f32("pixel_values", &[1, 3, h, w], &values)?])
+                Ok(vec![Tensor::from_f32(
+                    "pixel_values",
+                    &[1, 3, h, w],
+                    &values,
+                )?])
             }
         }
     }

@@ -97,7 +97,10 @@ fn resample_horizontal(src: &RgbImage, out_width: usize) -> RgbImage {
             let start = axis.starts[xx];
             let kk = &axis.weights[xx * axis.ksize..(xx + 1) * axis.ksize];
             let (mut r, mut g, mut b) = (ROUNDING, ROUNDING, ROUNDING);
-            for (k, px) in kk.iter().zip(row[start * CHANNELS..].chunks_exact(CHANNELS)) {
+            for (k, px) in kk
+                .iter()
+                .zip(row[start * CHANNELS..].chunks_exact(CHANNELS))
+            {
                 let k = i64::from(*k);
                 r += i64::from(px[0]) * k;
                 g += i64::from(px[1]) * k;
@@ -262,7 +265,10 @@ mod tests {
             let axis = axis_weights(input, output);
             for kk in axis.weights.chunks_exact(axis.ksize) {
                 let sum: i64 = kk.iter().map(|&k| i64::from(k)).sum();
-                assert!((sum - (1 << PRECISION_BITS)).abs() <= axis.ksize as i64, "{sum}");
+                assert!(
+                    (sum - (1 << PRECISION_BITS)).abs() <= axis.ksize as i64,
+                    "{sum}"
+                );
             }
         }
     }

@@ -32,8 +32,8 @@ pub mod bindings {
 pub use bindings::export_plugin;
 pub use bindings::exports::mmgate::modality::plugin::Guest as Plugin;
 pub use bindings::mmgate::modality::types::{
-    Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, TokenPlan, PluginError, ProcessorConfig,
-    Tensor,
+    Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, PluginError, ProcessorConfig, Tensor,
+    TokenPlan,
 };
 
 use serde::Serialize;

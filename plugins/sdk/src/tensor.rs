@@ -14,11 +14,18 @@ impl Dtype {
     }
 }
 
-fn checked_tensor(name: &str, dtype: Dtype, shape: &[usize], data: Vec<u8>) -> PluginResult<Tensor> {
+fn checked_tensor(
+    name: &str,
+    dtype: Dtype,
+    shape: &[usize],
+    data: Vec<u8>,
+) -> PluginResult<Tensor> {
     let elements = shape
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| PluginError::internal(format!("tensor {name}: shape {shape:?} overflows")))?;
+        .ok_or_else(|| {
+            PluginError::internal(format!("tensor {name}: shape {shape:?} overflows"))
+        })?;
     if elements * dtype.size() != data.len() {
         return Err(PluginError::internal(format!(
             "tensor {name}: shape {shape:?} needs {} bytes, got {}",

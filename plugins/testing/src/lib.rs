@@ -6,11 +6,13 @@
 //! | `echo` + payload   | returns the whole media as one `u8` tensor (benchmarks, healthy)  |
 //! | `spin`             | loops forever (CPU deadline)                                      |
 //! | `grow`             | allocates memory without bound (memory cap)                       |
-//! | `recurse`          | recurses until the wasm stack overflows                           |
+//! | `recurse`          | recurses until the wasm (host-managed) stack overflows            |
+//! | `recurse-shadow`   | recurses with big frames until its in-memory shadow stack overflows |
 //! | `huge:N`           | returns an `N`-byte tensor (output byte cap)                      |
 //! | `trap`             | panics (a wasm trap)                                              |
 //! | `malformed`        | returns a tensor whose shape does not match its bytes             |
 //! | `fail`             | returns a typed `invalid-media` error                             |
+//! | `escape`           | tries the filesystem, environment and arguments; reports what it saw |
 //!
 //! `probe` and `plan` are always well-behaved. Never embedded in the gateway.
 
@@ -33,18 +35,27 @@ impl Plugin for TestPlugin {
 
     fn probe(media: Media) -> PluginResult<MediaInfo> {
         let mut info = MediaInfo::new("test", "test");
-        info.extra.push(("bytes".into(), media.data.len().to_string()));
+        info.extra
+            .push(("bytes".into(), media.data.len().to_string()));
         Ok(info)
     }
 
     fn plan(_info: MediaInfo, budget: Budget, _config: ProcessorConfig) -> PluginResult<TokenPlan> {
         if budget.max_tokens < 1 {
-            return Err(PluginError::over_budget(1, budget.max_tokens, "needs one token"));
+            return Err(PluginError::over_budget(
+                1,
+                budget.max_tokens,
+                "needs one token",
+            ));
         }
         TokenPlan::new(1, false, "one token, always", &serde_json::json!({}))
     }
 
-    fn preprocess(media: Media, _plan: TokenPlan, _config: ProcessorConfig) -> PluginResult<Vec<Tensor>> {
+    fn preprocess(
+        media: Media,
+        _plan: TokenPlan,
+        _config: ProcessorConfig,
+    ) -> PluginResult<Vec<Tensor>> {
         let data = media.data;
         let command = data.get(..data.len().min(16)).unwrap_or_default();
         let text = String::from_utf8_lossy(command);
@@ -55,7 +66,8 @@ impl Plugin for TestPlugin {
         match text.split(':').next().unwrap_or_default() {
             "spin" => spin(),
             "grow" => grow(),
-            "recurse" => Ok(vec![Tensor::from_i64("depth", &[1], &[recurse(1)])?]),
+            "recurse" => Ok(vec![Tensor::from_i64("depth", &[1], &[recurse(1) as i64])?]),
+            "recurse-shadow" => Ok(vec![Tensor::from_i64("depth", &[1], &[recurse_shadow(1)])?]),
             "huge" => {
                 let n: usize = text
                     .split(':')
@@ -72,7 +84,19 @@ impl Plugin for TestPlugin {
                 data: vec![1, 2, 3],
             }]),
             "fail" => Err(PluginError::invalid("the test plugin was asked to fail")),
-            other => Err(PluginError::unsupported(format!("unknown test command {other:?}"))),
+            "escape" => {
+                // [entries readable under "/", environment variables, arguments]
+                let root = std::fs::read_dir("/").map_or(-1, |d| d.count() as i64);
+                let seen = [
+                    root,
+                    std::env::vars().count() as i64,
+                    std::env::args().count() as i64,
+                ];
+                Ok(vec![Tensor::from_i64("escape", &[3], &seen)?])
+            }
+            other => Err(PluginError::unsupported(format!(
+                "unknown test command {other:?}"
+            ))),
         }
     }
 }
@@ -92,11 +116,22 @@ fn grow() -> ! {
     }
 }
 
-// Unbounded on purpose: the host's stack limit must stop it.
+// Unbounded on purpose: the host's wasm stack limit must stop it. Only wasm locals, so every frame is
+// on the stack wasmtime manages (not in linear memory); the non-associative combine prevents LLVM from
+// turning the recursion into a loop.
 #[allow(unconditional_recursion)]
-fn recurse(depth: i64) -> i64 {
+#[inline(never)]
+fn recurse(depth: u64) -> u64 {
+    let next = recurse(depth.wrapping_add(1));
+    next.rotate_left(7) ^ depth
+}
+
+// Unbounded on purpose: large frames live on Rust's shadow stack in linear memory, which runs into the
+// data below it. The guest traps; the host must report it as that call's crash.
+#[allow(unconditional_recursion)]
+fn recurse_shadow(depth: i64) -> i64 {
     let frame = black_box([depth; 64]);
-    black_box(recurse(frame[0] + 1)) + frame[63]
+    black_box(recurse_shadow(frame[0] + 1)) + frame[63]
 }
 
 mmgate_plugin_sdk::export_plugin!(TestPlugin);

@@ -1,0 +1,168 @@
+//! The built-in image plugin through the real host: probe, plan within a budget, preprocess.
+//! (Pixel parity with HF transformers is the image issue's fixture suite; this checks the contract.)
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+
+use mmgate_host::{
+    Budget, CallError, Dtype, Media, PluginError, PluginRegistry, Sandbox, SandboxLimits,
+};
+
+/// A `width` x `height` 24-bit BMP with a gradient, written by hand so the test needs no encoder.
+fn bmp(width: u32, height: u32) -> Vec<u8> {
+    let row = (width * 3).div_ceil(4) * 4;
+    let size = 54 + row * height;
+    let mut out = Vec::new();
+    out.extend_from_slice(b"BM");
+    out.extend_from_slice(&size.to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&54u32.to_le_bytes());
+    out.extend_from_slice(&40u32.to_le_bytes());
+    out.extend_from_slice(&width.to_le_bytes());
+    out.extend_from_slice(&height.to_le_bytes());
+    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&24u16.to_le_bytes());
+    out.extend_from_slice(&[0; 24]);
+    for y in 0..height {
+        let mut line: Vec<u8> = (0..width)
+            .flat_map(|x| [(x * 255 / width) as u8, (y * 255 / height) as u8, 128])
+            .collect();
+        line.resize(row as usize, 0);
+        out.extend_from_slice(&line);
+    }
+    out
+}
+
+const QWEN2_VL: &str = r#"{"image_processor_type": "Qwen2VLImageProcessor",
+    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+    "merge_size": 2}"#;
+
+fn image_plugin() -> Arc<mmgate_host::LoadedPlugin> {
+    let sandbox = Arc::new(Sandbox::new(SandboxLimits::default()).unwrap());
+    let registry = PluginRegistry::builtin(&sandbox).unwrap();
+    registry
+        .for_modality("image")
+        .expect("a built-in image plugin")
+        .clone()
+}
+
+#[test]
+fn qwen2_vl_plan_and_tensors_agree() {
+    let plugin = image_plugin();
+    let media = Media {
+        data: bmp(30, 20),
+        mime_type: Some("image/bmp".into()),
+    };
+    let info = plugin.probe(&media).unwrap();
+    assert_eq!((info.width, info.height), (Some(30), Some(20)));
+    assert_eq!(info.format, "bmp");
+
+    // 30x20 is below min_pixels: smart_resize scales up to 84x56 → (56/28)·(84/28) = 6 tokens.
+    let plan = plugin
+        .plan(&info, Budget { max_tokens: 1000 }, QWEN2_VL)
+        .unwrap();
+    assert_eq!(plan.tokens, 6);
+    assert!(!plan.reduced);
+    let tensors = plugin.preprocess(&media, &plan, QWEN2_VL).unwrap();
+    let pixel_values = &tensors[0];
+    assert_eq!(pixel_values.name, "pixel_values");
+    assert_eq!(pixel_values.dtype, Dtype::F32);
+    // grid 1 x 4 x 6 patches of 3·2·14·14 values; tokens = patches / 4.
+    assert_eq!(pixel_values.shape, vec![24, 1176]);
+    let grid = &tensors[1];
+    assert_eq!(grid.name, "image_grid_thw");
+    let thw: Vec<i64> = grid
+        .data
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(thw, vec![1, 4, 6]);
+    assert_eq!(thw.iter().product::<i64>() / 4, i64::from(plan.tokens));
+}
+
+#[test]
+fn over_budget_says_what_the_smallest_size_needs() {
+    let plugin = image_plugin();
+    let media = Media {
+        data: bmp(30, 20),
+        mime_type: None,
+    };
+    let info = plugin.probe(&media).unwrap();
+    let error = plugin
+        .plan(&info, Budget { max_tokens: 2 }, QWEN2_VL)
+        .unwrap_err();
+    assert!(
+        matches!(&error, CallError::Plugin(PluginError::OverBudget(o)) if o.needed_tokens == 6 && o.budget_tokens == 2),
+        "{error:?}"
+    );
+}
+
+#[test]
+fn bad_images_get_typed_errors() {
+    let plugin = image_plugin();
+    let cases: [(&[u8], fn(&PluginError) -> bool); 3] = [
+        (b"", |e| matches!(e, PluginError::InvalidMedia(_))),
+        (b"definitely not an image", |e| {
+            matches!(e, PluginError::InvalidMedia(_))
+        }),
+        // A BMP header claiming 20000 x 20000 pixels (400 MP): refused from the header, before decoding.
+        (&bmp_header(20_000, 20_000), |e| {
+            matches!(e, PluginError::LimitExceeded(_))
+        }),
+    ];
+    for (bytes, expected) in cases {
+        let media = Media {
+            data: bytes.to_vec(),
+            mime_type: None,
+        };
+        match plugin.probe(&media) {
+            Err(CallError::Plugin(e)) => assert!(expected(&e), "{e:?}"),
+            other => panic!("expected a typed plugin error, got {other:?}"),
+        }
+    }
+    // Truncated pixel data: the header is fine, decoding fails cleanly.
+    let mut truncated = bmp(64, 64);
+    truncated.truncate(200);
+    let media = Media {
+        data: truncated,
+        mime_type: None,
+    };
+    let info = plugin.probe(&media).unwrap();
+    let plan = plugin
+        .plan(&info, Budget { max_tokens: 1000 }, QWEN2_VL)
+        .unwrap();
+    let error = plugin.preprocess(&media, &plan, QWEN2_VL).unwrap_err();
+    assert!(
+        matches!(error, CallError::Plugin(PluginError::InvalidMedia(_))),
+        "{error:?}"
+    );
+}
+
+fn bmp_header(width: u32, height: u32) -> Vec<u8> {
+    let mut header = bmp(1, 1);
+    header[18..22].copy_from_slice(&width.to_le_bytes());
+    header[22..26].copy_from_slice(&height.to_le_bytes());
+    header
+}
+
+#[test]
+fn unknown_processor_types_are_unsupported() {
+    let plugin = image_plugin();
+    let media = Media {
+        data: bmp(8, 8),
+        mime_type: None,
+    };
+    let info = plugin.probe(&media).unwrap();
+    let error = plugin
+        .plan(
+            &info,
+            Budget { max_tokens: 100 },
+            r#"{"image_processor_type": "MysteryProcessor"}"#,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&error, CallError::Plugin(PluginError::Unsupported(m)) if m.contains("MysteryProcessor")),
+        "{error:?}"
+    );
+}

@@ -1,0 +1,253 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+//! Hostile plugins against the real sandbox. Each test fails if the limit it exercises were removed:
+//! without a deadline `spin` never returns (the watchdog below fails the test), without a memory cap
+//! `grow` would end as a plain trap or exhaust the machine, and so on.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use mmgate_host::builtin::artifact_dir;
+use mmgate_host::{
+    Budget, CallError, Dtype, LoadedPlugin, Media, PluginError, PluginOrigin, PluginPool, Sandbox,
+    SandboxLimits, TokenPlan,
+};
+
+const MEMORY: usize = 64 << 20;
+const OUTPUT: usize = 8 << 20;
+const DEADLINE_MS: u64 = 300;
+/// How long a call may take before the watchdog declares the sandbox broken. Far above the deadline,
+/// so a slow machine never fails the test; a missing deadline always does.
+const WATCHDOG: Duration = Duration::from_secs(60);
+
+fn limits() -> SandboxLimits {
+    SandboxLimits {
+        memory_bytes: MEMORY,
+        deadline_ms: DEADLINE_MS,
+        max_output_bytes: OUTPUT,
+        max_wasm_stack: 512 << 10,
+        max_instances: 16,
+    }
+}
+
+fn test_plugin() -> Arc<LoadedPlugin> {
+    let sandbox = Arc::new(Sandbox::new(limits()).expect("sandbox"));
+    let path = artifact_dir().join("testing.wasm");
+    let bytes = std::fs::read(&path).expect("the build script builds testing.wasm");
+    Arc::new(LoadedPlugin::load(sandbox, &bytes, PluginOrigin::File(path)).expect("load"))
+}
+
+fn media(command: &[u8]) -> Media {
+    Media {
+        data: command.to_vec(),
+        mime_type: Some("application/x-mmgate-test".into()),
+    }
+}
+
+fn plan() -> TokenPlan {
+    TokenPlan {
+        tokens: 1,
+        reduced: false,
+        reason: String::new(),
+        choices: "{}".into(),
+    }
+}
+
+/// Run `preprocess(command)` on another thread and fail the test if it does not end in time.
+fn preprocess(
+    plugin: &Arc<LoadedPlugin>,
+    command: &[u8],
+) -> Result<Vec<mmgate_host::Tensor>, CallError> {
+    let (tx, rx) = mpsc::channel();
+    let plugin = plugin.clone();
+    let media = media(command);
+    std::thread::spawn(move || {
+        let _ = tx.send(plugin.preprocess(&media, &plan(), "{}"));
+    });
+    rx.recv_timeout(WATCHDOG).unwrap_or_else(|_| {
+        panic!(
+            "preprocess({:?}) did not end within {WATCHDOG:?}: the sandbox failed to stop it",
+            String::from_utf8_lossy(command)
+        )
+    })
+}
+
+fn assert_healthy(plugin: &Arc<LoadedPlugin>) {
+    let payload = b"echo: still alive".to_vec();
+    let tensors = preprocess(plugin, &payload).expect("a healthy call after a hostile one");
+    assert_eq!(tensors.len(), 1);
+    assert_eq!(tensors[0].data, payload);
+    assert_eq!(tensors[0].dtype, Dtype::U8);
+}
+
+#[test]
+fn endless_loop_is_stopped_by_the_deadline() {
+    let plugin = test_plugin();
+    let error = preprocess(&plugin, b"spin").unwrap_err();
+    assert!(
+        matches!(error, CallError::Deadline(d) if d == Duration::from_millis(DEADLINE_MS)),
+        "{error:?}"
+    );
+    assert_healthy(&plugin);
+}
+
+#[test]
+fn unbounded_allocation_hits_the_memory_cap() {
+    let plugin = test_plugin();
+    let error = preprocess(&plugin, b"grow").unwrap_err();
+    assert!(
+        matches!(error, CallError::Memory { limit } if limit == MEMORY),
+        "{error:?}"
+    );
+    assert_healthy(&plugin);
+}
+
+#[test]
+fn unbounded_recursion_overflows_the_wasm_stack_only() {
+    let plugin = test_plugin();
+    let error = preprocess(&plugin, b"recurse").unwrap_err();
+    assert!(
+        matches!(&error, CallError::Trap(m) if m.contains("stack overflow")),
+        "{error:?}"
+    );
+    assert_healthy(&plugin);
+    let error = preprocess(&plugin, b"recurse-shadow").unwrap_err();
+    assert!(matches!(&error, CallError::Trap(_)), "{error:?}");
+    assert_healthy(&plugin);
+}
+
+#[test]
+fn output_over_the_cap_is_refused() {
+    let plugin = test_plugin();
+    let command = format!("huge:{}", OUTPUT + 1);
+    let error = preprocess(&plugin, command.as_bytes()).unwrap_err();
+    assert!(
+        matches!(error, CallError::OutputTooLarge { size, limit } if size == OUTPUT + 1 && limit == OUTPUT),
+        "{error:?}"
+    );
+    // Exactly at the cap is fine.
+    let at_cap = format!("huge:{OUTPUT}");
+    let tensors = preprocess(&plugin, at_cap.as_bytes()).expect("output at the cap");
+    assert_eq!(tensors[0].data.len(), OUTPUT);
+}
+
+#[test]
+fn a_panic_is_a_trap_of_that_call_only() {
+    let plugin = test_plugin();
+    let error = preprocess(&plugin, b"trap").unwrap_err();
+    assert!(matches!(error, CallError::Trap(_)), "{error:?}");
+    assert_healthy(&plugin);
+}
+
+#[test]
+fn a_tensor_whose_bytes_do_not_match_its_shape_breaks_the_contract() {
+    let plugin = test_plugin();
+    let error = preprocess(&plugin, b"malformed").unwrap_err();
+    assert!(
+        matches!(&error, CallError::Contract(m) if m.contains("needs 400 bytes but carries 3")),
+        "{error:?}"
+    );
+}
+
+#[test]
+fn typed_plugin_errors_arrive_with_their_message() {
+    let plugin = test_plugin();
+    let error = preprocess(&plugin, b"fail").unwrap_err();
+    assert!(
+        matches!(&error, CallError::Plugin(PluginError::InvalidMedia(m)) if m.contains("asked to fail")),
+        "{error:?}"
+    );
+    let budget_error = plugin
+        .plan(
+            &plugin.probe(&media(b"x")).expect("probe"),
+            Budget { max_tokens: 0 },
+            "{}",
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&budget_error, CallError::Plugin(PluginError::OverBudget(o)) if o.needed_tokens == 1),
+        "{budget_error:?}"
+    );
+}
+
+#[test]
+fn the_sandbox_has_no_files_environment_or_arguments() {
+    // Give this process some environment a leaky sandbox would pass on.
+    assert!(std::env::vars().count() > 0);
+    let plugin = test_plugin();
+    let tensors = preprocess(&plugin, b"escape").expect("escape probe");
+    let seen: Vec<i64> = tensors[0]
+        .data
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(seen, vec![-1, 0, 0], "[root entries, env vars, args]");
+}
+
+#[test]
+fn hostile_calls_do_not_disturb_concurrent_healthy_calls() {
+    let plugin = test_plugin();
+    let healthy: Vec<_> = (0..3)
+        .map(|worker| {
+            let plugin = plugin.clone();
+            std::thread::spawn(move || {
+                for i in 0..20 {
+                    let payload = format!("echo {worker}-{i}").into_bytes();
+                    let out = plugin
+                        .preprocess(&media(&payload), &plan(), "{}")
+                        .expect("healthy call next to hostile ones");
+                    assert_eq!(out[0].data, payload);
+                }
+            })
+        })
+        .collect();
+    for command in [&b"spin"[..], b"grow", b"recurse", b"trap", b"spin"] {
+        assert!(preprocess(&plugin, command).is_err());
+    }
+    for worker in healthy {
+        worker.join().expect("healthy worker");
+    }
+}
+
+#[test]
+fn a_full_pool_refuses_instead_of_queueing_without_bound() {
+    let plugin = test_plugin();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let pool = Arc::new(PluginPool::new(1, 1).unwrap());
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+        let busy = {
+            let (pool, plugin) = (pool.clone(), plugin.clone());
+            tokio::spawn(async move {
+                pool.run(move || {
+                    let _ = started_tx.send(());
+                    plugin.preprocess(&media(b"spin"), &plan(), "{}")
+                })
+                .await
+            })
+        };
+        started_rx.await.unwrap();
+        // The worker is busy: one call may wait, the next is refused at once.
+        let queued = {
+            let (pool, plugin) = (pool.clone(), plugin.clone());
+            tokio::spawn(async move {
+                pool.run(move || plugin.preprocess(&media(b"echo"), &plan(), "{}"))
+                    .await
+            })
+        };
+        while pool.queued() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let refused = pool.run(|| Ok(())).await;
+        assert!(
+            matches!(refused, Err(CallError::Overloaded { queued: 1 })),
+            "{refused:?}"
+        );
+        assert!(matches!(busy.await.unwrap(), Err(CallError::Deadline(_))));
+        assert_eq!(queued.await.unwrap().unwrap()[0].data, b"echo");
+    });
+}
