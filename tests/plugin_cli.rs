@@ -202,3 +202,35 @@ fn check_and_list_reject_a_manifest_that_disagrees() {
         assert_fails_with(&out, needle);
     }
 }
+
+#[test]
+fn check_rejects_a_plugin_built_for_another_contract_version() {
+    // Rewrite the exported interface's version in a real plugin (same length, so the binary stays
+    // valid): the host must refuse it by version, before linking.
+    let bytes = std::fs::read(testing_wasm()).unwrap();
+    let ours = b"mmgate:modality/plugin@0.1.0";
+    assert!(bytes.windows(ours.len()).any(|w| w == ours));
+    let dir = tempfile::tempdir().unwrap();
+    for (version, needle) in [
+        (
+            "0.2.0",
+            "built for contract 0.2.0, but this host implements 0.1.0",
+        ),
+        ("0.1.9", "built for contract 0.1.9"),
+        ("1.1.0", "built for contract 1.1.0"),
+    ] {
+        let theirs = format!("mmgate:modality/plugin@{version}");
+        let mut patched = Vec::with_capacity(bytes.len());
+        let mut rest = &bytes[..];
+        while let Some(at) = rest.windows(ours.len()).position(|w| w == ours) {
+            patched.extend_from_slice(&rest[..at]);
+            patched.extend_from_slice(theirs.as_bytes());
+            rest = &rest[at + ours.len()..];
+        }
+        patched.extend_from_slice(rest);
+        let path = dir.path().join(format!("v{version}.wasm"));
+        std::fs::write(&path, patched).unwrap();
+        let out = mmgate(&["plugin", "check", path.to_str().unwrap()]);
+        assert_fails_with(&out, needle);
+    }
+}

@@ -8,7 +8,7 @@ use crate::contract::PluginError;
 /// Why one plugin call failed. Every case ends that call only: the host and other calls go on.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
-    /// The plugin ran past its CPU deadline and was interrupted.
+    /// The plugin ran past its deadline and was interrupted.
     #[error("plugin ran past its deadline of {0:?} and was stopped")]
     Deadline(Duration),
     /// The plugin tried to grow its memory past the cap.

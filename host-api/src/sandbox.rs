@@ -1,7 +1,7 @@
 //! The sandbox every plugin call runs in: one shared wasmtime `Engine` (pooling allocator, epoch
 //! interruption driven by a ticker thread), and the per-call `Store` state with its limits.
 //!
-//! Per call a plugin gets: a fresh store, a memory cap, a CPU deadline, a wasm stack cap, WASI with no
+//! Per call a plugin gets: a fresh store, a memory cap, a deadline, a wasm stack cap, WASI with no
 //! preopened directories, no network, no environment, no arguments and closed stdio, and a cap on the
 //! bytes it may hand back (enforced by the caller, see `plugin.rs`).
 
@@ -28,7 +28,8 @@ pub const EPOCH_TICK: Duration = Duration::from_millis(5);
 pub struct SandboxLimits {
     /// Most bytes of linear memory one call may use.
     pub memory_bytes: usize,
-    /// CPU deadline of one call, in milliseconds.
+    /// Deadline of one call in milliseconds: wall-clock time from the start of the call, enforced by
+    /// epoch interruption, so a plugin stuck in a loop is stopped however busy the machine is.
     pub deadline_ms: u64,
     /// Most bytes one call may return (sum of its tensors' data).
     pub max_output_bytes: usize,
@@ -62,7 +63,8 @@ pub struct Sandbox {
     engine: Engine,
     linker: Linker<CallState>,
     limits: SandboxLimits,
-    ticker: Ticker,
+    // Held for its Drop: the ticker thread stops when the sandbox goes.
+    _ticker: Ticker,
 }
 
 impl Sandbox {
@@ -93,7 +95,7 @@ impl Sandbox {
             engine,
             linker,
             limits,
-            ticker,
+            _ticker: ticker,
         })
     }
 
@@ -113,15 +115,9 @@ impl Sandbox {
     pub fn deadline_ticks(&self) -> u64 {
         let tick = EPOCH_TICK.as_micros().max(1);
         let deadline = self.limits.deadline().as_micros();
-        u64::try_from(deadline.div_ceil(tick)).unwrap_or(u64::MAX) + 1
-    }
-
-    /// Whether the ticker thread is still advancing the epoch (it only stops when the sandbox drops).
-    pub fn ticking(&self) -> bool {
-        self.ticker
-            .handle
-            .as_ref()
-            .is_some_and(|h| !h.is_finished())
+        u64::try_from(deadline.div_ceil(tick))
+            .unwrap_or(u64::MAX)
+            .saturating_add(1)
     }
 }
 

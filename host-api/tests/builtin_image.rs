@@ -101,7 +101,8 @@ fn over_budget_says_what_the_smallest_size_needs() {
 #[test]
 fn bad_images_get_typed_errors() {
     let plugin = image_plugin();
-    let cases: [(&[u8], fn(&PluginError) -> bool); 3] = [
+    type Expected = fn(&PluginError) -> bool;
+    let cases: [(&[u8], Expected); 3] = [
         (b"", |e| matches!(e, PluginError::InvalidMedia(_))),
         (b"definitely not an image", |e| {
             matches!(e, PluginError::InvalidMedia(_))

@@ -4,7 +4,7 @@
 //! | media bytes        | behaviour                                                         |
 //! |--------------------|-------------------------------------------------------------------|
 //! | `echo` + payload   | returns the whole media as one `u8` tensor (benchmarks, healthy)  |
-//! | `spin`             | loops forever (CPU deadline)                                      |
+//! | `spin`             | loops forever (deadline)                                          |
 //! | `grow`             | allocates memory without bound (memory cap)                       |
 //! | `recurse`          | recurses until the wasm (host-managed) stack overflows            |
 //! | `recurse-shadow`   | recurses with big frames until its in-memory shadow stack overflows |
