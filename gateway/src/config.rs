@@ -20,26 +20,6 @@ pub struct Config {
     pub plugin_dir: Option<PathBuf>,
     /// Limits of every plugin call.
     pub sandbox: SandboxLimits,
-    /// The thread pool plugin calls run on.
-    pub plugin_pool: PoolConfig,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PoolConfig {
-    /// Worker threads (default: the number of CPUs).
-    pub threads: usize,
-    /// Calls that may wait for a worker before new ones are refused with 503.
-    pub queue: usize,
-}
-
-impl Default for PoolConfig {
-    fn default() -> Self {
-        PoolConfig {
-            threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
-            queue: 256,
-        }
-    }
 }
 
 impl Default for Config {
@@ -50,7 +30,6 @@ impl Default for Config {
                 .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 8080))),
             plugin_dir: None,
             sandbox: SandboxLimits::default(),
-            plugin_pool: PoolConfig::default(),
         }
     }
 }
@@ -86,9 +65,6 @@ impl Config {
         }
         if s.max_instances == 0 {
             bail!("sandbox.max_instances must be positive");
-        }
-        if self.plugin_pool.threads == 0 {
-            bail!("plugin_pool.threads must be positive");
         }
         if let Some(dir) = &self.plugin_dir
             && !dir.is_dir()

@@ -110,7 +110,7 @@ fn manifests_in(dir: &Path) -> Result<Vec<std::path::PathBuf>, LoadError> {
     Ok(manifests)
 }
 
-/// Load the component a manifest names, checking its hash before compiling and its descriptor after.
+/// Load the component a manifest names (see [`load_verified`]).
 pub fn load_from_manifest(
     sandbox: &Arc<Sandbox>,
     manifest_path: &Path,
@@ -121,8 +121,28 @@ pub fn load_from_manifest(
         path: component_path.clone(),
         source,
     })?;
-    manifest.check_hash(manifest_path, &hex::encode(Sha256::digest(&bytes)))?;
-    let plugin = LoadedPlugin::load(sandbox.clone(), &bytes, PluginOrigin::File(component_path))?;
-    manifest.check_descriptor(manifest_path, plugin.descriptor())?;
+    load_verified(
+        sandbox,
+        &bytes,
+        PluginOrigin::File(component_path),
+        Some((manifest_path, &manifest)),
+    )
+}
+
+/// Load a component, checking it against its manifest when it has one: the hash before anything is
+/// compiled (a tampered file never runs), the descriptor after `describe()`.
+pub fn load_verified(
+    sandbox: &Arc<Sandbox>,
+    bytes: &[u8],
+    origin: PluginOrigin,
+    manifest: Option<(&Path, &Manifest)>,
+) -> Result<LoadedPlugin, LoadError> {
+    if let Some((path, manifest)) = manifest {
+        manifest.check_hash(path, &hex::encode(Sha256::digest(bytes)))?;
+    }
+    let plugin = LoadedPlugin::load(sandbox.clone(), bytes, origin)?;
+    if let Some((path, manifest)) = manifest {
+        manifest.check_descriptor(path, plugin.descriptor())?;
+    }
     Ok(plugin)
 }

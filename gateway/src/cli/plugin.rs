@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Subcommand;
 use mmgate_host::{
     CONTRACT_VERSION, LoadedPlugin, Manifest, PluginOrigin, PluginRegistry, Sandbox, SandboxLimits,
+    registry,
 };
 use serde_json::json;
 
@@ -72,12 +73,13 @@ fn check(
         .as_deref()
         .map(|path| Manifest::read(path).map(|m| (path, m)))
         .transpose()?;
-    let plugin = LoadedPlugin::load(sandbox.clone(), &bytes, PluginOrigin::File(file.to_owned()))?;
-    if let Some((path, manifest)) = manifest {
-        manifest.check_hash(path, plugin.sha256())?;
-        manifest.check_descriptor(path, plugin.descriptor())?;
-    }
-    Ok(plugin)
+    let manifest = manifest.as_ref().map(|(path, m)| (*path, m));
+    Ok(registry::load_verified(
+        sandbox,
+        &bytes,
+        PluginOrigin::File(file.to_owned()),
+        manifest,
+    )?)
 }
 
 fn plugin_json(plugin: &LoadedPlugin) -> serde_json::Value {
