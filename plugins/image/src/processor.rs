@@ -1,23 +1,31 @@
 //! The image processors: reading HF `preprocessor_config.json`, planning tokens, producing tensors.
 
-use mmgate_plugin_sdk::imageops::{Normalize, RgbImage, qwen2vl_patches};
+use mmgate_plugin_sdk::imageops::{Filter, Normalize, RgbImage, qwen2vl_patches};
 use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
 
-/// Processor types this plugin implements.
+/// Processor classes this plugin implements (HF's `...Fast` and `...Pil` variants of each compute
+/// the same thing and are accepted too).
 pub const SUPPORTED: &[&str] = &[
     "Qwen2VLImageProcessor",
-    "Qwen2VLImageProcessorFast",
     "CLIPImageProcessor",
-    "CLIPImageProcessorFast",
+    "CLIPFeatureExtractor",
     "SiglipImageProcessor",
-    "SiglipImageProcessorFast",
 ];
 
 const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
 // Written exactly as HF's OPENAI_CLIP_STD so the two can be compared by eye.
 #[allow(clippy::excessive_precision)]
 const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
+
+/// `size` / `crop_size` in either of the forms checkpoints use: a bare number (old feature
+/// extractors: the shortest edge for `size`, a square for `crop_size`) or a dict.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum SizeField {
+    Edge(usize),
+    Dict(SizeConfig),
+}
 
 #[derive(Debug, Default, Deserialize)]
 struct SizeConfig {
@@ -30,6 +38,8 @@ struct SizeConfig {
 #[derive(Debug, Default, Deserialize)]
 struct RawConfig {
     image_processor_type: Option<String>,
+    /// Checkpoints saved before image processors existed name the class here instead.
+    feature_extractor_type: Option<String>,
     min_pixels: Option<usize>,
     max_pixels: Option<usize>,
     patch_size: Option<usize>,
@@ -38,9 +48,13 @@ struct RawConfig {
     image_mean: Option<[f32; 3]>,
     image_std: Option<[f32; 3]>,
     rescale_factor: Option<f64>,
-    size: Option<SizeConfig>,
-    crop_size: Option<SizeConfig>,
+    resample: Option<u32>,
+    do_resize: Option<bool>,
+    do_rescale: Option<bool>,
+    do_normalize: Option<bool>,
     do_center_crop: Option<bool>,
+    size: Option<SizeField>,
+    crop_size: Option<SizeField>,
 }
 
 pub enum Processor {
@@ -50,12 +64,14 @@ pub enum Processor {
         patch: usize,
         temporal: usize,
         merge: usize,
+        filter: Filter,
         normalize: Normalize,
     },
     Fixed {
         resize: FixedResize,
         crop: Option<(usize, usize)>,
         patch: usize,
+        filter: Filter,
         normalize: Normalize,
     },
 }
@@ -88,20 +104,69 @@ fn positive(name: &str, value: usize) -> PluginResult<usize> {
     Ok(value)
 }
 
+/// The processor family a class name belongs to: HF's PIL (`...Pil`), torchvision (`...Fast`) and
+/// feature-extractor classes all compute the same thing.
+fn family(class: &str) -> &str {
+    let class = class.strip_suffix("Pil").unwrap_or(class);
+    let class = class.strip_suffix("Fast").unwrap_or(class);
+    match class {
+        "Qwen2VLImageProcessor" | "Qwen2_5_VLImageProcessor" => "qwen2-vl",
+        "CLIPImageProcessor" | "CLIPFeatureExtractor" => "clip",
+        "SiglipImageProcessor" => "siglip",
+        _ => "unknown",
+    }
+}
+
 impl Processor {
     pub fn from_config(json: &str) -> PluginResult<Processor> {
         let raw: RawConfig = parse_config(json)?;
-        let kind = raw.image_processor_type.as_deref().ok_or_else(|| {
-            PluginError::unsupported("processor config has no image_processor_type")
-        })?;
-        let normalize = |mean, std| Normalize {
-            rescale: raw.rescale_factor.unwrap_or(1.0 / 255.0),
-            mean: raw.image_mean.unwrap_or(mean),
-            std: raw.image_std.unwrap_or(std),
+        let kind = raw
+            .image_processor_type
+            .as_deref()
+            .or(raw.feature_extractor_type.as_deref())
+            .ok_or_else(|| {
+                PluginError::unsupported(
+                    "processor config names no image_processor_type (or feature_extractor_type)",
+                )
+            })?;
+        let family = family(kind);
+        let filter = match raw.resample {
+            None => Filter::Bicubic,
+            Some(code) => Filter::from_pil_code(code).ok_or_else(|| {
+                PluginError::unsupported(format!(
+                    "processor config: resample {code} is not supported (2 = bilinear and \
+                     3 = bicubic are)"
+                ))
+            })?,
         };
-        match kind {
-            "Qwen2VLImageProcessor" | "Qwen2VLImageProcessorFast" => {
-                let size = raw.size.as_ref();
+        let normalize = |mean, std| Normalize {
+            rescale: if raw.do_rescale.unwrap_or(true) {
+                raw.rescale_factor.unwrap_or(1.0 / 255.0)
+            } else {
+                1.0
+            },
+            mean: if raw.do_normalize.unwrap_or(true) {
+                raw.image_mean.unwrap_or(mean)
+            } else {
+                [0.0; 3]
+            },
+            std: if raw.do_normalize.unwrap_or(true) {
+                raw.image_std.unwrap_or(std)
+            } else {
+                [1.0; 3]
+            },
+        };
+        if raw.do_resize == Some(false) {
+            return Err(PluginError::unsupported(
+                "processor config: do_resize = false is not supported",
+            ));
+        }
+        match family {
+            "qwen2-vl" => {
+                let size = match &raw.size {
+                    Some(SizeField::Dict(size)) => Some(size),
+                    _ => None,
+                };
                 let min_pixels = raw
                     .min_pixels
                     .or_else(|| size.and_then(|s| s.shortest_edge))
@@ -124,18 +189,25 @@ impl Processor {
                         raw.temporal_patch_size.unwrap_or(2),
                     )?,
                     merge: positive("merge_size", raw.merge_size.unwrap_or(2))?,
+                    filter,
                     normalize: normalize(CLIP_MEAN, CLIP_STD),
                 })
             }
-            "CLIPImageProcessor"
-            | "CLIPImageProcessorFast"
-            | "SiglipImageProcessor"
-            | "SiglipImageProcessorFast" => {
-                let siglip = kind.starts_with("Siglip");
-                let size = raw.size.unwrap_or_default();
-                let resize = match (size.shortest_edge, size.height, size.width) {
-                    (Some(edge), _, _) => FixedResize::ShortestEdge(positive("size", edge)?),
-                    (None, Some(h), Some(w)) => FixedResize::Exact {
+            "clip" | "siglip" => {
+                let siglip = family == "siglip";
+                let resize = match raw.size {
+                    Some(SizeField::Edge(edge)) => {
+                        FixedResize::ShortestEdge(positive("size", edge)?)
+                    }
+                    Some(SizeField::Dict(SizeConfig {
+                        shortest_edge: Some(edge),
+                        ..
+                    })) => FixedResize::ShortestEdge(positive("size.shortest_edge", edge)?),
+                    Some(SizeField::Dict(SizeConfig {
+                        height: Some(h),
+                        width: Some(w),
+                        ..
+                    })) => FixedResize::Exact {
                         width: positive("size.width", w)?,
                         height: positive("size.height", h)?,
                     },
@@ -146,30 +218,27 @@ impl Processor {
                     }
                 };
                 let crop = match (raw.do_center_crop.unwrap_or(!siglip), raw.crop_size) {
+                    (false, _) => None,
+                    (true, Some(SizeField::Edge(edge))) => {
+                        let edge = positive("crop_size", edge)?;
+                        Some((edge, edge))
+                    }
                     (
                         true,
-                        Some(SizeConfig {
+                        Some(SizeField::Dict(SizeConfig {
                             height: Some(h),
                             width: Some(w),
                             ..
-                        }),
+                        })),
                     ) => Some((
                         positive("crop_size.width", w)?,
                         positive("crop_size.height", h)?,
                     )),
-                    (
-                        true,
-                        Some(SizeConfig {
-                            shortest_edge: Some(e),
-                            ..
-                        }),
-                    ) => Some((positive("crop_size", e)?, e)),
                     (true, _) => {
                         return Err(PluginError::unsupported(
-                            "processor config: do_center_crop needs crop_size",
+                            "processor config: do_center_crop needs crop_size (height and width)",
                         ));
                     }
-                    (false, _) => None,
                 };
                 let (mean, std) = if siglip {
                     ([0.5; 3], [0.5; 3])
@@ -180,11 +249,12 @@ impl Processor {
                     resize,
                     crop,
                     patch: positive("patch_size", raw.patch_size.unwrap_or(14))?,
+                    filter,
                     normalize: normalize(mean, std),
                 })
             }
-            other => Err(PluginError::unsupported(format!(
-                "image processor type {other:?} is not supported (supported: {})",
+            _ => Err(PluginError::unsupported(format!(
+                "image processor type {kind:?} is not supported (supported: {})",
                 SUPPORTED.join(", ")
             ))),
         }
@@ -200,32 +270,26 @@ impl Processor {
                 ..
             } => {
                 let factor = patch * merge;
-                let tokens_of = |h: usize, w: usize| (h / factor) * (w / factor);
-                let (h, w) = smart_resize(height, width, factor, *min_pixels, *max_pixels)?;
-                let native = tokens_of(h, w);
-                let (h, w, reduced) = if native <= budget as usize {
-                    (h, w, false)
+                let tokens_of = |(h, w): (usize, usize)| (h / factor) * (w / factor);
+                let native_size = smart_resize(height, width, factor, *min_pixels, *max_pixels)?;
+                let native = tokens_of(native_size);
+                let budget_tokens = budget as usize;
+                let ((h, w), reduced) = if native <= budget_tokens {
+                    (native_size, false)
                 } else {
-                    // The largest resolution that fits: smart_resize with max_pixels lowered to the
-                    // budget's worth of pixels (each token is factor² pixels).
-                    let cap = (budget as usize).saturating_mul(factor * factor);
-                    let smallest = smart_resize(height, width, factor, *min_pixels, *min_pixels)?;
-                    let needed = tokens_of(smallest.0, smallest.1);
-                    if cap < *min_pixels {
-                        return Err(over_budget(needed, budget, width, height));
+                    // Over budget: the image is sized as if max_pixels were the budget's worth of
+                    // pixels (a token is factor² pixels), never less than min_pixels. smart_resize
+                    // floors both sides there, so the result fits unless min_pixels does not.
+                    let cap = budget_tokens
+                        .saturating_mul(factor * factor)
+                        .clamp(*min_pixels, *max_pixels);
+                    let size = smart_resize(height, width, factor, *min_pixels, cap)?;
+                    if tokens_of(size) > budget_tokens {
+                        return Err(over_budget(tokens_of(size), budget, width, height));
                     }
-                    let (h, w) = smart_resize(height, width, factor, *min_pixels, cap)?;
-                    if tokens_of(h, w) > budget as usize {
-                        return Err(over_budget(
-                            needed.max(tokens_of(h, w)),
-                            budget,
-                            width,
-                            height,
-                        ));
-                    }
-                    (h, w, true)
+                    (size, true)
                 };
-                let tokens = tokens_of(h, w);
+                let tokens = tokens_of((h, w));
                 let reason = if reduced {
                     format!(
                         "{width}x{height} resized to {w}x{h} ({tokens} tokens) to fit the budget of \
@@ -279,6 +343,7 @@ impl Processor {
                 patch,
                 merge,
                 temporal,
+                filter,
                 normalize,
                 ..
             } => {
@@ -291,7 +356,7 @@ impl Processor {
                         "planned size is not a multiple of the patch factor",
                     ));
                 }
-                let resized = image.resize_bicubic(choices.width, choices.height);
+                let resized = image.resize(choices.width, choices.height, *filter);
                 let table = normalize.table();
                 let values = qwen2vl_patches(&resized, *patch, *merge, *temporal, |c, v| {
                     table[c][usize::from(v)]
@@ -303,8 +368,10 @@ impl Processor {
                     Tensor::from_i64("image_grid_thw", &[1, 3], &[1, gh as i64, gw as i64])?,
                 ])
             }
-            Processor::Fixed { normalize, .. } => {
-                let mut resized = image.resize_bicubic(choices.width, choices.height);
+            Processor::Fixed {
+                filter, normalize, ..
+            } => {
+                let mut resized = image.resize(choices.width, choices.height, *filter);
                 if let Some([cw, ch]) = choices.crop {
                     // HF's center_crop: top = (h - ch) // 2, left = (w - cw) // 2, padding with zeros
                     // when the crop is larger than the image.
@@ -339,8 +406,7 @@ fn over_budget(needed: usize, budget: u32, width: usize, height: usize) -> Plugi
         u32::try_from(needed).unwrap_or(u32::MAX),
         budget,
         format!(
-            "a {width}x{height} image needs at least {needed} tokens at the smallest resolution this \
-             model accepts"
+            "a {width}x{height} image needs at least {needed} tokens (at this model's min_pixels)"
         ),
     )
 }

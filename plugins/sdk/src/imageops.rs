@@ -1,17 +1,53 @@
 //! Image operations shared by image-like plugins, on packed RGB8 buffers (row-major, 3 bytes a pixel).
 //!
-//! The resampler reproduces Pillow's `Image.resize(..., BICUBIC)` on 8-bit images, because that is what
-//! HF processors run: a separable convolution (horizontal pass, then vertical) whose support widens
-//! with the downscale factor (so downsampling is antialiased), Keys' cubic with a = -0.5, weights
-//! normalised per output pixel then turned into 22-bit fixed point, and each pass rounded and clamped
-//! back to u8.
+//! The resampler reproduces Pillow's `Image.resize(..., BICUBIC | BILINEAR)` on 8-bit images, because
+//! that is what HF processors run: a separable convolution (horizontal pass, then vertical) whose
+//! support widens with the downscale factor (so downsampling is antialiased), Keys' cubic with
+//! a = -0.5 or the triangle filter, weights normalised per output pixel then turned into 22-bit fixed
+//! point, and each pass rounded and clamped back to u8.
 
 /// Bytes per RGB pixel.
 const CHANNELS: usize = 3;
 /// Pillow's fixed-point precision for 8-bit resampling (32 - 8 - 2).
 const PRECISION_BITS: u32 = 22;
-/// Support radius of the bicubic kernel at scale 1.
-const BICUBIC_SUPPORT: f64 = 2.0;
+
+/// A resampling filter, as Pillow defines it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Filter {
+    /// `Image.BILINEAR` (2): the triangle filter, support 1.
+    Bilinear,
+    /// `Image.BICUBIC` (3): Keys' cubic with a = -0.5, support 2.
+    Bicubic,
+}
+
+impl Filter {
+    /// The filter for a PIL resample code (as HF configs store it), if it is one this crate has.
+    pub fn from_pil_code(code: u32) -> Option<Filter> {
+        match code {
+            2 => Some(Filter::Bilinear),
+            3 => Some(Filter::Bicubic),
+            _ => None,
+        }
+    }
+
+    /// Support radius at scale 1.
+    fn support(self) -> f64 {
+        match self {
+            Filter::Bilinear => 1.0,
+            Filter::Bicubic => 2.0,
+        }
+    }
+
+    fn weight(self, x: f64) -> f64 {
+        match self {
+            Filter::Bilinear => {
+                let x = x.abs();
+                if x < 1.0 { 1.0 - x } else { 0.0 }
+            }
+            Filter::Bicubic => bicubic(x),
+        }
+    }
+}
 
 /// A packed RGB8 image.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,10 +78,10 @@ struct AxisWeights {
     ksize: usize,
 }
 
-fn axis_weights(in_size: usize, out_size: usize) -> AxisWeights {
+fn axis_weights(in_size: usize, out_size: usize, filter: Filter) -> AxisWeights {
     let scale = in_size as f64 / out_size as f64;
     let filter_scale = scale.max(1.0);
-    let support = BICUBIC_SUPPORT * filter_scale;
+    let support = filter.support() * filter_scale;
     // Pillow multiplies by the reciprocal; dividing instead can differ in the last bit.
     let inverse_scale = 1.0 / filter_scale;
     let ksize = support.ceil() as usize * 2 + 1;
@@ -59,7 +95,7 @@ fn axis_weights(in_size: usize, out_size: usize) -> AxisWeights {
         let xmax = (((center + support + 0.5) as usize).min(in_size)).saturating_sub(xmin);
         let mut total = 0.0;
         for (x, w) in row.iter_mut().enumerate().take(xmax) {
-            *w = bicubic((x as f64 + xmin as f64 - center + 0.5) * inverse_scale);
+            *w = filter.weight((x as f64 + xmin as f64 - center + 0.5) * inverse_scale);
             total += *w;
         }
         for (x, k) in kk.iter_mut().enumerate().take(xmax) {
@@ -87,8 +123,8 @@ fn clip8(acc: i64) -> u8 {
 
 const ROUNDING: i64 = 1 << (PRECISION_BITS - 1);
 
-fn resample_horizontal(src: &RgbImage, out_width: usize) -> RgbImage {
-    let axis = axis_weights(src.width, out_width);
+fn resample_horizontal(src: &RgbImage, out_width: usize, filter: Filter) -> RgbImage {
+    let axis = axis_weights(src.width, out_width, filter);
     let mut data = vec![0u8; out_width * src.height * CHANNELS];
     let in_row = src.width * CHANNELS;
     for (y, out_row) in data.chunks_exact_mut(out_width * CHANNELS).enumerate() {
@@ -118,8 +154,8 @@ fn resample_horizontal(src: &RgbImage, out_width: usize) -> RgbImage {
     }
 }
 
-fn resample_vertical(src: &RgbImage, out_height: usize) -> RgbImage {
-    let axis = axis_weights(src.height, out_height);
+fn resample_vertical(src: &RgbImage, out_height: usize, filter: Filter) -> RgbImage {
+    let axis = axis_weights(src.height, out_height, filter);
     let row_len = src.width * CHANNELS;
     let mut data = vec![0u8; row_len * out_height];
     let mut acc = vec![0i64; row_len];
@@ -150,15 +186,16 @@ fn resample_vertical(src: &RgbImage, out_height: usize) -> RgbImage {
 }
 
 impl RgbImage {
-    /// Resize like Pillow's `Image.resize((width, height), Image.BICUBIC)` on an RGB image.
-    pub fn resize_bicubic(&self, width: usize, height: usize) -> RgbImage {
+    /// Resize like Pillow's `Image.resize((width, height), filter)` on an RGB image (which, like
+    /// this, returns a copy when the size does not change).
+    pub fn resize(&self, width: usize, height: usize, filter: Filter) -> RgbImage {
         let mut image = if width != self.width {
-            resample_horizontal(self, width)
+            resample_horizontal(self, width, filter)
         } else {
             self.clone()
         };
         if height != self.height {
-            image = resample_vertical(&image, height);
+            image = resample_vertical(&image, height, filter);
         }
         image
     }
@@ -262,7 +299,7 @@ mod tests {
     #[test]
     fn weights_sum_to_one_in_fixed_point() {
         for (input, output) in [(100, 37), (37, 100), (1000, 28), (3, 3)] {
-            let axis = axis_weights(input, output);
+            let axis = axis_weights(input, output, Filter::Bicubic);
             for kk in axis.weights.chunks_exact(axis.ksize) {
                 let sum: i64 = kk.iter().map(|&k| i64::from(k)).sum();
                 assert!(
@@ -280,7 +317,7 @@ mod tests {
             height: 30,
             data: [10u8, 200, 77].repeat(50 * 30),
         };
-        let resized = image.resize_bicubic(17, 61);
+        let resized = image.resize(17, 61, Filter::Bicubic);
         assert!(resized.data.chunks_exact(3).all(|p| p == [10, 200, 77]));
     }
 }

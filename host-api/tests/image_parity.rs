@@ -1,0 +1,214 @@
+//! Parity of the built-in image plugin with HF transformers' own processors.
+//!
+//! The cases, images and goldens are made by `tests/fixtures/image/generate.py` with the pinned
+//! transformers and Pillow. Every case runs through the real host: probe, plan within the case's
+//! budget, preprocess. Token counts, grids and shapes must be exact; `pixel_values` within 0.05.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use mmgate_host::{
+    Budget, CallError, Dtype, LoadedPlugin, Media, PluginError, PluginRegistry, Sandbox,
+    SandboxLimits, Tensor,
+};
+use safetensors::SafeTensors;
+use serde::Deserialize;
+
+/// Largest allowed |plugin − HF| on any `pixel_values` element (normalised units; one 8-bit level
+/// is about 0.015 here). The goldens are stored as f16, which adds at most 0.001.
+const TOLERANCE: f32 = 0.05;
+/// JPEGs are decoded by zune-jpeg, whose integer IDCT rounds differently from libjpeg-turbo's
+/// ISLOW IDCT that Pillow uses: a sample is off by one in about 1 % of YCbCr values, which the
+/// colour conversion turns into up to 4 levels of RGB (0.059 here) on these deliberately harsh
+/// high-frequency test images. Everything after decoding is bit-exact (see the non-JPEG cases).
+/// Until the plugin decodes JPEG with libjpeg-turbo's exact arithmetic, JPEG cases get this bound.
+const JPEG_TOLERANCE: f32 = 0.065;
+
+#[derive(Debug, Deserialize)]
+struct Fixtures {
+    transformers: String,
+    cases: Vec<Case>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Case {
+    name: String,
+    image: String,
+    config: String,
+    budget: Option<u32>,
+    /// Whether the budget made the plugin pick a smaller size than the native one.
+    reduced: bool,
+    expect_error: Option<String>,
+    needed_tokens: Option<u32>,
+    tokens: Option<u32>,
+    grid_thw: Option<[i64; 3]>,
+    pixel_values_shape: Option<Vec<u64>>,
+}
+
+fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/image")
+}
+
+fn image_plugin() -> Arc<LoadedPlugin> {
+    let sandbox = Arc::new(Sandbox::new(SandboxLimits::default()).unwrap());
+    PluginRegistry::builtin(&sandbox)
+        .unwrap()
+        .for_modality("image")
+        .expect("a built-in image plugin")
+        .clone()
+}
+
+fn f32s(tensor: &Tensor) -> Vec<f32> {
+    assert_eq!(tensor.dtype, Dtype::F32, "{}", tensor.name);
+    tensor
+        .data
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn golden_f32(golden: &SafeTensors, name: &str) -> (Vec<u64>, Vec<f32>) {
+    let view = golden.tensor(name).unwrap();
+    assert_eq!(view.dtype(), safetensors::Dtype::F16);
+    let values = view
+        .data()
+        .chunks_exact(2)
+        .map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+        .collect();
+    (view.shape().iter().map(|&d| d as u64).collect(), values)
+}
+
+/// IEEE half → single (the goldens' storage format; exact for every finite half).
+fn f16_to_f32(bits: u16) -> f32 {
+    let sign = if bits & 0x8000 != 0 { -1.0 } else { 1.0 };
+    let exponent = i32::from((bits >> 10) & 0x1f);
+    let mantissa = f32::from(bits & 0x3ff);
+    match exponent {
+        0 => sign * mantissa * 2f32.powi(-24),
+        31 => sign * f32::INFINITY,
+        e => sign * (1.0 + mantissa / 1024.0) * 2f32.powi(e - 15),
+    }
+}
+
+/// Runs one case; returns the largest pixel difference, or None for an error case.
+fn run(plugin: &LoadedPlugin, case: &Case) -> Option<f32> {
+    let dir = fixtures_dir();
+    let media = Media {
+        data: std::fs::read(dir.join("images").join(&case.image)).unwrap(),
+        mime_type: None,
+    };
+    let config =
+        std::fs::read_to_string(dir.join("configs").join(format!("{}.json", case.config))).unwrap();
+    let budget = Budget {
+        max_tokens: case.budget.unwrap_or(u32::MAX),
+    };
+    let planned = plugin
+        .probe(&media)
+        .and_then(|info| plugin.plan(&info, budget, &config));
+    match case.expect_error.as_deref() {
+        Some("limit-exceeded") => {
+            let error = planned.expect_err("HF refused this image");
+            assert!(
+                matches!(error, CallError::Plugin(PluginError::LimitExceeded(_))),
+                "{error:?}"
+            );
+            return None;
+        }
+        Some("over-budget") => {
+            match planned.expect_err("this budget cannot fit the image") {
+                CallError::Plugin(PluginError::OverBudget(over)) => {
+                    assert_eq!(Some(over.needed_tokens), case.needed_tokens);
+                    assert_eq!(Some(over.budget_tokens), case.budget);
+                }
+                other => panic!("expected over-budget, got {other:?}"),
+            }
+            return None;
+        }
+        Some(other) => panic!("unknown expected error {other}"),
+        None => {}
+    }
+    let plan = planned.unwrap();
+    assert_eq!(Some(plan.tokens), case.tokens, "token count");
+    assert_eq!(plan.reduced, case.reduced, "reduced");
+
+    let tensors = plugin.preprocess(&media, &plan, &config).unwrap();
+    let golden_bytes = std::fs::read(
+        dir.join("goldens")
+            .join(format!("{}.safetensors", case.name)),
+    )
+    .unwrap();
+    let golden = SafeTensors::deserialize(&golden_bytes).unwrap();
+
+    let pixel_values = tensors.iter().find(|t| t.name == "pixel_values").unwrap();
+    let (shape, expected) = golden_f32(&golden, "pixel_values");
+    assert_eq!(Some(&shape), case.pixel_values_shape.as_ref());
+    assert_eq!(pixel_values.shape, shape, "pixel_values shape");
+    let actual = f32s(pixel_values);
+    let max_diff = actual
+        .iter()
+        .zip(&expected)
+        .map(|(a, e)| (a - e).abs())
+        .fold(0f32, f32::max);
+
+    if let Some(grid) = case.grid_thw {
+        let tensor = tensors.iter().find(|t| t.name == "image_grid_thw").unwrap();
+        assert_eq!(tensor.dtype, Dtype::I64);
+        assert_eq!(tensor.shape, vec![1, 3]);
+        let thw: Vec<i64> = tensor
+            .data
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(thw, grid);
+        assert_eq!(thw.iter().product::<i64>() / 4, i64::from(plan.tokens));
+    }
+    Some(max_diff)
+}
+
+#[test]
+fn image_plugin_matches_hf_processors() {
+    let fixtures: Fixtures = serde_json::from_slice(
+        &std::fs::read(fixtures_dir().join("cases.json")).expect("tests/fixtures/image/cases.json"),
+    )
+    .unwrap();
+    assert!(fixtures.cases.len() >= 30, "the fixture set is incomplete");
+    let plugin = image_plugin();
+    let mut failures = Vec::new();
+    println!(
+        "image parity against transformers {}",
+        fixtures.transformers
+    );
+    for case in &fixtures.cases {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&plugin, case)));
+        match outcome {
+            Ok(Some(diff)) => {
+                println!("{:<40} max |diff| {diff:.4}", case.name);
+                let tolerance = if case.image.ends_with(".jpg") {
+                    JPEG_TOLERANCE
+                } else {
+                    TOLERANCE
+                };
+                if diff.is_nan() || diff > tolerance {
+                    failures.push(format!("{}: max |diff| {diff} > {tolerance}", case.name));
+                }
+            }
+            Ok(None) => println!("{:<40} error as expected", case.name),
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                    .unwrap_or_default();
+                failures.push(format!("{}: {message}", case.name));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} cases failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}

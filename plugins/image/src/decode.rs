@@ -1,0 +1,231 @@
+//! Reading images: header-only probing with limits, bounded decoding, and the conversion to RGB that
+//! HF processors apply (transformers' `convert_to_rgb`: transparency composited onto white, then
+//! Pillow's `convert("RGB")`).
+
+use std::io::Cursor;
+
+use image::{DynamicImage, ImageFormat, ImageReader, Limits};
+use mmgate_plugin_sdk::imageops::RgbImage;
+use mmgate_plugin_sdk::*;
+
+/// Pillow's default `Image.MAX_IMAGE_PIXELS`: larger images are treated as decompression bombs.
+pub const MAX_IMAGE_PIXELS: u64 = 89_478_485;
+/// Largest encoded image accepted (a 89 MP PNG of noise is ~270 MB; real uploads are far smaller).
+pub const MAX_IMAGE_BYTES: usize = 64 << 20;
+/// Longest side over shortest side; Qwen2-VL's `smart_resize` refuses more than this.
+pub const MAX_ASPECT_RATIO: f64 = 200.0;
+/// What a decoder may allocate beyond the pixels themselves (ICC profiles, metadata, scratch).
+const MAX_DECODE_OVERHEAD: u64 = 64 << 20;
+
+pub const MIME_TYPES: &[&str] = &[
+    "image/png",
+    "image/jpeg",
+    "image/webp",
+    "image/gif",
+    "image/bmp",
+    "image/tiff",
+];
+
+/// What `probe` learns from the header alone.
+pub struct Header {
+    pub format: &'static str,
+    pub width: u32,
+    pub height: u32,
+}
+
+fn reader(data: &[u8]) -> PluginResult<ImageReader<Cursor<&[u8]>>> {
+    if data.is_empty() {
+        return Err(PluginError::invalid("the image is empty (0 bytes)"));
+    }
+    if data.len() > MAX_IMAGE_BYTES {
+        return Err(PluginError::limit(format!(
+            "the image is {} bytes, more than the limit of {MAX_IMAGE_BYTES}",
+            data.len()
+        )));
+    }
+    let reader = ImageReader::new(Cursor::new(data))
+        .with_guessed_format()
+        .map_err(|e| PluginError::invalid(format!("cannot read the image: {e}")))?;
+    match reader.format() {
+        Some(
+            ImageFormat::Png
+            | ImageFormat::Jpeg
+            | ImageFormat::WebP
+            | ImageFormat::Gif
+            | ImageFormat::Bmp
+            | ImageFormat::Tiff,
+        ) => Ok(reader),
+        Some(other) => Err(PluginError::unsupported(format!(
+            "image format {other:?} is not supported (PNG, JPEG, WebP, GIF, BMP and TIFF are)"
+        ))),
+        None => Err(PluginError::invalid(
+            "not an image: the bytes match no supported image format",
+        )),
+    }
+}
+
+fn format_name(format: Option<ImageFormat>) -> &'static str {
+    match format {
+        Some(ImageFormat::Png) => "png",
+        Some(ImageFormat::Jpeg) => "jpeg",
+        Some(ImageFormat::WebP) => "webp",
+        Some(ImageFormat::Gif) => "gif",
+        Some(ImageFormat::Bmp) => "bmp",
+        Some(ImageFormat::Tiff) => "tiff",
+        _ => "unknown",
+    }
+}
+
+fn check_dimensions(width: u32, height: u32) -> PluginResult<()> {
+    if width == 0 || height == 0 {
+        return Err(PluginError::invalid(format!(
+            "the image is {width}x{height}: it has no pixels"
+        )));
+    }
+    let pixels = u64::from(width) * u64::from(height);
+    if pixels > MAX_IMAGE_PIXELS {
+        return Err(PluginError::limit(format!(
+            "the image is {width}x{height} = {pixels} pixels, more than the limit of \
+             {MAX_IMAGE_PIXELS} (a possible decompression bomb)"
+        )));
+    }
+    let aspect = f64::from(width.max(height)) / f64::from(width.min(height));
+    if aspect > MAX_ASPECT_RATIO {
+        return Err(PluginError::limit(format!(
+            "the image is {width}x{height}: its aspect ratio {aspect:.1} is more than \
+             {MAX_ASPECT_RATIO}"
+        )));
+    }
+    Ok(())
+}
+
+/// Reads the header only and applies every limit that does not need the pixels.
+pub fn probe(data: &[u8]) -> PluginResult<Header> {
+    let reader = reader(data)?;
+    let format = format_name(reader.format());
+    let (width, height) = reader
+        .into_dimensions()
+        .map_err(|e| PluginError::invalid(format!("cannot read the {format} header: {e}")))?;
+    check_dimensions(width, height)?;
+    Ok(Header {
+        format,
+        width,
+        height,
+    })
+}
+
+/// Decodes the whole image (the first frame of an animation) into RGB as HF processors see it.
+pub fn decode_rgb(data: &[u8]) -> PluginResult<RgbImage> {
+    let header = probe(data)?;
+    let mut reader = reader(data)?;
+    // The header's dimensions are the most the decoder may produce, and its allocations are bounded
+    // by twice the largest pixel buffer those dimensions need (16-bit RGBA; a progressive JPEG keeps
+    // its coefficients too) plus a fixed overhead. The sandbox's memory cap bounds it all again.
+    let mut limits = Limits::default();
+    limits.max_image_width = Some(header.width);
+    limits.max_image_height = Some(header.height);
+    limits.max_alloc =
+        Some(u64::from(header.width) * u64::from(header.height) * 16 + MAX_DECODE_OVERHEAD);
+    reader.limits(limits);
+    let decoded = reader.decode().map_err(|e| {
+        PluginError::invalid(format!("cannot decode the {} image: {e}", header.format))
+    })?;
+    to_rgb(decoded)
+}
+
+/// transformers' `convert_to_rgb` on the image Pillow would have opened: images with an alpha
+/// channel are composited onto opaque white; 16-bit samples follow Pillow's modes (16-bit RGB and
+/// grey+alpha keep the high byte; 16-bit grey is mode `I;16`, which `convert("RGB")` clips at 255).
+fn to_rgb(image: DynamicImage) -> PluginResult<RgbImage> {
+    let (width, height) = (image.width() as usize, image.height() as usize);
+    let pixels = width * height;
+    let mut data = Vec::with_capacity(pixels * 3);
+    match image {
+        DynamicImage::ImageRgb8(rgb) => data = rgb.into_raw(),
+        DynamicImage::ImageRgba8(rgba) => {
+            for p in rgba.as_raw().chunks_exact(4) {
+                data.extend_from_slice(&over_white([p[0], p[1], p[2]], p[3]));
+            }
+        }
+        DynamicImage::ImageLuma8(grey) => {
+            for &v in grey.as_raw() {
+                data.extend_from_slice(&[v, v, v]);
+            }
+        }
+        DynamicImage::ImageLumaA8(grey) => {
+            for p in grey.as_raw().chunks_exact(2) {
+                data.extend_from_slice(&over_white([p[0]; 3], p[1]));
+            }
+        }
+        DynamicImage::ImageRgb16(rgb) => data.extend(rgb.as_raw().iter().map(|&v| high_byte(v))),
+        DynamicImage::ImageRgba16(rgba) => {
+            for p in rgba.as_raw().chunks_exact(4) {
+                let rgb = [high_byte(p[0]), high_byte(p[1]), high_byte(p[2])];
+                data.extend_from_slice(&over_white(rgb, high_byte(p[3])));
+            }
+        }
+        DynamicImage::ImageLuma16(grey) => {
+            for &v in grey.as_raw() {
+                let v = u8::try_from(v).unwrap_or(u8::MAX);
+                data.extend_from_slice(&[v, v, v]);
+            }
+        }
+        DynamicImage::ImageLumaA16(grey) => {
+            for p in grey.as_raw().chunks_exact(2) {
+                data.extend_from_slice(&over_white([high_byte(p[0]); 3], high_byte(p[1])));
+            }
+        }
+        other => {
+            return Err(PluginError::unsupported(format!(
+                "images with {:?} samples are not supported",
+                other.color()
+            )));
+        }
+    }
+    if data.len() != pixels * 3 {
+        return Err(PluginError::internal(
+            "decoded image has an unexpected size",
+        ));
+    }
+    Ok(RgbImage {
+        width,
+        height,
+        data,
+    })
+}
+
+fn high_byte(v: u16) -> u8 {
+    (v >> 8) as u8
+}
+
+/// Pillow's `alpha_composite(white, pixel)` for an opaque white background, in its own integer
+/// arithmetic (7 extra bits of precision, rounded division by 255) so results match to the bit.
+fn over_white(rgb: [u8; 3], alpha: u8) -> [u8; 3] {
+    const PRECISION_BITS: u32 = 7;
+    if alpha == 0 {
+        return [255; 3];
+    }
+    let a = u32::from(alpha);
+    let blend = 255 * (255 - a);
+    let out_a255 = a * 255 + blend;
+    let coef1 = a * 255 * 255 * (1 << PRECISION_BITS) / out_a255;
+    let coef2 = 255 * (1 << PRECISION_BITS) - coef1;
+    let div255 = |v: u32| ((v >> 8) + v) >> 8;
+    rgb.map(|c| {
+        let tmp = u32::from(c) * coef1 + 255 * coef2 + (0x80 << PRECISION_BITS);
+        (div255(tmp) >> PRECISION_BITS) as u8
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compositing_keeps_opaque_pixels_and_whitens_clear_ones() {
+        assert_eq!(over_white([10, 128, 250], 255), [10, 128, 250]);
+        assert_eq!(over_white([10, 128, 250], 0), [255, 255, 255]);
+        let half = over_white([0, 0, 0], 128);
+        assert!(half.iter().all(|&v| (126..=128).contains(&v)), "{half:?}");
+    }
+}
