@@ -3,6 +3,7 @@
 mod cli;
 mod config;
 mod error;
+mod media;
 mod server;
 
 use std::process::ExitCode;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 
 use crate::builtin::BUILTIN_PLUGINS;
+use crate::contract::Descriptor;
 use crate::error::LoadError;
 use crate::manifest::Manifest;
 use crate::plugin::{LoadedPlugin, PluginOrigin};
@@ -70,8 +71,20 @@ impl PluginRegistry {
 
     /// The plugin serving `modality`: one loaded from a directory wins over a built-in.
     pub fn for_modality(&self, modality: &str) -> Option<&Arc<LoadedPlugin>> {
-        let serves =
-            |p: &&Arc<LoadedPlugin>| p.descriptor().modalities.iter().any(|m| m == modality);
+        self.preferred(|d| d.modalities.iter().any(|m| m == modality))
+    }
+
+    /// The plugin that accepts media of `mime_type` (e.g. `image/png`), with the same preference.
+    pub fn for_mime_type(&self, mime_type: &str) -> Option<&Arc<LoadedPlugin>> {
+        self.preferred(|d| {
+            d.mime_types
+                .iter()
+                .any(|m| m.eq_ignore_ascii_case(mime_type))
+        })
+    }
+
+    fn preferred(&self, serves: impl Fn(&Descriptor) -> bool) -> Option<&Arc<LoadedPlugin>> {
+        let serves = |p: &&Arc<LoadedPlugin>| serves(p.descriptor());
         self.plugins
             .values()
             .filter(serves)

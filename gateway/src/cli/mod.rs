@@ -1,6 +1,7 @@
 //! Command-line parsing and dispatch.
 
 mod plugin;
+mod preprocess;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -39,6 +40,8 @@ pub enum Command {
     /// Manage and inspect modality plugins.
     #[command(subcommand)]
     Plugin(plugin::PluginCommand),
+    /// Preprocess one media file as a request would and write its tensors as safetensors.
+    Preprocess(preprocess::PreprocessArgs),
 }
 
 pub fn init_logging(filter: Option<&str>) {
@@ -68,5 +71,6 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Plugin(command) => plugin::run(command),
+        Command::Preprocess(args) => preprocess::run(args),
     }
 }

@@ -1,0 +1,174 @@
+//! `mmgate preprocess`: run one media file through its plugin exactly as a request would, and write
+//! the tensors the encoder would get as safetensors (for checking against HF, or feeding a model).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, anyhow, bail};
+use clap::Args;
+use mmgate_host::{Budget, Dtype, Media, PluginRegistry, Sandbox, SandboxLimits, Tensor};
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+use crate::media::sniff_mime_type;
+
+#[derive(Args, Debug)]
+pub struct PreprocessArgs {
+    /// A model directory holding the processor's `preprocessor_config.json`.
+    #[arg(long)]
+    model: PathBuf,
+    /// The media file (image, audio or video: whatever a loaded plugin accepts).
+    file: PathBuf,
+    /// Where to write the tensors (safetensors).
+    #[arg(long)]
+    out: PathBuf,
+    /// Token budget for this item (default: unlimited, i.e. the processor's native size).
+    #[arg(long)]
+    max_tokens: Option<u32>,
+    /// A plugin directory to load besides the built-in plugins (its plugins win).
+    #[arg(long)]
+    plugin_dir: Option<PathBuf>,
+    /// Print a JSON account of what was done: sizes, tokens, reason, tensors and timings.
+    #[arg(long)]
+    explain: bool,
+}
+
+pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
+    let config_path = args.model.join("preprocessor_config.json");
+    let config = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("cannot read {}", config_path.display()))?;
+    serde_json::from_str::<Value>(&config)
+        .with_context(|| format!("{} is not valid JSON", config_path.display()))?;
+    let data = std::fs::read(&args.file)
+        .with_context(|| format!("cannot read {}", args.file.display()))?;
+
+    let sandbox = Arc::new(Sandbox::new(SandboxLimits::default())?);
+    let registry = match &args.plugin_dir {
+        Some(dir) => PluginRegistry::with_dir(&sandbox, dir),
+        None => PluginRegistry::builtin(&sandbox),
+    }?;
+    let mime_type = sniff_mime_type(&data).ok_or_else(|| {
+        anyhow!(
+            "{}: not a media file any plugin recognises ({} bytes of unknown content)",
+            args.file.display(),
+            data.len()
+        )
+    })?;
+    let plugin = registry.for_mime_type(mime_type).ok_or_else(|| {
+        anyhow!(
+            "no loaded plugin accepts {mime_type} ({})",
+            args.file.display()
+        )
+    })?;
+
+    let media = Media {
+        data,
+        mime_type: Some(mime_type.to_owned()),
+    };
+    let budget = Budget {
+        max_tokens: args.max_tokens.unwrap_or(u32::MAX),
+    };
+    // Plugin errors read the way a client would see them (the message the API would return), on
+    // one line: decoder messages sometimes carry newlines.
+    let reason = |e: mmgate_host::CallError| {
+        let message = ApiError::from(&e).message;
+        anyhow!(
+            "{}",
+            message.split_whitespace().collect::<Vec<_>>().join(" ")
+        )
+    };
+    let started = Instant::now();
+    let info = plugin.probe(&media).map_err(reason)?;
+    let probed = started.elapsed();
+    let plan = plugin.plan(&info, budget, &config).map_err(reason)?;
+    let planned = started.elapsed();
+    let tensors = plugin.preprocess(&media, &plan, &config).map_err(reason)?;
+    let total = started.elapsed();
+
+    let metadata = HashMap::from([
+        ("format".to_owned(), "pt".to_owned()),
+        ("mmgate.plugin".to_owned(), plugin.name().to_owned()),
+        ("mmgate.tokens".to_owned(), plan.tokens.to_string()),
+    ]);
+    write_safetensors(&args.out, &tensors, metadata)?;
+
+    if args.explain {
+        let choices: Value = serde_json::from_str(&plan.choices).unwrap_or(Value::Null);
+        let size = |w: Option<u64>, h: Option<u64>| match (w, h) {
+            (Some(w), Some(h)) => json!({"width": w, "height": h}),
+            _ => Value::Null,
+        };
+        let ms = |d: std::time::Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
+        let report = json!({
+            "file": args.file.display().to_string(),
+            "mime_type": mime_type,
+            "plugin": {"name": plugin.name(), "version": plugin.descriptor().version},
+            "format": info.format,
+            "original_size": size(info.width.map(u64::from), info.height.map(u64::from)),
+            "resized_size": size(
+                choices.get("width").and_then(Value::as_u64),
+                choices.get("height").and_then(Value::as_u64),
+            ),
+            "tokens": plan.tokens,
+            "reduced": plan.reduced,
+            "reason": plan.reason,
+            "choices": choices,
+            "tensors": tensors.iter().map(|t| json!({
+                "name": t.name,
+                "dtype": t.dtype.name(),
+                "shape": t.shape,
+            })).collect::<Vec<_>>(),
+            "out": args.out.display().to_string(),
+            "time_ms": {
+                "probe": ms(probed),
+                "plan": ms(planned - probed),
+                "preprocess": ms(total - planned),
+                "total": ms(total),
+            },
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn safetensors_dtype(dtype: Dtype) -> safetensors::Dtype {
+    match dtype {
+        Dtype::U8 => safetensors::Dtype::U8,
+        Dtype::I32 => safetensors::Dtype::I32,
+        Dtype::I64 => safetensors::Dtype::I64,
+        Dtype::F16 => safetensors::Dtype::F16,
+        Dtype::Bf16 => safetensors::Dtype::BF16,
+        Dtype::F32 => safetensors::Dtype::F32,
+    }
+}
+
+fn write_safetensors(
+    path: &Path,
+    tensors: &[Tensor],
+    metadata: HashMap<String, String>,
+) -> anyhow::Result<()> {
+    let mut views = Vec::with_capacity(tensors.len());
+    for tensor in tensors {
+        let shape = tensor
+            .shape
+            .iter()
+            .map(|&d| usize::try_from(d))
+            .collect::<Result<Vec<_>, _>>()
+            .with_context(|| format!("tensor {} has a dimension too large", tensor.name))?;
+        let view = safetensors::tensor::TensorView::new(
+            safetensors_dtype(tensor.dtype),
+            shape,
+            &tensor.data,
+        )
+        .map_err(|e| anyhow!("tensor {}: {e}", tensor.name))?;
+        views.push((tensor.name.as_str(), view));
+    }
+    if views.is_empty() {
+        bail!("the plugin produced no tensors");
+    }
+    safetensors::tensor::serialize_to_file(views, Some(metadata), path)
+        .map_err(|e| anyhow!("cannot write {}: {e}", path.display()))
+}
