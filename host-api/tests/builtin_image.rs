@@ -167,3 +167,104 @@ fn unknown_processor_types_are_unsupported() {
         "{error:?}"
     );
 }
+
+fn bad_image(name: &str) -> Media {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/image/bad")
+        .join(name);
+    Media {
+        data: std::fs::read(path).unwrap(),
+        mime_type: None,
+    }
+}
+
+#[test]
+fn hostile_image_files_get_typed_errors() {
+    let plugin = image_plugin();
+    type Expected = fn(&PluginError) -> bool;
+    let refused_at_probe: [(&str, Expected); 3] = [
+        (
+            "empty.png",
+            |e| matches!(e, PluginError::InvalidMedia(m) if m.contains("empty")),
+        ),
+        (
+            "text.png",
+            |e| matches!(e, PluginError::InvalidMedia(m) if m.contains("not an image")),
+        ),
+        (
+            "header-30000x30000.png",
+            |e| matches!(e, PluginError::LimitExceeded(m) if m.contains("900000000 pixels")),
+        ),
+    ];
+    for (name, expected) in refused_at_probe {
+        match plugin.probe(&bad_image(name)) {
+            Err(CallError::Plugin(e)) => assert!(expected(&e), "{name}: {e:?}"),
+            other => panic!("{name}: expected a typed plugin error, got {other:?}"),
+        }
+    }
+    // The truncated JPEG's header is intact: the probe passes, decoding fails cleanly.
+    let truncated = bad_image("truncated.jpg");
+    let info = plugin.probe(&truncated).unwrap();
+    let plan = plugin
+        .plan(
+            &info,
+            Budget {
+                max_tokens: 100_000,
+            },
+            QWEN2_VL,
+        )
+        .unwrap();
+    // (Pillow refuses it too; the JPEG decoder alone would fill the missing part with grey.)
+    match plugin.preprocess(&truncated, &plan, QWEN2_VL) {
+        Ok(_) => panic!("a truncated JPEG was decoded"),
+        Err(error) => assert!(
+            matches!(&error, CallError::Plugin(PluginError::InvalidMedia(m)) if m.contains("truncated")),
+            "{error:?}"
+        ),
+    }
+}
+
+/// A 50 kB PNG that inflates to 48 MB of pixels, under a 64 MiB sandbox: the decode is stopped by the
+/// memory cap (a typed error, nothing allocated past it) and the same plugin serves the next image.
+#[test]
+fn decompression_bombs_stop_at_the_memory_cap() {
+    let limits = SandboxLimits {
+        memory_bytes: 64 << 20,
+        ..SandboxLimits::default()
+    };
+    let sandbox = Arc::new(Sandbox::new(limits).unwrap());
+    let plugin = PluginRegistry::builtin(&sandbox)
+        .unwrap()
+        .for_modality("image")
+        .unwrap()
+        .clone();
+    let bomb = bad_image("bomb-4000x4000.png");
+    let info = plugin.probe(&bomb).unwrap();
+    assert_eq!((info.width, info.height), (Some(4000), Some(4000)));
+    let plan = plugin
+        .plan(
+            &info,
+            Budget {
+                max_tokens: 100_000,
+            },
+            QWEN2_VL,
+        )
+        .unwrap();
+    match plugin.preprocess(&bomb, &plan, QWEN2_VL) {
+        Ok(_) => panic!("the bomb decoded under a 64 MiB cap"),
+        Err(error) => assert!(
+            matches!(error, CallError::Memory { limit } if limit == 64 << 20),
+            "{error:?}"
+        ),
+    }
+
+    let media = Media {
+        data: bmp(30, 20),
+        mime_type: None,
+    };
+    let info = plugin.probe(&media).unwrap();
+    let plan = plugin
+        .plan(&info, Budget { max_tokens: 1000 }, QWEN2_VL)
+        .unwrap();
+    assert_eq!(plugin.preprocess(&media, &plan, QWEN2_VL).unwrap().len(), 2);
+}

@@ -117,6 +117,9 @@ pub fn probe(data: &[u8]) -> PluginResult<Header> {
 /// Decodes the whole image (the first frame of an animation) into RGB as HF processors see it.
 pub fn decode_rgb(data: &[u8]) -> PluginResult<RgbImage> {
     let header = probe(data)?;
+    if header.format == "jpeg" {
+        check_jpeg_complete(data)?;
+    }
     let mut reader = reader(data)?;
     // The header's dimensions are the most the decoder may produce, and its allocations are bounded
     // by twice the largest pixel buffer those dimensions need (16-bit RGBA; a progressive JPEG keeps
@@ -131,6 +134,22 @@ pub fn decode_rgb(data: &[u8]) -> PluginResult<RgbImage> {
         PluginError::invalid(format!("cannot decode the {} image: {e}", header.format))
     })?;
     to_rgb(decoded)
+}
+
+/// The JPEG decoder fills a truncated scan with grey rather than failing; Pillow refuses such files
+/// ("image file is truncated"), and so does this: the entropy-coded data must be followed by an
+/// end-of-image marker. (Inside the scan, 0xFF bytes are stuffed, so 0xFF 0xD9 can only be a marker;
+/// an EXIF thumbnail's own EOI comes before the first start-of-scan and does not count.)
+fn check_jpeg_complete(data: &[u8]) -> PluginResult<()> {
+    let marker = |m: u8| data.windows(2).position(|w| w == [0xFF, m]);
+    let first_scan = marker(0xDA);
+    let last_eoi = data.windows(2).rposition(|w| w == [0xFF, 0xD9]);
+    match (first_scan, last_eoi) {
+        (Some(scan), Some(eoi)) if eoi > scan => Ok(()),
+        _ => Err(PluginError::invalid(
+            "the JPEG is truncated: its data ends before the end-of-image marker",
+        )),
+    }
 }
 
 /// transformers' `convert_to_rgb` on the image Pillow would have opened: images with an alpha
