@@ -20,8 +20,9 @@ pub enum CallError {
     /// The plugin returned a typed error: its message is meant for the client.
     #[error("{}", .0.message())]
     Plugin(PluginError),
-    /// The plugin returned more bytes than the host accepts from one call.
-    #[error("plugin returned {size} bytes, more than the limit of {limit}")]
+    /// The plugin returned more bytes than the host accepts from one call. `size` is exact up to
+    /// `limit` + 16 MiB; beyond that the copy is cut off there and `size` says so much at least.
+    #[error("plugin returned {size} bytes or more, over the limit of {limit}")]
     OutputTooLarge { size: usize, limit: usize },
     /// The plugin returned something the contract forbids (e.g. a tensor whose bytes do not match its
     /// shape).

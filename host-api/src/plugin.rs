@@ -192,6 +192,10 @@ impl LoadedPlugin {
         );
         store.limiter(|state| state.limiter());
         store.set_epoch_deadline(self.sandbox.deadline_ticks());
+        // wasmtime caps what one call may copy out of the guest (128 MiB by default, which a large
+        // image's f32 patches exceed); our own cap is max_output_bytes, checked precisely after the
+        // copy, so wasmtime's is set just above it and only stops a guest that goes far past it.
+        store.set_hostcall_fuel(limits.max_output_bytes.saturating_add(HOSTCALL_FUEL_SLACK));
         let result = self
             .pre
             .instantiate(&mut store)
@@ -200,10 +204,22 @@ impl LoadedPlugin {
     }
 }
 
+/// Room above `max_output_bytes` in wasmtime's copy budget for everything that is not tensor data
+/// (names, shapes, plan reasons).
+const HOSTCALL_FUEL_SLACK: usize = 16 << 20;
+
 fn classify(error: wasmtime::Error, state: &CallState, sandbox: &Sandbox) -> CallError {
     if state.memory_limit_hit() {
         return CallError::Memory {
             limit: sandbox.limits().memory_bytes,
+        };
+    }
+    // wasmtime reports its copy budget running out only in the message.
+    if format!("{error:#}").contains("fuel allocated for hostcalls has been exhausted") {
+        let limit = sandbox.limits().max_output_bytes;
+        return CallError::OutputTooLarge {
+            size: limit.saturating_add(HOSTCALL_FUEL_SLACK),
+            limit,
         };
     }
     match error.downcast_ref::<Trap>() {

@@ -126,6 +126,13 @@ fn output_over_the_cap_is_refused() {
         matches!(error, CallError::OutputTooLarge { size, limit } if size == OUTPUT + 1 && limit == OUTPUT),
         "{error:?}"
     );
+    // Far past the cap, the copy out of the guest is cut off early, with the same error.
+    let far = format!("huge:{}", OUTPUT + (32 << 20));
+    let error = preprocess(&plugin, far.as_bytes()).unwrap_err();
+    assert!(
+        matches!(error, CallError::OutputTooLarge { size, limit } if size > OUTPUT && limit == OUTPUT),
+        "{error:?}"
+    );
     // Exactly at the cap is fine.
     let at_cap = format!("huge:{OUTPUT}");
     let tensors = preprocess(&plugin, at_cap.as_bytes()).expect("output at the cap");

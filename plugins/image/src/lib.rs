@@ -59,4 +59,24 @@ impl Plugin for ImagePlugin {
     }
 }
 
+/// The whole per-item path (probe, plan within `max_tokens`, preprocess) as one call: what the host
+/// runs through the sandbox, callable natively so the benchmark can time the same code both ways.
+pub fn preprocess_bytes(
+    data: Vec<u8>,
+    config: &str,
+    max_tokens: u32,
+) -> PluginResult<(TokenPlan, Vec<Tensor>)> {
+    let media = || Media {
+        data: data.clone(),
+        mime_type: None,
+    };
+    let info = ImagePlugin::probe(media())?;
+    let plan = ImagePlugin::plan(info, Budget { max_tokens }, config.to_owned())?;
+    let tensors = ImagePlugin::preprocess(media(), plan.clone(), config.to_owned())?;
+    Ok((plan, tensors))
+}
+
+// Natively (the benchmark's baseline) there is no component to export, and the linker would choke
+// on the component-model symbol names.
+#[cfg(target_arch = "wasm32")]
 mmgate_plugin_sdk::export_plugin!(ImagePlugin);

@@ -357,14 +357,15 @@ impl Processor {
                     ));
                 }
                 let resized = image.resize(choices.width, choices.height, *filter);
-                let table = normalize.table();
+                let table = normalize.table_le_bytes();
                 let values = qwen2vl_patches(&resized, *patch, *merge, *temporal, |c, v| {
                     table[c][usize::from(v)]
-                });
+                })
+                .into_flattened();
                 let (gh, gw) = (choices.height / patch, choices.width / patch);
                 let row = 3 * temporal * patch * patch;
                 Ok(vec![
-                    Tensor::from_f32("pixel_values", &[gh * gw, row], &values)?,
+                    Tensor::from_f32_bytes("pixel_values", &[gh * gw, row], values)?,
                     Tensor::from_i64("image_grid_thw", &[1, 3], &[1, gh as i64, gw as i64])?,
                 ])
             }
@@ -379,18 +380,22 @@ impl Processor {
                     let left = (resized.width as isize - cw as isize).div_euclid(2);
                     resized = resized.crop(left, top, cw, ch);
                 }
-                let table = normalize.table();
+                let table = normalize.table_le_bytes();
                 let (w, h) = (resized.width, resized.height);
-                let mut values = vec![0f32; 3 * w * h];
-                for (i, px) in resized.data.chunks_exact(3).enumerate() {
-                    for c in 0..3 {
-                        values[c * w * h + i] = table[c][usize::from(px[c])];
-                    }
+                // Planar (C, H, W): one pass per channel keeps the writes sequential.
+                let mut values = Vec::with_capacity(3 * w * h);
+                for (c, channel) in table.iter().enumerate() {
+                    values.extend(
+                        resized
+                            .data
+                            .chunks_exact(3)
+                            .map(|px| channel[usize::from(px[c])]),
+                    );
                 }
-                Ok(vec![Tensor::from_f32(
+                Ok(vec![Tensor::from_f32_bytes(
                     "pixel_values",
                     &[1, 3, h, w],
-                    &values,
+                    values.into_flattened(),
                 )?])
             }
         }

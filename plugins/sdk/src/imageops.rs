@@ -116,12 +116,13 @@ fn axis_weights(in_size: usize, out_size: usize, filter: Filter) -> AxisWeights 
     }
 }
 
+// Accumulators are i32 as in Pillow: with weights normalised to 2^22, |sum| < 2^31 for u8 input.
 #[inline]
-fn clip8(acc: i64) -> u8 {
+fn clip8(acc: i32) -> u8 {
     (acc >> PRECISION_BITS).clamp(0, 255) as u8
 }
 
-const ROUNDING: i64 = 1 << (PRECISION_BITS - 1);
+const ROUNDING: i32 = 1 << (PRECISION_BITS - 1);
 
 fn resample_horizontal(src: &RgbImage, out_width: usize, filter: Filter) -> RgbImage {
     let axis = axis_weights(src.width, out_width, filter);
@@ -137,10 +138,9 @@ fn resample_horizontal(src: &RgbImage, out_width: usize, filter: Filter) -> RgbI
                 .iter()
                 .zip(row[start * CHANNELS..].chunks_exact(CHANNELS))
             {
-                let k = i64::from(*k);
-                r += i64::from(px[0]) * k;
-                g += i64::from(px[1]) * k;
-                b += i64::from(px[2]) * k;
+                r += i32::from(px[0]) * k;
+                g += i32::from(px[1]) * k;
+                b += i32::from(px[2]) * k;
             }
             out[0] = clip8(r);
             out[1] = clip8(g);
@@ -158,20 +158,20 @@ fn resample_vertical(src: &RgbImage, out_height: usize, filter: Filter) -> RgbIm
     let axis = axis_weights(src.height, out_height, filter);
     let row_len = src.width * CHANNELS;
     let mut data = vec![0u8; row_len * out_height];
-    let mut acc = vec![0i64; row_len];
+    let mut acc = vec![0i32; row_len];
     for (yy, out_row) in data.chunks_exact_mut(row_len).enumerate() {
         let start = axis.starts[yy];
         let kk = &axis.weights[yy * axis.ksize..(yy + 1) * axis.ksize];
         acc.fill(ROUNDING);
         // Row-wise accumulation keeps the inner loop contiguous (and vectorisable).
         for (k, y) in kk.iter().zip(start..src.height) {
-            let k = i64::from(*k);
+            let k = *k;
             if k == 0 {
                 continue;
             }
             let row = &src.data[y * row_len..(y + 1) * row_len];
             for (a, &p) in acc.iter_mut().zip(row) {
-                *a += i64::from(p) * k;
+                *a += i32::from(p) * k;
             }
         }
         for (o, &a) in out_row.iter_mut().zip(&acc) {
@@ -248,6 +248,11 @@ impl Normalize {
         }
         table
     }
+
+    /// [`Normalize::table`] as little-endian bytes, for writing f32 tensors without a second copy.
+    pub fn table_le_bytes(&self) -> [[[u8; 4]; 256]; 3] {
+        self.table().map(|channel| channel.map(f32::to_le_bytes))
+    }
 }
 
 /// Qwen2-VL's patch layout of one image repeated over `temporal` frames (HF: `np.tile` of a single
@@ -256,7 +261,7 @@ impl Normalize {
 ///
 /// `image` must have dimensions divisible by `patch * merge`. Values are written through `map`, so the
 /// same walk emits normalised floats or raw bytes.
-pub fn qwen2vl_patches<T: Copy + Default>(
+pub fn qwen2vl_patches<T: Copy>(
     image: &RgbImage,
     patch: usize,
     merge: usize,
@@ -265,8 +270,7 @@ pub fn qwen2vl_patches<T: Copy + Default>(
 ) -> Vec<T> {
     let (gh, gw) = (image.height / patch, image.width / patch);
     let row_len = CHANNELS * temporal * patch * patch;
-    let mut out = vec![T::default(); gh * gw * row_len];
-    let mut o = 0;
+    let mut out = Vec::with_capacity(gh * gw * row_len);
     for bh in 0..gh / merge {
         for bw in 0..gw / merge {
             for mh in 0..merge {
@@ -274,15 +278,15 @@ pub fn qwen2vl_patches<T: Copy + Default>(
                     let py = (bh * merge + mh) * patch;
                     let px = (bw * merge + mw) * patch;
                     for c in 0..CHANNELS {
+                        let first = out.len();
+                        for y in 0..patch {
+                            let base = ((py + y) * image.width + px) * CHANNELS;
+                            let row = &image.data[base..base + patch * CHANNELS];
+                            out.extend(row.iter().skip(c).step_by(CHANNELS).map(|&v| map(c, v)));
+                        }
                         // Every temporal copy is the same frame.
-                        for _ in 0..temporal {
-                            for y in 0..patch {
-                                let base = ((py + y) * image.width + px) * CHANNELS + c;
-                                for x in 0..patch {
-                                    out[o] = map(c, image.data[base + x * CHANNELS]);
-                                    o += 1;
-                                }
-                            }
+                        for _ in 1..temporal {
+                            out.extend_from_within(first..first + patch * patch);
                         }
                     }
                 }

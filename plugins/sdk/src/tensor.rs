@@ -49,13 +49,22 @@ impl Tensor {
 
     /// An `f32` tensor.
     pub fn from_f32(name: &str, shape: &[usize], values: &[f32]) -> PluginResult<Tensor> {
-        let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut data = Vec::with_capacity(values.len() * 4);
+        data.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        checked_tensor(name, Dtype::F32, shape, data)
+    }
+
+    /// An `f32` tensor from values already in little-endian bytes (no copy). Large outputs are
+    /// best written this way: e.g. a lookup table of `[u8; 4]` per input byte, then
+    /// `Vec::into_flattened`.
+    pub fn from_f32_bytes(name: &str, shape: &[usize], data: Vec<u8>) -> PluginResult<Tensor> {
         checked_tensor(name, Dtype::F32, shape, data)
     }
 
     /// An `i64` tensor.
     pub fn from_i64(name: &str, shape: &[usize], values: &[i64]) -> PluginResult<Tensor> {
-        let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut data = Vec::with_capacity(values.len() * 8);
+        data.extend(values.iter().flat_map(|v| v.to_le_bytes()));
         checked_tensor(name, Dtype::I64, shape, data)
     }
 
