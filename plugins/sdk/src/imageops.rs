@@ -128,23 +128,26 @@ fn resample_horizontal(src: &RgbImage, out_width: usize, filter: Filter) -> RgbI
     let axis = axis_weights(src.width, out_width, filter);
     let mut data = vec![0u8; out_width * src.height * CHANNELS];
     let in_row = src.width * CHANNELS;
+    // Each source row is widened to 4 bytes a pixel first, so a tap is one 4-lane multiply-add
+    // (which the compiler vectorises, natively and to wasm SIMD) instead of three scalar ones.
+    let mut padded = vec![0u8; src.width * 4];
     for (y, out_row) in data.chunks_exact_mut(out_width * CHANNELS).enumerate() {
         let row = &src.data[y * in_row..(y + 1) * in_row];
+        for (p, s) in padded.chunks_exact_mut(4).zip(row.chunks_exact(CHANNELS)) {
+            p[..CHANNELS].copy_from_slice(s);
+        }
         for (xx, out) in out_row.chunks_exact_mut(CHANNELS).enumerate() {
             let start = axis.starts[xx];
             let kk = &axis.weights[xx * axis.ksize..(xx + 1) * axis.ksize];
-            let (mut r, mut g, mut b) = (ROUNDING, ROUNDING, ROUNDING);
-            for (k, px) in kk
-                .iter()
-                .zip(row[start * CHANNELS..].chunks_exact(CHANNELS))
-            {
-                r += i32::from(px[0]) * k;
-                g += i32::from(px[1]) * k;
-                b += i32::from(px[2]) * k;
+            let mut acc = [ROUNDING; 4];
+            for (k, px) in kk.iter().zip(padded[start * 4..].chunks_exact(4)) {
+                for (a, &p) in acc.iter_mut().zip(px) {
+                    *a += i32::from(p) * k;
+                }
             }
-            out[0] = clip8(r);
-            out[1] = clip8(g);
-            out[2] = clip8(b);
+            for (o, &a) in out.iter_mut().zip(&acc) {
+                *o = clip8(a);
+            }
         }
     }
     RgbImage {
