@@ -56,16 +56,7 @@ fn f32_values(view: &safetensors::tensor::TensorView<'_>) -> Vec<f32> {
         safetensors::Dtype::F16 => view
             .data()
             .chunks_exact(2)
-            .map(|b| {
-                let bits = u16::from_le_bytes([b[0], b[1]]);
-                let sign = if bits & 0x8000 != 0 { -1.0 } else { 1.0 };
-                let exponent = i32::from((bits >> 10) & 0x1f);
-                let mantissa = f32::from(bits & 0x3ff);
-                match exponent {
-                    0 => sign * mantissa * 2f32.powi(-24),
-                    e => sign * (1.0 + mantissa / 1024.0) * 2f32.powi(e - 15),
-                }
-            })
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
         other => panic!("unexpected dtype {other:?}"),
     }

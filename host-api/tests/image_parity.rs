@@ -75,21 +75,9 @@ fn golden_f32(golden: &SafeTensors, name: &str) -> (Vec<u64>, Vec<f32>) {
     let values = view
         .data()
         .chunks_exact(2)
-        .map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
         .collect();
     (view.shape().iter().map(|&d| d as u64).collect(), values)
-}
-
-/// IEEE half → single (the goldens' storage format; exact for every finite half).
-fn f16_to_f32(bits: u16) -> f32 {
-    let sign = if bits & 0x8000 != 0 { -1.0 } else { 1.0 };
-    let exponent = i32::from((bits >> 10) & 0x1f);
-    let mantissa = f32::from(bits & 0x3ff);
-    match exponent {
-        0 => sign * mantissa * 2f32.powi(-24),
-        31 => sign * f32::INFINITY,
-        e => sign * (1.0 + mantissa / 1024.0) * 2f32.powi(e - 15),
-    }
 }
 
 /// Runs one case; returns the largest pixel difference, or None for an error case.
