@@ -268,3 +268,26 @@ fn decompression_bombs_stop_at_the_memory_cap() {
         .unwrap();
     assert_eq!(plugin.preprocess(&media, &plan, QWEN2_VL).unwrap().len(), 2);
 }
+
+/// `plan` trusts nothing in the media info it is handed: no or zero dimensions are a typed error,
+/// not a trap.
+#[test]
+fn plan_refuses_media_info_without_dimensions() {
+    let plugin = image_plugin();
+    let media = Media {
+        data: bmp(8, 8),
+        mime_type: None,
+    };
+    let mut info = plugin.probe(&media).unwrap();
+    for (width, height) in [(None, Some(8)), (Some(0), Some(8)), (Some(8), Some(0))] {
+        info.width = width;
+        info.height = height;
+        let error = plugin
+            .plan(&info, Budget { max_tokens: 100 }, QWEN2_VL)
+            .unwrap_err();
+        assert!(
+            matches!(&error, CallError::Plugin(PluginError::InvalidMedia(_))),
+            "{width:?}x{height:?}: {error:?}"
+        );
+    }
+}

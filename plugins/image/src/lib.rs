@@ -41,8 +41,10 @@ impl Plugin for ImagePlugin {
 
     fn plan(info: MediaInfo, budget: Budget, config: ProcessorConfig) -> PluginResult<TokenPlan> {
         let processor = Processor::from_config(&config)?;
-        let (Some(width), Some(height)) = (info.width, info.height) else {
-            return Err(PluginError::invalid("the probe found no image dimensions"));
+        let (Some(width @ 1..), Some(height @ 1..)) = (info.width, info.height) else {
+            return Err(PluginError::invalid(
+                "the media info has no image dimensions (was it probed by this plugin?)",
+            ));
         };
         processor.plan(width as usize, height as usize, budget.max_tokens)
     }
