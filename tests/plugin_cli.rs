@@ -2,19 +2,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use mmgate_host::builtin::artifact_dir;
 use sha2::{Digest, Sha256};
 
-fn mmgate(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_mmgate"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run mmgate")
-}
+use common::mmgate;
 
 fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()

@@ -3,11 +3,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use safetensors::SafeTensors;
 use serde_json::Value;
+
+use common::mmgate;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/image")
@@ -24,14 +28,6 @@ fn model_dir(name: &str) -> tempfile::TempDir {
     dir
 }
 
-fn mmgate(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_mmgate"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run mmgate")
-}
-
 fn preprocess(model: &Path, image: &Path, out: &Path, extra: &[&str]) -> Output {
     let mut args = vec![
         "preprocess",
@@ -43,6 +39,25 @@ fn preprocess(model: &Path, image: &Path, out: &Path, extra: &[&str]) -> Output 
     ];
     args.extend_from_slice(extra);
     mmgate(&args)
+}
+
+/// `mmgate preprocess --explain` of fixture `image` with fixture config `config` (plus `extra`
+/// flags), which must succeed: its `--explain` JSON and the safetensors file it wrote.
+fn preprocess_ok(config: &str, image: &str, extra: &[&str]) -> (Value, Vec<u8>) {
+    let model = model_dir(config);
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = out_dir.path().join("out.safetensors");
+    let mut flags = vec!["--explain"];
+    flags.extend_from_slice(extra);
+    let result = preprocess(
+        model.path(),
+        &fixtures().join("images").join(image),
+        &out,
+        &flags,
+    );
+    assert!(result.status.success(), "{result:?}");
+    let explain = serde_json::from_slice(&result.stdout).unwrap();
+    (explain, std::fs::read(&out).unwrap())
 }
 
 fn f32_values(view: &safetensors::tensor::TensorView<'_>) -> Vec<f32> {
@@ -72,14 +87,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn qwen2_vl_output_is_hf_layout_and_matches_the_golden() {
-    let model = model_dir("qwen2-vl");
-    let out_dir = tempfile::tempdir().unwrap();
-    let out = out_dir.path().join("out.safetensors");
-    let image = fixtures().join("images/png-rgba.png");
-    let result = preprocess(model.path(), &image, &out, &["--explain"]);
-    assert!(result.status.success(), "{result:?}");
-
-    let explain: Value = serde_json::from_slice(&result.stdout).unwrap();
+    let (explain, bytes) = preprocess_ok("qwen2-vl", "png-rgba.png", &[]);
     assert_eq!(explain["original_size"]["width"], 111);
     assert_eq!(explain["original_size"]["height"], 111);
     assert_eq!(explain["resized_size"]["width"], 112);
@@ -87,7 +95,6 @@ fn qwen2_vl_output_is_hf_layout_and_matches_the_golden() {
     assert_eq!(explain["tokens"], 16);
     assert!(explain["time_ms"]["total"].as_f64().unwrap() > 0.0);
 
-    let bytes = std::fs::read(&out).unwrap();
     let written = SafeTensors::deserialize(&bytes).unwrap();
     let golden_bytes =
         std::fs::read(fixtures().join("goldens/qwen2-vl--png-rgba.safetensors")).unwrap();
@@ -109,15 +116,8 @@ fn qwen2_vl_output_is_hf_layout_and_matches_the_golden() {
 
 #[test]
 fn fixed_size_output_is_nchw() {
-    let model = model_dir("clip-vit-l-336");
-    let out_dir = tempfile::tempdir().unwrap();
-    let out = out_dir.path().join("clip.safetensors");
-    let image = fixtures().join("images/png-rgb-wide.png");
-    let result = preprocess(model.path(), &image, &out, &["--explain"]);
-    assert!(result.status.success(), "{result:?}");
-    let explain: Value = serde_json::from_slice(&result.stdout).unwrap();
+    let (explain, bytes) = preprocess_ok("clip-vit-l-336", "png-rgb-wide.png", &[]);
     assert_eq!(explain["tokens"], 576);
-    let bytes = std::fs::read(&out).unwrap();
     let written = SafeTensors::deserialize(&bytes).unwrap();
     let pixel_values = written.tensor("pixel_values").unwrap();
     assert_eq!(pixel_values.dtype(), safetensors::Dtype::F32);
@@ -127,21 +127,13 @@ fn fixed_size_output_is_nchw() {
 
 #[test]
 fn a_budget_shrinks_the_image_and_says_so() {
-    let model = model_dir("qwen2-vl");
-    let out_dir = tempfile::tempdir().unwrap();
-    let out = out_dir.path().join("small.safetensors");
-    let image = fixtures().join("images/photo-640x480.jpg");
-    let result = preprocess(
-        model.path(),
-        &image,
-        &out,
-        &["--explain", "--max-tokens", "40"],
-    );
-    assert!(result.status.success(), "{result:?}");
-    let explain: Value = serde_json::from_slice(&result.stdout).unwrap();
+    let (explain, bytes) = preprocess_ok("qwen2-vl", "photo-640x480.jpg", &["--max-tokens", "40"]);
     assert_eq!(explain["tokens"], 35);
     assert_eq!(explain["reduced"], true);
     assert!(explain["reason"].as_str().unwrap().contains("budget of 40"));
+    // 196x140: a 14x10 grid of patches, 35 merged tokens.
+    let written = SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(written.tensor("pixel_values").unwrap().shape(), [140, 1176]);
 }
 
 /// Bad input: a non-zero exit and exactly one line saying why, and no output file.

@@ -28,7 +28,7 @@ fn main() {
         mime_type: None,
     };
     let config = std::fs::read_to_string(config).unwrap();
-    let iterations: usize = iterations.parse().unwrap();
+    let iterations: usize = iterations.parse::<usize>().unwrap().max(1);
     let sandbox = Arc::new(Sandbox::new(SandboxLimits::default()).unwrap());
     let registry = PluginRegistry::builtin(&sandbox).unwrap();
     let plugin = registry.for_modality("image").unwrap();

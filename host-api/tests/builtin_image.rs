@@ -38,13 +38,45 @@ const QWEN2_VL: &str = r#"{"image_processor_type": "Qwen2VLImageProcessor",
     "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
     "merge_size": 2}"#;
 
-fn image_plugin() -> Arc<mmgate_host::LoadedPlugin> {
-    let sandbox = Arc::new(Sandbox::new(SandboxLimits::default()).unwrap());
+fn image_plugin_with(limits: SandboxLimits) -> Arc<mmgate_host::LoadedPlugin> {
+    let sandbox = Arc::new(Sandbox::new(limits).unwrap());
     let registry = PluginRegistry::builtin(&sandbox).unwrap();
     registry
         .for_modality("image")
         .expect("a built-in image plugin")
         .clone()
+}
+
+fn image_plugin() -> Arc<mmgate_host::LoadedPlugin> {
+    image_plugin_with(SandboxLimits::default())
+}
+
+fn media(data: Vec<u8>) -> Media {
+    Media {
+        data,
+        mime_type: None,
+    }
+}
+
+/// Probe, plan with room for any size, preprocess: a request's whole path. The probe must pass.
+fn preprocess_qwen2_vl(
+    plugin: &mmgate_host::LoadedPlugin,
+    media: &Media,
+) -> Result<Vec<mmgate_host::Tensor>, CallError> {
+    let info = plugin.probe(media).unwrap();
+    let budget = Budget {
+        max_tokens: u32::MAX,
+    };
+    let plan = plugin.plan(&info, budget, QWEN2_VL)?;
+    plugin.preprocess(media, &plan, QWEN2_VL)
+}
+
+/// The error of a call that must fail (a success would print megabytes of tensors in `unwrap_err`).
+fn failure<T>(result: Result<T, CallError>, what: &str) -> CallError {
+    match result {
+        Ok(_) => panic!("{what}: expected an error"),
+        Err(error) => error,
+    }
 }
 
 #[test]
@@ -98,48 +130,6 @@ fn over_budget_says_what_the_smallest_size_needs() {
     );
 }
 
-#[test]
-fn bad_images_get_typed_errors() {
-    let plugin = image_plugin();
-    type Expected = fn(&PluginError) -> bool;
-    let cases: [(&[u8], Expected); 3] = [
-        (b"", |e| matches!(e, PluginError::InvalidMedia(_))),
-        (b"definitely not an image", |e| {
-            matches!(e, PluginError::InvalidMedia(_))
-        }),
-        // A BMP header claiming 20000 x 20000 pixels (400 MP): refused from the header, before decoding.
-        (&bmp_header(20_000, 20_000), |e| {
-            matches!(e, PluginError::LimitExceeded(_))
-        }),
-    ];
-    for (bytes, expected) in cases {
-        let media = Media {
-            data: bytes.to_vec(),
-            mime_type: None,
-        };
-        match plugin.probe(&media) {
-            Err(CallError::Plugin(e)) => assert!(expected(&e), "{e:?}"),
-            other => panic!("expected a typed plugin error, got {other:?}"),
-        }
-    }
-    // Truncated pixel data: the header is fine, decoding fails cleanly.
-    let mut truncated = bmp(64, 64);
-    truncated.truncate(200);
-    let media = Media {
-        data: truncated,
-        mime_type: None,
-    };
-    let info = plugin.probe(&media).unwrap();
-    let plan = plugin
-        .plan(&info, Budget { max_tokens: 1000 }, QWEN2_VL)
-        .unwrap();
-    let error = plugin.preprocess(&media, &plan, QWEN2_VL).unwrap_err();
-    assert!(
-        matches!(error, CallError::Plugin(PluginError::InvalidMedia(_))),
-        "{error:?}"
-    );
-}
-
 fn bmp_header(width: u32, height: u32) -> Vec<u8> {
     let mut header = bmp(1, 1);
     header[18..22].copy_from_slice(&width.to_le_bytes());
@@ -172,55 +162,56 @@ fn bad_image(name: &str) -> Media {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures/image/bad")
         .join(name);
-    Media {
-        data: std::fs::read(path).unwrap(),
-        mime_type: None,
-    }
+    media(std::fs::read(path).unwrap())
 }
 
 #[test]
 fn hostile_image_files_get_typed_errors() {
     let plugin = image_plugin();
     type Expected = fn(&PluginError) -> bool;
-    let refused_at_probe: [(&str, Expected); 3] = [
+    let refused_at_probe: [(Media, Expected); 5] = [
         (
-            "empty.png",
+            bad_image("empty.png"),
             |e| matches!(e, PluginError::InvalidMedia(m) if m.contains("empty")),
         ),
         (
-            "text.png",
+            bad_image("text.png"),
             |e| matches!(e, PluginError::InvalidMedia(m) if m.contains("not an image")),
         ),
         (
-            "header-30000x30000.png",
+            bad_image("header-30000x30000.png"),
             |e| matches!(e, PluginError::LimitExceeded(m) if m.contains("900000000 pixels")),
         ),
+        // A BMP header claiming 20000 x 20000 pixels (400 MP): refused before any decoding.
+        (media(bmp_header(20_000, 20_000)), |e| {
+            matches!(e, PluginError::LimitExceeded(_))
+        }),
+        // 500:1 is past the aspect-ratio limit.
+        (
+            media(bmp_header(1000, 2)),
+            |e| matches!(e, PluginError::LimitExceeded(m) if m.contains("aspect ratio")),
+        ),
     ];
-    for (name, expected) in refused_at_probe {
-        match plugin.probe(&bad_image(name)) {
-            Err(CallError::Plugin(e)) => assert!(expected(&e), "{name}: {e:?}"),
-            other => panic!("{name}: expected a typed plugin error, got {other:?}"),
+    for (item, expected) in refused_at_probe {
+        match plugin.probe(&item) {
+            Err(CallError::Plugin(e)) => assert!(expected(&e), "{e:?}"),
+            other => panic!("expected a typed plugin error, got {other:?}"),
         }
     }
-    // The truncated JPEG's header is intact: the probe passes, decoding fails cleanly.
-    let truncated = bad_image("truncated.jpg");
-    let info = plugin.probe(&truncated).unwrap();
-    let plan = plugin
-        .plan(
-            &info,
-            Budget {
-                max_tokens: 100_000,
-            },
-            QWEN2_VL,
-        )
-        .unwrap();
-    // (Pillow refuses it too; the JPEG decoder alone would fill the missing part with grey.)
-    match plugin.preprocess(&truncated, &plan, QWEN2_VL) {
-        Ok(_) => panic!("a truncated JPEG was decoded"),
-        Err(error) => assert!(
-            matches!(&error, CallError::Plugin(PluginError::InvalidMedia(m)) if m.contains("truncated")),
+
+    // Headers intact, pixel data cut off: the probe passes, decoding refuses them. (For JPEG the
+    // decoder alone would fill the missing part with grey; Pillow refuses it, and so does the plugin.)
+    let mut truncated_bmp = bmp(64, 64);
+    truncated_bmp.truncate(200);
+    for (item, reason) in [
+        (bad_image("truncated.jpg"), "truncated"),
+        (media(truncated_bmp), "cannot decode"),
+    ] {
+        let error = failure(preprocess_qwen2_vl(&plugin, &item), reason);
+        assert!(
+            matches!(&error, CallError::Plugin(PluginError::InvalidMedia(m)) if m.contains(reason)),
             "{error:?}"
-        ),
+        );
     }
 }
 
@@ -228,45 +219,24 @@ fn hostile_image_files_get_typed_errors() {
 /// memory cap (a typed error, nothing allocated past it) and the same plugin serves the next image.
 #[test]
 fn decompression_bombs_stop_at_the_memory_cap() {
-    let limits = SandboxLimits {
+    let plugin = image_plugin_with(SandboxLimits {
         memory_bytes: 64 << 20,
         ..SandboxLimits::default()
-    };
-    let sandbox = Arc::new(Sandbox::new(limits).unwrap());
-    let plugin = PluginRegistry::builtin(&sandbox)
-        .unwrap()
-        .for_modality("image")
-        .unwrap()
-        .clone();
+    });
     let bomb = bad_image("bomb-4000x4000.png");
     let info = plugin.probe(&bomb).unwrap();
     assert_eq!((info.width, info.height), (Some(4000), Some(4000)));
-    let plan = plugin
-        .plan(
-            &info,
-            Budget {
-                max_tokens: 100_000,
-            },
-            QWEN2_VL,
-        )
-        .unwrap();
-    match plugin.preprocess(&bomb, &plan, QWEN2_VL) {
-        Ok(_) => panic!("the bomb decoded under a 64 MiB cap"),
-        Err(error) => assert!(
-            matches!(error, CallError::Memory { limit } if limit == 64 << 20),
-            "{error:?}"
-        ),
-    }
-
-    let media = Media {
-        data: bmp(30, 20),
-        mime_type: None,
-    };
-    let info = plugin.probe(&media).unwrap();
-    let plan = plugin
-        .plan(&info, Budget { max_tokens: 1000 }, QWEN2_VL)
-        .unwrap();
-    assert_eq!(plugin.preprocess(&media, &plan, QWEN2_VL).unwrap().len(), 2);
+    let error = failure(preprocess_qwen2_vl(&plugin, &bomb), "the bomb");
+    assert!(
+        matches!(error, CallError::Memory { limit } if limit == 64 << 20),
+        "{error:?}"
+    );
+    assert_eq!(
+        preprocess_qwen2_vl(&plugin, &media(bmp(30, 20)))
+            .unwrap()
+            .len(),
+        2
+    );
 }
 
 /// `plan` trusts nothing in the media info it is handed: no or zero dimensions are a typed error,
@@ -274,11 +244,7 @@ fn decompression_bombs_stop_at_the_memory_cap() {
 #[test]
 fn plan_refuses_media_info_without_dimensions() {
     let plugin = image_plugin();
-    let media = Media {
-        data: bmp(8, 8),
-        mime_type: None,
-    };
-    let mut info = plugin.probe(&media).unwrap();
+    let mut info = plugin.probe(&media(bmp(8, 8))).unwrap();
     for (width, height) in [(None, Some(8)), (Some(0), Some(8)), (Some(8), Some(0))] {
         info.width = width;
         info.height = height;

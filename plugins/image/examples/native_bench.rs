@@ -13,7 +13,10 @@ fn main() -> Result<(), String> {
     };
     let data = std::fs::read(image).map_err(|e| format!("{image}: {e}"))?;
     let config = std::fs::read_to_string(config).map_err(|e| format!("{config}: {e}"))?;
-    let iterations: usize = iterations.parse().map_err(|e| format!("{e}"))?;
+    let iterations: usize = iterations
+        .parse::<usize>()
+        .map_err(|e| format!("{e}"))?
+        .max(1);
     let run = || {
         mmgate_image_plugin::preprocess_bytes(data.clone(), &config, u32::MAX)
             .map_err(|e| format!("{e:?}"))

@@ -104,16 +104,23 @@ fn positive(name: &str, value: usize) -> PluginResult<usize> {
     Ok(value)
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    Qwen2Vl,
+    Clip,
+    Siglip,
+}
+
 /// The processor family a class name belongs to: HF's PIL (`...Pil`), torchvision (`...Fast`) and
 /// feature-extractor classes all compute the same thing.
-fn family(class: &str) -> &str {
+fn family(class: &str) -> Option<Family> {
     let class = class.strip_suffix("Pil").unwrap_or(class);
     let class = class.strip_suffix("Fast").unwrap_or(class);
     match class {
-        "Qwen2VLImageProcessor" | "Qwen2_5_VLImageProcessor" => "qwen2-vl",
-        "CLIPImageProcessor" | "CLIPFeatureExtractor" => "clip",
-        "SiglipImageProcessor" => "siglip",
-        _ => "unknown",
+        "Qwen2VLImageProcessor" | "Qwen2_5_VLImageProcessor" => Some(Family::Qwen2Vl),
+        "CLIPImageProcessor" | "CLIPFeatureExtractor" => Some(Family::Clip),
+        "SiglipImageProcessor" => Some(Family::Siglip),
+        _ => None,
     }
 }
 
@@ -129,7 +136,12 @@ impl Processor {
                     "processor config names no image_processor_type (or feature_extractor_type)",
                 )
             })?;
-        let family = family(kind);
+        let family = family(kind).ok_or_else(|| {
+            PluginError::unsupported(format!(
+                "image processor type {kind:?} is not supported (supported: {})",
+                SUPPORTED.join(", ")
+            ))
+        })?;
         let filter = match raw.resample {
             None => Filter::Bicubic,
             Some(code) => Filter::from_pil_code(code).ok_or_else(|| {
@@ -162,7 +174,7 @@ impl Processor {
             ));
         }
         match family {
-            "qwen2-vl" => {
+            Family::Qwen2Vl => {
                 let size = match &raw.size {
                     Some(SizeField::Dict(size)) => Some(size),
                     _ => None,
@@ -193,8 +205,8 @@ impl Processor {
                     normalize: normalize(CLIP_MEAN, CLIP_STD),
                 })
             }
-            "clip" | "siglip" => {
-                let siglip = family == "siglip";
+            Family::Clip | Family::Siglip => {
+                let siglip = family == Family::Siglip;
                 let resize = match raw.size {
                     Some(SizeField::Edge(edge)) => {
                         FixedResize::ShortestEdge(positive("size", edge)?)
@@ -253,10 +265,6 @@ impl Processor {
                     normalize: normalize(mean, std),
                 })
             }
-            _ => Err(PluginError::unsupported(format!(
-                "image processor type {kind:?} is not supported (supported: {})",
-                SUPPORTED.join(", ")
-            ))),
         }
     }
 

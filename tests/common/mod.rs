@@ -1,0 +1,17 @@
+//! What the end-to-end tests share: running the real `mmgate` binary.
+// Each test file is its own crate and uses only part of this module.
+#![allow(dead_code)]
+
+use std::process::{Command, Output};
+
+/// The built `mmgate` binary, with logs quiet enough that stderr carries only what a test checks.
+pub fn mmgate_command() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_mmgate"));
+    command.env("RUST_LOG", "warn");
+    command
+}
+
+/// Runs `mmgate ARGS...` to completion.
+pub fn mmgate(args: &[&str]) -> Output {
+    mmgate_command().args(args).output().expect("run mmgate")
+}
