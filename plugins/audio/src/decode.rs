@@ -1,0 +1,280 @@
+//! Reading audio with symphonia: header-only probing with limits, then a bounded decode to mono.
+//!
+//! Formats: WAV (8/16/24/32-bit PCM, float), MP3, FLAC, Ogg Vorbis, AAC-LC in MP4/M4A. The container
+//! is recognised from the bytes; the client's MIME type is only a hint.
+
+use std::io::Cursor;
+
+use mmgate_plugin_sdk::*;
+use symphonia::core::codecs::audio::{AudioDecoder, AudioDecoderOptions};
+use symphonia::core::errors::Error as SymphoniaError;
+use symphonia::core::formats::probe::Hint;
+use symphonia::core::formats::{FormatOptions, FormatReader, Track, TrackType};
+use symphonia::core::io::MediaSourceStream;
+use symphonia::core::meta::MetadataOptions;
+
+/// Largest encoded file accepted: 10 minutes of 48 kHz stereo 24-bit WAV is 173 MB; the gateway's
+/// own upload limit (25 MB by default, like OpenAI's) is far below this.
+pub const MAX_AUDIO_BYTES: usize = 192 << 20;
+/// Longest audio accepted, in seconds (10 minutes = 20 chunks of 30 s).
+pub const MAX_DURATION_SECONDS: f64 = 600.0;
+/// Most channels accepted (7.1 surround is 8).
+pub const MAX_CHANNELS: u32 = 16;
+/// Sample rates outside this range are not real audio.
+pub const SAMPLE_RATES: std::ops::RangeInclusive<u32> = 1_000..=384_000;
+
+pub const MIME_TYPES: &[&str] = &[
+    "audio/wav",
+    "audio/x-wav",
+    "audio/wave",
+    "audio/vnd.wave",
+    "audio/mpeg",
+    "audio/mp3",
+    "audio/flac",
+    "audio/x-flac",
+    "audio/ogg",
+    "audio/vorbis",
+    "audio/mp4",
+    "audio/m4a",
+    "audio/x-m4a",
+    "audio/aac",
+];
+
+/// What `probe` learns without decoding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Header {
+    /// `container/codec`, e.g. `wav/pcm_s16le`, `mp3/mp3`, `mp4/aac`.
+    pub format: String,
+    pub codec: String,
+    pub sample_rate: u32,
+    pub channels: u32,
+    /// Frames (samples per channel) the decoder will produce.
+    pub frames: u64,
+}
+
+impl Header {
+    pub fn duration_seconds(&self) -> f64 {
+        self.frames as f64 / f64::from(self.sample_rate)
+    }
+}
+
+/// A demuxer positioned on the audio track of `data`.
+struct Demuxer<'a> {
+    reader: Box<dyn FormatReader + 'a>,
+    track: Track,
+}
+
+fn open(data: &[u8]) -> PluginResult<Demuxer<'_>> {
+    if data.is_empty() {
+        return Err(PluginError::invalid("the audio file is empty (0 bytes)"));
+    }
+    if data.len() > MAX_AUDIO_BYTES {
+        return Err(PluginError::limit(format!(
+            "the audio file is {} bytes, more than the limit of {MAX_AUDIO_BYTES}",
+            data.len()
+        )));
+    }
+    let source = MediaSourceStream::new(Box::new(Cursor::new(data)), Default::default());
+    let reader = symphonia::default::get_probe()
+        .probe(
+            &Hint::new(),
+            source,
+            FormatOptions::default(),
+            MetadataOptions::default(),
+        )
+        .map_err(|e| match e {
+            SymphoniaError::Unsupported(_) => PluginError::unsupported(
+                "not a supported audio file: WAV, MP3, FLAC, Ogg Vorbis and AAC in MP4/M4A are",
+            ),
+            other => PluginError::invalid(format!("cannot read the audio container: {other}")),
+        })?;
+    let track = reader
+        .default_track(TrackType::Audio)
+        .cloned()
+        .ok_or_else(|| PluginError::invalid("the file has no audio track"))?;
+    Ok(Demuxer { reader, track })
+}
+
+fn make_decoder(track: &Track) -> PluginResult<Box<dyn AudioDecoder>> {
+    let params = track
+        .codec_params
+        .as_ref()
+        .and_then(|p| p.audio())
+        .ok_or_else(|| PluginError::invalid("the audio track has no codec parameters"))?;
+    symphonia::default::get_codecs()
+        .make_audio_decoder(params, &AudioDecoderOptions::default())
+        .map_err(|e| {
+            PluginError::unsupported(format!(
+                "the audio codec is not supported ({e}): PCM, MP3, FLAC, Vorbis and AAC-LC are"
+            ))
+        })
+}
+
+fn codec_name(track: &Track) -> String {
+    track
+        .codec_params
+        .as_ref()
+        .and_then(|p| p.audio())
+        .and_then(|p| symphonia::default::get_codecs().get_audio_decoder(p.codec))
+        .map_or_else(|| "unknown".to_owned(), |d| d.codec.info.short_name.to_owned())
+}
+
+/// Read the header: container, codec, rate, channels and length, with the limits applied. The
+/// length comes from the container when it records it; otherwise the packets are walked (demuxed,
+/// not decoded) and their durations summed.
+pub fn probe(data: &[u8]) -> PluginResult<Header> {
+    let Demuxer { mut reader, track } = open(data)?;
+    // Fails here, not after the limits pass, when the codec is one we cannot decode.
+    make_decoder(&track)?;
+    let params = track.codec_params.as_ref().and_then(|p| p.audio());
+    let sample_rate = params
+        .and_then(|p| p.sample_rate)
+        .ok_or_else(|| PluginError::invalid("the audio track does not say its sample rate"))?;
+    if !SAMPLE_RATES.contains(&sample_rate) {
+        return Err(PluginError::invalid(format!(
+            "sample rate {sample_rate} Hz is not plausible audio ({}..={} Hz accepted)",
+            SAMPLE_RATES.start(),
+            SAMPLE_RATES.end()
+        )));
+    }
+    let channels = params
+        .and_then(|p| p.channels.as_ref())
+        .map(|c| c.count() as u32)
+        .ok_or_else(|| PluginError::invalid("the audio track does not say its channel count"))?;
+    if channels == 0 {
+        return Err(PluginError::invalid("the audio track has no channels"));
+    }
+    if channels > MAX_CHANNELS {
+        return Err(PluginError::limit(format!(
+            "{channels} audio channels, more than the limit of {MAX_CHANNELS}"
+        )));
+    }
+    let max_frames = (MAX_DURATION_SECONDS * f64::from(sample_rate)) as u64;
+    let frames = match track.num_frames {
+        Some(frames) => frames,
+        None => count_frames(reader.as_mut(), track.id, max_frames)?,
+    };
+    let header = Header {
+        format: format!("{}/{}", reader.format_info().short_name, codec_name(&track)),
+        codec: codec_name(&track),
+        sample_rate,
+        channels,
+        frames,
+    };
+    check_duration(header.duration_seconds())?;
+    if frames == 0 {
+        return Err(PluginError::invalid("the audio track has no samples"));
+    }
+    Ok(header)
+}
+
+fn check_duration(seconds: f64) -> PluginResult<()> {
+    if seconds > MAX_DURATION_SECONDS {
+        return Err(PluginError::limit(format!(
+            "the audio is {seconds:.1} s long, more than the limit of {MAX_DURATION_SECONDS} s"
+        )));
+    }
+    Ok(())
+}
+
+/// Sum packet durations without decoding; stops as soon as the duration limit is passed.
+fn count_frames(reader: &mut dyn FormatReader, track_id: u32, max_frames: u64) -> PluginResult<u64> {
+    let mut frames = 0u64;
+    while let Some(packet) = next_packet(reader)? {
+        if packet.track_id == track_id {
+            frames = frames.saturating_add(packet.dur.get());
+            if frames > max_frames {
+                break;
+            }
+        }
+    }
+    Ok(frames)
+}
+
+fn next_packet(
+    reader: &mut dyn FormatReader,
+) -> PluginResult<Option<symphonia::core::packet::Packet>> {
+    match reader.next_packet() {
+        Ok(packet) => Ok(packet),
+        // A stream that ends mid-packet ends there, as every player treats it.
+        Err(SymphoniaError::IoError(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
+        Err(e) => Err(PluginError::invalid(format!("cannot read the audio stream: {e}"))),
+    }
+}
+
+/// Decoded audio: one channel (the mean of all channels) at the file's own rate.
+pub struct MonoAudio {
+    pub samples: Vec<f32>,
+    pub sample_rate: u32,
+}
+
+/// Decode the whole audio track to mono f32 (the channel mean, as librosa's `to_mono`). Bounded: a
+/// file whose packets run past the duration limit (its header lied) is refused while decoding.
+pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
+    let header = probe(data)?;
+    let Demuxer { mut reader, track } = open(data)?;
+    let mut decoder = make_decoder(&track)?;
+    let max_frames = (MAX_DURATION_SECONDS * f64::from(header.sample_rate)) as usize;
+    let channels = header.channels as usize;
+    let mut samples: Vec<f32> = Vec::with_capacity(header.frames.min(max_frames as u64) as usize);
+    let mut interleaved: Vec<f32> = Vec::new();
+    let (mut packets, mut bad_packets) = (0usize, 0usize);
+    while let Some(packet) = next_packet(reader.as_mut())? {
+        if packet.track_id != track.id {
+            continue;
+        }
+        packets += 1;
+        let decoded = match decoder.decode(&packet) {
+            Ok(decoded) => decoded,
+            // A corrupt packet is skipped (what players and FFmpeg do); a file of nothing else is
+            // refused below.
+            Err(SymphoniaError::DecodeError(_) | SymphoniaError::IoError(_)) => {
+                bad_packets += 1;
+                continue;
+            }
+            Err(e) => return Err(PluginError::invalid(format!("cannot decode the audio: {e}"))),
+        };
+        let packet_channels = decoded.spec().channels().count();
+        if packet_channels != channels {
+            return Err(PluginError::invalid(format!(
+                "the channel count changes mid-stream ({channels} → {packet_channels})"
+            )));
+        }
+        decoded.copy_to_vec_interleaved(&mut interleaved);
+        if channels == 1 {
+            samples.extend_from_slice(&interleaved);
+        } else {
+            let scale = 1.0 / channels as f32;
+            samples.extend(
+                interleaved
+                    .chunks_exact(channels)
+                    .map(|frame| frame.iter().sum::<f32>() * scale),
+            );
+        }
+        if samples.len() > max_frames {
+            return Err(PluginError::limit(format!(
+                "the audio runs past the limit of {MAX_DURATION_SECONDS} s while decoding (its \
+                 header said {:.1} s)",
+                header.duration_seconds()
+            )));
+        }
+    }
+    if samples.is_empty() {
+        return Err(PluginError::invalid(if bad_packets > 0 {
+            format!("none of the {packets} audio packets could be decoded")
+        } else {
+            "the audio stream holds no samples".to_owned()
+        }));
+    }
+    // The host's log exists only inside the sandbox (the native benchmark build has no host).
+    #[cfg(target_arch = "wasm32")]
+    if bad_packets > 0 {
+        log::warn(&format!(
+            "skipped {bad_packets} of {packets} corrupt audio packets"
+        ));
+    }
+    Ok(MonoAudio {
+        samples,
+        sample_rate: header.sample_rate,
+    })
+}

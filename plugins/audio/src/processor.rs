@@ -1,0 +1,378 @@
+//! The Whisper feature extractor's configuration, the token plan, and chunked feature extraction.
+//!
+//! Audio longer than one chunk (30 s) is split into consecutive chunks, each one encoder input,
+//! each processed exactly as `WhisperFeatureExtractor` processes a clip of that length: padded with
+//! silence to 30 s, its own log-mel with its own 8-decade floor, and an attention mask over the
+//! frames that hold audio.
+
+use mmgate_plugin_sdk::*;
+use serde::{Deserialize, Serialize};
+
+use crate::mel::{HOP_LENGTH, LogMel, N_FFT, SAMPLE_RATE};
+
+pub const SUPPORTED: &[&str] = &["WhisperFeatureExtractor"];
+
+/// How a model turns one chunk's mel frames into LLM tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TokenRule {
+    /// The Whisper encoder: a fixed 1500 positions per 30 s chunk, padding included.
+    Whisper,
+    /// Qwen2-Audio and Qwen2.5-Omni: the encoder's stride-2 convolution then a stride-2 pooling
+    /// over the frames that hold audio: `((L - 1) // 2 + 1 - 2) // 2 + 1`.
+    Qwen2Audio,
+}
+
+impl TokenRule {
+    /// The rule the model's processor implies (`processor_class` in `preprocessor_config.json`).
+    fn for_processor_class(class: Option<&str>) -> Self {
+        match class {
+            Some(c) if c.starts_with("Qwen2Audio") || c.contains("Omni") => TokenRule::Qwen2Audio,
+            _ => TokenRule::Whisper,
+        }
+    }
+
+    /// Tokens for a chunk whose audio covers `frames` of its `max_frames` mel frames.
+    fn tokens(self, frames: u64, max_frames: u64) -> u64 {
+        match self {
+            TokenRule::Whisper => max_frames / 2,
+            TokenRule::Qwen2Audio => {
+                let after_conv = (frames.saturating_sub(1)) / 2 + 1;
+                // Python's floor division: (1 - 2) // 2 + 1 = 0 tokens.
+                if after_conv < 2 {
+                    0
+                } else {
+                    (after_conv - 2) / 2 + 1
+                }
+            }
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct RawConfig {
+    feature_extractor_type: Option<String>,
+    processor_class: Option<String>,
+    feature_size: Option<usize>,
+    sampling_rate: Option<u32>,
+    hop_length: Option<usize>,
+    n_fft: Option<usize>,
+    chunk_length: Option<u64>,
+    #[serde(default)]
+    dither: f64,
+    #[serde(default)]
+    do_normalize: bool,
+    /// mmgate's override for models whose processor class does not say (`whisper`, `qwen2-audio`).
+    audio_token_rule: Option<TokenRule>,
+}
+
+/// A validated Whisper feature extractor configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Processor {
+    pub n_mels: usize,
+    /// 16 kHz samples per chunk (`chunk_length · sampling_rate`).
+    pub chunk_samples: u64,
+    pub rule: TokenRule,
+}
+
+/// What `plan` decided; handed back to `preprocess` through the plan's `choices`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Choices {
+    pub token_rule: TokenRule,
+    pub n_mels: usize,
+    /// 16 kHz samples the whole clip resamples to.
+    pub samples: u64,
+    /// Of those, the samples the kept chunks cover.
+    pub kept_samples: u64,
+    pub chunk_samples: u64,
+    pub chunks: usize,
+    pub total_chunks: usize,
+    pub chunk_tokens: Vec<u32>,
+    /// Mel frames holding audio, per kept chunk (the attention mask's ones).
+    pub chunk_frames: Vec<u64>,
+}
+
+impl Processor {
+    pub fn from_config(config: &str) -> PluginResult<Self> {
+        let raw: RawConfig = parse_config(config)?;
+        match raw.feature_extractor_type.as_deref() {
+            Some("WhisperFeatureExtractor") => {}
+            Some(other) => {
+                return Err(PluginError::unsupported(format!(
+                    "feature extractor {other:?} is not supported (supported: {})",
+                    SUPPORTED.join(", ")
+                )));
+            }
+            None => {
+                return Err(PluginError::unsupported(
+                    "processor config has no feature_extractor_type (an audio model's \
+                     preprocessor_config.json names WhisperFeatureExtractor)",
+                ));
+            }
+        }
+        let fixed = |name: &str, value: Option<usize>, expected: usize| match value {
+            None => Ok(()),
+            Some(v) if v == expected => Ok(()),
+            Some(v) => Err(PluginError::unsupported(format!(
+                "processor config: {name} {v} is not supported (Whisper's {expected} is)"
+            ))),
+        };
+        fixed("sampling_rate", raw.sampling_rate.map(|r| r as usize), SAMPLE_RATE as usize)?;
+        fixed("n_fft", raw.n_fft, N_FFT)?;
+        fixed("hop_length", raw.hop_length, HOP_LENGTH)?;
+        let n_mels = raw.feature_size.unwrap_or(80);
+        if !(1..=256).contains(&n_mels) {
+            return Err(PluginError::unsupported(format!(
+                "processor config: feature_size {n_mels} is not a mel bin count (1..=256)"
+            )));
+        }
+        let chunk_length = raw.chunk_length.unwrap_or(30);
+        if !(1..=600).contains(&chunk_length) {
+            return Err(PluginError::unsupported(format!(
+                "processor config: chunk_length {chunk_length} s is not supported (1..=600)"
+            )));
+        }
+        if raw.dither != 0.0 {
+            return Err(PluginError::unsupported(
+                "processor config: dither adds random noise, so the features would not be \
+                 reproducible; set it to 0",
+            ));
+        }
+        if raw.do_normalize {
+            return Err(PluginError::unsupported(
+                "processor config: do_normalize (zero-mean unit-variance waveforms) is not supported",
+            ));
+        }
+        Ok(Processor {
+            n_mels,
+            chunk_samples: chunk_length * u64::from(SAMPLE_RATE),
+            rule: raw
+                .audio_token_rule
+                .unwrap_or_else(|| TokenRule::for_processor_class(raw.processor_class.as_deref())),
+        })
+    }
+
+    fn max_frames(&self) -> u64 {
+        self.chunk_samples / HOP_LENGTH as u64
+    }
+
+    /// Plan `samples` (16 kHz) within `budget` tokens: every chunk if they fit, else the leading
+    /// chunks that do.
+    pub fn plan(&self, samples: u64, budget: u32) -> PluginResult<TokenPlan> {
+        if samples == 0 {
+            return Err(PluginError::invalid("the audio holds no samples"));
+        }
+        let total_chunks = samples.div_ceil(self.chunk_samples) as usize;
+        let max_frames = self.max_frames();
+        let mut chunk_frames = Vec::with_capacity(total_chunks);
+        let mut chunk_tokens = Vec::with_capacity(total_chunks);
+        for i in 0..total_chunks as u64 {
+            let len = (samples - i * self.chunk_samples).min(self.chunk_samples);
+            let frames = len.div_ceil(HOP_LENGTH as u64);
+            chunk_frames.push(frames);
+            chunk_tokens.push(self.rule.tokens(frames, max_frames) as u32);
+        }
+        if chunk_tokens[0] == 0 {
+            return Err(PluginError::invalid(format!(
+                "the audio is too short ({samples} samples at 16 kHz, {:.1} ms): the encoder \
+                 makes no token from it",
+                samples as f64 / 16.0
+            )));
+        }
+        let total_tokens: u64 = chunk_tokens.iter().map(|&t| u64::from(t)).sum();
+        let mut kept = 0usize;
+        let mut kept_tokens = 0u64;
+        for &tokens in &chunk_tokens {
+            if kept_tokens + u64::from(tokens) > u64::from(budget) {
+                break;
+            }
+            kept_tokens += u64::from(tokens);
+            kept += 1;
+        }
+        if kept == 0 {
+            return Err(PluginError::over_budget(
+                chunk_tokens[0],
+                budget,
+                format!(
+                    "the first {} s chunk of the audio needs {} tokens, more than the {budget} \
+                     available",
+                    self.chunk_samples / u64::from(SAMPLE_RATE),
+                    chunk_tokens[0]
+                ),
+            ));
+        }
+        let kept_samples = samples.min(kept as u64 * self.chunk_samples);
+        let seconds = |s: u64| s as f64 / f64::from(SAMPLE_RATE);
+        let chunk_seconds = self.chunk_samples / u64::from(SAMPLE_RATE);
+        let reason = if kept == total_chunks {
+            format!(
+                "{:.2} s of audio in {total_chunks} chunk{} of {chunk_seconds} s: {total_tokens} tokens",
+                seconds(samples),
+                if total_chunks == 1 { "" } else { "s" }
+            )
+        } else {
+            format!(
+                "kept the first {kept} of {total_chunks} chunks of {chunk_seconds} s ({:.2} s of \
+                 {:.2} s): all of it needs {total_tokens} tokens, the budget is {budget}",
+                seconds(kept_samples),
+                seconds(samples)
+            )
+        };
+        chunk_tokens.truncate(kept);
+        chunk_frames.truncate(kept);
+        let choices = Choices {
+            token_rule: self.rule,
+            n_mels: self.n_mels,
+            samples,
+            kept_samples,
+            chunk_samples: self.chunk_samples,
+            chunks: kept,
+            total_chunks,
+            chunk_tokens,
+            chunk_frames,
+        };
+        TokenPlan::new(kept_tokens as u32, kept < total_chunks, reason, &choices)
+    }
+
+    /// `input_features` [chunks, n_mels, frames] f32 and `feature_attention_mask` [chunks, frames]
+    /// i64 for 16 kHz `samples`, as the plan chose. `samples` is cut or padded to the length the
+    /// plan promised (decoders disagree with container headers by a few ms of codec delay at most),
+    /// so the token count is exactly the planned one.
+    pub fn preprocess(&self, mut samples: Vec<f32>, choices: &Choices) -> PluginResult<Vec<Tensor>> {
+        if choices.n_mels != self.n_mels
+            || choices.chunk_samples != self.chunk_samples
+            || choices.chunk_frames.len() != choices.chunks
+        {
+            return Err(PluginError::internal(
+                "the plan was made for a different processor config",
+            ));
+        }
+        let chunk = self.chunk_samples as usize;
+        let frames = self.max_frames() as usize;
+        samples.resize(choices.kept_samples as usize, 0.0);
+        let logmel = LogMel::new(self.n_mels);
+        let mut features = Vec::with_capacity(choices.chunks * self.n_mels * frames);
+        let mut mask = Vec::with_capacity(choices.chunks * frames);
+        let mut padded = vec![0f32; chunk];
+        for (audio, &audio_frames) in samples.chunks(chunk).zip(&choices.chunk_frames) {
+            padded[..audio.len()].copy_from_slice(audio);
+            padded[audio.len()..].fill(0.0);
+            features.extend(logmel.compute(&padded, audio.len()));
+            mask.extend((0..frames as u64).map(|f| i64::from(f < audio_frames)));
+        }
+        Ok(vec![
+            Tensor::from_f32(
+                "input_features",
+                &[choices.chunks, self.n_mels, frames],
+                &features,
+            )?,
+            Tensor::from_i64("feature_attention_mask", &[choices.chunks, frames], &mask)?,
+        ])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const QWEN2_AUDIO: &str = r#"{"feature_extractor_type": "WhisperFeatureExtractor",
+        "feature_size": 128, "processor_class": "Qwen2AudioProcessor", "chunk_length": 30,
+        "hop_length": 160, "n_fft": 400, "sampling_rate": 16000}"#;
+    const WHISPER: &str = r#"{"feature_extractor_type": "WhisperFeatureExtractor",
+        "feature_size": 80, "processor_class": "WhisperProcessor"}"#;
+
+    fn plan(config: &str, samples: u64, budget: u32) -> PluginResult<(TokenPlan, Choices)> {
+        let plan = Processor::from_config(config)?.plan(samples, budget)?;
+        let choices = plan.choices()?;
+        Ok((plan, choices))
+    }
+
+    #[test]
+    fn qwen2_audio_counts_tokens_on_the_unpadded_length() {
+        // A full chunk: 3000 frames → 1500 → 750.
+        assert_eq!(plan(QWEN2_AUDIO, 480_000, u32::MAX).unwrap().0.tokens, 750);
+        // 10 s: 1000 frames → 500 → 250.
+        assert_eq!(plan(QWEN2_AUDIO, 160_000, u32::MAX).unwrap().0.tokens, 250);
+        // 1 s + 1 sample: ceil(16001 / 160) = 101 frames → 51 → 25.
+        assert_eq!(plan(QWEN2_AUDIO, 16_001, u32::MAX).unwrap().0.tokens, 25);
+        // 65 s: 750 + 750 + (500 frames → 250 → 125).
+        let (p, c) = plan(QWEN2_AUDIO, 65 * 16_000, u32::MAX).unwrap();
+        assert_eq!((p.tokens, c.chunks, &c.chunk_tokens[..]), (1625, 3, &[750, 750, 125][..]));
+        assert!(!p.reduced);
+    }
+
+    #[test]
+    fn whisper_costs_1500_per_chunk_whatever_its_length() {
+        assert_eq!(plan(WHISPER, 16_000, u32::MAX).unwrap().0.tokens, 1500);
+        assert_eq!(plan(WHISPER, 480_001, u32::MAX).unwrap().0.tokens, 3000);
+    }
+
+    #[test]
+    fn over_budget_keeps_leading_chunks_or_refuses() {
+        let (p, c) = plan(QWEN2_AUDIO, 65 * 16_000, 1600).unwrap();
+        assert_eq!((p.tokens, c.chunks, c.total_chunks), (1500, 2, 3));
+        assert_eq!(c.kept_samples, 960_000);
+        assert!(p.reduced);
+        assert!(p.reason.contains("first 2 of 3"), "{}", p.reason);
+        match plan(QWEN2_AUDIO, 65 * 16_000, 700) {
+            Err(PluginError::OverBudget(o)) => {
+                assert_eq!((o.needed_tokens, o.budget_tokens), (750, 700))
+            }
+            other => panic!("expected over-budget, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn audio_too_short_for_a_token_is_invalid() {
+        // 320 samples: 2 frames → 1 → 0 tokens.
+        assert!(matches!(
+            plan(QWEN2_AUDIO, 320, u32::MAX),
+            Err(PluginError::InvalidMedia(_))
+        ));
+        assert_eq!(plan(QWEN2_AUDIO, 321, u32::MAX).unwrap().0.tokens, 1);
+    }
+
+    #[test]
+    fn configs_that_would_change_the_features_are_refused() {
+        for bad in [
+            r#"{"feature_extractor_type": "Wav2Vec2FeatureExtractor"}"#,
+            r#"{"feature_size": 80}"#,
+            r#"{"feature_extractor_type": "WhisperFeatureExtractor", "sampling_rate": 24000}"#,
+            r#"{"feature_extractor_type": "WhisperFeatureExtractor", "dither": 0.0001}"#,
+            r#"{"feature_extractor_type": "WhisperFeatureExtractor", "do_normalize": true}"#,
+        ] {
+            assert!(
+                matches!(Processor::from_config(bad), Err(PluginError::Unsupported(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_token_rule_can_be_overridden() {
+        let config = r#"{"feature_extractor_type": "WhisperFeatureExtractor",
+            "audio_token_rule": "qwen2-audio"}"#;
+        assert_eq!(
+            Processor::from_config(config).unwrap().rule,
+            TokenRule::Qwen2Audio
+        );
+    }
+
+    #[test]
+    fn preprocess_emits_planned_shapes_and_mask() {
+        let processor = Processor::from_config(QWEN2_AUDIO).unwrap();
+        let (_, choices) = plan(QWEN2_AUDIO, 500_000, u32::MAX).unwrap();
+        let tensors = processor.preprocess(vec![0.1; 499_990], &choices).unwrap();
+        assert_eq!(tensors[0].name, "input_features");
+        assert_eq!(tensors[0].shape, [2, 128, 3000]);
+        assert_eq!(tensors[1].shape, [2, 3000]);
+        let mask: Vec<i64> = tensors[1]
+            .data
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(mask[..3000].iter().sum::<i64>(), 3000);
+        // 20 000 samples in the second chunk: 125 frames.
+        assert_eq!(mask[3000..].iter().sum::<i64>(), 125);
+    }
+}
