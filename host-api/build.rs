@@ -13,7 +13,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Built-in plugins: (name the host registers, crate artifact name). Embedded in the binary.
-const BUILTIN: &[(&str, &str)] = &[("image", "mmgate_image_plugin")];
+const BUILTIN: &[(&str, &str)] = &[
+    ("image", "mmgate_image_plugin"),
+    ("audio", "mmgate_audio_plugin"),
+];
 /// Test-only plugins: built beside the built-ins, never embedded.
 const TEST_ONLY: &[(&str, &str)] = &[("testing", "mmgate_test_plugin")];
 

@@ -13,6 +13,8 @@ use symphonia::core::formats::{FormatOptions, FormatReader, Track, TrackType};
 use symphonia::core::io::MediaSourceStream;
 use symphonia::core::meta::MetadataOptions;
 
+use crate::mp4::{self, Edit};
+
 /// Largest encoded file accepted: 10 minutes of 48 kHz stereo 24-bit WAV is 173 MB; the gateway's
 /// own upload limit (25 MB by default, like OpenAI's) is far below this.
 pub const MAX_AUDIO_BYTES: usize = 192 << 20;
@@ -48,8 +50,10 @@ pub struct Header {
     pub codec: String,
     pub sample_rate: u32,
     pub channels: u32,
-    /// Frames (samples per channel) the decoder will produce.
+    /// Frames (samples per channel) of audio, after any gapless trim.
     pub frames: u64,
+    /// The MP4 edit list's trim, applied after decoding (symphonia's MP4 reader does not).
+    pub edit: Option<Edit>,
 }
 
 impl Header {
@@ -116,7 +120,10 @@ fn codec_name(track: &Track) -> String {
         .as_ref()
         .and_then(|p| p.audio())
         .and_then(|p| symphonia::default::get_codecs().get_audio_decoder(p.codec))
-        .map_or_else(|| "unknown".to_owned(), |d| d.codec.info.short_name.to_owned())
+        .map_or_else(
+            || "unknown".to_owned(),
+            |d| d.codec.info.short_name.to_owned(),
+        )
 }
 
 /// Read the header: container, codec, rate, channels and length, with the limits applied. The
@@ -150,16 +157,29 @@ pub fn probe(data: &[u8]) -> PluginResult<Header> {
         )));
     }
     let max_frames = (MAX_DURATION_SECONDS * f64::from(sample_rate)) as u64;
-    let frames = match track.num_frames {
+    let mut frames = match track.num_frames {
         Some(frames) => frames,
         None => count_frames(reader.as_mut(), track.id, max_frames)?,
     };
+    let container = match reader.format_info().short_name {
+        "isomp4" => "mp4",
+        other => other,
+    };
+    let edit = if container == "mp4" {
+        mp4::audio_edit(data, sample_rate)
+    } else {
+        None
+    };
+    if let Some(edit) = edit {
+        frames = frames.saturating_sub(edit.skip).min(edit.keep);
+    }
     let header = Header {
-        format: format!("{}/{}", reader.format_info().short_name, codec_name(&track)),
+        format: format!("{container}/{}", codec_name(&track)),
         codec: codec_name(&track),
         sample_rate,
         channels,
         frames,
+        edit,
     };
     check_duration(header.duration_seconds())?;
     if frames == 0 {
@@ -178,7 +198,11 @@ fn check_duration(seconds: f64) -> PluginResult<()> {
 }
 
 /// Sum packet durations without decoding; stops as soon as the duration limit is passed.
-fn count_frames(reader: &mut dyn FormatReader, track_id: u32, max_frames: u64) -> PluginResult<u64> {
+fn count_frames(
+    reader: &mut dyn FormatReader,
+    track_id: u32,
+    max_frames: u64,
+) -> PluginResult<u64> {
     let mut frames = 0u64;
     while let Some(packet) = next_packet(reader)? {
         if packet.track_id == track_id {
@@ -197,8 +221,12 @@ fn next_packet(
     match reader.next_packet() {
         Ok(packet) => Ok(packet),
         // A stream that ends mid-packet ends there, as every player treats it.
-        Err(SymphoniaError::IoError(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
-        Err(e) => Err(PluginError::invalid(format!("cannot read the audio stream: {e}"))),
+        Err(SymphoniaError::IoError(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            Ok(None)
+        }
+        Err(e) => Err(PluginError::invalid(format!(
+            "cannot read the audio stream: {e}"
+        ))),
     }
 }
 
@@ -232,7 +260,11 @@ pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
                 bad_packets += 1;
                 continue;
             }
-            Err(e) => return Err(PluginError::invalid(format!("cannot decode the audio: {e}"))),
+            Err(e) => {
+                return Err(PluginError::invalid(format!(
+                    "cannot decode the audio: {e}"
+                )));
+            }
         };
         let packet_channels = decoded.spec().channels().count();
         if packet_channels != channels {
@@ -259,19 +291,24 @@ pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
             )));
         }
     }
-    if samples.is_empty() {
-        return Err(PluginError::invalid(if bad_packets > 0 {
-            format!("none of the {packets} audio packets could be decoded")
-        } else {
-            "the audio stream holds no samples".to_owned()
-        }));
-    }
     // The host's log exists only inside the sandbox (the native benchmark build has no host).
     #[cfg(target_arch = "wasm32")]
     if bad_packets > 0 {
         log::warn(&format!(
             "skipped {bad_packets} of {packets} corrupt audio packets"
         ));
+    }
+    if let Some(edit) = header.edit {
+        let skip = (edit.skip as usize).min(samples.len());
+        samples.drain(..skip);
+        samples.truncate(header.frames as usize);
+    }
+    if samples.is_empty() {
+        return Err(PluginError::invalid(if bad_packets > 0 {
+            format!("none of the {packets} audio packets could be decoded")
+        } else {
+            "the audio stream holds no samples".to_owned()
+        }));
     }
     Ok(MonoAudio {
         samples,

@@ -8,6 +8,7 @@
 
 mod decode;
 mod mel;
+mod mp4;
 mod processor;
 mod resample;
 
@@ -55,17 +56,21 @@ impl Plugin for AudioPlugin {
             ));
         };
         let frames = match info.extra.iter().find(|(k, _)| k == "frames") {
-            Some((_, v)) => v
-                .parse::<u64>()
-                .map_err(|_| PluginError::invalid(format!("media info frames {v:?} is not a count")))?,
+            Some((_, v)) => v.parse::<u64>().map_err(|_| {
+                PluginError::invalid(format!("media info frames {v:?} is not a count"))
+            })?,
             None => {
                 let seconds = info.duration_seconds.ok_or_else(|| {
-                    PluginError::invalid("the media info has no duration (was it probed by this plugin?)")
+                    PluginError::invalid(
+                        "the media info has no duration (was it probed by this plugin?)",
+                    )
                 })?;
                 (seconds * f64::from(rate)).round() as u64
             }
         };
-        if info.duration_seconds.is_some_and(|s| s > decode::MAX_DURATION_SECONDS)
+        if info
+            .duration_seconds
+            .is_some_and(|s| s > decode::MAX_DURATION_SECONDS)
             || frames as f64 / f64::from(rate) > decode::MAX_DURATION_SECONDS
         {
             return Err(PluginError::limit(format!(

@@ -52,7 +52,6 @@ impl LogMel {
         }
     }
 
-
     /// The `[n_mels, frames]` row-major log-mel features of `samples` (16 kHz mono, already padded
     /// to the chunk length), with `frames = samples.len() / HOP_LENGTH` (the STFT's final frame is
     /// dropped, as Whisper does). Only the first `audio_len` samples may be non-zero: frames that
@@ -184,7 +183,8 @@ fn slaney_filters(n_mels: usize) -> Vec<Filter> {
     let filter_freqs: Vec<f64> = mel_freqs.into_iter().map(mel_to_hertz).collect();
     (0..n_mels)
         .map(|m| {
-            let (lower, center, upper) = (filter_freqs[m], filter_freqs[m + 1], filter_freqs[m + 2]);
+            let (lower, center, upper) =
+                (filter_freqs[m], filter_freqs[m + 1], filter_freqs[m + 2]);
             let enorm = 2.0 / (upper - lower);
             let weights: Vec<f64> = fft_freqs
                 .iter()
@@ -278,6 +278,10 @@ mod tests {
             let f = &logmel.filters[m];
             (f.first_bin as f32 + (f.weights.len() - 1) as f32 / 2.0) * 40.0
         };
-        assert!((center(peak) - 440.0).abs() < 60.0, "peak at {}", center(peak));
+        assert!(
+            (center(peak) - 440.0).abs() < 60.0,
+            "peak at {}",
+            center(peak)
+        );
     }
 }

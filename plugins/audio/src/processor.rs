@@ -117,7 +117,11 @@ impl Processor {
                 "processor config: {name} {v} is not supported (Whisper's {expected} is)"
             ))),
         };
-        fixed("sampling_rate", raw.sampling_rate.map(|r| r as usize), SAMPLE_RATE as usize)?;
+        fixed(
+            "sampling_rate",
+            raw.sampling_rate.map(|r| r as usize),
+            SAMPLE_RATE as usize,
+        )?;
         fixed("n_fft", raw.n_fft, N_FFT)?;
         fixed("hop_length", raw.hop_length, HOP_LENGTH)?;
         let n_mels = raw.feature_size.unwrap_or(80);
@@ -238,7 +242,11 @@ impl Processor {
     /// i64 for 16 kHz `samples`, as the plan chose. `samples` is cut or padded to the length the
     /// plan promised (decoders disagree with container headers by a few ms of codec delay at most),
     /// so the token count is exactly the planned one.
-    pub fn preprocess(&self, mut samples: Vec<f32>, choices: &Choices) -> PluginResult<Vec<Tensor>> {
+    pub fn preprocess(
+        &self,
+        mut samples: Vec<f32>,
+        choices: &Choices,
+    ) -> PluginResult<Vec<Tensor>> {
         if choices.n_mels != self.n_mels
             || choices.chunk_samples != self.chunk_samples
             || choices.chunk_frames.len() != choices.chunks
@@ -297,7 +305,10 @@ mod tests {
         assert_eq!(plan(QWEN2_AUDIO, 16_001, u32::MAX).unwrap().0.tokens, 25);
         // 65 s: 750 + 750 + (500 frames → 250 → 125).
         let (p, c) = plan(QWEN2_AUDIO, 65 * 16_000, u32::MAX).unwrap();
-        assert_eq!((p.tokens, c.chunks, &c.chunk_tokens[..]), (1625, 3, &[750, 750, 125][..]));
+        assert_eq!(
+            (p.tokens, c.chunks, &c.chunk_tokens[..]),
+            (1625, 3, &[750, 750, 125][..])
+        );
         assert!(!p.reduced);
     }
 
@@ -342,7 +353,10 @@ mod tests {
             r#"{"feature_extractor_type": "WhisperFeatureExtractor", "do_normalize": true}"#,
         ] {
             assert!(
-                matches!(Processor::from_config(bad), Err(PluginError::Unsupported(_))),
+                matches!(
+                    Processor::from_config(bad),
+                    Err(PluginError::Unsupported(_))
+                ),
                 "{bad}"
             );
         }

@@ -7,8 +7,8 @@
 //! than an asynchronous sinc interpolator. How far its output is from librosa's is measured by the
 //! parity tests on the resampled fixtures (tests/fixtures/audio/README.md has the numbers).
 
-use rubato::audioadapter_buffers::direct::SequentialSlice;
 use mmgate_plugin_sdk::*;
+use rubato::audioadapter_buffers::direct::SequentialSlice;
 use rubato::{Fft, FixedSync, Resampler, WindowFunction};
 
 /// Input frames per FFT block, at least this many.
@@ -72,10 +72,19 @@ mod tests {
 
     #[test]
     fn length_is_the_ceiling_of_the_ratio() {
-        for (n, rate) in [(44_100u64, 44_100u32), (1, 44_100), (12_345, 22_050), (480_001, 48_000)] {
+        for (n, rate) in [
+            (44_100u64, 44_100u32),
+            (1, 44_100),
+            (12_345, 22_050),
+            (480_001, 48_000),
+        ] {
             let samples = vec![0.25f32; n as usize];
             let out = resample(samples, rate, 16_000).unwrap();
-            assert_eq!(out.len() as u64, resampled_len(n, rate, 16_000), "{n} at {rate}");
+            assert_eq!(
+                out.len() as u64,
+                resampled_len(n, rate, 16_000),
+                "{n} at {rate}"
+            );
         }
     }
 
