@@ -1,5 +1,6 @@
-//! `mmgate preprocess`, run as a user runs it: the real binary on the image parity fixtures, its
-//! safetensors output read back and compared with what transformers wrote for the same inputs.
+//! `mmgate preprocess`, run as a user runs it: the real binary on the image and audio parity
+//! fixtures, its safetensors output read back and compared with what transformers wrote for the same
+//! inputs.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -13,15 +14,28 @@ use serde_json::Value;
 
 use common::mmgate;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/image")
+/// The parity fixtures of `modality` (`image`, `audio`).
+fn fixtures_of(modality: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(modality)
 }
 
-/// A model directory whose `preprocessor_config.json` is the fixture config `name`.
+fn fixtures() -> PathBuf {
+    fixtures_of("image")
+}
+
+/// A model directory whose `preprocessor_config.json` is the image fixture config `name`.
 fn model_dir(name: &str) -> tempfile::TempDir {
+    model_dir_of("image", name)
+}
+
+fn model_dir_of(modality: &str, name: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy(
-        fixtures().join("configs").join(format!("{name}.json")),
+        fixtures_of(modality)
+            .join("configs")
+            .join(format!("{name}.json")),
         dir.path().join("preprocessor_config.json"),
     )
     .unwrap();
@@ -44,14 +58,24 @@ fn preprocess(model: &Path, image: &Path, out: &Path, extra: &[&str]) -> Output 
 /// `mmgate preprocess --explain` of fixture `image` with fixture config `config` (plus `extra`
 /// flags), which must succeed: its `--explain` JSON and the safetensors file it wrote.
 fn preprocess_ok(config: &str, image: &str, extra: &[&str]) -> (Value, Vec<u8>) {
-    let model = model_dir(config);
+    preprocess_fixture_ok("image", config, &format!("images/{image}"), extra)
+}
+
+/// The same for any modality's fixture `file` (relative to its fixture directory).
+fn preprocess_fixture_ok(
+    modality: &str,
+    config: &str,
+    file: &str,
+    extra: &[&str],
+) -> (Value, Vec<u8>) {
+    let model = model_dir_of(modality, config);
     let out_dir = tempfile::tempdir().unwrap();
     let out = out_dir.path().join("out.safetensors");
     let mut flags = vec!["--explain"];
     flags.extend_from_slice(extra);
     let result = preprocess(
         model.path(),
-        &fixtures().join("images").join(image),
+        &fixtures_of(modality).join(file),
         &out,
         &flags,
     );
@@ -181,5 +205,131 @@ fn bad_inputs_fail_with_one_line() {
         assert!(stderr.starts_with("error: "), "{stderr}");
         assert!(stderr.contains(reason), "{file:?}: {stderr}");
         assert!(!out.exists());
+    }
+}
+
+/// The `[chunks, n_mels, frames]` values and mask of an audio output.
+fn audio_output(bytes: &[u8]) -> (Vec<usize>, Vec<f32>, Vec<i64>) {
+    let tensors = SafeTensors::deserialize(bytes).unwrap();
+    let features = tensors.tensor("input_features").unwrap();
+    assert_eq!(features.dtype(), safetensors::Dtype::F32);
+    let mask = tensors.tensor("feature_attention_mask").unwrap();
+    assert_eq!(mask.dtype(), safetensors::Dtype::I64);
+    let mask = mask
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    (features.shape().to_vec(), f32_values(&features), mask)
+}
+
+#[test]
+fn audio_output_is_hf_layout_and_matches_the_golden() {
+    let (explain, bytes) =
+        preprocess_fixture_ok("audio", "qwen2-audio", "clips/stereo-16k-s16.wav", &[]);
+    assert_eq!(explain["plugin"]["name"], "audio");
+    assert_eq!(explain["sample_rate"], 16_000);
+    assert_eq!(explain["channels"], 2);
+    assert!(explain["duration_seconds"].as_f64().unwrap() > 3.0);
+    assert_eq!(explain["chunks"], 1);
+    assert!(explain.get("original_size").is_none(), "{explain}");
+    let (shape, features, mask) = audio_output(&bytes);
+    assert_eq!(shape, [1, 128, 3000]);
+
+    let golden_bytes = std::fs::read(
+        fixtures_of("audio").join("goldens/stereo-16k-s16.wav--qwen2-audio.safetensors"),
+    )
+    .unwrap();
+    let golden = SafeTensors::deserialize(&golden_bytes).unwrap();
+    let golden_mask: Vec<i64> = golden
+        .tensor("feature_attention_mask")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(mask, golden_mask);
+    let audible = mask.iter().sum::<i64>();
+    // Qwen2-Audio's count from the mask, as its processor computes it.
+    assert_eq!(explain["tokens"], ((audible - 1) / 2 + 1 - 2) / 2 + 1);
+    let frames: Vec<usize> = golden
+        .tensor("frames.0")
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as usize)
+        .collect();
+    let expected = f32_values(&golden.tensor("input_features.0").unwrap());
+    let actual: Vec<f32> = (0..128)
+        .flat_map(|mel| frames.iter().map(move |&f| (mel, f)))
+        .map(|(mel, f)| features[mel * 3000 + f])
+        .collect();
+    assert!(max_abs_diff(&actual, &expected) <= 1e-4);
+}
+
+#[test]
+fn mel_png_draws_the_audible_frames() {
+    let dir = tempfile::tempdir().unwrap();
+    let png = dir.path().join("mel.png");
+    let (explain, bytes) = preprocess_fixture_ok(
+        "audio",
+        "whisper-80",
+        "clips/long-61s-16k.flac",
+        &["--mel-png", png.to_str().unwrap()],
+    );
+    assert_eq!(explain["chunks"], 3);
+    let (_, _, mask) = audio_output(&bytes);
+    let png = std::fs::read(&png).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    let width = u32::from_be_bytes(png[16..20].try_into().unwrap());
+    let height = u32::from_be_bytes(png[20..24].try_into().unwrap());
+    // One column per audible frame and a separator between chunks, averaged in groups to at most
+    // 6000 pixels; two rows per mel bin.
+    let columns = mask.iter().sum::<i64>() as u32 + 2;
+    let group = columns.div_ceil(6000);
+    assert_eq!((width, height), (columns.div_ceil(group), 160));
+}
+
+#[test]
+fn bad_audio_fails_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("never.safetensors");
+    let audio = model_dir_of("audio", "whisper-80");
+    let image = model_dir("qwen2-vl");
+    let bad = |name: &str| fixtures_of("audio").join("bad").join(name);
+    let clip = fixtures_of("audio").join("clips/speech-16k-s16.wav");
+    let cases: [(&Path, PathBuf, &[&str], &str); 4] = [
+        (
+            audio.path(),
+            bad("header-3h.wav"),
+            &[],
+            "more than the limit of 600 s",
+        ),
+        (
+            audio.path(),
+            bad("opus.ogg"),
+            &[],
+            "no loaded plugin accepts audio/opus",
+        ),
+        (
+            audio.path(),
+            clip.clone(),
+            &["--max-tokens", "100"],
+            "needs 1500 tokens, more than the 100 available",
+        ),
+        // An image model asked for a spectrogram: the image plugin makes no mel features.
+        (
+            image.path(),
+            fixtures().join("images/png-grey.png"),
+            &["--mel-png", "never.png"],
+            "no input_features",
+        ),
+    ];
+    for (model, file, flags, reason) in cases {
+        let result = preprocess(model, &file, &out, flags);
+        let stderr = String::from_utf8_lossy(&result.stderr);
+        assert!(!result.status.success(), "{file:?} should fail");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr:?}");
+        assert!(stderr.contains(reason), "{file:?}: {stderr}");
     }
 }

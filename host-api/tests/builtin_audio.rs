@@ -79,29 +79,42 @@ fn hostile_audio_files_get_typed_errors() {
     let plugin = audio_plugin();
     type Check = fn(&PluginError) -> bool;
     let cases: &[(&str, Check)] = &[
-        ("empty.wav", |e| {
-            matches!(e, PluginError::InvalidMedia(m) if m.contains("empty"))
-        }),
+        (
+            "empty.wav",
+            |e| matches!(e, PluginError::InvalidMedia(m) if m.contains("empty")),
+        ),
         ("text.wav", |e| matches!(e, PluginError::Unsupported(_))),
         ("image.mp3", |e| matches!(e, PluginError::Unsupported(_))),
         ("truncated-header.wav", |e| {
-            matches!(e, PluginError::InvalidMedia(_) | PluginError::Unsupported(_))
+            matches!(
+                e,
+                PluginError::InvalidMedia(_) | PluginError::Unsupported(_)
+            )
         }),
         ("truncated-header.mp3", |e| {
-            matches!(e, PluginError::InvalidMedia(_) | PluginError::Unsupported(_))
+            matches!(
+                e,
+                PluginError::InvalidMedia(_) | PluginError::Unsupported(_)
+            )
         }),
         ("garbage.mp3", |e| {
-            matches!(e, PluginError::InvalidMedia(_) | PluginError::Unsupported(_))
+            matches!(
+                e,
+                PluginError::InvalidMedia(_) | PluginError::Unsupported(_)
+            )
         }),
-        ("header-3h.wav", |e| {
-            matches!(e, PluginError::LimitExceeded(m) if m.contains("600"))
-        }),
-        ("channels-20.wav", |e| {
-            matches!(e, PluginError::LimitExceeded(m) if m.contains("20 audio channels"))
-        }),
-        ("opus.ogg", |e| {
-            matches!(e, PluginError::Unsupported(m) if m.contains("codec"))
-        }),
+        (
+            "header-3h.wav",
+            |e| matches!(e, PluginError::LimitExceeded(m) if m.contains("600")),
+        ),
+        (
+            "channels-20.wav",
+            |e| matches!(e, PluginError::LimitExceeded(m) if m.contains("20 audio channels")),
+        ),
+        (
+            "opus.ogg",
+            |e| matches!(e, PluginError::Unsupported(m) if m.contains("codec")),
+        ),
     ];
     for (name, expected) in cases {
         let media = media(fixture(&format!("bad/{name}")));
@@ -214,7 +227,13 @@ fn describe_lists_the_audio_mime_types_and_extractor() {
     let plugin = audio_plugin();
     let descriptor = plugin.descriptor();
     assert_eq!(descriptor.modalities, ["audio"]);
-    for mime in ["audio/wav", "audio/mpeg", "audio/flac", "audio/ogg", "audio/mp4"] {
+    for mime in [
+        "audio/wav",
+        "audio/mpeg",
+        "audio/flac",
+        "audio/ogg",
+        "audio/mp4",
+    ] {
         assert!(
             descriptor.mime_types.iter().any(|m| m == mime),
             "{mime} missing"

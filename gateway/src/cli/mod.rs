@@ -2,6 +2,7 @@
 
 mod plugin;
 mod preprocess;
+mod render;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

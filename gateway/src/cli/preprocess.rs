@@ -15,6 +15,8 @@ use serde_json::{Value, json};
 use crate::error::ApiError;
 use crate::media::sniff_mime_type;
 
+use super::render;
+
 #[derive(Args, Debug)]
 pub struct PreprocessArgs {
     /// A model directory holding the processor's `preprocessor_config.json`.
@@ -31,9 +33,12 @@ pub struct PreprocessArgs {
     /// A plugin directory to load besides the built-in plugins (its plugins win).
     #[arg(long)]
     plugin_dir: Option<PathBuf>,
-    /// Print a JSON account of what was done: sizes, tokens, reason, tensors and timings.
+    /// Print a JSON account of what was done: sizes or duration, tokens, reason, tensors, timings.
     #[arg(long)]
     explain: bool,
+    /// Also draw the audio's log-mel spectrogram as a PNG (audio only).
+    #[arg(long, value_name = "OUT.png")]
+    mel_png: Option<PathBuf>,
 }
 
 pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
@@ -94,6 +99,9 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
         ("mmgate.tokens".to_owned(), plan.tokens.to_string()),
     ]);
     write_safetensors(&args.out, &tensors, metadata)?;
+    if let Some(path) = &args.mel_png {
+        render::mel_png(&tensors, path)?;
+    }
 
     if args.explain {
         let choices: Value = serde_json::from_str(&plan.choices).unwrap_or(Value::Null);
@@ -112,6 +120,10 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
                 choices.get("width").and_then(Value::as_u64),
                 choices.get("height").and_then(Value::as_u64),
             ),
+            "duration_seconds": info.duration_seconds,
+            "sample_rate": info.sample_rate,
+            "channels": info.channels,
+            "chunks": choices.get("chunks"),
             "tokens": plan.tokens,
             "reduced": plan.reduced,
             "reason": plan.reason,
@@ -129,6 +141,11 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
                 "total": ms(total),
             },
         });
+        // Only what applies to this kind of media: no image sizes for audio, no duration for images.
+        let report: serde_json::Map<String, Value> = match report {
+            Value::Object(fields) => fields.into_iter().filter(|(_, v)| !v.is_null()).collect(),
+            _ => unreachable!("json! of an object literal is an object"),
+        };
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(ExitCode::SUCCESS)
