@@ -14,22 +14,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-# One core for everyone: set before torch/numpy load their thread pools.
-for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ[var] = "1"
+from common import ROOT, build_rust_sides, median_ms, native_ms, wasm_ms  # sets one thread first
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "image"
 sys.path.insert(0, str(FIXTURES))
 from generate import scene  # noqa: E402
@@ -41,16 +34,6 @@ CONFIG = FIXTURES / "configs" / "qwen2-vl.json"
 SIZES = [(1280, 960), (4032, 3024)]
 
 
-def median_ms(fn, iterations: int) -> float:
-    fn()
-    samples = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(samples))
-
-
 def hf_ms(processor, data: bytes, iterations: int) -> float:
     def run():
         image = Image.open(io.BytesIO(data))
@@ -60,21 +43,11 @@ def hf_ms(processor, data: bytes, iterations: int) -> float:
     return median_ms(run, iterations)
 
 
-def rust_json(cmd: list[str], cwd: Path) -> dict:
-    out = subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def main() -> None:
     config = {k: v for k, v in json.loads(CONFIG.read_text()).items() if k != "image_processor_type"}
     slow = Qwen2VLImageProcessorPil(**config)
     fast = Qwen2VLImageProcessor(**config)
-    # Build both Rust sides first so no timing includes compilation.
-    subprocess.run(["cargo", "build", "--release", "--locked", "--example", "native_bench"],
-                   cwd=ROOT / "plugins", check=True)
-    subprocess.run(["cargo", "bench", "--locked", "-p", "mmgate-host", "--bench", "image_plugin",
-                    "--no-run"], cwd=ROOT, check=True)
-    native_bin = ROOT / "plugins" / "target" / "release" / "examples" / "native_bench"
+    build_rust_sides()
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,9 +56,8 @@ def main() -> None:
             Image.fromarray(scene(width, height, 99), "RGB").save(path, quality=90)
             data = path.read_bytes()
             iterations = 30 if width < 2000 else 8
-            wasm = rust_json(["cargo", "bench", "--locked", "-q", "-p", "mmgate-host", "--bench",
-                              "image_plugin", "--", str(path), str(CONFIG), str(iterations)], ROOT)
-            native = rust_json([str(native_bin), str(path), str(CONFIG), str(iterations)], ROOT)
+            wasm = wasm_ms("image", path, CONFIG, iterations)
+            native = native_ms("image", path, CONFIG, iterations)
             rows.append({
                 "image": f"{width}x{height} JPEG ({len(data) // 1024} KiB)",
                 "tokens": wasm["tokens"],

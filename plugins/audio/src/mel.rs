@@ -9,7 +9,6 @@
 
 use std::sync::Arc;
 
-use realfft::num_complex::Complex;
 use realfft::{RealFftPlanner, RealToComplex};
 
 /// Whisper's STFT constants (the feature extractor's defaults; every shipped config uses them).
@@ -29,6 +28,10 @@ struct Filter {
     first_bin: usize,
     weights: Vec<f32>,
 }
+
+/// Frames transformed before their mel energies are computed and written out together: enough for
+/// long vector loops, few enough for the block's powers (201 bins) to stay in L2.
+const BLOCK_FRAMES: usize = 64;
 
 /// A log-mel spectrogram computer for one mel-bin count; build once, use for every chunk.
 pub struct LogMel {
@@ -52,90 +55,163 @@ impl LogMel {
         }
     }
 
-    /// The `[n_mels, frames]` row-major log-mel features of `samples` (16 kHz mono, already padded
-    /// to the chunk length), with `frames = samples.len() / HOP_LENGTH` (the STFT's final frame is
-    /// dropped, as Whisper does). Only the first `audio_len` samples may be non-zero: frames that
-    /// see nothing but the silence after them are not transformed (their power is exactly zero).
-    pub fn compute(&self, samples: &[f32], audio_len: usize) -> Vec<f32> {
-        let frames = samples.len() / HOP_LENGTH;
+    /// Append the `[n_mels, frames]` row-major features of one chunk to `out`, as little-endian
+    /// f32 bytes (the tensor's layout, so no conversion pass follows). The chunk is `audio` (16 kHz
+    /// mono) followed by silence up to `chunk_len` samples, `frames = chunk_len / HOP_LENGTH` (the
+    /// STFT's final frame is dropped, as Whisper does).
+    pub fn compute_into(&self, audio: &[f32], chunk_len: usize, out: &mut Vec<[u8; 4]>) {
+        let frames = chunk_len / HOP_LENGTH;
         let silent_value = MEL_FLOOR.log10();
-        let mut mel = vec![silent_value; self.n_mels * frames];
+        // log10 energies are written straight into the output, then floored and scaled in place.
+        let base = out.len();
+        out.resize(base + self.n_mels * frames, silent_value.to_le_bytes());
+        let mel = &mut out[base..];
         if frames == 0 {
-            return mel;
+            return;
         }
-        // A frame covers samples [t·hop − n_fft/2, t·hop + n_fft/2); the reflection at the end
-        // mirrors only the last n_fft/2 samples, silent too when the audio stops n_fft before it.
-        let audible_frames = if audio_len + N_FFT <= samples.len() {
-            (audio_len + N_FFT / 2).div_ceil(HOP_LENGTH).min(frames)
+        let audio = &audio[..audio.len().min(chunk_len)];
+        // Frames that see nothing but the silence after the audio have power exactly zero (and
+        // keep `silent_value`): not transformed. A frame covers samples [t·hop − n_fft/2,
+        // t·hop + n_fft/2); the reflection at the chunk's end mirrors its last n_fft/2 samples,
+        // silent too when the audio stops n_fft before the end.
+        let audible_frames = if audio.len() + N_FFT <= chunk_len {
+            (audio.len() + N_FFT / 2).div_ceil(HOP_LENGTH).min(frames)
         } else {
             frames
         };
-        let padded = reflect_pad(samples, N_FFT / 2);
         let mut input = self.fft.make_input_vec();
         let mut spectrum = self.fft.make_output_vec();
         let mut scratch = self.fft.make_scratch_vec();
-        let mut power = [0f32; N_BINS];
+        // A block of frames as [bin][frame] powers and [mel][frame] energies: with the frame as
+        // the innermost index, applying a filter and taking logarithms are vector loops over the
+        // block, and each mel row goes to the output as one contiguous run.
+        let mut power = vec![0f32; N_BINS * BLOCK_FRAMES];
+        let mut energies = vec![0f32; self.n_mels * BLOCK_FRAMES];
         let mut max = if audible_frames < frames {
             silent_value
         } else {
             f32::NEG_INFINITY
         };
-        for t in 0..audible_frames {
-            let frame = &padded[t * HOP_LENGTH..t * HOP_LENGTH + N_FFT];
-            for ((x, &s), &w) in input.iter_mut().zip(frame).zip(&self.window) {
-                *x = s * w;
+        for first in (0..audible_frames).step_by(BLOCK_FRAMES) {
+            let count = BLOCK_FRAMES.min(audible_frames - first);
+            for k in 0..count {
+                self.windowed_frame(audio, chunk_len, first + k, &mut input);
+                // Lengths come from the planner itself: this cannot fail.
+                if self
+                    .fft
+                    .process_with_scratch(&mut input, &mut spectrum, &mut scratch)
+                    .is_err()
+                {
+                    unreachable!("realfft buffers have the planned lengths");
+                }
+                for (bin, c) in spectrum.iter().enumerate() {
+                    power[bin * BLOCK_FRAMES + k] = c.re * c.re + c.im * c.im;
+                }
             }
-            // Lengths come from the planner itself: this cannot fail.
-            if self
-                .fft
-                .process_with_scratch(&mut input, &mut spectrum, &mut scratch)
-                .is_err()
-            {
-                unreachable!("realfft buffers have the planned lengths");
+            for (row, filter) in energies.chunks_exact_mut(BLOCK_FRAMES).zip(&self.filters) {
+                let row = &mut row[..count];
+                row.fill(0.0);
+                for (bin, &weight) in (filter.first_bin..).zip(&filter.weights) {
+                    let powers = &power[bin * BLOCK_FRAMES..][..count];
+                    for (e, &p) in row.iter_mut().zip(powers) {
+                        *e += weight * p;
+                    }
+                }
+                for e in row.iter_mut() {
+                    *e = larger(*e, MEL_FLOOR);
+                }
+                log10_in_place(row);
+                max = larger(max, max_of(row));
             }
-            for (p, c) in power.iter_mut().zip(&spectrum) {
-                *p = norm_sqr(c);
-            }
-            for (m, filter) in self.filters.iter().enumerate() {
-                let bins = &power[filter.first_bin..filter.first_bin + filter.weights.len()];
-                let energy: f32 = bins.iter().zip(&filter.weights).map(|(p, w)| p * w).sum();
-                let value = energy.max(MEL_FLOOR).log10();
-                max = max.max(value);
-                mel[m * frames + t] = value;
+            for (m, row) in energies.chunks_exact(BLOCK_FRAMES).enumerate() {
+                let out_row = &mut mel[m * frames + first..][..count];
+                for (o, &value) in out_row.iter_mut().zip(&row[..count]) {
+                    *o = value.to_le_bytes();
+                }
             }
         }
         let floor = max - DYNAMIC_RANGE;
-        for value in &mut mel {
-            *value = (value.max(floor) + 4.0) / 4.0;
+        for bytes in mel {
+            *bytes = ((larger(f32::from_le_bytes(*bytes), floor) + 4.0) / 4.0).to_le_bytes();
         }
-        mel
+    }
+
+    /// Frame `t` of the centred STFT, windowed, into `input`: samples [t·hop − n_fft/2,
+    /// t·hop + n_fft/2) of the chunk (audio, then silence to `chunk_len`), reflected at its edges
+    /// as `numpy.pad(mode="reflect")` does. Only frames at the edges take the slow path.
+    fn windowed_frame(&self, audio: &[f32], chunk_len: usize, t: usize, input: &mut [f32]) {
+        let start = (t * HOP_LENGTH) as isize - (N_FFT / 2) as isize;
+        if start >= 0 && start as usize + N_FFT <= audio.len() {
+            let frame = &audio[start as usize..start as usize + N_FFT];
+            for ((x, &s), &w) in input.iter_mut().zip(frame).zip(&self.window) {
+                *x = s * w;
+            }
+            return;
+        }
+        let n = chunk_len as isize;
+        for (j, (x, &w)) in input.iter_mut().zip(&self.window).enumerate() {
+            let i = reflect_index(start + j as isize, n);
+            *x = audio.get(i).copied().unwrap_or(0.0) * w;
+        }
     }
 }
 
-fn norm_sqr(c: &Complex<f32>) -> f32 {
-    c.re * c.re + c.im * c.im
+/// The larger of two values that are never NaN. `f32::max` promises IEEE maxNum semantics for NaN,
+/// which wasm's `f32.max` does not have, so in wasm it is a libm call per value: in these loops
+/// that call alone cost more than the logarithm.
+fn larger(a: f32, b: f32) -> f32 {
+    if a > b { a } else { b }
 }
 
-/// `numpy.pad(samples, pad, mode="reflect")`: mirrored without repeating the edge sample. Samples
-/// shorter than the pad mirror back and forth, as numpy does.
-fn reflect_pad(samples: &[f32], pad: usize) -> Vec<f32> {
-    let n = samples.len() as isize;
-    let reflect = |mut i: isize| -> f32 {
-        if n == 1 {
-            return samples[0];
+/// The largest of `values` (never NaN), in eight independent lanes so the loop vectorises (a single
+/// running maximum is a chain of dependent comparisons).
+fn max_of(values: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = values.chunks_exact(8);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane = larger(*lane, v);
         }
-        let period = 2 * (n - 1);
-        i = i.rem_euclid(period);
-        if i >= n {
-            i = period - i;
-        }
-        samples[i as usize]
-    };
-    let mut out = Vec::with_capacity(samples.len() + 2 * pad);
-    out.extend((-(pad as isize)..0).map(reflect));
-    out.extend_from_slice(samples);
-    out.extend((n..n + pad as isize).map(reflect));
-    out
+    }
+    rest.iter()
+        .chain(&lanes)
+        .copied()
+        .fold(f32::NEG_INFINITY, larger)
+}
+
+/// The index `numpy.pad(mode="reflect")` reads for position `i` of a signal of length `n`:
+/// mirrored at both ends without repeating the edge sample, back and forth if need be.
+fn reflect_index(i: isize, n: isize) -> usize {
+    if n == 1 {
+        return 0;
+    }
+    let period = 2 * (n - 1);
+    let i = i.rem_euclid(period);
+    (if i >= n { period - i } else { i }) as usize
+}
+
+/// `log10` of each value (all positive and normal: they are clamped to 1e-10 first), to within
+/// 2 ulp. Written without branches so it runs as a vector loop (SIMD natively and in wasm), where
+/// libm's `log10f` is a scalar call per value, and in wasm a slow software one.
+fn log10_in_place(values: &mut [f32]) {
+    const LOG10_2: f32 = std::f32::consts::LOG10_2;
+    const LOG10_E: f32 = std::f32::consts::LOG10_E;
+    for v in values {
+        let bits = v.to_bits();
+        // x = m · 2^e with m in [√½, √2): the series below converges fastest around 1.
+        let mut e = ((bits >> 23) & 0xff) as i32 - 127;
+        let mut m = f32::from_bits((bits & 0x007f_ffff) | 0x3f80_0000);
+        let big = m > std::f32::consts::SQRT_2;
+        m = if big { m * 0.5 } else { m };
+        e += i32::from(big);
+        // ln m = 2·atanh(r), r = (m − 1)/(m + 1), |r| ≤ 0.172: five odd terms reach 1e-9.
+        let r = (m - 1.0) / (m + 1.0);
+        let r2 = r * r;
+        let series =
+            1.0 + r2 * (1.0 / 3.0 + r2 * (1.0 / 5.0 + r2 * (1.0 / 7.0 + r2 * (1.0 / 9.0))));
+        *v = e as f32 * LOG10_2 + 2.0 * r * series * LOG10_E;
+    }
 }
 
 /// Slaney mel scale (librosa's default, `mel_scale="slaney"`): linear below 1 kHz, logarithmic above.
@@ -208,17 +284,33 @@ fn slaney_filters(n_mels: usize) -> Vec<Filter> {
 mod tests {
     use super::*;
 
+    fn compute(logmel: &LogMel, audio: &[f32], chunk_len: usize) -> Vec<f32> {
+        let mut out = Vec::new();
+        logmel.compute_into(audio, chunk_len, &mut out);
+        out.into_iter().map(f32::from_le_bytes).collect()
+    }
+
     #[test]
-    fn reflect_pad_mirrors_without_the_edge_sample() {
-        assert_eq!(
-            reflect_pad(&[1.0, 2.0, 3.0, 4.0], 2),
-            [3.0, 2.0, 1.0, 2.0, 3.0, 4.0, 3.0, 2.0]
-        );
-        // Shorter than the pad: numpy keeps reflecting.
-        assert_eq!(
-            reflect_pad(&[1.0, 2.0], 3),
-            [2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0]
-        );
+    fn reflect_index_mirrors_without_the_edge_sample() {
+        // numpy.pad([1, 2, 3, 4], 2, mode="reflect") = [3, 2, 1, 2, 3, 4, 3, 2]
+        let padded: Vec<usize> = (-2..6).map(|i| reflect_index(i, 4)).collect();
+        assert_eq!(padded, [2, 1, 0, 1, 2, 3, 2, 1]);
+        // Shorter than the pad: numpy keeps reflecting ([1, 2] padded by 3).
+        let padded: Vec<usize> = (-3..5).map(|i| reflect_index(i, 2)).collect();
+        assert_eq!(padded, [1, 0, 1, 0, 1, 0, 1, 0]);
+    }
+
+    #[test]
+    fn log10_is_accurate_over_the_whole_range() {
+        let mut worst = 0f64;
+        let mut x = 1e-10f32;
+        while x < 1e12 {
+            let mut v = [x];
+            log10_in_place(&mut v);
+            worst = worst.max((f64::from(v[0]) - f64::from(x).log10()).abs());
+            x *= 1.0137;
+        }
+        assert!(worst < 2e-6, "worst {worst}");
     }
 
     #[test]
@@ -243,22 +335,24 @@ mod tests {
 
     #[test]
     fn silence_is_the_floor_everywhere() {
-        let mel = LogMel::new(80).compute(&vec![0.0; 16_000], 16_000);
+        let mel = compute(&LogMel::new(80), &vec![0.0; 16_000], 16_000);
         assert_eq!(mel.len(), 80 * 100);
         // log10(1e-10) = -10, max - 8 = -18 is below it, so everything is -10 → (-10 + 4) / 4.
         assert!(mel.iter().all(|&v| (v - (-1.5)).abs() < 1e-6));
     }
 
     #[test]
-    fn skipping_silent_frames_changes_nothing() {
-        let mut samples = vec![0f32; 48_000];
-        for (i, s) in samples[..10_007].iter_mut().enumerate() {
-            *s = ((i * 7919) % 2001) as f32 / 1000.0 - 1.0;
-        }
+    fn implied_silence_equals_explicit_zeros() {
+        let audio: Vec<f32> = (0..10_007)
+            .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        let mut padded = audio.clone();
+        padded.resize(48_000, 0.0);
         let logmel = LogMel::new(80);
+        // The skipped silent frames, the reflected edges and the block boundaries change nothing.
         assert_eq!(
-            logmel.compute(&samples, 10_007),
-            logmel.compute(&samples, samples.len())
+            compute(&logmel, &audio, 48_000),
+            compute(&logmel, &padded, 48_000)
         );
     }
 
@@ -268,7 +362,7 @@ mod tests {
             .map(|i| (2.0 * std::f32::consts::PI * 440.0 * i as f32 / 16_000.0).sin())
             .collect();
         let logmel = LogMel::new(80);
-        let mel = logmel.compute(&samples, samples.len());
+        let mel = compute(&logmel, &samples, samples.len());
         let frames = 100;
         let t = 50;
         let peak = (0..80)

@@ -261,18 +261,15 @@ impl Processor {
         let logmel = LogMel::new(self.n_mels);
         let mut features = Vec::with_capacity(choices.chunks * self.n_mels * frames);
         let mut mask = Vec::with_capacity(choices.chunks * frames);
-        let mut padded = vec![0f32; chunk];
         for (audio, &audio_frames) in samples.chunks(chunk).zip(&choices.chunk_frames) {
-            padded[..audio.len()].copy_from_slice(audio);
-            padded[audio.len()..].fill(0.0);
-            features.extend(logmel.compute(&padded, audio.len()));
+            logmel.compute_into(audio, chunk, &mut features);
             mask.extend((0..frames as u64).map(|f| i64::from(f < audio_frames)));
         }
         Ok(vec![
-            Tensor::from_f32(
+            Tensor::from_f32_bytes(
                 "input_features",
                 &[choices.chunks, self.n_mels, frames],
-                &features,
+                features.into_flattened(),
             )?,
             Tensor::from_i64("feature_attention_mask", &[choices.chunks, frames], &mask)?,
         ])

@@ -1,10 +1,10 @@
-//! The built-in image plugin through the host, timed on one core: probe + plan + preprocess, each in
-//! a fresh store as the gateway runs them.
+//! A built-in plugin through the host, timed on one core: probe + plan + preprocess, each in a fresh
+//! store as the gateway runs them.
 //!
-//!     cargo bench -p mmgate-host --bench image_plugin -- IMAGE CONFIG.json ITERATIONS
+//!     cargo bench -p mmgate-host --bench plugin_preprocess -- MODALITY FILE CONFIG.json ITERATIONS
 //!
-//! Prints one JSON line: {"image", "wasm_ms_median", "tokens"}. `bench/image.py` runs it beside the
-//! same code built natively and HF's processors, and prints the ratios.
+//! Prints one JSON line: {"file", "wasm_ms_median", "tokens"}. The scripts in `bench/` run it beside
+//! the same code built natively (`plugins/native-bench`) and HF's processors, and print the ratios.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -19,19 +19,19 @@ fn main() {
         .skip(1)
         .filter(|a| a != "--bench")
         .collect();
-    let [image, config, iterations] = args.as_slice() else {
-        eprintln!("usage: image_plugin IMAGE CONFIG.json ITERATIONS (see bench/image.py)");
+    let [modality, file, config, iterations] = args.as_slice() else {
+        eprintln!("usage: plugin_preprocess MODALITY FILE CONFIG.json ITERATIONS (see bench/)");
         return;
     };
     let media = Media {
-        data: std::fs::read(image).unwrap(),
+        data: std::fs::read(file).unwrap(),
         mime_type: None,
     };
     let config = std::fs::read_to_string(config).unwrap();
     let iterations: usize = iterations.parse::<usize>().unwrap().max(1);
     let sandbox = Arc::new(Sandbox::new(SandboxLimits::default()).unwrap());
     let registry = PluginRegistry::builtin(&sandbox).unwrap();
-    let plugin = registry.for_modality("image").unwrap();
+    let plugin = registry.for_modality(modality).unwrap();
     let budget = Budget {
         max_tokens: u32::MAX,
     };
@@ -51,7 +51,7 @@ fn main() {
         .collect();
     samples.sort_by(f64::total_cmp);
     println!(
-        "{{\"image\": {image:?}, \"wasm_ms_median\": {:.3}, \"tokens\": {tokens}}}",
+        "{{\"file\": {file:?}, \"wasm_ms_median\": {:.3}, \"tokens\": {tokens}}}",
         samples[samples.len() / 2]
     );
 }

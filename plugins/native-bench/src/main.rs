@@ -1,0 +1,46 @@
+//! A built-in plugin's code built natively, timed on one core: the baseline for the sandbox's cost.
+//!
+//!     cargo run --release -p mmgate-native-bench -- MODALITY FILE CONFIG.json ITERATIONS
+//!
+//! Runs the plugin's whole per-item path (probe, plan without a budget, preprocess) on FILE and
+//! prints one JSON line: {"file", "native_ms_median", "tokens"}. Run by the scripts in `bench/`
+//! beside the same plugin through the host (`cargo bench -p mmgate-host --bench plugin_preprocess`).
+
+use std::time::Instant;
+
+use mmgate_plugin_sdk::{PluginResult, Tensor, TokenPlan};
+
+type Preprocess = fn(Vec<u8>, &str, u32) -> PluginResult<(TokenPlan, Vec<Tensor>)>;
+
+fn main() -> Result<(), String> {
+    let args: Vec<String> = std::env::args().collect();
+    let [_, modality, file, config, iterations] = args.as_slice() else {
+        return Err("usage: mmgate-native-bench MODALITY FILE CONFIG.json ITERATIONS".into());
+    };
+    let preprocess: Preprocess = match modality.as_str() {
+        "image" => mmgate_image_plugin::preprocess_bytes,
+        "audio" => mmgate_audio_plugin::preprocess_bytes,
+        other => return Err(format!("no built-in {other} plugin (image, audio)")),
+    };
+    let data = std::fs::read(file).map_err(|e| format!("{file}: {e}"))?;
+    let config = std::fs::read_to_string(config).map_err(|e| format!("{config}: {e}"))?;
+    let iterations: usize = iterations
+        .parse::<usize>()
+        .map_err(|e| format!("{e}"))?
+        .max(1);
+    let run = || preprocess(data.clone(), &config, u32::MAX).map_err(|e| format!("{e:?}"));
+    let (plan, _) = run()?;
+    let mut samples = Vec::with_capacity(iterations);
+    for _ in 0..iterations {
+        let start = Instant::now();
+        std::hint::black_box(run()?);
+        samples.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    samples.sort_by(f64::total_cmp);
+    println!(
+        "{{\"file\": {file:?}, \"native_ms_median\": {:.3}, \"tokens\": {}}}",
+        samples[samples.len() / 2],
+        plan.tokens
+    );
+    Ok(())
+}
