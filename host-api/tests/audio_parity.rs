@@ -7,13 +7,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+mod common;
 
-use mmgate_host::{
-    Budget, CallError, Dtype, LoadedPlugin, Media, PluginError, PluginRegistry, Sandbox,
-    SandboxLimits, Tensor,
-};
+use std::path::PathBuf;
+
+use mmgate_host::{Budget, CallError, Dtype, LoadedPlugin, Media, PluginError, Tensor};
 use safetensors::SafeTensors;
 use serde::Deserialize;
 
@@ -76,20 +74,11 @@ struct OverBudget {
 }
 
 fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/audio")
+    common::fixtures_dir("audio")
 }
 
 fn fixtures() -> Fixtures {
     serde_json::from_slice(&std::fs::read(fixtures_dir().join("cases.json")).unwrap()).unwrap()
-}
-
-fn audio_plugin() -> Arc<LoadedPlugin> {
-    let sandbox = Arc::new(Sandbox::new(SandboxLimits::default()).unwrap());
-    PluginRegistry::builtin(&sandbox)
-        .unwrap()
-        .for_modality("audio")
-        .expect("a built-in audio plugin")
-        .clone()
 }
 
 fn media(path: &str) -> Media {
@@ -217,45 +206,31 @@ fn audio_plugin_matches_whisper_feature_extractor() {
         "audio parity against transformers {} (librosa {} for loading and resampling)",
         fixtures.transformers, fixtures.librosa
     );
-    let plugin = audio_plugin();
-    let mut failures = Vec::new();
-    for case in &fixtures.cases {
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&plugin, case)));
-        match outcome {
-            Ok(diff) => {
-                let (all, passband) = tolerance(case);
-                println!(
-                    "{:<44} max |diff| {:.6} (≤ {all}), below 0.9·Nyquist {:.6} (≤ {passband})",
-                    case.name, diff.all, diff.passband
-                );
-                if diff.all > all || diff.passband > passband {
-                    failures.push(format!(
-                        "{}: max |diff| {} (passband {}) > {all} ({passband})",
-                        case.name, diff.all, diff.passband
-                    ));
-                }
+    let plugin = common::builtin_plugin("audio");
+    common::check_all(
+        &fixtures.cases,
+        |case| &case.name,
+        |case| {
+            let diff = run(&plugin, case);
+            let (all, passband) = tolerance(case);
+            println!(
+                "{:<44} max |diff| {:.6} (≤ {all}), below 0.9·Nyquist {:.6} (≤ {passband})",
+                case.name, diff.all, diff.passband
+            );
+            if diff.all > all || diff.passband > passband {
+                return Err(format!(
+                    "max |diff| {} (passband {}) > {all} ({passband})",
+                    diff.all, diff.passband
+                ));
             }
-            Err(panic) => {
-                let message = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                    .unwrap_or_default();
-                failures.push(format!("{}: {message}", case.name));
-            }
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} cases failed:\n{}",
-        failures.len(),
-        failures.join("\n")
+            Ok(())
+        },
     );
 }
 
 #[test]
 fn budgets_keep_leading_chunks_or_refuse() {
-    let plugin = audio_plugin();
+    let plugin = common::builtin_plugin("audio");
     for case in fixtures().budgets {
         let media = media(&case.clip);
         let config = config(&case.config);

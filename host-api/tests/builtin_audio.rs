@@ -4,25 +4,19 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::PathBuf;
 use std::sync::Arc;
 
-use mmgate_host::{
-    Budget, CallError, LoadedPlugin, Media, MediaInfo, PluginError, PluginRegistry, Sandbox,
-    SandboxLimits, Tensor,
-};
+use mmgate_host::{Budget, CallError, LoadedPlugin, Media, MediaInfo, PluginError, Tensor};
 
 fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/audio")
+    common::fixtures_dir("audio")
 }
 
 fn audio_plugin() -> Arc<LoadedPlugin> {
-    let sandbox = Arc::new(Sandbox::new(SandboxLimits::default()).unwrap());
-    PluginRegistry::builtin(&sandbox)
-        .unwrap()
-        .for_modality("audio")
-        .expect("a built-in audio plugin")
-        .clone()
+    common::builtin_plugin("audio")
 }
 
 fn qwen2_audio() -> String {

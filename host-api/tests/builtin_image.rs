@@ -3,11 +3,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::sync::Arc;
 
-use mmgate_host::{
-    Budget, CallError, Dtype, Media, PluginError, PluginRegistry, Sandbox, SandboxLimits,
-};
+use mmgate_host::{Budget, CallError, Dtype, Media, PluginError, SandboxLimits};
 
 /// A `width` x `height` 24-bit BMP with a gradient, written by hand so the test needs no encoder.
 fn bmp(width: u32, height: u32) -> Vec<u8> {
@@ -39,16 +39,11 @@ const QWEN2_VL: &str = r#"{"image_processor_type": "Qwen2VLImageProcessor",
     "merge_size": 2}"#;
 
 fn image_plugin_with(limits: SandboxLimits) -> Arc<mmgate_host::LoadedPlugin> {
-    let sandbox = Arc::new(Sandbox::new(limits).unwrap());
-    let registry = PluginRegistry::builtin(&sandbox).unwrap();
-    registry
-        .for_modality("image")
-        .expect("a built-in image plugin")
-        .clone()
+    common::builtin_plugin_with("image", limits)
 }
 
 fn image_plugin() -> Arc<mmgate_host::LoadedPlugin> {
-    image_plugin_with(SandboxLimits::default())
+    common::builtin_plugin("image")
 }
 
 fn media(data: Vec<u8>) -> Media {

@@ -6,13 +6,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+mod common;
 
-use mmgate_host::{
-    Budget, CallError, Dtype, LoadedPlugin, Media, PluginError, PluginRegistry, Sandbox,
-    SandboxLimits, Tensor,
-};
+use std::path::PathBuf;
+
+use mmgate_host::{Budget, CallError, Dtype, LoadedPlugin, Media, PluginError, Tensor};
 use safetensors::SafeTensors;
 use serde::Deserialize;
 
@@ -48,16 +46,7 @@ struct Case {
 }
 
 fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/image")
-}
-
-fn image_plugin() -> Arc<LoadedPlugin> {
-    let sandbox = Arc::new(Sandbox::new(SandboxLimits::default()).unwrap());
-    PluginRegistry::builtin(&sandbox)
-        .unwrap()
-        .for_modality("image")
-        .expect("a built-in image plugin")
-        .clone()
+    common::fixtures_dir("image")
 }
 
 fn f32s(tensor: &Tensor) -> Vec<f32> {
@@ -162,41 +151,29 @@ fn image_plugin_matches_hf_processors() {
     )
     .unwrap();
     assert!(fixtures.cases.len() >= 30, "the fixture set is incomplete");
-    let plugin = image_plugin();
-    let mut failures = Vec::new();
+    let plugin = common::builtin_plugin("image");
     println!(
         "image parity against transformers {}",
         fixtures.transformers
     );
-    for case in &fixtures.cases {
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&plugin, case)));
-        match outcome {
-            Ok(Some(diff)) => {
-                println!("{:<40} max |diff| {diff:.4}", case.name);
-                let tolerance = if case.image.ends_with(".jpg") {
-                    JPEG_TOLERANCE
-                } else {
-                    TOLERANCE
-                };
-                if diff.is_nan() || diff > tolerance {
-                    failures.push(format!("{}: max |diff| {diff} > {tolerance}", case.name));
-                }
+    common::check_all(
+        &fixtures.cases,
+        |case| &case.name,
+        |case| {
+            let Some(diff) = run(&plugin, case) else {
+                println!("{:<40} error as expected", case.name);
+                return Ok(());
+            };
+            println!("{:<40} max |diff| {diff:.4}", case.name);
+            let tolerance = if case.image.ends_with(".jpg") {
+                JPEG_TOLERANCE
+            } else {
+                TOLERANCE
+            };
+            if diff.is_nan() || diff > tolerance {
+                return Err(format!("max |diff| {diff} > {tolerance}"));
             }
-            Ok(None) => println!("{:<40} error as expected", case.name),
-            Err(panic) => {
-                let message = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                    .unwrap_or_default();
-                failures.push(format!("{}: {message}", case.name));
-            }
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} cases failed:\n{}",
-        failures.len(),
-        failures.join("\n")
+            Ok(())
+        },
     );
 }

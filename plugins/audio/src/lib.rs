@@ -17,7 +17,8 @@ use mmgate_plugin_sdk::*;
 use mel::SAMPLE_RATE;
 use processor::{Choices, Processor};
 
-struct AudioPlugin;
+/// The plugin; public so its code can also run natively (`mmgate_plugin_sdk::run_natively`).
+pub struct AudioPlugin;
 
 impl Plugin for AudioPlugin {
     fn describe() -> Descriptor {
@@ -93,23 +94,6 @@ impl Plugin for AudioPlugin {
         let samples = resample::resample(audio.samples, audio.sample_rate, SAMPLE_RATE)?;
         processor.preprocess(samples, &choices)
     }
-}
-
-/// The whole per-item path (probe, plan within `max_tokens`, preprocess) as one call: what the host
-/// runs through the sandbox, callable natively so the benchmark can time the same code both ways.
-pub fn preprocess_bytes(
-    data: Vec<u8>,
-    config: &str,
-    max_tokens: u32,
-) -> PluginResult<(TokenPlan, Vec<Tensor>)> {
-    let media = || Media {
-        data: data.clone(),
-        mime_type: None,
-    };
-    let info = AudioPlugin::probe(media())?;
-    let plan = AudioPlugin::plan(info, Budget { max_tokens }, config.to_owned())?;
-    let tensors = AudioPlugin::preprocess(media(), plan.clone(), config.to_owned())?;
-    Ok((plan, tensors))
 }
 
 // Natively (the benchmark's baseline) there is no component to export, and the linker would choke

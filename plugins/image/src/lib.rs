@@ -13,7 +13,8 @@ use mmgate_plugin_sdk::*;
 
 use processor::{Choices, Processor};
 
-struct ImagePlugin;
+/// The plugin; public so its code can also run natively (`mmgate_plugin_sdk::run_natively`).
+pub struct ImagePlugin;
 
 impl Plugin for ImagePlugin {
     fn describe() -> Descriptor {
@@ -59,23 +60,6 @@ impl Plugin for ImagePlugin {
         let image = decode::decode_rgb(&media.data)?;
         processor.preprocess(&image, &choices)
     }
-}
-
-/// The whole per-item path (probe, plan within `max_tokens`, preprocess) as one call: what the host
-/// runs through the sandbox, callable natively so the benchmark can time the same code both ways.
-pub fn preprocess_bytes(
-    data: Vec<u8>,
-    config: &str,
-    max_tokens: u32,
-) -> PluginResult<(TokenPlan, Vec<Tensor>)> {
-    let media = || Media {
-        data: data.clone(),
-        mime_type: None,
-    };
-    let info = ImagePlugin::probe(media())?;
-    let plan = ImagePlugin::plan(info, Budget { max_tokens }, config.to_owned())?;
-    let tensors = ImagePlugin::preprocess(media(), plan.clone(), config.to_owned())?;
-    Ok((plan, tensors))
 }
 
 // Natively (the benchmark's baseline) there is no component to export, and the linker would choke

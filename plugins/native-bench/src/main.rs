@@ -8,7 +8,9 @@
 
 use std::time::Instant;
 
-use mmgate_plugin_sdk::{PluginResult, Tensor, TokenPlan};
+use mmgate_audio_plugin::AudioPlugin;
+use mmgate_image_plugin::ImagePlugin;
+use mmgate_plugin_sdk::{PluginResult, Tensor, TokenPlan, run_natively};
 
 type Preprocess = fn(Vec<u8>, &str, u32) -> PluginResult<(TokenPlan, Vec<Tensor>)>;
 
@@ -18,8 +20,8 @@ fn main() -> Result<(), String> {
         return Err("usage: mmgate-native-bench MODALITY FILE CONFIG.json ITERATIONS".into());
     };
     let preprocess: Preprocess = match modality.as_str() {
-        "image" => mmgate_image_plugin::preprocess_bytes,
-        "audio" => mmgate_audio_plugin::preprocess_bytes,
+        "image" => run_natively::<ImagePlugin>,
+        "audio" => run_natively::<AudioPlugin>,
         other => return Err(format!("no built-in {other} plugin (image, audio)")),
     };
     let data = std::fs::read(file).map_err(|e| format!("{file}: {e}"))?;

@@ -107,6 +107,24 @@ pub fn parse_config<T: DeserializeOwned>(config: &str) -> PluginResult<T> {
         .map_err(|e| PluginError::unsupported(format!("processor config: {e}")))
 }
 
+/// A plugin's whole per-item path as the host runs it (probe; plan within `max_tokens`; preprocess)
+/// as one native call: for timing a plugin's code outside the sandbox, or testing it with `cargo
+/// test` on the build machine. The host gives each step a fresh instance; here they share a process.
+pub fn run_natively<P: Plugin>(
+    data: Vec<u8>,
+    config: &str,
+    max_tokens: u32,
+) -> PluginResult<(TokenPlan, Vec<Tensor>)> {
+    let media = || Media {
+        data: data.clone(),
+        mime_type: None,
+    };
+    let info = P::probe(media())?;
+    let plan = P::plan(info, Budget { max_tokens }, config.to_owned())?;
+    let tensors = P::preprocess(media(), plan.clone(), config.to_owned())?;
+    Ok((plan, tensors))
+}
+
 impl MediaInfo {
     /// A media-info with only the modality and format set; fill in the fields that apply.
     pub fn new(modality: impl Into<String>, format: impl Into<String>) -> Self {
