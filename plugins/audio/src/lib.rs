@@ -22,17 +22,14 @@ pub struct AudioPlugin;
 
 impl Plugin for AudioPlugin {
     fn describe() -> Descriptor {
-        Descriptor {
-            name: "audio".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            description: "decode audio, resample to 16 kHz, Whisper log-mel in 30 s chunks".into(),
-            modalities: vec!["audio".into()],
-            mime_types: decode::MIME_TYPES.iter().map(|m| (*m).to_owned()).collect(),
-            processor_types: processor::SUPPORTED
-                .iter()
-                .map(|p| (*p).to_owned())
-                .collect(),
-        }
+        Descriptor::new(
+            "audio",
+            env!("CARGO_PKG_VERSION"),
+            "decode audio, resample to 16 kHz, Whisper log-mel in 30 s chunks",
+            &["audio"],
+            decode::MIME_TYPES,
+            processor::SUPPORTED,
+        )
     }
 
     fn probe(media: Media) -> PluginResult<MediaInfo> {

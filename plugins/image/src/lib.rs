@@ -18,18 +18,14 @@ pub struct ImagePlugin;
 
 impl Plugin for ImagePlugin {
     fn describe() -> Descriptor {
-        Descriptor {
-            name: "image".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            description:
-                "decode images; Qwen2-VL smart resize + patchify, or fixed-size CLIP/SigLIP".into(),
-            modalities: vec!["image".into()],
-            mime_types: decode::MIME_TYPES.iter().map(|m| (*m).to_owned()).collect(),
-            processor_types: processor::SUPPORTED
-                .iter()
-                .map(|p| (*p).to_owned())
-                .collect(),
-        }
+        Descriptor::new(
+            "image",
+            env!("CARGO_PKG_VERSION"),
+            "decode images; Qwen2-VL smart resize + patchify, or fixed-size CLIP/SigLIP",
+            &["image"],
+            decode::MIME_TYPES,
+            processor::SUPPORTED,
+        )
     }
 
     fn probe(media: Media) -> PluginResult<MediaInfo> {

@@ -125,6 +125,28 @@ pub fn run_natively<P: Plugin>(
     Ok((plan, tensors))
 }
 
+impl Descriptor {
+    /// A descriptor from the string constants a plugin usually keeps them in.
+    pub fn new(
+        name: &str,
+        version: &str,
+        description: &str,
+        modalities: &[&str],
+        mime_types: &[&str],
+        processor_types: &[&str],
+    ) -> Self {
+        let owned = |items: &[&str]| items.iter().map(|s| (*s).to_owned()).collect();
+        Descriptor {
+            name: name.to_owned(),
+            version: version.to_owned(),
+            description: description.to_owned(),
+            modalities: owned(modalities),
+            mime_types: owned(mime_types),
+            processor_types: owned(processor_types),
+        }
+    }
+}
+
 impl MediaInfo {
     /// A media-info with only the modality and format set; fill in the fields that apply.
     pub fn new(modality: impl Into<String>, format: impl Into<String>) -> Self {
