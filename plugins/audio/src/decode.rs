@@ -6,6 +6,9 @@
 use std::io::Cursor;
 
 use mmgate_plugin_sdk::*;
+use symphonia::core::audio::conv::FromSample;
+use symphonia::core::audio::sample::Sample;
+use symphonia::core::audio::{Audio, AudioBuffer, GenericAudioBufferRef};
 use symphonia::core::codecs::audio::{AudioDecoder, AudioDecoderOptions};
 use symphonia::core::errors::Error as SymphoniaError;
 use symphonia::core::formats::probe::Hint;
@@ -230,6 +233,42 @@ fn next_packet(
     }
 }
 
+/// Append the mean of `buffer`'s channels to `out`, converting samples to f32 as symphonia does
+/// (`i16 / 32768`, `(u8 − 128) / 128`, ...), straight from the decoder's planes.
+fn mix_to_mono(buffer: &GenericAudioBufferRef<'_>, out: &mut Vec<f32>) {
+    fn mix<S: Sample>(buffer: &AudioBuffer<S>, out: &mut Vec<f32>)
+    where
+        f32: FromSample<S>,
+    {
+        let start = out.len();
+        let planes = buffer.num_planes();
+        if let Some(first) = buffer.plane(0) {
+            out.extend(first.iter().map(|&s| f32::from_sample(s)));
+        }
+        for plane in (1..planes).filter_map(|ch| buffer.plane(ch)) {
+            for (o, &s) in out[start..].iter_mut().zip(plane) {
+                *o += f32::from_sample(s);
+            }
+        }
+        if planes > 1 {
+            let scale = 1.0 / planes as f32;
+            out[start..].iter_mut().for_each(|o| *o *= scale);
+        }
+    }
+    match buffer {
+        GenericAudioBufferRef::U8(b) => mix(b, out),
+        GenericAudioBufferRef::U16(b) => mix(b, out),
+        GenericAudioBufferRef::U24(b) => mix(b, out),
+        GenericAudioBufferRef::U32(b) => mix(b, out),
+        GenericAudioBufferRef::S8(b) => mix(b, out),
+        GenericAudioBufferRef::S16(b) => mix(b, out),
+        GenericAudioBufferRef::S24(b) => mix(b, out),
+        GenericAudioBufferRef::S32(b) => mix(b, out),
+        GenericAudioBufferRef::F32(b) => mix(b, out),
+        GenericAudioBufferRef::F64(b) => mix(b, out),
+    }
+}
+
 /// Decoded audio: one channel (the mean of all channels) at the file's own rate.
 pub struct MonoAudio {
     pub samples: Vec<f32>,
@@ -245,7 +284,6 @@ pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
     let max_frames = (MAX_DURATION_SECONDS * f64::from(header.sample_rate)) as usize;
     let channels = header.channels as usize;
     let mut samples: Vec<f32> = Vec::with_capacity(header.frames.min(max_frames as u64) as usize);
-    let mut interleaved: Vec<f32> = Vec::new();
     let (mut packets, mut bad_packets) = (0usize, 0usize);
     while let Some(packet) = next_packet(reader.as_mut())? {
         if packet.track_id != track.id {
@@ -272,17 +310,7 @@ pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
                 "the channel count changes mid-stream ({channels} → {packet_channels})"
             )));
         }
-        decoded.copy_to_vec_interleaved(&mut interleaved);
-        if channels == 1 {
-            samples.extend_from_slice(&interleaved);
-        } else {
-            let scale = 1.0 / channels as f32;
-            samples.extend(
-                interleaved
-                    .chunks_exact(channels)
-                    .map(|frame| frame.iter().sum::<f32>() * scale),
-            );
-        }
+        mix_to_mono(&decoded, &mut samples);
         if samples.len() > max_frames {
             return Err(PluginError::limit(format!(
                 "the audio runs past the limit of {MAX_DURATION_SECONDS} s while decoding (its \
