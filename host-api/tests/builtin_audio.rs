@@ -172,6 +172,41 @@ fn damaged_files_decode_what_is_there_or_fail_cleanly() {
     assert!(outcomes.0 >= clips.len() * 2, "{outcomes:?}");
 }
 
+/// A 16 kHz mono 16-bit WAV of `samples` samples of a quiet tone, written by hand.
+fn wav_16k(samples: usize) -> Vec<u8> {
+    let data_len = (samples * 2) as u32;
+    let mut out = Vec::with_capacity(44 + samples * 2);
+    out.extend_from_slice(b"RIFF");
+    out.extend_from_slice(&(36 + data_len).to_le_bytes());
+    out.extend_from_slice(b"WAVEfmt ");
+    out.extend_from_slice(&16u32.to_le_bytes());
+    out.extend_from_slice(&1u16.to_le_bytes()); // PCM
+    out.extend_from_slice(&1u16.to_le_bytes()); // mono
+    out.extend_from_slice(&16_000u32.to_le_bytes());
+    out.extend_from_slice(&32_000u32.to_le_bytes());
+    out.extend_from_slice(&2u16.to_le_bytes());
+    out.extend_from_slice(&16u16.to_le_bytes());
+    out.extend_from_slice(b"data");
+    out.extend_from_slice(&data_len.to_le_bytes());
+    out.extend((0..samples).flat_map(|i| (((i % 64) as i16 - 32) * 64).to_le_bytes()));
+    out
+}
+
+#[test]
+fn ten_minutes_is_the_limit() {
+    let plugin = audio_plugin();
+    let (tokens, tensors) = preprocess(&plugin, &media(wav_16k(600 * 16_000))).unwrap();
+    assert_eq!(tokens, 20 * 750);
+    assert_eq!(tensors[0].shape, [20, 128, 3000]);
+    assert_eq!(tokens_from_mask(&tensors), tokens);
+    // One sample more is refused from the header, before anything is decoded.
+    let error = plugin.probe(&media(wav_16k(600 * 16_000 + 1))).unwrap_err();
+    assert!(
+        matches!(&error, CallError::Plugin(PluginError::LimitExceeded(m)) if m.contains("600")),
+        "{error:?}"
+    );
+}
+
 #[test]
 fn the_declared_mime_type_is_only_a_hint() {
     let plugin = audio_plugin();
