@@ -7,15 +7,12 @@
 //! per-frame work (FFT, power, filters) runs in f32, whose rounding stays orders of magnitude under
 //! the parity tolerance (the 8-decade floor keeps tiny, relatively imprecise powers out of reach).
 
-use std::sync::Arc;
-
-use realfft::{RealFftPlanner, RealToComplex};
+use crate::fft::{LANES, Lanes, N_BINS, RealFft400};
 
 /// Whisper's STFT constants (the feature extractor's defaults; every shipped config uses them).
 pub const N_FFT: usize = 400;
 pub const HOP_LENGTH: usize = 160;
 pub const SAMPLE_RATE: u32 = 16_000;
-const N_BINS: usize = N_FFT / 2 + 1;
 /// The mel filters span 0 Hz to Nyquist at 16 kHz.
 const MAX_FREQUENCY: f64 = 8_000.0;
 /// `log10` clamp and the dynamic range kept below the maximum, in decades.
@@ -38,7 +35,7 @@ pub struct LogMel {
     n_mels: usize,
     window: [f32; N_FFT],
     filters: Vec<Filter>,
-    fft: Arc<dyn RealToComplex<f32>>,
+    fft: RealFft400,
 }
 
 impl LogMel {
@@ -51,7 +48,7 @@ impl LogMel {
             n_mels,
             window,
             filters: slaney_filters(n_mels),
-            fft: RealFftPlanner::<f32>::new().plan_fft_forward(N_FFT),
+            fft: RealFft400::new(),
         }
     }
 
@@ -79,14 +76,13 @@ impl LogMel {
         } else {
             frames
         };
-        let mut input = self.fft.make_input_vec();
-        let mut spectrum = self.fft.make_output_vec();
-        let mut scratch = self.fft.make_scratch_vec();
         // A block of frames as [bin][frame] powers and [mel][frame] energies: with the frame as
         // the innermost index, applying a filter and taking logarithms are vector loops over the
         // block, and each mel row goes to the output as one contiguous run.
         let mut power = vec![0f32; N_BINS * BLOCK_FRAMES];
         let mut energies = vec![0f32; self.n_mels * BLOCK_FRAMES];
+        let mut frames_in = [[0f32; LANES]; N_FFT];
+        let mut spectra = [[0f32; LANES]; N_BINS];
         let mut max = if audible_frames < frames {
             silent_value
         } else {
@@ -94,18 +90,15 @@ impl LogMel {
         };
         for first in (0..audible_frames).step_by(BLOCK_FRAMES) {
             let count = BLOCK_FRAMES.min(audible_frames - first);
-            for k in 0..count {
-                self.windowed_frame(audio, chunk_len, first + k, &mut input);
-                // Lengths come from the planner itself: this cannot fail.
-                if self
-                    .fft
-                    .process_with_scratch(&mut input, &mut spectrum, &mut scratch)
-                    .is_err()
-                {
-                    unreachable!("realfft buffers have the planned lengths");
+            for k in (0..count).step_by(LANES) {
+                for lane in 0..LANES {
+                    // Past the last audible frame the lane holds silence; its powers are unused.
+                    let t = (k + lane < count).then_some(first + k + lane);
+                    self.windowed_frame(audio, chunk_len, t, &mut frames_in, lane);
                 }
-                for (bin, c) in spectrum.iter().enumerate() {
-                    power[bin * BLOCK_FRAMES + k] = c.re * c.re + c.im * c.im;
+                self.fft.power(&frames_in, &mut spectra);
+                for (bin, p) in spectra.iter().enumerate() {
+                    power[bin * BLOCK_FRAMES + k..][..LANES].copy_from_slice(p);
                 }
             }
             for (row, filter) in energies.chunks_exact_mut(BLOCK_FRAMES).zip(&self.filters) {
@@ -136,22 +129,34 @@ impl LogMel {
         }
     }
 
-    /// Frame `t` of the centred STFT, windowed, into `input`: samples [t·hop − n_fft/2,
-    /// t·hop + n_fft/2) of the chunk (audio, then silence to `chunk_len`), reflected at its edges
-    /// as `numpy.pad(mode="reflect")` does. Only frames at the edges take the slow path.
-    fn windowed_frame(&self, audio: &[f32], chunk_len: usize, t: usize, input: &mut [f32]) {
+    /// Frame `t` of the centred STFT, windowed, into lane `lane` of `frames`: samples
+    /// [t·hop − n_fft/2, t·hop + n_fft/2) of the chunk (audio, then silence to `chunk_len`),
+    /// reflected at its edges as `numpy.pad(mode="reflect")` does; zeros for `None`. Only frames
+    /// at the edges take the slow path.
+    fn windowed_frame(
+        &self,
+        audio: &[f32],
+        chunk_len: usize,
+        t: Option<usize>,
+        frames: &mut [Lanes; N_FFT],
+        lane: usize,
+    ) {
+        let Some(t) = t else {
+            frames.iter_mut().for_each(|s| s[lane] = 0.0);
+            return;
+        };
         let start = (t * HOP_LENGTH) as isize - (N_FFT / 2) as isize;
         if start >= 0 && start as usize + N_FFT <= audio.len() {
             let frame = &audio[start as usize..start as usize + N_FFT];
-            for ((x, &s), &w) in input.iter_mut().zip(frame).zip(&self.window) {
-                *x = s * w;
+            for ((x, &s), &w) in frames.iter_mut().zip(frame).zip(&self.window) {
+                x[lane] = s * w;
             }
             return;
         }
         let n = chunk_len as isize;
-        for (j, (x, &w)) in input.iter_mut().zip(&self.window).enumerate() {
+        for (j, (x, &w)) in frames.iter_mut().zip(&self.window).enumerate() {
             let i = reflect_index(start + j as isize, n);
-            *x = audio.get(i).copied().unwrap_or(0.0) * w;
+            x[lane] = audio.get(i).copied().unwrap_or(0.0) * w;
         }
     }
 }
