@@ -7,12 +7,15 @@
 //! per-frame work (FFT, power, filters) runs in f32, whose rounding stays orders of magnitude under
 //! the parity tolerance (the 8-decade floor keeps tiny, relatively imprecise powers out of reach).
 
-use crate::fft::{LANES, Lanes, N_BINS, RealFft400};
+use std::sync::Arc;
+
+use realfft::{RealFftPlanner, RealToComplex};
 
 /// Whisper's STFT constants (the feature extractor's defaults; every shipped config uses them).
 pub const N_FFT: usize = 400;
 pub const HOP_LENGTH: usize = 160;
 pub const SAMPLE_RATE: u32 = 16_000;
+const N_BINS: usize = N_FFT / 2 + 1;
 /// The mel filters span 0 Hz to Nyquist at 16 kHz.
 const MAX_FREQUENCY: f64 = 8_000.0;
 /// `log10` clamp and the dynamic range kept below the maximum, in decades.
@@ -35,7 +38,7 @@ pub struct LogMel {
     n_mels: usize,
     window: [f32; N_FFT],
     filters: Vec<Filter>,
-    fft: RealFft400,
+    fft: Arc<dyn RealToComplex<f32>>,
 }
 
 impl LogMel {
@@ -48,7 +51,7 @@ impl LogMel {
             n_mels,
             window,
             filters: slaney_filters(n_mels),
-            fft: RealFft400::new(),
+            fft: RealFftPlanner::<f32>::new().plan_fft_forward(N_FFT),
         }
     }
 
@@ -76,13 +79,14 @@ impl LogMel {
         } else {
             frames
         };
+        let mut input = self.fft.make_input_vec();
+        let mut spectrum = self.fft.make_output_vec();
+        let mut scratch = self.fft.make_scratch_vec();
         // A block of frames as [bin][frame] powers and [mel][frame] energies: with the frame as
         // the innermost index, applying a filter and taking logarithms are vector loops over the
         // block, and each mel row goes to the output as one contiguous run.
         let mut power = vec![0f32; N_BINS * BLOCK_FRAMES];
         let mut energies = vec![0f32; self.n_mels * BLOCK_FRAMES];
-        let mut frames_in = [[0f32; LANES]; N_FFT];
-        let mut spectra = [[0f32; LANES]; N_BINS];
         let mut max = if audible_frames < frames {
             silent_value
         } else {
@@ -90,17 +94,18 @@ impl LogMel {
         };
         for first in (0..audible_frames).step_by(BLOCK_FRAMES) {
             let count = BLOCK_FRAMES.min(audible_frames - first);
-            for k in (0..count).step_by(LANES) {
-                if !self.windowed_frames(audio, first + k, &mut frames_in) || k + LANES > count {
-                    for lane in 0..LANES {
-                        // Past the last audible frame a lane holds silence; its powers are unused.
-                        let t = (k + lane < count).then_some(first + k + lane);
-                        self.windowed_frame(audio, chunk_len, t, &mut frames_in, lane);
-                    }
+            for k in 0..count {
+                self.windowed_frame(audio, chunk_len, first + k, &mut input);
+                // Lengths come from the planner itself: this cannot fail.
+                if self
+                    .fft
+                    .process_with_scratch(&mut input, &mut spectrum, &mut scratch)
+                    .is_err()
+                {
+                    unreachable!("realfft buffers have the planned lengths");
                 }
-                self.fft.power(&frames_in, &mut spectra);
-                for (bin, p) in spectra.iter().enumerate() {
-                    power[bin * BLOCK_FRAMES + k..][..LANES].copy_from_slice(p);
+                for (bin, c) in spectrum.iter().enumerate() {
+                    power[bin * BLOCK_FRAMES + k] = c.re * c.re + c.im * c.im;
                 }
             }
             for (row, filter) in energies.chunks_exact_mut(BLOCK_FRAMES).zip(&self.filters) {
@@ -131,50 +136,22 @@ impl LogMel {
         }
     }
 
-    /// Frames `t` to `t + 3`, windowed, one per lane, when they lie wholly inside `audio` (one
-    /// run of 880 samples, each frame 160 after the last): the common case, one vector built per
-    /// sample position. Returns false, touching nothing, for frames at the edges.
-    fn windowed_frames(&self, audio: &[f32], t: usize, frames: &mut [Lanes; N_FFT]) -> bool {
-        let Some(start) = (t * HOP_LENGTH).checked_sub(N_FFT / 2) else {
-            return false;
-        };
-        let Some(run) = audio.get(start..start + (LANES - 1) * HOP_LENGTH + N_FFT) else {
-            return false;
-        };
-        for (n, (x, &w)) in frames.iter_mut().zip(&self.window).enumerate() {
-            *x = std::array::from_fn(|lane| run[n + lane * HOP_LENGTH] * w);
-        }
-        true
-    }
-
-    /// Frame `t` of the centred STFT, windowed, into lane `lane` of `frames`: samples
-    /// [t·hop − n_fft/2, t·hop + n_fft/2) of the chunk (audio, then silence to `chunk_len`),
-    /// reflected at its edges as `numpy.pad(mode="reflect")` does; zeros for `None`. Only frames
-    /// at the edges take the slow path.
-    fn windowed_frame(
-        &self,
-        audio: &[f32],
-        chunk_len: usize,
-        t: Option<usize>,
-        frames: &mut [Lanes; N_FFT],
-        lane: usize,
-    ) {
-        let Some(t) = t else {
-            frames.iter_mut().for_each(|s| s[lane] = 0.0);
-            return;
-        };
+    /// Frame `t` of the centred STFT, windowed, into `input`: samples [t·hop − n_fft/2,
+    /// t·hop + n_fft/2) of the chunk (audio, then silence to `chunk_len`), reflected at its edges
+    /// as `numpy.pad(mode="reflect")` does. Only frames at the edges take the slow path.
+    fn windowed_frame(&self, audio: &[f32], chunk_len: usize, t: usize, input: &mut [f32]) {
         let start = (t * HOP_LENGTH) as isize - (N_FFT / 2) as isize;
         if start >= 0 && start as usize + N_FFT <= audio.len() {
             let frame = &audio[start as usize..start as usize + N_FFT];
-            for ((x, &s), &w) in frames.iter_mut().zip(frame).zip(&self.window) {
-                x[lane] = s * w;
+            for ((x, &s), &w) in input.iter_mut().zip(frame).zip(&self.window) {
+                *x = s * w;
             }
             return;
         }
         let n = chunk_len as isize;
-        for (j, (x, &w)) in frames.iter_mut().zip(&self.window).enumerate() {
+        for (j, (x, &w)) in input.iter_mut().zip(&self.window).enumerate() {
             let i = reflect_index(start + j as isize, n);
-            x[lane] = audio.get(i).copied().unwrap_or(0.0) * w;
+            *x = audio.get(i).copied().unwrap_or(0.0) * w;
         }
     }
 }
