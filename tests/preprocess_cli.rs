@@ -291,6 +291,18 @@ fn mel_png_draws_the_audible_frames() {
 }
 
 #[test]
+fn an_mp4_holding_only_audio_goes_to_the_audio_plugin() {
+    // Sniffed as video/mp4 (brand isom), which no plugin lists: the audio plugin's probe takes it.
+    let (explain, bytes) =
+        preprocess_fixture_ok("audio", "whisper-80", "clips/speech-16k-aac.mp4", &[]);
+    assert_eq!(explain["mime_type"], "video/mp4");
+    assert_eq!(explain["plugin"]["name"], "audio");
+    assert_eq!(explain["format"], "mp4/aac");
+    let (shape, _, _) = audio_output(&bytes);
+    assert_eq!(shape, [1, 80, 3000]);
+}
+
+#[test]
 fn bad_audio_fails_with_one_line() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("never.safetensors");

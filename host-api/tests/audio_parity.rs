@@ -185,7 +185,7 @@ fn run(plugin: &LoadedPlugin, case: &Case) -> Diff {
 fn tolerance(case: &Case) -> (f32, f32) {
     if case.resampled {
         (RESAMPLED_TOLERANCE, RESAMPLED_PASSBAND_TOLERANCE)
-    } else if [".mp3", ".ogg", ".m4a"]
+    } else if [".mp3", ".ogg", ".m4a", ".mp4"]
         .iter()
         .any(|e| case.clip.ends_with(e))
     {

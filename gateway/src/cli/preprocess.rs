@@ -62,17 +62,21 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
             data.len()
         )
     })?;
-    let plugin = registry.for_mime_type(mime_type).ok_or_else(|| {
-        anyhow!(
-            "no loaded plugin accepts {mime_type} ({})",
-            args.file.display()
-        )
-    })?;
-
     let media = Media {
         data,
         mime_type: Some(mime_type.to_owned()),
     };
+    // By MIME type first; a container several modalities share (an MP4 holding only audio is
+    // sniffed as video/mp4) goes to the first plugin whose probe accepts it.
+    let plugin = registry
+        .for_mime_type(mime_type)
+        .or_else(|| registry.iter().find(|p| p.probe(&media).is_ok()))
+        .ok_or_else(|| {
+            anyhow!(
+                "no loaded plugin accepts {mime_type} ({})",
+                args.file.display()
+            )
+        })?;
     let budget = Budget {
         max_tokens: args.max_tokens.unwrap_or(u32::MAX),
     };
