@@ -343,5 +343,6 @@ fn bad_audio_fails_with_one_line() {
         assert!(!result.status.success(), "{file:?} should fail");
         assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr:?}");
         assert!(stderr.contains(reason), "{file:?}: {stderr}");
+        assert!(!out.exists(), "{file:?}: nothing is written on failure");
     }
 }

@@ -102,10 +102,11 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
         ("mmgate.plugin".to_owned(), plugin.name().to_owned()),
         ("mmgate.tokens".to_owned(), plan.tokens.to_string()),
     ]);
-    write_safetensors(&args.out, &tensors, metadata)?;
+    // The picture first: when it cannot be drawn (not audio), nothing is written.
     if let Some(path) = &args.mel_png {
         render::mel_png(&tensors, path)?;
     }
+    write_safetensors(&args.out, &tensors, metadata)?;
 
     if args.explain {
         let choices: Value = serde_json::from_str(&plan.choices).unwrap_or(Value::Null);

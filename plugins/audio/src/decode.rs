@@ -12,7 +12,7 @@ use symphonia::core::audio::{Audio, AudioBuffer, GenericAudioBufferRef};
 use symphonia::core::codecs::audio::{AudioDecoder, AudioDecoderOptions};
 use symphonia::core::errors::Error as SymphoniaError;
 use symphonia::core::formats::probe::Hint;
-use symphonia::core::formats::{FormatOptions, FormatReader, Track, TrackType};
+use symphonia::core::formats::{FormatOptions, FormatReader, TrackType};
 use symphonia::core::io::MediaSourceStream;
 use symphonia::core::meta::MetadataOptions;
 
@@ -48,15 +48,13 @@ pub const MIME_TYPES: &[&str] = &[
 /// What `probe` learns without decoding.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Header {
-    /// `container/codec`, e.g. `wav/pcm_s16le`, `mp3/mp3`, `mp4/aac`.
+    /// `container/codec`, e.g. `wave/pcm_s16le`, `mp3/mp3`, `mp4/aac`.
     pub format: String,
     pub codec: String,
     pub sample_rate: u32,
     pub channels: u32,
     /// Frames (samples per channel) of audio, after any gapless trim.
     pub frames: u64,
-    /// The MP4 edit list's trim, applied after decoding (symphonia's MP4 reader does not).
-    pub edit: Option<Edit>,
 }
 
 impl Header {
@@ -65,13 +63,27 @@ impl Header {
     }
 }
 
-/// A demuxer positioned on the audio track of `data`.
-struct Demuxer<'a> {
+/// An opened audio track whose header passed the limits: what both `probe` and the decode need.
+struct Stream<'a> {
     reader: Box<dyn FormatReader + 'a>,
-    track: Track,
+    track_id: u32,
+    decoder: Box<dyn AudioDecoder>,
+    format: String,
+    codec: String,
+    sample_rate: u32,
+    channels: u32,
+    /// The length the container records, if it does (before any edit).
+    frames: Option<u64>,
+    /// The MP4 edit list's trim, applied after decoding (symphonia's MP4 reader does not).
+    edit: Option<Edit>,
 }
 
-fn open(data: &[u8]) -> PluginResult<Demuxer<'_>> {
+/// Frames of the longest audio accepted at `sample_rate`: longer is refused, whatever a header says.
+fn max_frames(sample_rate: u32) -> u64 {
+    (MAX_DURATION_SECONDS * f64::from(sample_rate)) as u64
+}
+
+fn open(data: &[u8]) -> PluginResult<Stream<'_>> {
     if data.is_empty() {
         return Err(PluginError::invalid("the audio file is empty (0 bytes)"));
     }
@@ -97,48 +109,26 @@ fn open(data: &[u8]) -> PluginResult<Demuxer<'_>> {
         })?;
     let track = reader
         .default_track(TrackType::Audio)
-        .cloned()
         .ok_or_else(|| PluginError::invalid("the file has no audio track"))?;
-    Ok(Demuxer { reader, track })
-}
-
-fn make_decoder(track: &Track) -> PluginResult<Box<dyn AudioDecoder>> {
     let params = track
         .codec_params
         .as_ref()
         .and_then(|p| p.audio())
         .ok_or_else(|| PluginError::invalid("the audio track has no codec parameters"))?;
-    symphonia::default::get_codecs()
+    // Fails here, before anything else is read, when the codec is one we cannot decode.
+    let decoder = symphonia::default::get_codecs()
         .make_audio_decoder(params, &AudioDecoderOptions::default())
         .map_err(|e| {
             PluginError::unsupported(format!(
                 "the audio codec is not supported ({e}): PCM, MP3, FLAC, Vorbis and AAC-LC are"
             ))
-        })
-}
-
-fn codec_name(track: &Track) -> String {
-    track
-        .codec_params
-        .as_ref()
-        .and_then(|p| p.audio())
-        .and_then(|p| symphonia::default::get_codecs().get_audio_decoder(p.codec))
-        .map_or_else(
-            || "unknown".to_owned(),
-            |d| d.codec.info.short_name.to_owned(),
-        )
-}
-
-/// Read the header: container, codec, rate, channels and length, with the limits applied. The
-/// length comes from the container when it records it; otherwise the packets are walked (demuxed,
-/// not decoded) and their durations summed.
-pub fn probe(data: &[u8]) -> PluginResult<Header> {
-    let Demuxer { mut reader, track } = open(data)?;
-    // Fails here, not after the limits pass, when the codec is one we cannot decode.
-    make_decoder(&track)?;
-    let params = track.codec_params.as_ref().and_then(|p| p.audio());
+        })?;
+    let codec = symphonia::default::get_codecs()
+        .get_audio_decoder(params.codec)
+        .map_or("unknown", |d| d.codec.info.short_name)
+        .to_owned();
     let sample_rate = params
-        .and_then(|p| p.sample_rate)
+        .sample_rate
         .ok_or_else(|| PluginError::invalid("the audio track does not say its sample rate"))?;
     if !SAMPLE_RATES.contains(&sample_rate) {
         return Err(PluginError::invalid(format!(
@@ -148,7 +138,8 @@ pub fn probe(data: &[u8]) -> PluginResult<Header> {
         )));
     }
     let channels = params
-        .and_then(|p| p.channels.as_ref())
+        .channels
+        .as_ref()
         .map(|c| c.count() as u32)
         .ok_or_else(|| PluginError::invalid("the audio track does not say its channel count"))?;
     if channels == 0 {
@@ -159,11 +150,6 @@ pub fn probe(data: &[u8]) -> PluginResult<Header> {
             "{channels} audio channels, more than the limit of {MAX_CHANNELS}"
         )));
     }
-    let max_frames = (MAX_DURATION_SECONDS * f64::from(sample_rate)) as u64;
-    let mut frames = match track.num_frames {
-        Some(frames) => frames,
-        None => count_frames(reader.as_mut(), track.id, max_frames)?,
-    };
     let container = match reader.format_info().short_name {
         "isomp4" => "mp4",
         other => other,
@@ -173,16 +159,41 @@ pub fn probe(data: &[u8]) -> PluginResult<Header> {
     } else {
         None
     };
-    if let Some(edit) = edit {
+    Ok(Stream {
+        format: format!("{container}/{codec}"),
+        codec,
+        track_id: track.id,
+        frames: track.num_frames,
+        reader,
+        decoder,
+        sample_rate,
+        channels,
+        edit,
+    })
+}
+
+/// Read the header: container, codec, rate, channels and length, with the limits applied. The
+/// length comes from the container when it records it; otherwise the packets are walked (demuxed,
+/// not decoded) and their durations summed.
+pub fn probe(data: &[u8]) -> PluginResult<Header> {
+    let mut stream = open(data)?;
+    let mut frames = match stream.frames {
+        Some(frames) => frames,
+        None => count_frames(
+            stream.reader.as_mut(),
+            stream.track_id,
+            max_frames(stream.sample_rate),
+        )?,
+    };
+    if let Some(edit) = stream.edit {
         frames = frames.saturating_sub(edit.skip).min(edit.keep);
     }
     let header = Header {
-        format: format!("{container}/{}", codec_name(&track)),
-        codec: codec_name(&track),
-        sample_rate,
-        channels,
+        format: stream.format,
+        codec: stream.codec,
+        sample_rate: stream.sample_rate,
+        channels: stream.channels,
         frames,
-        edit,
     };
     check_duration(header.duration_seconds())?;
     if frames == 0 {
@@ -191,7 +202,8 @@ pub fn probe(data: &[u8]) -> PluginResult<Header> {
     Ok(header)
 }
 
-fn check_duration(seconds: f64) -> PluginResult<()> {
+/// The duration limit, as `probe` and `plan` apply it.
+pub fn check_duration(seconds: f64) -> PluginResult<()> {
     if seconds > MAX_DURATION_SECONDS {
         return Err(PluginError::limit(format!(
             "the audio is {seconds:.1} s long, more than the limit of {MAX_DURATION_SECONDS} s"
@@ -278,15 +290,23 @@ pub struct MonoAudio {
 /// Decode the whole audio track to mono f32 (the channel mean, as librosa's `to_mono`). Bounded: a
 /// file whose packets run past the duration limit (its header lied) is refused while decoding.
 pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
-    let header = probe(data)?;
-    let Demuxer { mut reader, track } = open(data)?;
-    let mut decoder = make_decoder(&track)?;
-    let max_frames = (MAX_DURATION_SECONDS * f64::from(header.sample_rate)) as usize;
-    let channels = header.channels as usize;
-    let mut samples: Vec<f32> = Vec::with_capacity(header.frames.min(max_frames as u64) as usize);
+    let Stream {
+        mut reader,
+        track_id,
+        mut decoder,
+        sample_rate,
+        channels,
+        frames,
+        edit,
+        ..
+    } = open(data)?;
+    let max_frames = max_frames(sample_rate) as usize;
+    let channels = channels as usize;
+    let mut samples: Vec<f32> =
+        Vec::with_capacity(frames.unwrap_or(0).min(max_frames as u64) as usize);
     let (mut packets, mut bad_packets) = (0usize, 0usize);
     while let Some(packet) = next_packet(reader.as_mut())? {
-        if packet.track_id != track.id {
+        if packet.track_id != track_id {
             continue;
         }
         packets += 1;
@@ -313,9 +333,7 @@ pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
         mix_to_mono(&decoded, &mut samples);
         if samples.len() > max_frames {
             return Err(PluginError::limit(format!(
-                "the audio runs past the limit of {MAX_DURATION_SECONDS} s while decoding (its \
-                 header said {:.1} s)",
-                header.duration_seconds()
+                "the audio runs past the limit of {MAX_DURATION_SECONDS} s while decoding"
             )));
         }
     }
@@ -326,10 +344,9 @@ pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
             "skipped {bad_packets} of {packets} corrupt audio packets"
         ));
     }
-    if let Some(edit) = header.edit {
-        let skip = (edit.skip as usize).min(samples.len());
-        samples.drain(..skip);
-        samples.truncate(header.frames as usize);
+    if let Some(edit) = edit {
+        samples.drain(..(edit.skip as usize).min(samples.len()));
+        samples.truncate(edit.keep as usize);
     }
     if samples.is_empty() {
         return Err(PluginError::invalid(if bad_packets > 0 {
@@ -340,6 +357,6 @@ pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
     }
     Ok(MonoAudio {
         samples,
-        sample_rate: header.sample_rate,
+        sample_rate,
     })
 }

@@ -66,16 +66,8 @@ impl Plugin for AudioPlugin {
                 (seconds * f64::from(rate)).round() as u64
             }
         };
-        if info
-            .duration_seconds
-            .is_some_and(|s| s > decode::MAX_DURATION_SECONDS)
-            || frames as f64 / f64::from(rate) > decode::MAX_DURATION_SECONDS
-        {
-            return Err(PluginError::limit(format!(
-                "the audio is longer than the limit of {} s",
-                decode::MAX_DURATION_SECONDS
-            )));
-        }
+        // The limit probe applied, again: `info` comes back from the host, not from our probe.
+        decode::check_duration(frames as f64 / f64::from(rate))?;
         let samples = resample::resampled_len(frames, rate, SAMPLE_RATE);
         processor.plan(samples, budget.max_tokens)
     }

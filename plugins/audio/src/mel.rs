@@ -192,7 +192,7 @@ fn reflect_index(i: isize, n: isize) -> usize {
 }
 
 /// `log10` of each value (all positive and normal: they are clamped to 1e-10 first), to within
-/// 2 ulp. Written without branches so it runs as a vector loop (SIMD natively and in wasm), where
+/// 2e-6 (tested from 1e-10 to 1e12). Written without branches so it runs as a vector loop (SIMD natively and in wasm), where
 /// libm's `log10f` is a scalar call per value, and in wasm a slow software one.
 fn log10_in_place(values: &mut [f32]) {
     const LOG10_2: f32 = std::f32::consts::LOG10_2;

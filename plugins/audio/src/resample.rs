@@ -1,10 +1,11 @@
 //! Resampling to Whisper's 16 kHz with rubato's synchronous FFT resampler.
 //!
-//! Why this one: for a fixed rational ratio (44.1 kHz → 16 kHz is 441:160) it applies one long
-//! windowed-sinc anti-aliasing filter (Blackman-Harris², cutoff just below the new Nyquist) by FFT
-//! convolution: a band-limited resampler of the same family as librosa's default (soxr "HQ"),
-//! exact in length (`ceil(n · 16000 / rate)` samples, as soxr gives) and several times faster
-//! than an asynchronous sinc interpolator. How far its output is from librosa's is measured by the
+//! Why this one: for a fixed rational ratio (44.1 kHz → 16 kHz is 441:160) it applies one
+//! windowed-sinc anti-aliasing filter (Blackman-Harris²) by FFT convolution: a band-limited
+//! resampler of the same family as librosa's default (soxr "HQ"), exact in length
+//! (`ceil(n · 16000 / rate)` samples, as soxr gives). Used as is it differs from soxr in two ways
+//! this module corrects: a fractional-sample delay and a narrower transition band (see
+//! `delay_alignment` and `block_frames`). How far its output is from librosa's is measured by the
 //! parity tests on the resampled fixtures (tests/fixtures/audio/README.md has the numbers).
 
 use mmgate_plugin_sdk::*;
