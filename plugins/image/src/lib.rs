@@ -6,9 +6,9 @@
 //! - Fixed-size CLIP / SigLIP: resize (shortest edge or exact size), optional centre crop, normalise →
 //!   `pixel_values` [1, 3, H, W] f32.
 
-mod decode;
 mod processor;
 
+use mmgate_plugin_sdk::imagedecode as decode;
 use mmgate_plugin_sdk::*;
 
 use processor::{Choices, Processor};

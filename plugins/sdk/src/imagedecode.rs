@@ -1,12 +1,18 @@
-//! Reading images: header-only probing with limits, bounded decoding, and the conversion to RGB that
-//! HF processors apply (transformers' `convert_to_rgb`: transparency composited onto white, then
-//! Pillow's `convert("RGB")`).
+//! Reading images (feature `image`): header-only probing with limits, bounded decoding, and the
+//! conversion to RGB that HF processors apply (transformers' `convert_to_rgb`: transparency composited
+//! onto white, then Pillow's `convert("RGB")`). Every image plugin needs exactly this, so it lives here
+//! once: JPEG, PNG, WebP, GIF (first frame), BMP and TIFF.
+//!
+//! ```ignore
+//! let header = imagedecode::probe(&media.data)?;   // header only; limits checked
+//! let image = imagedecode::decode_rgb(&media.data)?; // bounded decode, RGB8
+//! ```
 
 use std::io::Cursor;
 
 use image::{DynamicImage, ImageFormat, ImageReader, Limits};
-use mmgate_plugin_sdk::imageops::RgbImage;
-use mmgate_plugin_sdk::*;
+use crate::imageops::RgbImage;
+use crate::{PluginError, PluginResult};
 
 /// Pillow's default `Image.MAX_IMAGE_PIXELS`: larger images are treated as decompression bombs.
 pub const MAX_IMAGE_PIXELS: u64 = 89_478_485;
@@ -17,6 +23,7 @@ pub const MAX_ASPECT_RATIO: f64 = 200.0;
 /// What a decoder may allocate beyond the pixels themselves (ICC profiles, metadata, scratch).
 const MAX_DECODE_OVERHEAD: u64 = 64 << 20;
 
+/// The MIME types [`decode_rgb`] reads.
 pub const MIME_TYPES: &[&str] = &[
     "image/png",
     "image/jpeg",
