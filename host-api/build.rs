@@ -36,6 +36,10 @@ fn run() -> Result<(), String> {
         .ok_or("host-api has no parent directory")?;
     let plugins = root.join("plugins");
     let out_dir = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
+    if env::var_os("CARGO_FEATURE_BUILTIN").is_none() {
+        // Without the `builtin` feature (the SDK's test harness): nothing is built or embedded.
+        return write_builtin_table(&out_dir, &[], &out_dir);
+    }
 
     println!(
         "cargo:rerun-if-changed={}",
@@ -67,11 +71,18 @@ fn run() -> Result<(), String> {
         fs::copy(&from, &to).map_err(|e| format!("copy {}: {e}", from.display()))?;
     }
 
+    let names: Vec<&str> = BUILTIN.iter().map(|(name, _)| *name).collect();
+    write_builtin_table(&out_dir, &names, &artifacts)
+}
+
+/// Writes `builtin_plugins.rs` (embedding `<artifacts>/<name>.wasm` for each name) and exports the
+/// artifact directory to the crate.
+fn write_builtin_table(out_dir: &Path, names: &[&str], artifacts: &Path) -> Result<(), String> {
     let mut code = String::from(
         "/// The built-in plugins, compiled for wasm32-wasip2 by the build script.\n\
          pub static BUILTIN_PLUGINS: &[BuiltinPlugin] = &[\n",
     );
-    for (name, _) in BUILTIN {
+    for name in names {
         let path = artifacts.join(format!("{name}.wasm"));
         writeln!(
             code,

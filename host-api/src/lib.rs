@@ -4,6 +4,7 @@
 //! - [`sandbox`]: the wasmtime engine, per-call limits, and the state every call's store holds;
 //! - [`plugin`]: loading one component and calling its exports, each call in a fresh store;
 //! - [`manifest`] and [`registry`]: the built-in plugins plus a plugin directory;
+//! - [`component`]: building a plugin crate into a component (`mmgate plugin build`, the SDK's harness);
 //! - [`pool`]: the bounded thread pool plugin calls run on, away from async reactors;
 //! - [`error`]: what can go wrong, typed.
 //!
@@ -11,6 +12,7 @@
 //! tensors it returns.
 
 pub mod builtin;
+pub mod component;
 pub mod contract;
 pub mod error;
 pub mod manifest;
@@ -27,5 +29,5 @@ pub use error::{CallError, LoadError};
 pub use manifest::Manifest;
 pub use plugin::{LoadedPlugin, PluginOrigin};
 pub use pool::PluginPool;
-pub use registry::PluginRegistry;
+pub use registry::{PluginRegistry, Rejected};
 pub use sandbox::{Sandbox, SandboxLimits};

@@ -3,6 +3,7 @@
 mod plugin;
 mod preprocess;
 mod render;
+mod scaffold;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

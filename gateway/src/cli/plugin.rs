@@ -1,4 +1,4 @@
-//! `mmgate plugin list` and `mmgate plugin check`.
+//! `mmgate plugin new|build|check|list`: writing, building, validating and listing plugins.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -6,14 +6,42 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Subcommand;
+use mmgate_host::component::{BuildOptions, build_component};
 use mmgate_host::{
     CONTRACT_VERSION, LoadedPlugin, Manifest, PluginOrigin, PluginRegistry, Sandbox, SandboxLimits,
     registry,
 };
 use serde_json::json;
 
+use super::scaffold;
+
 #[derive(Subcommand, Debug)]
 pub enum PluginCommand {
+    /// Write a ready-to-build plugin project (Cargo.toml, src, a test under the real host).
+    New {
+        /// The plugin's name (lowercase letters, digits, '-').
+        name: String,
+        /// Where to create the project (default: ./NAME).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// The mmgate plugin SDK to depend on (default: the SDK of the source tree mmgate was built
+        /// from).
+        #[arg(long)]
+        sdk: Option<PathBuf>,
+    },
+    /// Build a plugin project for wasm32-wasip2 and write its component and manifest (with sha256).
+    Build {
+        /// The plugin project (a directory with Cargo.toml).
+        #[arg(default_value = ".")]
+        dir: PathBuf,
+        /// Where to write NAME.wasm and NAME.toml (default: DIR/dist). A gateway's plugin directory
+        /// works: both files are replaced atomically, the component first.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Require the project's Cargo.lock to be up to date.
+        #[arg(long)]
+        locked: bool,
+    },
     /// List the built-in plugins and those of a plugin directory.
     List {
         /// A plugin directory to load as well (`*.toml` manifests beside `.wasm` components).
@@ -39,6 +67,31 @@ pub enum PluginCommand {
 pub fn run(command: PluginCommand) -> anyhow::Result<ExitCode> {
     let sandbox = Arc::new(Sandbox::new(SandboxLimits::default())?);
     match command {
+        PluginCommand::New { name, dir, sdk } => {
+            let dir = dir.unwrap_or_else(|| PathBuf::from(&name));
+            let sdk = sdk.or_else(scaffold::source_tree_sdk).context(
+                "this mmgate was not built from a source tree that still exists: pass --sdk with \
+                 the path of an mmgate checkout's plugins/sdk",
+            )?;
+            scaffold::create(&name, &dir, &sdk)?;
+            println!("created plugin {name} in {}", dir.display());
+            println!("  cargo test                       # under the real host");
+            println!("  mmgate plugin build {} --out PLUGIN_DIR", dir.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        PluginCommand::Build { dir, out, locked } => {
+            let out = out.unwrap_or_else(|| dir.join("dist"));
+            let built = build(&sandbox, &dir, &out, locked)?;
+            println!(
+                "built {} {} → {} (sha256 {})",
+                built.name,
+                built.version,
+                built.component.display(),
+                built.sha256
+            );
+            println!("manifest {}", built.manifest.display());
+            Ok(ExitCode::SUCCESS)
+        }
         PluginCommand::List { plugin_dir, json } => {
             let registry = match &plugin_dir {
                 Some(dir) => PluginRegistry::with_dir(&sandbox, dir),
@@ -57,6 +110,59 @@ pub fn run(command: PluginCommand) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// What `plugin build` wrote.
+struct Built {
+    name: String,
+    version: String,
+    sha256: String,
+    component: PathBuf,
+    manifest: PathBuf,
+}
+
+/// Builds the project, loads the component into the sandbox (so a component the gateway would refuse
+/// is refused here), then writes NAME.wasm and NAME.toml into `out`.
+fn build(sandbox: &Arc<Sandbox>, dir: &Path, out: &Path, locked: bool) -> anyhow::Result<Built> {
+    let options = BuildOptions {
+        target_dir: None,
+        locked,
+    };
+    let wasm = build_component(dir, &options)?;
+    let bytes = std::fs::read(&wasm).with_context(|| format!("cannot read {}", wasm.display()))?;
+    let plugin = LoadedPlugin::load(sandbox.clone(), &bytes, PluginOrigin::File(wasm.clone()))
+        .context("the component does not load")?;
+    let name = plugin.name().to_owned();
+    let file = format!("{name}.wasm");
+    let manifest = Manifest::for_component(plugin.descriptor(), plugin.sha256(), &file);
+    let manifest_text = toml::to_string(&manifest).context("cannot write the manifest")?;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    // The component before the manifest that pins it: a gateway watching `out` never sees a manifest
+    // whose component is not there yet (and a half-written file is never visible, only renamed ones).
+    let component = out.join(&file);
+    write_atomically(&component, &bytes)?;
+    let manifest_path = out.join(format!("{name}.toml"));
+    write_atomically(&manifest_path, manifest_text.as_bytes())?;
+    Ok(Built {
+        name,
+        version: plugin.descriptor().version.clone(),
+        sha256: plugin.sha256().to_owned(),
+        component,
+        manifest: manifest_path,
+    })
+}
+
+/// Write to a temporary file beside `path`, then rename it over `path`.
+fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let file_name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let temporary = path.with_file_name(format!(".{file_name}.partial"));
+    std::fs::write(&temporary, bytes)
+        .with_context(|| format!("cannot write {}", temporary.display()))?;
+    std::fs::rename(&temporary, path)
+        .with_context(|| format!("cannot move {} into place", path.display()))
 }
 
 fn check(

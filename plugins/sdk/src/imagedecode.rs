@@ -10,9 +10,9 @@
 
 use std::io::Cursor;
 
-use image::{DynamicImage, ImageFormat, ImageReader, Limits};
 use crate::imageops::RgbImage;
 use crate::{PluginError, PluginResult};
+use image::{DynamicImage, ImageFormat, ImageReader, Limits};
 
 /// Pillow's default `Image.MAX_IMAGE_PIXELS`: larger images are treated as decompression bombs.
 pub const MAX_IMAGE_PIXELS: u64 = 89_478_485;

@@ -14,6 +14,8 @@
 //! and is built with `cargo build --release --target wasm32-wasip2` into a component the host loads.
 //! The contract itself, with every type documented, is `wit/modality.wit`.
 
+#[cfg(all(feature = "harness", not(target_arch = "wasm32")))]
+pub mod harness;
 #[cfg(feature = "image")]
 pub mod imagedecode;
 pub mod imageops;
