@@ -4,6 +4,8 @@ mod cli;
 mod config;
 mod error;
 mod media;
+mod pipeline;
+mod plugins;
 mod server;
 
 use std::process::ExitCode;

@@ -2,6 +2,8 @@
 // Each test file is its own crate and uses only part of this module.
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::process::{Command, Output};
 
 /// The built `mmgate` binary, with logs quiet enough that stderr carries only what a test checks.

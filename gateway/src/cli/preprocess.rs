@@ -5,15 +5,15 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::{Context, anyhow, bail};
 use clap::Args;
-use mmgate_host::{Budget, Dtype, Media, PluginRegistry, Sandbox, SandboxLimits, Tensor};
+use mmgate_host::{Dtype, Media, PluginRegistry, Sandbox, SandboxLimits, Tensor};
 use serde_json::{Value, json};
 
 use crate::error::ApiError;
 use crate::media::sniff_mime_type;
+use crate::pipeline;
 
 use super::render;
 
@@ -55,31 +55,22 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
         Some(dir) => PluginRegistry::with_dir(&sandbox, dir),
         None => PluginRegistry::builtin(&sandbox),
     }?;
-    let mime_type = sniff_mime_type(&data).ok_or_else(|| {
-        anyhow!(
-            "{}: not a media file any plugin recognises ({} bytes of unknown content)",
-            args.file.display(),
-            data.len()
-        )
-    })?;
+    let mime_type = sniff_mime_type(&data);
     let media = Media {
         data,
-        mime_type: Some(mime_type.to_owned()),
+        mime_type: mime_type.map(str::to_owned),
     };
-    // By MIME type first; a container several modalities share (an MP4 holding only audio is
-    // sniffed as video/mp4) goes to the first plugin whose probe accepts it.
-    let plugin = registry
-        .for_mime_type(mime_type)
-        .or_else(|| registry.iter().find(|p| p.probe(&media).is_ok()))
-        .ok_or_else(|| {
-            anyhow!(
-                "no loaded plugin accepts {mime_type} ({})",
-                args.file.display()
-            )
-        })?;
-    let budget = Budget {
-        max_tokens: args.max_tokens.unwrap_or(u32::MAX),
-    };
+    let plugin = pipeline::choose_plugin(&registry, &media).ok_or_else(|| match mime_type {
+        Some(mime_type) => anyhow!(
+            "no loaded plugin accepts {mime_type} ({})",
+            args.file.display()
+        ),
+        None => anyhow!(
+            "{}: not a media file any plugin recognises ({} bytes of unknown content)",
+            args.file.display(),
+            media.data.len()
+        ),
+    })?;
     // Plugin errors read the way a client would see them (the message the API would return), on
     // one line: decoder messages sometimes carry newlines.
     let reason = |e: mmgate_host::CallError| {
@@ -89,13 +80,9 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
             message.split_whitespace().collect::<Vec<_>>().join(" ")
         )
     };
-    let started = Instant::now();
-    let info = plugin.probe(&media).map_err(reason)?;
-    let probed = started.elapsed();
-    let plan = plugin.plan(&info, budget, &config).map_err(reason)?;
-    let planned = started.elapsed();
-    let tensors = plugin.preprocess(&media, &plan, &config).map_err(reason)?;
-    let total = started.elapsed();
+    let max_tokens = args.max_tokens.unwrap_or(u32::MAX);
+    let processed = pipeline::process(plugin, &media, &config, max_tokens).map_err(reason)?;
+    let (plan, tensors) = (&processed.plan, &processed.tensors);
 
     let metadata = HashMap::from([
         ("format".to_owned(), "pt".to_owned()),
@@ -104,53 +91,16 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
     ]);
     // The picture first: when it cannot be drawn (not audio), nothing is written.
     if let Some(path) = &args.mel_png {
-        render::mel_png(&tensors, path)?;
+        render::mel_png(tensors, path)?;
     }
-    write_safetensors(&args.out, &tensors, metadata)?;
+    write_safetensors(&args.out, tensors, metadata)?;
 
     if args.explain {
-        let choices: Value = serde_json::from_str(&plan.choices).unwrap_or(Value::Null);
-        let size = |w: Option<u64>, h: Option<u64>| match (w, h) {
-            (Some(w), Some(h)) => json!({"width": w, "height": h}),
-            _ => Value::Null,
-        };
-        let ms = |d: std::time::Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
-        let report = json!({
-            "file": args.file.display().to_string(),
-            "mime_type": mime_type,
-            "plugin": {"name": plugin.name(), "version": plugin.descriptor().version},
-            "format": info.format,
-            "original_size": size(info.width.map(u64::from), info.height.map(u64::from)),
-            "resized_size": size(
-                choices.get("width").and_then(Value::as_u64),
-                choices.get("height").and_then(Value::as_u64),
-            ),
-            "duration_seconds": info.duration_seconds,
-            "sample_rate": info.sample_rate,
-            "channels": info.channels,
-            "chunks": choices.get("chunks"),
-            "tokens": plan.tokens,
-            "reduced": plan.reduced,
-            "reason": plan.reason,
-            "choices": choices,
-            "tensors": tensors.iter().map(|t| json!({
-                "name": t.name,
-                "dtype": t.dtype.name(),
-                "shape": t.shape,
-            })).collect::<Vec<_>>(),
-            "out": args.out.display().to_string(),
-            "time_ms": {
-                "probe": ms(probed),
-                "plan": ms(planned - probed),
-                "preprocess": ms(total - planned),
-                "total": ms(total),
-            },
-        });
-        // Only what applies to this kind of media: no image sizes for audio, no duration for images.
-        let report: serde_json::Map<String, Value> = match report {
-            Value::Object(fields) => fields.into_iter().filter(|(_, v)| !v.is_null()).collect(),
-            _ => unreachable!("json! of an object literal is an object"),
-        };
+        let mut report = serde_json::Map::new();
+        report.insert("file".into(), json!(args.file.display().to_string()));
+        report.insert("mime_type".into(), json!(mime_type));
+        report.extend(pipeline::report(plugin, &processed));
+        report.insert("out".into(), json!(args.out.display().to_string()));
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(ExitCode::SUCCESS)

@@ -1,0 +1,118 @@
+//! One media item through its plugin: choosing the plugin, probe → plan → preprocess, and the JSON
+//! account of what was done. Shared by `mmgate preprocess` and `POST /v1/preprocess`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mmgate_host::{
+    Budget, CallError, LoadedPlugin, Media, MediaInfo, PluginRegistry, Tensor, TokenPlan,
+};
+use serde_json::{Value, json};
+
+/// The plugin for `media`: the one that lists its MIME type (a directory plugin before a built-in),
+/// else the first whose probe accepts it. A container several modalities share (an MP4 holding only
+/// audio is sniffed as video/mp4) needs the second rule.
+pub fn choose_plugin<'r>(
+    registry: &'r PluginRegistry,
+    media: &Media,
+) -> Option<&'r Arc<LoadedPlugin>> {
+    media
+        .mime_type
+        .as_deref()
+        .and_then(|mime| registry.for_mime_type(mime))
+        .or_else(|| registry.iter().find(|p| p.probe(media).is_ok()))
+}
+
+/// What running one item produced.
+pub struct Processed {
+    pub info: MediaInfo,
+    pub plan: TokenPlan,
+    pub tensors: Vec<Tensor>,
+    pub timings: Timings,
+}
+
+pub struct Timings {
+    pub probe: Duration,
+    pub plan: Duration,
+    pub preprocess: Duration,
+}
+
+/// probe → plan within `max_tokens` → preprocess, each a sandboxed call.
+pub fn process(
+    plugin: &LoadedPlugin,
+    media: &Media,
+    processor_config: &str,
+    max_tokens: u32,
+) -> Result<Processed, CallError> {
+    let started = Instant::now();
+    let info = plugin.probe(media)?;
+    let probed = started.elapsed();
+    let plan = plugin.plan(&info, Budget { max_tokens }, processor_config)?;
+    let planned = started.elapsed();
+    let tensors = plugin.preprocess(media, &plan, processor_config)?;
+    let total = started.elapsed();
+    Ok(Processed {
+        info,
+        plan,
+        tensors,
+        timings: Timings {
+            probe: probed,
+            plan: planned - probed,
+            preprocess: total - planned,
+        },
+    })
+}
+
+/// The account of one item: the plugin, what the media is, the size/duration chosen, tokens, why
+/// anything was cut, the tensors' shapes, and timings. Only the fields that apply to this kind of
+/// media: no image sizes for audio, no duration for images.
+pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<String, Value> {
+    let Processed {
+        info,
+        plan,
+        tensors,
+        timings,
+    } = processed;
+    let choices: Value = serde_json::from_str(&plan.choices).unwrap_or(Value::Null);
+    let size = |w: Option<u64>, h: Option<u64>| match (w, h) {
+        (Some(w), Some(h)) => json!({"width": w, "height": h}),
+        _ => Value::Null,
+    };
+    let ms = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
+    let report = json!({
+        "plugin": {
+            "name": plugin.name(),
+            "version": plugin.descriptor().version,
+            "sha256": plugin.sha256(),
+        },
+        "format": info.format,
+        "original_size": size(info.width.map(u64::from), info.height.map(u64::from)),
+        "resized_size": size(
+            choices.get("width").and_then(Value::as_u64),
+            choices.get("height").and_then(Value::as_u64),
+        ),
+        "duration_seconds": info.duration_seconds,
+        "sample_rate": info.sample_rate,
+        "channels": info.channels,
+        "chunks": choices.get("chunks"),
+        "tokens": plan.tokens,
+        "reduced": plan.reduced,
+        "reason": plan.reason,
+        "choices": choices,
+        "tensors": tensors.iter().map(|t| json!({
+            "name": t.name,
+            "dtype": t.dtype.name(),
+            "shape": t.shape,
+        })).collect::<Vec<_>>(),
+        "time_ms": {
+            "probe": ms(timings.probe),
+            "plan": ms(timings.plan),
+            "preprocess": ms(timings.preprocess),
+            "total": ms(timings.probe + timings.plan + timings.preprocess),
+        },
+    });
+    match report {
+        Value::Object(fields) => fields.into_iter().filter(|(_, v)| !v.is_null()).collect(),
+        _ => serde_json::Map::new(),
+    }
+}

@@ -1,0 +1,214 @@
+//! The plugins a running gateway serves, and reloading them while it serves.
+//!
+//! Requests take a snapshot ([`LivePlugins::registry`]) and finish on it, whatever is reloaded in the
+//! meantime. A reload (a change in the plugin directory, or SIGHUP) builds the next registry beside
+//! the current one, validating every new or changed plugin first (manifest hash, compilation, contract,
+//! `describe()`), then swaps it in. A plugin that fails is logged with its reason and reported on
+//! `GET /v1/plugins`; the version it was meant to replace keeps serving.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use arc_swap::ArcSwap;
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use mmgate_host::{PluginRegistry, Sandbox};
+use notify::{EventKind, RecursiveMode, Watcher};
+use serde::Serialize;
+
+/// How long the directory must stay quiet before a reload: copying a component and its manifest is
+/// several events, and one reload should see both.
+const SETTLE: Duration = Duration::from_millis(300);
+
+/// The outcome of the latest reload, as `GET /v1/plugins` shows it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ReloadStatus {
+    /// Incremented by every reload, successful or not.
+    pub generation: u64,
+    /// The plugins the latest reload could not load.
+    pub rejected: Vec<RejectedPlugin>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RejectedPlugin {
+    pub manifest: String,
+    pub reason: String,
+    /// The version loaded from this manifest before keeps serving.
+    pub kept_previous: bool,
+}
+
+pub struct LivePlugins {
+    sandbox: Arc<Sandbox>,
+    dir: Option<PathBuf>,
+    current: ArcSwap<PluginRegistry>,
+    /// Also serialises reloads.
+    status: Mutex<ReloadStatus>,
+}
+
+impl LivePlugins {
+    /// The built-ins and every plugin of `dir`; at start-up any plugin that fails to load is an error.
+    pub fn load(sandbox: Arc<Sandbox>, dir: Option<&Path>) -> anyhow::Result<LivePlugins> {
+        let registry = match dir {
+            Some(dir) => PluginRegistry::with_dir(&sandbox, dir),
+            None => PluginRegistry::builtin(&sandbox),
+        }
+        .context("loading plugins")?;
+        Ok(LivePlugins {
+            sandbox,
+            dir: dir.map(Path::to_owned),
+            current: ArcSwap::from_pointee(registry),
+            status: Mutex::new(ReloadStatus::default()),
+        })
+    }
+
+    /// The plugins as they are now; a caller keeps them for the whole request.
+    pub fn registry(&self) -> Arc<PluginRegistry> {
+        self.current.load_full()
+    }
+
+    pub fn status(&self) -> ReloadStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    /// Reload the plugin directory now (no-op without one).
+    pub fn reload(&self) {
+        let Some(dir) = &self.dir else {
+            tracing::info!("reload requested, but no plugin_dir is configured");
+            return;
+        };
+        let mut status = self
+            .status
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        status.generation += 1;
+        let current = self.current.load_full();
+        let (next, rejected) = match current.reload_dir(&self.sandbox, dir) {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                tracing::error!(error = %error, "cannot reload plugins; the loaded ones keep serving");
+                status.rejected = vec![RejectedPlugin {
+                    manifest: dir.display().to_string(),
+                    reason: error.to_string(),
+                    kept_previous: true,
+                }];
+                return;
+            }
+        };
+        status.rejected = rejected
+            .iter()
+            .map(|r| {
+                let reason = error_chain(&r.error);
+                tracing::error!(
+                    manifest = %r.manifest.display(),
+                    reason = %reason,
+                    kept_previous = r.kept_previous,
+                    "plugin rejected"
+                );
+                RejectedPlugin {
+                    manifest: r.manifest.display().to_string(),
+                    reason,
+                    kept_previous: r.kept_previous,
+                }
+            })
+            .collect();
+        let loaded: Vec<String> = next
+            .iter()
+            .map(|p| format!("{} {}", p.name(), p.descriptor().version))
+            .collect();
+        tracing::info!(generation = status.generation, plugins = ?loaded, "plugins reloaded");
+        self.current.store(Arc::new(next));
+    }
+
+    /// Reload on every change in the plugin directory and on SIGHUP, until the returned guard is
+    /// dropped.
+    pub fn watch(self: &Arc<Self>) -> anyhow::Result<ReloadGuard> {
+        let (tx, rx) = crossbeam_channel::unbounded::<()>();
+        let watcher = match &self.dir {
+            Some(dir) => Some(watch_dir(dir, tx.clone())?),
+            None => None,
+        };
+        let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGHUP])
+            .context("cannot install the SIGHUP handler")?;
+        let signal_handle = signals.handle();
+        let hup = tx;
+        std::thread::Builder::new()
+            .name("mmgate-sighup".into())
+            .spawn(move || {
+                for _ in signals.forever() {
+                    tracing::info!("SIGHUP: reloading plugins");
+                    if hup.send(()).is_err() {
+                        break;
+                    }
+                }
+            })
+            .context("cannot start the signal thread")?;
+        let live = self.clone();
+        std::thread::Builder::new()
+            .name("mmgate-reload".into())
+            .spawn(move || reload_loop(&live, &rx))
+            .context("cannot start the reload thread")?;
+        Ok(ReloadGuard {
+            _watcher: watcher,
+            signals: signal_handle,
+        })
+    }
+}
+
+/// Keeps the directory watcher and the SIGHUP handler alive.
+pub struct ReloadGuard {
+    _watcher: Option<notify::RecommendedWatcher>,
+    signals: signal_hook::iterator::Handle,
+}
+
+impl Drop for ReloadGuard {
+    fn drop(&mut self) {
+        // Ends the signal thread; dropping the watcher and the signal thread's sender ends the loop.
+        self.signals.close();
+    }
+}
+
+fn watch_dir(dir: &Path, tx: Sender<()>) -> anyhow::Result<notify::RecommendedWatcher> {
+    let mut watcher =
+        notify::recommended_watcher(move |event: notify::Result<notify::Event>| match event {
+            Ok(event) if matches!(event.kind, EventKind::Access(_)) => {}
+            Ok(_) => {
+                let _ = tx.send(());
+            }
+            Err(error) => tracing::warn!(error = %error, "plugin directory watch error"),
+        })
+        .context("cannot watch the plugin directory")?;
+    watcher
+        .watch(dir, RecursiveMode::NonRecursive)
+        .with_context(|| format!("cannot watch {}", dir.display()))?;
+    Ok(watcher)
+}
+
+/// Waits for a change, lets the directory settle, reloads; until every sender is gone.
+fn reload_loop(live: &LivePlugins, changes: &Receiver<()>) {
+    while changes.recv().is_ok() {
+        loop {
+            match changes.recv_timeout(SETTLE) {
+                Ok(()) => continue,
+                Err(RecvTimeoutError::Timeout) => break,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+        live.reload();
+    }
+}
+
+/// An error with its causes, on one line.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

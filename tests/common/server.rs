@@ -1,0 +1,88 @@
+//! A real `mmgate serve` process on a free loopback port, and one-shot HTTP/1.1 requests to it.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+/// Kills the server when the test ends, however it ends.
+pub struct Server {
+    pub child: Child,
+    pub addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Server {
+    /// `mmgate serve ARGS --listen <free port>`, once it accepts connections.
+    pub fn start(args: &[&str]) -> Server {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let child = super::mmgate_command()
+            .arg("serve")
+            .args(args)
+            .args(["--listen", &addr])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start mmgate serve");
+        let mut server = Server { child, addr };
+        // Start-up compiles the built-in plugins; give it generous time, but notice if it died.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while TcpStream::connect(&server.addr).is_err() {
+            if let Some(status) = server.child.try_wait().unwrap() {
+                panic!("mmgate serve exited during start-up: {status}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "mmgate serve did not start listening"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        server
+    }
+}
+
+/// One HTTP/1.1 request with an optional JSON body; returns (status, JSON body).
+pub fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> (u16, serde_json::Value) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let body = body.unwrap_or("");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).unwrap();
+    let text = String::from_utf8_lossy(&response);
+    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{head}"
+    );
+    (status, serde_json::from_str(body).expect(body))
+}
