@@ -76,6 +76,22 @@ fn plugin_target_dir() -> PathBuf {
         .join("plugin-projects")
 }
 
+/// `mmgate plugin build PROJECT --out PLUGIN_DIR`, which must succeed.
+fn build_into(project: &Path, plugin_dir: &Path) {
+    let out = common::mmgate_command()
+        .args(["plugin", "build", "--out"])
+        .arg(plugin_dir)
+        .arg(project)
+        .env("CARGO_TARGET_DIR", plugin_target_dir())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn a_new_plugin_is_built_into_a_running_gateway_and_a_broken_build_never_replaces_it() {
     let work = tempfile::tempdir().unwrap();
@@ -101,17 +117,7 @@ fn a_new_plugin_is_built_into_a_running_gateway_and_a_broken_build_never_replace
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let out = common::mmgate_command()
-        .args(["plugin", "build", project.to_str().unwrap(), "--out"])
-        .arg(&plugin_dir)
-        .env("CARGO_TARGET_DIR", plugin_target_dir())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    build_into(&project, &plugin_dir);
     let component = plugin_dir.join("e2e-resize.wasm");
     let sha = hex::encode(Sha256::digest(std::fs::read(&component).unwrap()));
 
@@ -236,4 +242,62 @@ fn preprocess_requests_are_validated_and_errors_leave_the_gateway_serving() {
         serde_json::json!({"width": 84, "height": 56})
     );
     assert_eq!(answer["tokens"], 6);
+}
+
+#[test]
+fn the_internvl_example_is_served_from_a_plugin_directory_with_its_planned_tokens() {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/plugins/internvl-tiles");
+    let work = tempfile::tempdir().unwrap();
+    let plugin_dir = work.path().join("plugins");
+    build_into(&example, &plugin_dir);
+    let config = work.path().join("mmgate.toml");
+    std::fs::write(&config, "plugin_dir = \"plugins\"\n").unwrap();
+    let server = Server::start(&["--config", config.to_str().unwrap()]);
+
+    let fixtures = example.join("tests/fixtures");
+    let cases: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixtures.join("cases.json")).unwrap()).unwrap();
+    for name in ["photo-640x480--internvl3", "sliver-900x50--budget-12"] {
+        let case = cases["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap();
+        let image = std::fs::read(
+            fixtures
+                .join("images")
+                .join(case["image"].as_str().unwrap()),
+        )
+        .unwrap();
+        let config: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(
+                fixtures
+                    .join("configs")
+                    .join(format!("{}.json", case["config"].as_str().unwrap())),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let body = serde_json::json!({
+            "plugin": "internvl-tiles",
+            "media": format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&image)),
+            "processor_config": config,
+            "max_tokens": case.get("budget").cloned().unwrap_or(serde_json::json!(100_000)),
+        });
+        let (status, answer) = request(
+            &server.addr,
+            "POST",
+            "/v1/preprocess",
+            Some(&body.to_string()),
+        );
+        assert_eq!(status, 200, "{name}: {answer:#}");
+        assert_eq!(answer["plugin"]["name"], "internvl-tiles");
+        assert_eq!(answer["tokens"], case["tokens"], "{name}");
+        assert_eq!(answer["reduced"], case["reduced"], "{name}");
+        assert_eq!(
+            answer["tensors"][0]["shape"], case["pixel_values_shape"],
+            "{name}"
+        );
+    }
 }

@@ -18,6 +18,8 @@ pub struct Config {
     /// A directory of extra plugins (`*.toml` manifests beside their `.wasm` components); they add to
     /// the built-ins or replace a built-in of the same name.
     pub plugin_dir: Option<PathBuf>,
+    /// On SIGTERM, how long requests in flight get to finish before the gateway exits.
+    pub shutdown_grace_seconds: u64,
     /// Limits of every plugin call.
     pub sandbox: SandboxLimits,
 }
@@ -29,6 +31,7 @@ impl Default for Config {
                 .parse()
                 .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 8080))),
             plugin_dir: None,
+            shutdown_grace_seconds: 5,
             sandbox: SandboxLimits::default(),
         }
     }

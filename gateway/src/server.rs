@@ -11,6 +11,7 @@ use mmgate_host::{CONTRACT_VERSION, Media, PluginPool, Sandbox};
 use pingora::apps::http_app::{HttpServer, ServeHttp};
 use pingora::protocols::http::ServerSession;
 use pingora::server::Server;
+use pingora::server::configuration::ServerConf;
 use pingora::services::listening::Service;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -250,7 +251,14 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
         plugin_dir = ?config.plugin_dir,
         "mmgate is serving"
     );
-    let mut server = Server::new(None).context("creating the pingora server")?;
+    let mut conf = ServerConf::new().context("creating the pingora configuration")?;
+    conf.threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    // On SIGTERM pingora keeps serving for a grace period meant for handing listeners to an upgraded
+    // process (5 minutes by default); mmgate does not upgrade in place, so in-flight requests get
+    // `shutdown_grace_seconds` to finish and then it exits. SIGINT stops at once.
+    conf.grace_period_seconds = Some(config.shutdown_grace_seconds);
+    conf.graceful_shutdown_timeout_seconds = Some(1);
+    let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
     let mut service = Service::new("mmgate http".to_owned(), HttpServer::new_app(gateway));
     service.add_tcp(&config.listen.to_string());

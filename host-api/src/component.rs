@@ -43,6 +43,12 @@ pub struct BuildOptions {
 /// Builds the plugin crate in `crate_dir` in release mode for [`WASM_TARGET`] and returns the path of
 /// the component. Cargo's progress and diagnostics go to stderr as usual.
 pub fn build_component(crate_dir: &Path, options: &BuildOptions) -> Result<PathBuf, BuildError> {
+    // Absolute, because cargo runs inside the crate (to pick up its rust-toolchain.toml and
+    // .cargo/config.toml), where a relative path would no longer point at it.
+    let crate_dir = crate_dir
+        .canonicalize()
+        .map_err(|_| BuildError::NotACrate(crate_dir.to_owned()))?;
+    let crate_dir = crate_dir.as_path();
     let manifest = crate_dir.join("Cargo.toml");
     if !manifest.is_file() {
         return Err(BuildError::NotACrate(crate_dir.to_owned()));

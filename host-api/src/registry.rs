@@ -194,12 +194,7 @@ fn reuse_or_load(
     manifest_path: &Path,
     previous: &Arc<LoadedPlugin>,
 ) -> Result<Arc<LoadedPlugin>, LoadError> {
-    let manifest = Manifest::read(manifest_path)?;
-    let component_path = manifest.component_path(manifest_path);
-    let bytes = std::fs::read(&component_path).map_err(|source| LoadError::Io {
-        path: component_path.clone(),
-        source,
-    })?;
+    let (manifest, component_path, bytes) = read_plugin_files(manifest_path)?;
     let sha256 = hex::encode(Sha256::digest(&bytes));
     let same = sha256 == previous.sha256()
         && *previous.origin() == PluginOrigin::File(component_path.clone());
@@ -217,17 +212,23 @@ fn reuse_or_load(
     .map(Arc::new)
 }
 
-/// Load the component a manifest names (see [`load_verified`]).
-pub fn load_from_manifest(
-    sandbox: &Arc<Sandbox>,
-    manifest_path: &Path,
-) -> Result<LoadedPlugin, LoadError> {
+/// A manifest, where its component is, and the component's bytes.
+fn read_plugin_files(manifest_path: &Path) -> Result<(Manifest, PathBuf, Vec<u8>), LoadError> {
     let manifest = Manifest::read(manifest_path)?;
     let component_path = manifest.component_path(manifest_path);
     let bytes = std::fs::read(&component_path).map_err(|source| LoadError::Io {
         path: component_path.clone(),
         source,
     })?;
+    Ok((manifest, component_path, bytes))
+}
+
+/// Load the component a manifest names (see [`load_verified`]).
+pub fn load_from_manifest(
+    sandbox: &Arc<Sandbox>,
+    manifest_path: &Path,
+) -> Result<LoadedPlugin, LoadError> {
+    let (manifest, component_path, bytes) = read_plugin_files(manifest_path)?;
     load_verified(
         sandbox,
         &bytes,

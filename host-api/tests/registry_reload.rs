@@ -62,6 +62,13 @@ fn unchanged_plugins_are_reused_and_removed_ones_dropped() {
     assert!(rejected.is_empty());
     assert!(third.get("testing").is_none());
     assert!(third.get("image").is_some(), "built-ins stay");
+    // A call that took the registry before the reload still runs on the plugin it started with.
+    let in_flight = second.get("testing").unwrap();
+    let media = mmgate_host::Media {
+        data: b"echo".to_vec(),
+        mime_type: None,
+    };
+    assert!(in_flight.probe(&media).is_ok());
 }
 
 #[test]

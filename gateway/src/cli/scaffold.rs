@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 
-/// (path inside the project, template text).
+/// (path inside the project, template text with `{{placeholders}}`).
 const FILES: &[(&str, &str)] = &[
     ("Cargo.toml", include_str!("template/Cargo.toml.tmpl")),
     (
@@ -16,6 +16,12 @@ const FILES: &[(&str, &str)] = &[
     ("src/lib.rs", include_str!("template/lib.rs.tmpl")),
     ("tests/plugin.rs", include_str!("template/test.rs.tmpl")),
 ];
+
+/// (path inside the project, bytes written as they are).
+const DATA: &[(&str, &[u8])] = &[(
+    "tests/data/sample.png",
+    include_bytes!("template/sample.png"),
+)];
 
 /// The toolchain the template pins: the one mmgate itself is built with.
 fn toolchain() -> String {
@@ -76,14 +82,20 @@ pub fn create(name: &str, dir: &Path, sdk: &Path) -> anyhow::Result<()> {
             .replace("{{name}}", name)
             .replace("{{sdk_path}}", &sdk_path)
             .replace("{{toolchain}}", &toolchain());
-        let path = dir.join(path);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent)
-                .with_context(|| format!("cannot create {}", parent.display()))?;
-        }
-        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+        write(&dir.join(path), text.as_bytes())?;
+    }
+    for (path, bytes) in DATA {
+        write(&dir.join(path), bytes)?;
     }
     Ok(())
+}
+
+fn write(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    std::fs::write(path, bytes).with_context(|| format!("cannot write {}", path.display()))
 }
 
 #[cfg(test)]

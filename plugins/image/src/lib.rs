@@ -29,20 +29,12 @@ impl Plugin for ImagePlugin {
     }
 
     fn probe(media: Media) -> PluginResult<MediaInfo> {
-        let header = decode::probe(&media.data)?;
-        let mut info = MediaInfo::new("image", header.format);
-        info.width = Some(header.width);
-        info.height = Some(header.height);
-        Ok(info)
+        Ok(decode::probe(&media.data)?.media_info())
     }
 
     fn plan(info: MediaInfo, budget: Budget, config: ProcessorConfig) -> PluginResult<TokenPlan> {
         let processor = Processor::from_config(&config)?;
-        let (Some(width @ 1..), Some(height @ 1..)) = (info.width, info.height) else {
-            return Err(PluginError::invalid(
-                "the media info has no image dimensions (was it probed by this plugin?)",
-            ));
-        };
+        let (width, height) = decode::dimensions(&info)?;
         processor.plan(width as usize, height as usize, budget.max_tokens)
     }
 

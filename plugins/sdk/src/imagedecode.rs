@@ -4,14 +4,15 @@
 //! once: JPEG, PNG, WebP, GIF (first frame), BMP and TIFF.
 //!
 //! ```ignore
-//! let header = imagedecode::probe(&media.data)?;   // header only; limits checked
+//! let info = imagedecode::probe(&media.data)?.media_info(); // header only; limits checked
+//! let (width, height) = imagedecode::dimensions(&info)?;     // in `plan`
 //! let image = imagedecode::decode_rgb(&media.data)?; // bounded decode, RGB8
 //! ```
 
 use std::io::Cursor;
 
 use crate::imageops::RgbImage;
-use crate::{PluginError, PluginResult};
+use crate::{MediaInfo, PluginError, PluginResult};
 use image::{DynamicImage, ImageFormat, ImageReader, Limits};
 
 /// Pillow's default `Image.MAX_IMAGE_PIXELS`: larger images are treated as decompression bombs.
@@ -119,6 +120,26 @@ pub fn probe(data: &[u8]) -> PluginResult<Header> {
         width,
         height,
     })
+}
+
+impl Header {
+    /// The `media-info` a plugin's `probe` returns for this image.
+    pub fn media_info(&self) -> MediaInfo {
+        let mut info = MediaInfo::new("image", self.format);
+        info.width = Some(self.width);
+        info.height = Some(self.height);
+        info
+    }
+}
+
+/// The image's width and height from the `media-info` its `probe` returned (for `plan`).
+pub fn dimensions(info: &MediaInfo) -> PluginResult<(u32, u32)> {
+    match (info.width, info.height) {
+        (Some(width @ 1..), Some(height @ 1..)) => Ok((width, height)),
+        _ => Err(PluginError::invalid(
+            "the media info has no image dimensions (was it probed by an image plugin?)",
+        )),
+    }
 }
 
 /// Decodes the whole image (the first frame of an animation) into RGB as HF processors see it.
