@@ -14,6 +14,7 @@ use anyhow::Context;
 use arc_swap::ArcSwap;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use mmgate_host::{PluginRegistry, Sandbox};
+use notify::event::ModifyKind;
 use notify::{EventKind, RecursiveMode, Watcher};
 use serde::Serialize;
 
@@ -174,7 +175,13 @@ impl Drop for ReloadGuard {
 fn watch_dir(dir: &Path, tx: Sender<()>) -> anyhow::Result<notify::RecommendedWatcher> {
     let mut watcher =
         notify::recommended_watcher(move |event: notify::Result<notify::Event>| match event {
-            Ok(event) if matches!(event.kind, EventKind::Access(_)) => {}
+            // Reading the directory's files (the reload itself) raises access and, through atime,
+            // metadata events: neither changes what a plugin is.
+            Ok(event)
+                if matches!(
+                    event.kind,
+                    EventKind::Access(_) | EventKind::Modify(ModifyKind::Metadata(_))
+                ) => {}
             Ok(_) => {
                 let _ = tx.send(());
             }
