@@ -301,3 +301,81 @@ fn the_internvl_example_is_served_from_a_plugin_directory_with_its_planned_token
         );
     }
 }
+
+#[test]
+fn several_items_share_one_budget_and_a_budget_too_small_says_what_it_needs() {
+    let server = Server::start(&[]);
+    let images = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/image");
+    let config = std::fs::read_to_string(images.join("configs/qwen2-vl.json")).unwrap();
+    let urls: Vec<String> = ["png-rgb-wide.png", "png-grey.png", "png-rgba.png"]
+        .iter()
+        .map(|f| {
+            let data = std::fs::read(images.join("images").join(f)).unwrap();
+            format!(
+                "data:image/png;base64,{}",
+                base64::engine::general_purpose::STANDARD.encode(data)
+            )
+        })
+        .collect();
+    let body = |media: serde_json::Value, max_tokens: u32| {
+        format!(r#"{{"media": {media}, "processor_config": {config}, "max_tokens": {max_tokens}}}"#)
+    };
+
+    // Natively 22 + 14 + 16 = 52 tokens: all fit in 52, none is cut.
+    let (status, all) = request(
+        &server.addr,
+        "POST",
+        "/v1/preprocess",
+        Some(&body(serde_json::json!(urls), 52)),
+    );
+    assert_eq!(status, 200, "{all:#}");
+    assert_eq!(all["tokens"], 52);
+    assert!(
+        all["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|item| item["reduced"] == false)
+    );
+
+    // In 30 tokens they share: the total fits, something is cut, each item is preprocessed as planned.
+    let (status, shared) = request(
+        &server.addr,
+        "POST",
+        "/v1/preprocess",
+        Some(&body(serde_json::json!(urls), 30)),
+    );
+    assert_eq!(status, 200, "{shared:#}");
+    let items = shared["data"].as_array().unwrap();
+    let total: u64 = items.iter().map(|i| i["tokens"].as_u64().unwrap()).sum();
+    assert_eq!(shared["tokens"], total);
+    assert!(total <= 30, "{shared:#}");
+    assert!(
+        items.iter().any(|item| item["reduced"] == true),
+        "{shared:#}"
+    );
+    for item in items {
+        // What was preprocessed is what was planned: Qwen2-VL merges 4 patches into one token.
+        let patches = item["tensors"][0]["shape"][0].as_u64().unwrap();
+        assert_eq!(patches, 4 * item["tokens"].as_u64().unwrap(), "{item:#}");
+    }
+
+    // Below the cheapest plans of all three: refused, with what the media needs.
+    let (status, refused) = request(
+        &server.addr,
+        "POST",
+        "/v1/preprocess",
+        Some(&body(serde_json::json!(urls), 5)),
+    );
+    assert_eq!(status, 400);
+    assert_eq!(refused["error"]["code"], "context_length_exceeded");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("needs at least"),
+        "{refused:#}"
+    );
+    let (status, _) = request(&server.addr, "GET", "/health", None);
+    assert_eq!(status, 200);
+}

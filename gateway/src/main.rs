@@ -1,5 +1,6 @@
 //! `mmgate`: the multimodal LLM gateway's command line.
 
+mod budget;
 mod cli;
 mod config;
 mod error;

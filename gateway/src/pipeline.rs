@@ -1,6 +1,8 @@
-//! One media item through its plugin: choosing the plugin, probe → plan → preprocess, and the JSON
-//! account of what was done. Shared by `mmgate preprocess` and `POST /v1/preprocess`.
+//! Media items through their plugins: choosing the plugin, probe → plan → preprocess (one item, or
+//! several sharing one budget), and the JSON account of what was done. Shared by `mmgate preprocess`
+//! and `POST /v1/preprocess`.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -8,6 +10,8 @@ use mmgate_host::{
     Budget, CallError, LoadedPlugin, Media, MediaInfo, PluginRegistry, Tensor, TokenPlan,
 };
 use serde_json::{Value, json};
+
+use crate::budget::{self, BudgetError};
 
 /// The plugin for `media`: the one that lists its MIME type (a directory plugin before a built-in),
 /// else the first whose probe accepts it. A container several modalities share (an MP4 holding only
@@ -35,6 +39,53 @@ pub struct Timings {
     pub probe: Duration,
     pub plan: Duration,
     pub preprocess: Duration,
+}
+
+/// Items of one request planned together within one budget (see [`crate::budget`]): probe each,
+/// share the budget, preprocess each with its plan.
+pub fn process_together(
+    items: &[(Arc<LoadedPlugin>, Media)],
+    processor_config: &str,
+    budget: u32,
+) -> Result<Vec<Processed>, BudgetError> {
+    let mut infos = Vec::with_capacity(items.len());
+    let mut probe_times = Vec::with_capacity(items.len());
+    for (item, (plugin, media)) in items.iter().enumerate() {
+        let started = Instant::now();
+        let info = plugin
+            .probe(media)
+            .map_err(|error| BudgetError::Plugin { item, error })?;
+        probe_times.push(started.elapsed());
+        infos.push(info);
+    }
+    let plan_times = RefCell::new(vec![Duration::ZERO; items.len()]);
+    let plans = budget::allocate(items.len(), budget, |item, max_tokens| {
+        let started = Instant::now();
+        let plan = items[item]
+            .0
+            .plan(&infos[item], Budget { max_tokens }, processor_config);
+        plan_times.borrow_mut()[item] += started.elapsed();
+        plan
+    })?;
+    let plan_times = plan_times.into_inner();
+    let mut processed = Vec::with_capacity(items.len());
+    for (item, (((plugin, media), info), plan)) in items.iter().zip(infos).zip(plans).enumerate() {
+        let started = Instant::now();
+        let tensors = plugin
+            .preprocess(media, &plan, processor_config)
+            .map_err(|error| BudgetError::Plugin { item, error })?;
+        processed.push(Processed {
+            info,
+            plan,
+            tensors,
+            timings: Timings {
+                probe: probe_times[item],
+                plan: plan_times[item],
+                preprocess: started.elapsed(),
+            },
+        });
+    }
+    Ok(processed)
 }
 
 /// probe → plan within `max_tokens` → preprocess, each a sandboxed call.

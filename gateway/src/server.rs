@@ -7,7 +7,7 @@ use anyhow::Context;
 use async_trait::async_trait;
 use base64::Engine as _;
 use http::{Response, StatusCode};
-use mmgate_host::{CONTRACT_VERSION, Media, PluginPool, Sandbox};
+use mmgate_host::{CONTRACT_VERSION, LoadedPlugin, Media, PluginPool, Sandbox};
 use pingora::apps::http_app::{HttpServer, ServeHttp};
 use pingora::protocols::http::ServerSession;
 use pingora::server::Server;
@@ -16,6 +16,7 @@ use pingora::services::listening::Service;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::budget::BudgetError;
 use crate::config::Config;
 use crate::error::ApiError;
 use crate::media::sniff_mime_type;
@@ -71,8 +72,9 @@ impl Gateway {
         })
     }
 
-    /// `POST /v1/preprocess`: one media item through its plugin, as a chat request would run it;
-    /// answers with the plan and the tensors' shapes (the account `mmgate preprocess --explain` prints).
+    /// `POST /v1/preprocess`: media items through their plugins as a chat request runs them (several
+    /// items share the budget); answers with the plans and the tensors' shapes (the account `mmgate
+    /// preprocess --explain` prints).
     async fn preprocess(&self, session: &mut ServerSession) -> Result<Value, ApiError> {
         let body = read_body(session).await?;
         let request: PreprocessRequest = serde_json::from_slice(&body).map_err(|e| {
@@ -82,9 +84,20 @@ impl Gateway {
                 format!("the request body is not a valid preprocess request: {e}"),
             )
         })?;
-        let (declared_mime, data) = decode_data_url(&request.media)?;
-        let mime_type = sniff_mime_type(&data).map(str::to_owned).or(declared_mime);
-        let media = Media { data, mime_type };
+        let (media, several) = match &request.media {
+            OneOrMany::One(url) => (vec![media_of(url)?], false),
+            OneOrMany::Many(urls) if urls.is_empty() => {
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request",
+                    "media is an empty list",
+                ));
+            }
+            OneOrMany::Many(urls) => (
+                urls.iter().map(|u| media_of(u)).collect::<Result<_, _>>()?,
+                true,
+            ),
+        };
         // The snapshot this request runs on, whatever is reloaded meanwhile.
         let registry = self.plugins.registry();
         let named = match &request.plugin {
@@ -99,48 +112,109 @@ impl Gateway {
         };
         let config = request.processor_config.to_string();
         let max_tokens = request.max_tokens.unwrap_or(u32::MAX);
-        // Choosing may probe, so it runs on the plugin pool too, in the same job as the item.
-        let outcome = self
-            .pool
+        // Choosing may probe, so it runs on the plugin pool too, in the same job as the items.
+        self.pool
             .run(move || {
-                let chosen = named.or_else(|| pipeline::choose_plugin(&registry, &media).cloned());
-                let Some(plugin) = chosen else {
-                    return Ok(Err(media.mime_type));
-                };
-                let processed = pipeline::process(&plugin, &media, &config, max_tokens)?;
-                Ok(Ok((plugin, processed)))
+                let mut items = Vec::with_capacity(media.len());
+                for (index, media) in media.into_iter().enumerate() {
+                    let chosen = named
+                        .clone()
+                        .or_else(|| pipeline::choose_plugin(&registry, &media).cloned());
+                    match chosen {
+                        Some(plugin) => items.push((plugin, media)),
+                        None => return Ok(Err(unsupported(index, several, media.mime_type))),
+                    }
+                }
+                Ok(Ok(run_items(&items, &config, max_tokens, several)))
             })
             .await
-            .map_err(|e| ApiError::from(&e))?;
-        let (plugin, processed) = outcome.map_err(|mime_type| {
-            ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media",
-                match mime_type {
-                    Some(mime) => format!("no loaded plugin accepts {mime}"),
-                    None => "no loaded plugin recognises this media".to_owned(),
-                },
-            )
-        })?;
-        let mut report = serde_json::Map::new();
-        report.insert("object".into(), json!("preprocess"));
-        report.extend(pipeline::report(&plugin, &processed));
-        Ok(Value::Object(report))
+            .map_err(|e| ApiError::from(&e))?
+            .and_then(|outcome| outcome)
     }
+}
+
+/// The account of the items as `POST /v1/preprocess` answers it: one item's report, or the list's.
+fn run_items(
+    items: &[(Arc<LoadedPlugin>, Media)],
+    config: &str,
+    max_tokens: u32,
+    several: bool,
+) -> Result<Value, ApiError> {
+    let processed = pipeline::process_together(items, config, max_tokens).map_err(|e| match e {
+        BudgetError::TooSmall { .. } => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "context_length_exceeded",
+            e.to_string(),
+        ),
+        BudgetError::Plugin { item, error } => {
+            let mut api = ApiError::from(&error);
+            if several {
+                api.message = format!("media item {item}: {}", api.message);
+            }
+            api
+        }
+    })?;
+    let mut reports = items
+        .iter()
+        .zip(&processed)
+        .map(|((plugin, _), processed)| {
+            let mut report = serde_json::Map::new();
+            report.insert("object".into(), json!("preprocess"));
+            report.extend(pipeline::report(plugin, processed));
+            Value::Object(report)
+        })
+        .collect::<Vec<_>>();
+    if !several {
+        return Ok(reports.pop().unwrap_or_default());
+    }
+    let tokens: u64 = processed.iter().map(|p| u64::from(p.plan.tokens)).sum();
+    Ok(json!({ "object": "list", "tokens": tokens, "max_tokens": max_tokens, "data": reports }))
+}
+
+fn unsupported(index: usize, several: bool, mime_type: Option<String>) -> ApiError {
+    let what = match mime_type {
+        Some(mime) => format!("no loaded plugin accepts {mime}"),
+        None => "no loaded plugin recognises this media".to_owned(),
+    };
+    let message = if several {
+        format!("media item {index}: {what}")
+    } else {
+        what
+    };
+    ApiError::new(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported_media",
+        message,
+    )
+}
+
+/// A data URL's media, typed by its bytes when they are recognised, else by the URL's MIME type.
+fn media_of(url: &str) -> Result<Media, ApiError> {
+    let (declared_mime, data) = decode_data_url(url)?;
+    let mime_type = sniff_mime_type(&data).map(str::to_owned).or(declared_mime);
+    Ok(Media { data, mime_type })
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PreprocessRequest {
-    /// A data URL: `data:<mime>;base64,<bytes>`.
-    media: String,
+    /// A data URL (`data:<mime>;base64,<bytes>`), or a list of them planned together: the items of
+    /// one request share `max_tokens`.
+    media: OneOrMany,
     /// A plugin by name (default: chosen by the media's type).
     #[serde(default)]
     plugin: Option<String>,
     /// The model's `preprocessor_config.json`.
     #[serde(default = "empty_object")]
     processor_config: Value,
-    /// The item's token budget (default: unlimited, the processor's native size).
+    /// The token budget of the item, or of all items together (default: unlimited, native sizes).
     #[serde(default)]
     max_tokens: Option<u32>,
 }
