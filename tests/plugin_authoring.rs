@@ -317,17 +317,16 @@ fn several_items_share_one_budget_and_a_budget_too_small_says_what_it_needs() {
             )
         })
         .collect();
-    let body = |media: serde_json::Value, max_tokens: u32| {
-        format!(r#"{{"media": {media}, "processor_config": {config}, "max_tokens": {max_tokens}}}"#)
+    let media = serde_json::json!(urls);
+    let all_within = |max_tokens: u32| {
+        let body = format!(
+            r#"{{"media": {media}, "processor_config": {config}, "max_tokens": {max_tokens}}}"#
+        );
+        request(&server.addr, "POST", "/v1/preprocess", Some(&body))
     };
 
     // Natively 22 + 14 + 16 = 52 tokens: all fit in 52, none is cut.
-    let (status, all) = request(
-        &server.addr,
-        "POST",
-        "/v1/preprocess",
-        Some(&body(serde_json::json!(urls), 52)),
-    );
+    let (status, all) = all_within(52);
     assert_eq!(status, 200, "{all:#}");
     assert_eq!(all["tokens"], 52);
     assert!(
@@ -339,12 +338,7 @@ fn several_items_share_one_budget_and_a_budget_too_small_says_what_it_needs() {
     );
 
     // In 30 tokens they share: the total fits, something is cut, each item is preprocessed as planned.
-    let (status, shared) = request(
-        &server.addr,
-        "POST",
-        "/v1/preprocess",
-        Some(&body(serde_json::json!(urls), 30)),
-    );
+    let (status, shared) = all_within(30);
     assert_eq!(status, 200, "{shared:#}");
     let items = shared["data"].as_array().unwrap();
     let total: u64 = items.iter().map(|i| i["tokens"].as_u64().unwrap()).sum();
@@ -361,12 +355,7 @@ fn several_items_share_one_budget_and_a_budget_too_small_says_what_it_needs() {
     }
 
     // Below the cheapest plans of all three: refused, with what the media needs.
-    let (status, refused) = request(
-        &server.addr,
-        "POST",
-        "/v1/preprocess",
-        Some(&body(serde_json::json!(urls), 5)),
-    );
+    let (status, refused) = all_within(5);
     assert_eq!(status, 400);
     assert_eq!(refused["error"]["code"], "context_length_exceeded");
     assert!(

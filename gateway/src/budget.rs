@@ -155,60 +155,46 @@ mod tests {
         })
     }
 
-    fn tokens(plans: &[TokenPlan]) -> Vec<u32> {
-        plans.iter().map(|p| p.tokens).collect()
+    /// `allocate` over stepped plugins given as (cheapest, native, step): the tokens of each plan.
+    fn shares(items: &[(u32, u32, u32)], budget: u32) -> Result<Vec<u32>, BudgetError> {
+        let plans = allocate(items.len(), budget, |i, b| {
+            let (cheapest, native, step) = items[i];
+            stepped(cheapest, native, step, b)
+        })?;
+        Ok(plans.iter().map(|p| p.tokens).collect())
     }
 
     #[test]
     fn native_sizes_that_fit_are_not_cut() {
         let items = [(4, 100, 1), (4, 50, 1)];
-        let plans = allocate(2, 150, |i, b| {
-            stepped(items[i].0, items[i].1, items[i].2, b)
-        });
-        assert_eq!(tokens(&plans.unwrap_or_default()), [100, 50]);
+        assert_eq!(shares(&items, 150).unwrap_or_default(), [100, 50]);
     }
 
     #[test]
     fn small_items_keep_their_size_and_large_ones_share_the_rest() {
         let items = [(4, 60, 1), (4, 1000, 1), (4, 1000, 1)];
-        let plans = allocate(3, 1060, |i, b| {
-            stepped(items[i].0, items[i].1, items[i].2, b)
-        });
-        assert_eq!(tokens(&plans.unwrap_or_default()), [60, 500, 500]);
+        assert_eq!(shares(&items, 1060).unwrap_or_default(), [60, 500, 500]);
     }
 
     #[test]
     fn what_a_stepped_plugin_leaves_goes_to_the_next_reduced_item() {
         // Shares are 500/500, the first plugin can only use 400; the second takes the 100 left.
         let items = [(100, 1000, 100), (1, 1000, 1)];
-        let plans = allocate(2, 1000, |i, b| {
-            stepped(items[i].0, items[i].1, items[i].2, b)
-        });
-        let plans = plans.unwrap_or_default();
-        assert_eq!(tokens(&plans), [500, 500]);
+        assert_eq!(shares(&items, 1000).unwrap_or_default(), [500, 500]);
         let items = [(100, 1000, 300), (1, 1000, 1)];
-        let plans = allocate(2, 1000, |i, b| {
-            stepped(items[i].0, items[i].1, items[i].2, b)
-        });
-        assert_eq!(tokens(&plans.unwrap_or_default()), [400, 600]);
+        assert_eq!(shares(&items, 1000).unwrap_or_default(), [400, 600]);
     }
 
     #[test]
     fn an_item_whose_cheapest_plan_is_large_gets_it_first() {
         let items = [(700, 900, 1), (1, 1000, 1)];
-        let plans = allocate(2, 1000, |i, b| {
-            stepped(items[i].0, items[i].1, items[i].2, b)
-        });
-        assert_eq!(tokens(&plans.unwrap_or_default()), [700, 300]);
+        assert_eq!(shares(&items, 1000).unwrap_or_default(), [700, 300]);
     }
 
     #[test]
     fn a_budget_below_the_cheapest_plans_says_what_is_needed() {
         let items = [(300, 900, 1), (256, 1000, 1)];
-        let error = allocate(2, 500, |i, b| {
-            stepped(items[i].0, items[i].1, items[i].2, b)
-        })
-        .err();
+        let error = shares(&items, 500).err();
         assert!(
             matches!(
                 error,
@@ -225,10 +211,8 @@ mod tests {
     fn the_total_never_exceeds_the_budget() {
         for budget in [10u32, 99, 1000, 4321, 10_000] {
             let items = [(3, 2000, 7), (10, 500, 30), (1, 9000, 1), (5, 5, 1)];
-            if let Ok(plans) = allocate(4, budget, |i, b| {
-                stepped(items[i].0, items[i].1, items[i].2, b)
-            }) {
-                let sum: u32 = tokens(&plans).iter().sum();
+            if let Ok(tokens) = shares(&items, budget) {
+                let sum: u32 = tokens.iter().sum();
                 assert!(sum <= budget, "{budget}: {sum}");
             }
         }
