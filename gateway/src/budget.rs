@@ -24,7 +24,7 @@ pub enum BudgetError {
     Plugin { item: usize, error: CallError },
 }
 
-/// Plans every item within `budget` tokens in all. `plan(i, max_tokens)` asks item `i`'s plugin for
+/// Plans every item within `budget` tokens in all (one item: its plan within the whole budget). `plan(i, max_tokens)` asks item `i`'s plugin for
 /// its plan within `max_tokens` (a plugin returns the most it can within the limit, or `over-budget`
 /// with what its cheapest plan needs).
 pub fn allocate(
@@ -35,6 +35,11 @@ pub fn allocate(
     let plan_item = |item: usize, max_tokens: u32| {
         plan(item, max_tokens).map_err(|error| BudgetError::Plugin { item, error })
     };
+    if items == 1 {
+        // Nothing to share: the plugin plans within the whole budget, and says itself (over-budget)
+        // when even its cheapest plan does not fit.
+        return Ok(vec![plan_item(0, budget)?]);
+    }
     let native: Vec<TokenPlan> = (0..items)
         .map(|i| plan_item(i, u32::MAX))
         .collect::<Result<_, _>>()?;
@@ -209,12 +214,29 @@ mod tests {
 
     #[test]
     fn the_total_never_exceeds_the_budget() {
-        for budget in [10u32, 99, 1000, 4321, 10_000] {
-            let items = [(3, 2000, 7), (10, 500, 30), (1, 9000, 1), (5, 5, 1)];
-            if let Ok(tokens) = shares(&items, budget) {
-                let sum: u32 = tokens.iter().sum();
-                assert!(sum <= budget, "{budget}: {sum}");
-            }
+        // Cheapest plans sum to 19 tokens, native sizes to 11505.
+        let items = [(3, 2000, 7), (10, 500, 30), (1, 9000, 1), (5, 5, 1)];
+        assert!(matches!(
+            shares(&items, 18),
+            Err(BudgetError::TooSmall { needed: 19, .. })
+        ));
+        for budget in [19u32, 99, 1000, 4321, 10_000, 11_505] {
+            let tokens = shares(&items, budget).unwrap_or_else(|e| panic!("{budget}: {e}"));
+            let sum: u32 = tokens.iter().sum();
+            assert!(sum <= budget, "{budget}: {sum}");
+            assert!(
+                budget - sum < 30,
+                "{budget}: {tokens:?} leaves too much unused"
+            );
         }
+    }
+    #[test]
+    fn one_item_gets_the_whole_budget_and_its_plugins_own_error() {
+        assert_eq!(shares(&[(4, 100, 1)], 60).unwrap_or_default(), [60]);
+        let error = shares(&[(40, 100, 1)], 30).err();
+        assert!(
+            matches!(error, Some(BudgetError::Plugin { item: 0, .. })),
+            "{error:?}"
+        );
     }
 }

@@ -6,9 +6,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mmgate_host::{
-    Budget, CallError, LoadedPlugin, Media, MediaInfo, PluginRegistry, Tensor, TokenPlan,
-};
+use mmgate_host::{Budget, LoadedPlugin, Media, MediaInfo, PluginRegistry, Tensor, TokenPlan};
 use serde_json::{Value, json};
 
 use crate::budget::{self, BudgetError};
@@ -42,7 +40,7 @@ pub struct Timings {
 }
 
 /// Items of one request planned together within one budget (see [`crate::budget`]): probe each,
-/// share the budget, preprocess each with its plan.
+/// share the budget, preprocess each with its plan; each step a sandboxed call.
 pub fn process_together(
     items: &[(Arc<LoadedPlugin>, Media)],
     processor_config: &str,
@@ -86,32 +84,6 @@ pub fn process_together(
         });
     }
     Ok(processed)
-}
-
-/// probe → plan within `max_tokens` → preprocess, each a sandboxed call.
-pub fn process(
-    plugin: &LoadedPlugin,
-    media: &Media,
-    processor_config: &str,
-    max_tokens: u32,
-) -> Result<Processed, CallError> {
-    let started = Instant::now();
-    let info = plugin.probe(media)?;
-    let probed = started.elapsed();
-    let plan = plugin.plan(&info, Budget { max_tokens }, processor_config)?;
-    let planned = started.elapsed();
-    let tensors = plugin.preprocess(media, &plan, processor_config)?;
-    let total = started.elapsed();
-    Ok(Processed {
-        info,
-        plan,
-        tensors,
-        timings: Timings {
-            probe: probed,
-            plan: planned - probed,
-            preprocess: total - planned,
-        },
-    })
 }
 
 /// The account of one item: the plugin, what the media is, the size/duration chosen, tokens, why

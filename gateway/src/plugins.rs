@@ -43,7 +43,7 @@ pub struct LivePlugins {
     sandbox: Arc<Sandbox>,
     dir: Option<PathBuf>,
     current: ArcSwap<PluginRegistry>,
-    /// Also serialises reloads.
+    /// The latest reload's outcome.
     status: Mutex<ReloadStatus>,
 }
 
@@ -75,53 +75,51 @@ impl LivePlugins {
             .clone()
     }
 
-    /// Reload the plugin directory now (no-op without one).
-    pub fn reload(&self) {
+    /// Reload the plugin directory now (no-op without one). Called only from the reload thread, so
+    /// reloads never overlap; the status lock is held just to publish the outcome, never while
+    /// plugins compile (`GET /v1/plugins` reads it on the async side).
+    fn reload(&self) {
         let Some(dir) = &self.dir else {
             tracing::info!("reload requested, but no plugin_dir is configured");
             return;
         };
+        let rejected = match self.current.load().reload_dir(&self.sandbox, dir) {
+            Ok((next, rejected)) => {
+                let loaded: Vec<String> = next
+                    .iter()
+                    .map(|p| format!("{} {}", p.name(), p.descriptor().version))
+                    .collect();
+                tracing::info!(plugins = ?loaded, "plugins reloaded");
+                self.current.store(Arc::new(next));
+                rejected
+                    .iter()
+                    .map(|r| RejectedPlugin {
+                        manifest: r.manifest.display().to_string(),
+                        reason: error_chain(&r.error),
+                        kept_previous: r.kept_previous,
+                    })
+                    .collect()
+            }
+            Err(error) => vec![RejectedPlugin {
+                manifest: dir.display().to_string(),
+                reason: format!("cannot list the plugin directory: {}", error_chain(&error)),
+                kept_previous: true,
+            }],
+        };
+        for r in &rejected {
+            tracing::error!(
+                manifest = %r.manifest,
+                reason = %r.reason,
+                kept_previous = r.kept_previous,
+                "plugin rejected; the loaded version (if any) keeps serving"
+            );
+        }
         let mut status = self
             .status
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         status.generation += 1;
-        let current = self.current.load_full();
-        let (next, rejected) = match current.reload_dir(&self.sandbox, dir) {
-            Ok(outcome) => outcome,
-            Err(error) => {
-                tracing::error!(error = %error, "cannot reload plugins; the loaded ones keep serving");
-                status.rejected = vec![RejectedPlugin {
-                    manifest: dir.display().to_string(),
-                    reason: error.to_string(),
-                    kept_previous: true,
-                }];
-                return;
-            }
-        };
-        status.rejected = rejected
-            .iter()
-            .map(|r| {
-                let reason = error_chain(&r.error);
-                tracing::error!(
-                    manifest = %r.manifest.display(),
-                    reason = %reason,
-                    kept_previous = r.kept_previous,
-                    "plugin rejected"
-                );
-                RejectedPlugin {
-                    manifest: r.manifest.display().to_string(),
-                    reason,
-                    kept_previous: r.kept_previous,
-                }
-            })
-            .collect();
-        let loaded: Vec<String> = next
-            .iter()
-            .map(|p| format!("{} {}", p.name(), p.descriptor().version))
-            .collect();
-        tracing::info!(generation = status.generation, plugins = ?loaded, "plugins reloaded");
-        self.current.store(Arc::new(next));
+        status.rejected = rejected;
     }
 
     /// Reload on every change in the plugin directory and on SIGHUP, until the returned guard is

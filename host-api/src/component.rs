@@ -106,9 +106,11 @@ fn component_artifact(line: &str, manifest: &Path) -> Option<PathBuf> {
     if message["reason"] != "compiler-artifact" {
         return None;
     }
+    // `manifest` is canonical (see `build_component`).
     let ours = message["manifest_path"]
         .as_str()
-        .is_some_and(|path| same_file(Path::new(path), manifest));
+        .and_then(|path| Path::new(path).canonicalize().ok())
+        .is_some_and(|path| path == manifest);
     if !ours {
         return None;
     }
@@ -120,13 +122,6 @@ fn component_artifact(line: &str, manifest: &Path) -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
-fn same_file(a: &Path, b: &Path) -> bool {
-    match (a.canonicalize(), b.canonicalize()) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => a == b,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,6 +131,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let manifest = dir.path().join("Cargo.toml");
         std::fs::write(&manifest, "").unwrap_or_else(|e| panic!("{e}"));
+        let manifest = manifest.canonicalize().unwrap_or_else(|e| panic!("{e}"));
         let ours = serde_json::json!({
             "reason": "compiler-artifact",
             "manifest_path": manifest,

@@ -11,6 +11,7 @@ use clap::Args;
 use mmgate_host::{Dtype, Media, PluginRegistry, Sandbox, SandboxLimits, Tensor};
 use serde_json::{Value, json};
 
+use crate::budget::BudgetError;
 use crate::error::ApiError;
 use crate::media::sniff_mime_type;
 use crate::pipeline;
@@ -73,15 +74,22 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
     })?;
     // Plugin errors read the way a client would see them (the message the API would return), on
     // one line: decoder messages sometimes carry newlines.
-    let reason = |e: mmgate_host::CallError| {
-        let message = ApiError::from(&e).message;
+    let reason = |e: BudgetError| {
+        let message = match e {
+            BudgetError::Plugin { error, .. } => ApiError::from(&error).message,
+            too_small => too_small.to_string(),
+        };
         anyhow!(
             "{}",
             message.split_whitespace().collect::<Vec<_>>().join(" ")
         )
     };
     let max_tokens = args.max_tokens.unwrap_or(u32::MAX);
-    let processed = pipeline::process(plugin, &media, &config, max_tokens).map_err(reason)?;
+    let item = [(plugin.clone(), media)];
+    let processed = pipeline::process_together(&item, &config, max_tokens)
+        .map_err(reason)?
+        .pop()
+        .context("the plugin returned no result")?;
     let (plan, tensors) = (&processed.plan, &processed.tensors);
 
     let metadata = HashMap::from([

@@ -36,11 +36,11 @@ fn toolchain() -> String {
 
 /// Where the SDK of the source tree this binary was built from is, when that tree is still there.
 pub fn source_tree_sdk() -> Option<PathBuf> {
-    let sdk = Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins/sdk");
-    sdk.join("Cargo.toml")
-        .is_file()
-        .then(|| sdk.canonicalize().ok())
-        .flatten()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../plugins/sdk")
+        .canonicalize()
+        .ok()
+        .filter(|sdk| sdk.join("Cargo.toml").is_file())
 }
 
 /// A plugin name: what `describe()` returns, the manifest's name, the crate's name.
