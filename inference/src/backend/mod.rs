@@ -1,0 +1,169 @@
+//! Devices the models run on.
+//!
+//! A [`Backend`] owns device memory ([`Backend::Buffer`]) and the fused operations the models are
+//! written in (a linear layer, a norm, rotary embedding, attention, row gathers and scatters). Models
+//! only ever call these, through [`crate::Tensor`], so a new device (CUDA: cuBLAS for the linears,
+//! NVRTC kernels for the rest, buffers resident on the GPU, work ordered on a stream) is a new
+//! implementation of this trait and touches no model code. Host data crosses only at `upload` and
+//! `download`.
+//!
+//! Every buffer holds `f32` row-major data; shapes travel with [`crate::Tensor`], and each operation
+//! receives the dimensions it needs and checks them against the buffer lengths.
+
+pub mod cpu;
+mod gemm;
+
+use crate::error::Result;
+
+/// The activation functions the supported models use, each exactly as PyTorch computes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x · sigmoid(x)` (SiLU / swish: Qwen2's MLP).
+    Silu,
+    /// `x · Φ(x)` with the exact error function (`nn.GELU()`: Whisper, the Qwen2-VL merger).
+    Gelu,
+    /// `x · sigmoid(1.702 x)` (Qwen2-VL's vision blocks).
+    QuickGelu,
+    /// The tanh approximation of GELU (`gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl Activation {
+    /// The name HF configs use for it (`hidden_act`).
+    pub fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Self::Silu),
+            "gelu" => Some(Self::Gelu),
+            "quick_gelu" => Some(Self::QuickGelu),
+            "gelu_pytorch_tanh" | "gelu_new" => Some(Self::GeluTanh),
+            _ => None,
+        }
+    }
+}
+
+/// Which keys each query row may attend to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttentionMask {
+    /// Decoder self-attention: query row `i` sits at absolute position `first_query + i` of the key
+    /// rows and sees keys `0..=first_query + i`.
+    Causal { first_query: usize },
+    /// Bidirectional attention inside each segment and none across them (packed images or frames
+    /// in one vision-tower call). `bounds` are cumulative row offsets starting at 0 and ending at the
+    /// row count (`cu_seqlens`). Query and key rows are the same rows.
+    Segments { bounds: Vec<usize> },
+}
+
+/// Sizes of one attention call. Queries are `[q_rows, heads, head_dim]`; keys and values are
+/// `[kv_rows, kv_heads, head_dim]` (the buffers may be longer: a KV cache with spare capacity);
+/// `heads` must be a multiple of `kv_heads` (grouped-query attention). The output is
+/// `[q_rows, heads · head_dim]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionShape {
+    pub q_rows: usize,
+    pub kv_rows: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub mask: AttentionMask,
+}
+
+/// A compute device: memory plus the operations models are written in.
+///
+/// Operations that return a buffer allocate it; `*_assign`/in-place ones overwrite their first
+/// argument. Implementations check every length they are given and return
+/// [`crate::Error::Shape`] rather than reading out of bounds.
+pub trait Backend: Clone + Send + Sync + 'static {
+    type Buffer: Send + Sync + 'static;
+
+    /// A short human-readable name ("cpu:encoders (4 threads)").
+    fn name(&self) -> String;
+    fn upload(&self, host: &[f32]) -> Result<Self::Buffer>;
+    fn download(&self, buffer: &Self::Buffer) -> Result<Vec<f32>>;
+    fn zeros(&self, len: usize) -> Result<Self::Buffer>;
+    fn len(&self, buffer: &Self::Buffer) -> usize;
+    /// Bytes of device memory the buffer holds (for accounting).
+    fn bytes(&self, buffer: &Self::Buffer) -> usize {
+        self.len(buffer) * std::mem::size_of::<f32>()
+    }
+
+    /// `y[m, n] = x[m, k] · w[n, k]ᵀ + bias[n]`: PyTorch's `nn.Linear` with its `[out, in]` weight.
+    fn linear(
+        &self,
+        x: &Self::Buffer,
+        weight: &Self::Buffer,
+        bias: Option<&Self::Buffer>,
+        dims: [usize; 3],
+    ) -> Result<Self::Buffer>;
+    /// RMSNorm over rows of `dim`: `w · x / sqrt(mean(x²) + eps)`.
+    fn rms_norm(
+        &self,
+        x: &Self::Buffer,
+        weight: &Self::Buffer,
+        dim: usize,
+        eps: f32,
+    ) -> Result<Self::Buffer>;
+    /// LayerNorm over rows of `dim` (biased variance, as `nn.LayerNorm`).
+    fn layer_norm(
+        &self,
+        x: &Self::Buffer,
+        weight: &Self::Buffer,
+        bias: &Self::Buffer,
+        dim: usize,
+        eps: f32,
+    ) -> Result<Self::Buffer>;
+    /// `acc += x`, elementwise.
+    fn add_assign(&self, acc: &mut Self::Buffer, x: &Self::Buffer) -> Result<()>;
+    fn activate(&self, x: &mut Self::Buffer, act: Activation) -> Result<()>;
+    /// `gate = act(gate) · up`, elementwise (the gated MLP).
+    fn gated_activate(
+        &self,
+        gate: &mut Self::Buffer,
+        up: &Self::Buffer,
+        act: Activation,
+    ) -> Result<()>;
+    /// Rotary embedding in PyTorch's `rotate_half` convention: for each row `r` and head,
+    /// `x = x · cos[r] + rotate_half(x) · sin[r]`, with `cos`/`sin` `[rows, head_dim]`.
+    fn rope(
+        &self,
+        x: &mut Self::Buffer,
+        cos: &Self::Buffer,
+        sin: &Self::Buffer,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()>;
+    /// Scaled dot-product attention with a softmax in f32.
+    fn attention(
+        &self,
+        q: &Self::Buffer,
+        k: &Self::Buffer,
+        v: &Self::Buffer,
+        shape: &AttentionShape,
+    ) -> Result<Self::Buffer>;
+    /// `out[i] = table[ids[i]]` for rows of `dim` (embedding lookup).
+    fn gather_rows(&self, table: &Self::Buffer, dim: usize, ids: &[u32]) -> Result<Self::Buffer>;
+    /// `dst[rows[i]] = src[i]` for rows of `dim` (placing encoder outputs at placeholder positions).
+    fn scatter_rows(
+        &self,
+        dst: &mut Self::Buffer,
+        dim: usize,
+        rows: &[u32],
+        src: &Self::Buffer,
+    ) -> Result<()>;
+    /// Copy all of `src` into `dst` starting at row `at` (appending to a KV cache).
+    fn write_rows(
+        &self,
+        dst: &mut Self::Buffer,
+        dim: usize,
+        at: usize,
+        src: &Self::Buffer,
+    ) -> Result<()>;
+    /// Rows `start..start + count` of `src` as a new buffer.
+    fn slice_rows(
+        &self,
+        src: &Self::Buffer,
+        dim: usize,
+        start: usize,
+        count: usize,
+    ) -> Result<Self::Buffer>;
+}

@@ -1,0 +1,17 @@
+//! mmgate's native inference core: tensors over device backends, the vision and audio encoders, the
+//! Qwen2 LLM, and the merge of encoder outputs into the LLM's prefill.
+//!
+//! It consumes the tensors the modality plugins produce and knows nothing of HTTP or WebAssembly.
+
+pub mod backend;
+pub mod error;
+pub mod merge;
+pub mod models;
+pub mod rope;
+pub mod tensor;
+pub mod weights;
+
+pub use backend::cpu::CpuBackend;
+pub use backend::{Activation, AttentionMask, AttentionShape, Backend};
+pub use error::{Error, Result};
+pub use tensor::Tensor;

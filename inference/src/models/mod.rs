@@ -1,0 +1,8 @@
+//! Model families, loaded from HF model directories.
+
+pub mod config;
+pub mod qwen2;
+pub mod qwen2_vl;
+
+pub use qwen2::{KvCache, Qwen2};
+pub use qwen2_vl::{Qwen2Vl, Qwen2VlConfig, VisionTower};

@@ -1,0 +1,223 @@
+//! The Qwen2 decoder-only LLM (RMSNorm, grouped-query attention with q/k/v biases, RoPE or M-RoPE,
+//! SwiGLU MLP) and its KV cache. It takes input embeddings rather than token ids so that encoder
+//! outputs can be merged in before the prefill.
+
+use crate::backend::{AttentionMask, AttentionShape, Backend};
+use crate::error::{Error, Result};
+use crate::models::config::TextConfig;
+use crate::rope;
+use crate::tensor::Tensor;
+use crate::weights::Weights;
+
+struct DecoderLayer<B: Backend> {
+    input_norm: Tensor<B>,
+    q: Tensor<B>,
+    q_bias: Tensor<B>,
+    k: Tensor<B>,
+    k_bias: Tensor<B>,
+    v: Tensor<B>,
+    v_bias: Tensor<B>,
+    o: Tensor<B>,
+    post_attention_norm: Tensor<B>,
+    gate: Tensor<B>,
+    up: Tensor<B>,
+    down: Tensor<B>,
+}
+
+pub struct Qwen2<B: Backend> {
+    config: TextConfig,
+    embed_tokens: Tensor<B>,
+    layers: Vec<DecoderLayer<B>>,
+    norm: Tensor<B>,
+    /// `None` when the output head is tied to the embedding table.
+    lm_head: Option<Tensor<B>>,
+    inv_freq: Vec<f32>,
+    device: B,
+}
+
+/// Keys and values of every layer for one sequence: `[capacity, kv_heads · head_dim]` per layer,
+/// the first `len` rows filled.
+pub struct KvCache<B: Backend> {
+    keys: Vec<Tensor<B>>,
+    values: Vec<Tensor<B>>,
+    len: usize,
+    capacity: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Device bytes held (whatever is filled).
+    pub fn bytes(&self) -> usize {
+        self.keys
+            .iter()
+            .chain(&self.values)
+            .map(Tensor::bytes)
+            .sum()
+    }
+}
+
+impl<B: Backend> Qwen2<B> {
+    /// Takes the LLM's weights from `weights` (names under `prefix`, e.g. `model.language_model.`;
+    /// the output head is `lm_head.weight` unless tied) and places them on `device`.
+    pub fn load(
+        config: TextConfig,
+        weights: &mut Weights,
+        prefix: &str,
+        device: &B,
+    ) -> Result<Self> {
+        let c = &config;
+        let (h, q_out, kv_out) = (c.hidden_size, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut take =
+            |name: &str, shape: &[usize]| weights.take(device, &format!("{prefix}{name}"), shape);
+        let embed_tokens = take("embed_tokens.weight", &[c.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(c.layers);
+        for i in 0..c.layers {
+            let mut t = |name: &str, shape: &[usize]| take(&format!("layers.{i}.{name}"), shape);
+            layers.push(DecoderLayer {
+                input_norm: t("input_layernorm.weight", &[h])?,
+                q: t("self_attn.q_proj.weight", &[q_out, h])?,
+                q_bias: t("self_attn.q_proj.bias", &[q_out])?,
+                k: t("self_attn.k_proj.weight", &[kv_out, h])?,
+                k_bias: t("self_attn.k_proj.bias", &[kv_out])?,
+                v: t("self_attn.v_proj.weight", &[kv_out, h])?,
+                v_bias: t("self_attn.v_proj.bias", &[kv_out])?,
+                o: t("self_attn.o_proj.weight", &[h, q_out])?,
+                post_attention_norm: t("post_attention_layernorm.weight", &[h])?,
+                gate: t("mlp.gate_proj.weight", &[c.intermediate_size, h])?,
+                up: t("mlp.up_proj.weight", &[c.intermediate_size, h])?,
+                down: t("mlp.down_proj.weight", &[h, c.intermediate_size])?,
+            });
+        }
+        let norm = take("norm.weight", &[h])?;
+        let lm_head = if c.tie_word_embeddings && !weights.contains("lm_head.weight") {
+            None
+        } else {
+            Some(weights.take(device, "lm_head.weight", &[c.vocab_size, h])?)
+        };
+        let inv_freq = rope::inv_freq(c.head_dim, c.rope_theta);
+        Ok(Self {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            device: device.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &TextConfig {
+        &self.config
+    }
+
+    pub fn device(&self) -> &B {
+        &self.device
+    }
+
+    /// A KV cache for a sequence of up to `capacity` tokens.
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache<B>> {
+        let width = self.config.kv_heads * self.config.head_dim;
+        let mut keys = Vec::with_capacity(self.layers.len());
+        let mut values = Vec::with_capacity(self.layers.len());
+        for _ in &self.layers {
+            keys.push(Tensor::zeros(&self.device, &[capacity, width])?);
+            values.push(Tensor::zeros(&self.device, &[capacity, width])?);
+        }
+        Ok(KvCache {
+            keys,
+            values,
+            len: 0,
+            capacity,
+        })
+    }
+
+    /// Input embeddings `[ids, hidden]` for token ids.
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor<B>> {
+        self.embed_tokens.gather_rows(ids)
+    }
+
+    /// Runs `embeds` (`[n, hidden]`, the next `n` tokens of the sequence) through the decoder,
+    /// appending their keys and values to `cache`; returns the final-norm hidden states `[n, hidden]`.
+    /// `positions` are the tokens' rotary positions (all three components equal for plain text).
+    pub fn forward(
+        &self,
+        mut x: Tensor<B>,
+        positions: &[[i64; 3]],
+        cache: &mut KvCache<B>,
+    ) -> Result<Tensor<B>> {
+        let c = &self.config;
+        let n = x.rows();
+        if x.shape() != [n, c.hidden_size] || positions.len() != n {
+            return Err(Error::shape(
+                "qwen2 forward",
+                format!(
+                    "embeddings {:?} with {} positions",
+                    x.shape(),
+                    positions.len()
+                ),
+            ));
+        }
+        if cache.len + n > cache.capacity || cache.keys.len() != self.layers.len() {
+            return Err(Error::Input(format!(
+                "{} tokens do not fit the KV cache ({} of {} used)",
+                n, cache.len, cache.capacity
+            )));
+        }
+        let sections = match &c.mrope_section {
+            Some(s) => s.clone(),
+            None => vec![c.head_dim / 2],
+        };
+        let (cos, sin) = rope::tables(positions, &self.inv_freq, &sections)?;
+        let cos = Tensor::from_host(&self.device, &cos, &[n, c.head_dim])?;
+        let sin = Tensor::from_host(&self.device, &sin, &[n, c.head_dim])?;
+        let attention = AttentionShape {
+            q_rows: n,
+            kv_rows: cache.len + n,
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            mask: AttentionMask::Causal {
+                first_query: cache.len,
+            },
+        };
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = x.rms_norm(&layer.input_norm, c.rms_norm_eps)?;
+            let q = h
+                .linear(&layer.q, Some(&layer.q_bias))?
+                .rope(&cos, &sin, c.head_dim)?;
+            let k = h
+                .linear(&layer.k, Some(&layer.k_bias))?
+                .rope(&cos, &sin, c.head_dim)?;
+            let v = h.linear(&layer.v, Some(&layer.v_bias))?;
+            cache.keys[i].write_rows(cache.len, &k)?;
+            cache.values[i].write_rows(cache.len, &v)?;
+            let attn = q.attention(&cache.keys[i], &cache.values[i], &attention)?;
+            x.add_assign(&attn.linear(&layer.o, None)?)?;
+
+            let h = x.rms_norm(&layer.post_attention_norm, c.rms_norm_eps)?;
+            let gated = h
+                .linear(&layer.gate, None)?
+                .gated(&h.linear(&layer.up, None)?, c.activation)?;
+            x.add_assign(&gated.linear(&layer.down, None)?)?;
+        }
+        cache.len += n;
+        x.rms_norm(&self.norm, c.rms_norm_eps)
+    }
+
+    /// Output logits `[rows, vocab]` for final hidden states.
+    pub fn logits(&self, hidden: &Tensor<B>) -> Result<Tensor<B>> {
+        hidden.linear(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
+    }
+}

@@ -1,0 +1,221 @@
+//! Rotary position tables: the LLM's (multimodal) RoPE and the vision tower's 2-D RoPE, computed on
+//! the host in f32 exactly as transformers computes them, plus Qwen2-VL's `get_rope_index`, which
+//! gives every prompt token its (temporal, height, width) position.
+
+use crate::error::{Error, Result};
+
+/// `1 / theta^(2i / dim)` for `i < dim / 2`, in f32 as PyTorch computes it.
+pub fn inv_freq(dim: usize, theta: f32) -> Vec<f32> {
+    (0..dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / dim as f32))
+        .collect()
+}
+
+/// cos/sin tables `[rows, head_dim]` for positions with up to three components.
+///
+/// `sections` splits the `head_dim / 2` frequencies among the components (M-RoPE's
+/// `mrope_section`, e.g. `[16, 24, 24]`: the first 16 frequencies rotate by the temporal position,
+/// the next 24 by the height, the last 24 by the width); plain RoPE is one section of all of them.
+/// Each half of the table repeats the frequencies (PyTorch's `cat((freqs, freqs))`).
+pub fn tables(
+    positions: &[[i64; 3]],
+    inv_freq: &[f32],
+    sections: &[usize],
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let half = inv_freq.len();
+    if sections.iter().sum::<usize>() != half || sections.is_empty() || sections.len() > 3 {
+        return Err(Error::Input(format!(
+            "rope sections {sections:?} for {half} frequencies"
+        )));
+    }
+    let component: Vec<usize> = sections
+        .iter()
+        .enumerate()
+        .flat_map(|(c, &n)| std::iter::repeat_n(c, n))
+        .collect();
+    let dim = 2 * half;
+    let mut cos = vec![0.0f32; positions.len() * dim];
+    let mut sin = vec![0.0f32; positions.len() * dim];
+    for (r, pos) in positions.iter().enumerate() {
+        for i in 0..half {
+            let angle = pos[component[i]] as f32 * inv_freq[i];
+            let (s, c) = angle.sin_cos();
+            cos[r * dim + i] = c;
+            cos[r * dim + half + i] = c;
+            sin[r * dim + i] = s;
+            sin[r * dim + half + i] = s;
+        }
+    }
+    Ok((cos, sin))
+}
+
+/// A media item's patch grid as the vision tower sees it: temporal patches × height × width patches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grid {
+    pub t: usize,
+    pub h: usize,
+    pub w: usize,
+}
+
+impl Grid {
+    pub fn patches(&self) -> usize {
+        self.t * self.h * self.w
+    }
+
+    /// LLM tokens after the `merge × merge` patch merger.
+    pub fn tokens(&self, merge: usize) -> usize {
+        self.patches() / (merge * merge)
+    }
+}
+
+/// The vision tower's rotary tables: per patch, the (row, column) of the patch in its frame, in the
+/// block-major order of the patches (`merge × merge` blocks, row by row), repeated for each frame.
+/// Half the rotary frequencies follow the row, half the column.
+pub fn vision_tables(
+    grids: &[Grid],
+    merge: usize,
+    head_dim: usize,
+    theta: f32,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    // Half of head_dim's frequencies follow the row, half the column, each the same ladder of
+    // `head_dim / 4` frequencies (transformers' axial rope: `cat(freqs_h, freqs_w)`).
+    let ladder = inv_freq(head_dim / 2, theta);
+    let freqs: Vec<f32> = ladder.iter().chain(&ladder).copied().collect();
+    let mut positions = Vec::new();
+    for g in grids {
+        if merge == 0 || g.h % merge != 0 || g.w % merge != 0 {
+            return Err(Error::Input(format!(
+                "grid {g:?} is not a multiple of the {merge}x{merge} merge"
+            )));
+        }
+        let mut frame = Vec::with_capacity(g.h * g.w);
+        for bh in 0..g.h / merge {
+            for bw in 0..g.w / merge {
+                for ih in 0..merge {
+                    for iw in 0..merge {
+                        frame.push([(bh * merge + ih) as i64, (bw * merge + iw) as i64, 0]);
+                    }
+                }
+            }
+        }
+        for _ in 0..g.t {
+            positions.extend_from_slice(&frame);
+        }
+    }
+    tables(&positions, &freqs, &[ladder.len(), ladder.len()])
+}
+
+/// Where the media items of a prompt are: the placeholder token and the grid of each item, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MediaSpan {
+    pub token: u32,
+    pub grid: Grid,
+    /// Temporal position step per temporal patch (1 for Qwen2-VL images and videos).
+    pub time_step: i64,
+}
+
+/// Qwen2-VL's 3-D positions for a prompt: text tokens advance all three components together; the
+/// `t·h·w / merge²` placeholder tokens of a media item get (start + t·step, start + row, start + col)
+/// over its merged grid; text after it continues from one past the largest position the item used.
+/// Returns the positions and the delta to add to a plain counter for tokens generated afterwards.
+///
+/// Media items are consumed in order as their placeholder tokens appear; an item's placeholders must
+/// be contiguous and their count must match its grid.
+pub fn mrope_positions(
+    ids: &[u32],
+    media: &[MediaSpan],
+    merge: usize,
+) -> Result<(Vec<[i64; 3]>, i64)> {
+    let mut positions = Vec::with_capacity(ids.len());
+    let mut next = 0i64;
+    let mut items = media.iter();
+    let mut i = 0;
+    while i < ids.len() {
+        let token = ids[i];
+        let is_placeholder = media.iter().any(|m| m.token == token);
+        if !is_placeholder {
+            positions.push([next; 3]);
+            next += 1;
+            i += 1;
+            continue;
+        }
+        let item = items.next().ok_or_else(|| {
+            Error::Input(format!(
+                "placeholder token {token} at {i} has no media item left"
+            ))
+        })?;
+        if item.token != token {
+            return Err(Error::Input(format!(
+                "placeholder {token} at {i}, but the next media item uses token {}",
+                item.token
+            )));
+        }
+        let (t, h, w) = (item.grid.t, item.grid.h / merge, item.grid.w / merge);
+        let count = t * h * w;
+        if ids.len() < i + count || ids[i..i + count].iter().any(|&x| x != token) {
+            return Err(Error::Input(format!(
+                "media item at {i} needs {count} contiguous placeholder tokens"
+            )));
+        }
+        let start = next;
+        let mut last = start;
+        for ti in 0..t {
+            for hi in 0..h {
+                for wi in 0..w {
+                    let p = [
+                        start + ti as i64 * item.time_step,
+                        start + hi as i64,
+                        start + wi as i64,
+                    ];
+                    last = last.max(p[0]).max(p[1]).max(p[2]);
+                    positions.push(p);
+                }
+            }
+        }
+        next = last + 1;
+        i += count;
+    }
+    if items.next().is_some() {
+        return Err(Error::Input(
+            "more media items than placeholder runs in the prompt".into(),
+        ));
+    }
+    let delta = next - ids.len() as i64;
+    Ok((positions, delta))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_after_a_long_video_continues_past_its_last_temporal_position() {
+        // 6 temporal patches of a 2x2 merged grid: temporal positions reach start + 5, beyond the
+        // spatial extent, and the following text continues after them (Qwen2-VL's rule, also vLLM's).
+        let media = [MediaSpan {
+            token: 9,
+            grid: Grid { t: 6, h: 4, w: 4 },
+            time_step: 1,
+        }];
+        let mut ids = vec![1, 2];
+        ids.extend(std::iter::repeat_n(9, 24));
+        ids.push(3);
+        let (pos, delta) = mrope_positions(&ids, &media, 2).unwrap();
+        assert_eq!(pos[2], [2, 2, 2]);
+        assert_eq!(pos[25], [7, 3, 3]);
+        assert_eq!(pos[26], [8, 8, 8]);
+        assert_eq!(delta, 9 - 27);
+    }
+
+    #[test]
+    fn placeholder_counts_must_match_the_grids() {
+        let media = [MediaSpan {
+            token: 9,
+            grid: Grid { t: 1, h: 4, w: 4 },
+            time_step: 1,
+        }];
+        assert!(mrope_positions(&[1, 9, 9, 9, 2], &media, 2).is_err());
+        assert!(mrope_positions(&[1, 2], &media, 2).is_err());
+        assert!(mrope_positions(&[1, 9, 9, 9, 9, 9, 9, 9, 9], &media, 2).is_err());
+    }
+}
