@@ -12,6 +12,6 @@ pub mod tensor;
 pub mod weights;
 
 pub use backend::cpu::CpuBackend;
-pub use backend::{Activation, AttentionMask, AttentionShape, Backend};
+pub use backend::{Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, Segment};
 pub use error::{Error, Result};
 pub use tensor::Tensor;

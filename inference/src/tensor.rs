@@ -3,7 +3,7 @@
 //! Shapes are checked here, before any backend call, so a model bug or a malformed input surfaces as
 //! [`Error::Shape`] naming the operation instead of a panic inside a kernel.
 
-use crate::backend::{Activation, AttentionShape, Backend};
+use crate::backend::{Activation, AttentionShape, Backend, Conv1dShape};
 use crate::error::{Error, Result};
 
 pub struct Tensor<B: Backend> {
@@ -218,6 +218,33 @@ impl<B: Backend> Tensor<B> {
             .device
             .attention(&self.buffer, &k.buffer, &v.buffer, shape)?;
         Ok(self.with(buffer, vec![shape.q_rows, shape.heads * shape.head_dim]))
+    }
+
+    /// The im2col patches of a 1-D convolution over this time-major input; see
+    /// [`Backend::im2col_1d`].
+    pub fn im2col_1d(&self, shape: &Conv1dShape) -> Result<Self> {
+        if self.shape != [shape.segments * shape.len, shape.channels] {
+            return Err(Error::shape(
+                "im2col_1d",
+                format!("{:?} for {shape:?}", self.shape),
+            ));
+        }
+        let buffer = self.device.im2col_1d(&self.buffer, shape)?;
+        Ok(self.with(
+            buffer,
+            vec![
+                shape.segments * shape.out_len(),
+                shape.channels * shape.kernel,
+            ],
+        ))
+    }
+
+    /// Means of consecutive groups of `window` rows.
+    pub fn mean_pool_rows(&self, window: usize) -> Result<Self> {
+        let buffer = self
+            .device
+            .mean_pool_rows(&self.buffer, self.cols(), window)?;
+        Ok(self.with(buffer, vec![self.rows() / window.max(1), self.cols()]))
     }
 
     /// Rows `ids` of this `[rows, dim]` table.

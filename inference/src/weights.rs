@@ -162,6 +162,50 @@ impl Weights {
     }
 }
 
+/// The weights under one name prefix, placed on one device: what a model part's loader reads from.
+pub struct Scope<'a, B: Backend> {
+    pub weights: &'a mut Weights,
+    pub device: &'a B,
+    pub prefix: String,
+}
+
+/// A linear layer's weight `[out, in]` and optional bias `[out]`.
+pub type Linear<B> = (Tensor<B>, Option<Tensor<B>>);
+
+impl<'a, B: Backend> Scope<'a, B> {
+    pub fn new(weights: &'a mut Weights, device: &'a B, prefix: impl Into<String>) -> Self {
+        Self {
+            weights,
+            device,
+            prefix: prefix.into(),
+        }
+    }
+
+    pub fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<Tensor<B>> {
+        self.weights
+            .take(self.device, &format!("{}{name}", self.prefix), shape)
+    }
+
+    /// `name.weight` `[out, in]` and, if `bias`, `name.bias` `[out]`.
+    pub fn linear(&mut self, name: &str, out: usize, inp: usize, bias: bool) -> Result<Linear<B>> {
+        let w = self.tensor(&format!("{name}.weight"), &[out, inp])?;
+        let b = if bias {
+            Some(self.tensor(&format!("{name}.bias"), &[out])?)
+        } else {
+            None
+        };
+        Ok((w, b))
+    }
+
+    /// A LayerNorm's `name.weight` and `name.bias`, both `[dim]`.
+    pub fn layer_norm(&mut self, name: &str, dim: usize) -> Result<(Tensor<B>, Tensor<B>)> {
+        Ok((
+            self.tensor(&format!("{name}.weight"), &[dim])?,
+            self.tensor(&format!("{name}.bias"), &[dim])?,
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::gemm::{MatMut, MatRef, Threads, matmul};
-use super::{Activation, AttentionMask, AttentionShape, Backend};
+use super::{Activation, AttentionMask, AttentionShape, Backend, Conv1dShape};
 use crate::error::{Error, Result};
 
 /// Query rows one attention task handles: bounds the scores scratch to `QUERY_BLOCK × keys` floats.
@@ -259,6 +259,64 @@ impl Backend for CpuBackend {
         attention(self, q, k, v, shape)
     }
 
+    fn im2col_1d(&self, x: &Vec<f32>, c: &Conv1dShape) -> Result<Vec<f32>> {
+        expect_len(
+            "im2col_1d",
+            "input",
+            x.len(),
+            c.segments * c.len * c.channels,
+        )?;
+        if c.stride == 0 || c.kernel == 0 || c.len + 2 * c.padding < c.kernel {
+            return Err(Error::shape("im2col_1d", format!("{c:?}")));
+        }
+        let out_len = c.out_len();
+        let width = c.channels * c.kernel;
+        let mut out = vec![0.0f32; c.segments * out_len * width];
+        self.run(|| {
+            out.par_chunks_mut(width).enumerate().for_each(|(row, o)| {
+                let (seg, t) = (row / out_len, row % out_len);
+                let base = seg * c.len;
+                for j in 0..c.kernel {
+                    // Input step feeding tap j; outside the segment it is zero padding.
+                    let Some(step) = (t * c.stride + j)
+                        .checked_sub(c.padding)
+                        .filter(|&s| s < c.len)
+                    else {
+                        continue;
+                    };
+                    let input = &x[(base + step) * c.channels..(base + step + 1) * c.channels];
+                    for (ch, v) in input.iter().enumerate() {
+                        o[ch * c.kernel + j] = *v;
+                    }
+                }
+            })
+        });
+        Ok(out)
+    }
+
+    fn mean_pool_rows(&self, x: &Vec<f32>, dim: usize, window: usize) -> Result<Vec<f32>> {
+        let rows = rows_of("mean_pool_rows", x.len(), dim)?;
+        if window == 0 || !rows.is_multiple_of(window) {
+            return Err(Error::shape(
+                "mean_pool_rows",
+                format!("{rows} rows in windows of {window}"),
+            ));
+        }
+        let mut out = vec![0.0f32; rows / window * dim];
+        self.run(|| {
+            out.par_chunks_mut(dim)
+                .zip(x.par_chunks(dim * window))
+                .for_each(|(o, group)| {
+                    for row in group.chunks(dim) {
+                        o.iter_mut().zip(row).for_each(|(o, v)| *o += v);
+                    }
+                    let inv = 1.0 / window as f32;
+                    o.iter_mut().for_each(|v| *v *= inv);
+                })
+        });
+        Ok(out)
+    }
+
     fn gather_rows(&self, table: &Vec<f32>, dim: usize, ids: &[u32]) -> Result<Vec<f32>> {
         let rows = rows_of("gather_rows", table.len(), dim)?;
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= rows) {
@@ -386,27 +444,37 @@ fn attention(
                 }
             }
         }
-        AttentionMask::Segments { bounds } => {
-            let valid = bounds.first() == Some(&0)
-                && bounds.last() == Some(&s.q_rows)
-                && bounds.windows(2).all(|w| w[0] <= w[1])
-                && s.q_rows == s.kv_rows;
-            if !valid {
+        AttentionMask::Segments(segments) => {
+            let mut next = 0;
+            for seg in segments {
+                let ok = seg.rows.start == next
+                    && seg.rows.end >= seg.rows.start
+                    && (1..=seg.rows.len()).contains(&seg.visible_keys);
+                if !ok {
+                    return Err(Error::shape(
+                        "attention",
+                        format!("segment {seg:?} after row {next}"),
+                    ));
+                }
+                next = seg.rows.end;
+            }
+            if next != s.q_rows || s.q_rows != s.kv_rows {
                 return Err(Error::shape(
                     "attention",
-                    format!("segments {bounds:?} for {} rows", s.q_rows),
+                    format!("segments end at {next} of {} rows", s.q_rows),
                 ));
             }
-            for seg in bounds.windows(2) {
+            for seg in segments {
                 for head in 0..heads {
-                    for q0 in (seg[0]..seg[1]).step_by(QUERY_BLOCK) {
-                        let q1 = (q0 + QUERY_BLOCK).min(seg[1]);
+                    for q0 in seg.rows.clone().step_by(QUERY_BLOCK) {
+                        let q1 = (q0 + QUERY_BLOCK).min(seg.rows.end);
+                        let (k0, k1) = (seg.rows.start, seg.rows.start + seg.visible_keys);
                         tasks.push(Task {
                             head,
                             q0,
                             q1,
-                            k0: seg[0],
-                            k1: seg[1],
+                            k0,
+                            k1,
                             causal_first: None,
                         });
                     }

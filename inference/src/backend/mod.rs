@@ -47,10 +47,57 @@ pub enum AttentionMask {
     /// Decoder self-attention: query row `i` sits at absolute position `first_query + i` of the key
     /// rows and sees keys `0..=first_query + i`.
     Causal { first_query: usize },
-    /// Bidirectional attention inside each segment and none across them (packed images or frames
-    /// in one vision-tower call). `bounds` are cumulative row offsets starting at 0 and ending at the
-    /// row count (`cu_seqlens`). Query and key rows are the same rows.
-    Segments { bounds: Vec<usize> },
+    /// Bidirectional attention inside each segment and none across them (packed images, frames or
+    /// audio chunks in one encoder call). Query and key rows are the same rows; the segments must
+    /// tile them in order.
+    Segments(Vec<Segment>),
+}
+
+/// Rows of one independently attended item; its rows see only the segment's first `visible_keys`
+/// rows as keys (the rest is padding, as in a partly filled 30 s audio chunk).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    pub rows: std::ops::Range<usize>,
+    pub visible_keys: usize,
+}
+
+impl AttentionMask {
+    /// Segments of the given lengths, each fully visible.
+    pub fn segments(lengths: impl IntoIterator<Item = usize>) -> Self {
+        let mut start = 0;
+        Self::Segments(
+            lengths
+                .into_iter()
+                .map(|len| {
+                    let rows = start..start + len;
+                    start += len;
+                    Segment {
+                        rows,
+                        visible_keys: len,
+                    }
+                })
+                .collect(),
+        )
+    }
+}
+
+/// A 1-D convolution's geometry over `segments` independent sequences of `len` time steps, each
+/// `channels` wide, stored time-major (`[segments · len, channels]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conv1dShape {
+    pub segments: usize,
+    pub len: usize,
+    pub channels: usize,
+    pub kernel: usize,
+    pub stride: usize,
+    pub padding: usize,
+}
+
+impl Conv1dShape {
+    /// Output time steps per segment.
+    pub fn out_len(&self) -> usize {
+        (self.len + 2 * self.padding).saturating_sub(self.kernel) / self.stride.max(1) + 1
+    }
 }
 
 /// Sizes of one attention call. Queries are `[q_rows, heads, head_dim]`; keys and values are
@@ -140,6 +187,12 @@ pub trait Backend: Clone + Send + Sync + 'static {
         v: &Self::Buffer,
         shape: &AttentionShape,
     ) -> Result<Self::Buffer>;
+    /// The patches a 1-D convolution multiplies by its `[out, channels · kernel]` weight:
+    /// `[segments · out_len, channels · kernel]`, element `(t, c · kernel + j)` being input step
+    /// `t · stride + j − padding` of channel `c` (zero outside the segment).
+    fn im2col_1d(&self, x: &Self::Buffer, shape: &Conv1dShape) -> Result<Self::Buffer>;
+    /// Means of consecutive groups of `window` rows of `dim` (average pooling over time).
+    fn mean_pool_rows(&self, x: &Self::Buffer, dim: usize, window: usize) -> Result<Self::Buffer>;
     /// `out[i] = table[ids[i]]` for rows of `dim` (embedding lookup).
     fn gather_rows(&self, table: &Self::Buffer, dim: usize, ids: &[u32]) -> Result<Self::Buffer>;
     /// `dst[rows[i]] = src[i]` for rows of `dim` (placing encoder outputs at placeholder positions).

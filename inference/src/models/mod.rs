@@ -2,7 +2,9 @@
 
 pub mod config;
 pub mod qwen2;
+pub mod qwen2_audio;
 pub mod qwen2_vl;
 
 pub use qwen2::{KvCache, Qwen2};
+pub use qwen2_audio::{AudioEncoder, Qwen2Audio, Qwen2AudioConfig};
 pub use qwen2_vl::{Qwen2Vl, Qwen2VlConfig, VisionTower};

@@ -253,14 +253,6 @@ impl<B: Backend> VisionTower<B> {
         let (cos, sin) = rope::vision_tables(grids, c.merge, c.head_dim(), c.rope_theta)?;
         let cos = Tensor::from_host(&self.device, &cos, &[patches, c.head_dim()])?;
         let sin = Tensor::from_host(&self.device, &sin, &[patches, c.head_dim()])?;
-        // Each frame of each item attends only to itself.
-        let mut bounds = vec![0];
-        for g in grids {
-            for _ in 0..g.t {
-                let last = bounds.last().copied().unwrap_or(0);
-                bounds.push(last + g.h * g.w);
-            }
-        }
         let shape = AttentionShape {
             q_rows: patches,
             kv_rows: patches,
@@ -268,7 +260,12 @@ impl<B: Backend> VisionTower<B> {
             kv_heads: c.heads,
             head_dim: c.head_dim(),
             scale: 1.0 / (c.head_dim() as f32).sqrt(),
-            mask: AttentionMask::Segments { bounds },
+            // Each frame of each item attends only to itself.
+            mask: AttentionMask::segments(
+                grids
+                    .iter()
+                    .flat_map(|g| std::iter::repeat_n(g.h * g.w, g.t)),
+            ),
         };
 
         let mut x = pixel_values.linear(&self.patch_embed, None)?;
