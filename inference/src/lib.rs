@@ -4,11 +4,14 @@
 //! It consumes the tensors the modality plugins produce and knows nothing of HTTP or WebAssembly.
 
 pub mod backend;
+pub mod demo;
 pub mod error;
 pub mod merge;
 pub mod models;
 pub mod rope;
+pub mod sampling;
 pub mod tensor;
+pub mod text;
 pub mod weights;
 
 pub use backend::cpu::CpuBackend;
