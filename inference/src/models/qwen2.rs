@@ -35,6 +35,14 @@ pub struct Qwen2<B: Backend> {
     device: B,
 }
 
+/// One sequence's part of a batched forward step.
+pub struct SeqStep<'a, B: Backend> {
+    /// Input embeddings of the sequence's next tokens, `[n, hidden]`.
+    pub embeds: Tensor<B>,
+    pub positions: &'a [[i64; 3]],
+    pub cache: &'a mut KvCache<B>,
+}
+
 /// Keys and values of every layer for one sequence: `[capacity, kv_heads · head_dim]` per layer,
 /// the first `len` rows filled.
 pub struct KvCache<B: Backend> {
@@ -152,46 +160,63 @@ impl<B: Backend> Qwen2<B> {
     /// `positions` are the tokens' rotary positions (all three components equal for plain text).
     pub fn forward(
         &self,
-        mut x: Tensor<B>,
+        embeds: Tensor<B>,
         positions: &[[i64; 3]],
         cache: &mut KvCache<B>,
     ) -> Result<Tensor<B>> {
+        let mut out = self.forward_batch(vec![SeqStep {
+            embeds,
+            positions,
+            cache,
+        }])?;
+        out.pop()
+            .ok_or_else(|| Error::shape("qwen2 forward", "no output"))
+    }
+
+    /// One step of several sequences at once (continuous batching): their rows go through every
+    /// linear layer together, while each attends only to its own KV cache. Returns each sequence's
+    /// final-norm hidden states, in order.
+    pub fn forward_batch(&self, steps: Vec<SeqStep<'_, B>>) -> Result<Vec<Tensor<B>>> {
         let c = &self.config;
-        let n = x.rows();
-        if x.shape() != [n, c.hidden_size] || positions.len() != n {
-            return Err(Error::shape(
-                "qwen2 forward",
-                format!(
-                    "embeddings {:?} with {} positions",
-                    x.shape(),
-                    positions.len()
-                ),
-            ));
+        let mut offsets = Vec::with_capacity(steps.len());
+        let mut total = 0;
+        for s in &steps {
+            let n = s.embeds.rows();
+            if s.embeds.shape() != [n, c.hidden_size] || s.positions.len() != n {
+                return Err(Error::shape(
+                    "qwen2 forward",
+                    format!(
+                        "embeddings {:?} with {} positions",
+                        s.embeds.shape(),
+                        s.positions.len()
+                    ),
+                ));
+            }
+            if s.cache.len + n > s.cache.capacity || s.cache.keys.len() != self.layers.len() {
+                return Err(Error::Input(format!(
+                    "{n} tokens do not fit the KV cache ({} of {} used)",
+                    s.cache.len, s.cache.capacity
+                )));
+            }
+            offsets.push(total);
+            total += n;
         }
-        if cache.len + n > cache.capacity || cache.keys.len() != self.layers.len() {
-            return Err(Error::Input(format!(
-                "{} tokens do not fit the KV cache ({} of {} used)",
-                n, cache.len, cache.capacity
-            )));
+        let mut x = Tensor::zeros(&self.device, &[total, c.hidden_size])?;
+        let mut positions = Vec::with_capacity(total);
+        let mut seqs = Vec::with_capacity(steps.len());
+        for (s, &at) in steps.into_iter().zip(&offsets) {
+            x.write_rows(at, &s.embeds)?;
+            positions.extend_from_slice(s.positions);
+            seqs.push((at, s.embeds.rows(), s.cache));
         }
         let sections = match &c.mrope_section {
             Some(s) => s.clone(),
             None => vec![c.head_dim / 2],
         };
-        let (cos, sin) = rope::tables(positions, &self.inv_freq, &sections)?;
-        let cos = Tensor::from_host(&self.device, &cos, &[n, c.head_dim])?;
-        let sin = Tensor::from_host(&self.device, &sin, &[n, c.head_dim])?;
-        let attention = AttentionShape {
-            q_rows: n,
-            kv_rows: cache.len + n,
-            heads: c.heads,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-            scale: 1.0 / (c.head_dim as f32).sqrt(),
-            mask: AttentionMask::Causal {
-                first_query: cache.len,
-            },
-        };
+        let (cos, sin) = rope::tables(&positions, &self.inv_freq, &sections)?;
+        let cos = Tensor::from_host(&self.device, &cos, &[total, c.head_dim])?;
+        let sin = Tensor::from_host(&self.device, &sin, &[total, c.head_dim])?;
+        let q_width = c.heads * c.head_dim;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = x.rms_norm(&layer.input_norm, c.rms_norm_eps)?;
             let q = h
@@ -201,9 +226,28 @@ impl<B: Backend> Qwen2<B> {
                 .linear(&layer.k, Some(&layer.k_bias))?
                 .rope(&cos, &sin, c.head_dim)?;
             let v = h.linear(&layer.v, Some(&layer.v_bias))?;
-            cache.keys[i].write_rows(cache.len, &k)?;
-            cache.values[i].write_rows(cache.len, &v)?;
-            let attn = q.attention(&cache.keys[i], &cache.values[i], &attention)?;
+            let mut attn = Tensor::zeros(&self.device, &[total, q_width])?;
+            for (at, n, cache) in seqs.iter_mut() {
+                let (at, n) = (*at, *n);
+                cache.keys[i].write_rows(cache.len, &k.slice_rows(at, n)?)?;
+                cache.values[i].write_rows(cache.len, &v.slice_rows(at, n)?)?;
+                let shape = AttentionShape {
+                    q_rows: n,
+                    kv_rows: cache.len + n,
+                    heads: c.heads,
+                    kv_heads: c.kv_heads,
+                    head_dim: c.head_dim,
+                    scale: 1.0 / (c.head_dim as f32).sqrt(),
+                    mask: AttentionMask::Causal {
+                        first_query: cache.len,
+                    },
+                };
+                let q_seq = q.slice_rows(at, n)?;
+                attn.write_rows(
+                    at,
+                    &q_seq.attention(&cache.keys[i], &cache.values[i], &shape)?,
+                )?;
+            }
             x.add_assign(&attn.linear(&layer.o, None)?)?;
 
             let h = x.rms_norm(&layer.post_attention_norm, c.rms_norm_eps)?;
@@ -212,8 +256,13 @@ impl<B: Backend> Qwen2<B> {
                 .gated(&h.linear(&layer.up, None)?, c.activation)?;
             x.add_assign(&gated.linear(&layer.down, None)?)?;
         }
-        cache.len += n;
-        x.rms_norm(&self.norm, c.rms_norm_eps)
+        let x = x.rms_norm(&self.norm, c.rms_norm_eps)?;
+        let mut out = Vec::with_capacity(seqs.len());
+        for (at, n, cache) in seqs {
+            cache.len += n;
+            out.push(x.slice_rows(at, n)?);
+        }
+        Ok(out)
     }
 
     /// Output logits `[rows, vocab]` for final hidden states.
