@@ -1,0 +1,749 @@
+//! The engine: one thread that owns the LLM and every sequence's KV cache and runs continuous
+//! batching, with media encoded asynchronously by the [`EncoderPool`] into the [`FeatureStore`].
+//!
+//! A request moves waiting-for-encoding → prefill (in chunks) → decode → done. Each iteration
+//! runs one batched forward over every decoding sequence plus prefill chunks up to a token budget,
+//! so long prompts never stall decodes. A request's media is submitted to the encoders when it is
+//! admitted; until it is ready the request may still prefill the text before its first
+//! placeholder, and requests without media never wait for an encoder at all. Tokens stream out
+//! through a channel as they are sampled; a dropped receiver or [`RequestHandle::cancel`] stops the
+//! request, and its KV cache and feature pins are released at once.
+
+pub mod encoder;
+pub mod pool;
+pub mod store;
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+pub use encoder::{EncodeInput, Encoder, EncoderKind};
+pub use pool::{DeviceSpec, EncoderPool};
+pub use store::{FeatureState, FeatureStore, StoreStats};
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::merge::PlaceholderMap;
+use crate::models::{KvCache, Qwen2, qwen2::SeqStep};
+use crate::rope::{MediaSpan, mrope_positions};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::tensor::Tensor;
+use crate::text::{TextProcessor, TextStream};
+
+/// How prompt positions are numbered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PositionScheme {
+    /// 0, 1, 2, … (Qwen2, Qwen2-Audio).
+    Plain,
+    /// Qwen2-VL's M-RoPE over each vision item's merged grid.
+    MRope { merge: usize },
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Part of every feature-cache key, so two models never share features.
+    pub model_name: String,
+    pub positions: PositionScheme,
+    /// Sequences decoding or prefilling at once.
+    pub max_running: usize,
+    /// Prompt tokens prefilled per iteration, across requests.
+    pub prefill_chunk: usize,
+    /// KV-cache rows all running sequences may reserve together (prompt + max_tokens each).
+    pub kv_budget_tokens: usize,
+}
+
+/// One media item of a request: its encoder input and where its embeddings go.
+#[derive(Debug, Clone)]
+pub struct MediaItem {
+    pub input: Arc<EncodeInput>,
+    /// The placeholder token its embeddings replace (`tokens` of them, contiguous, in the prompt).
+    pub placeholder: u32,
+    pub tokens: usize,
+    /// The processor config the input was made with (part of the cache key).
+    pub processor_config: String,
+    /// M-RoPE temporal step per temporal patch (1 for Qwen2-VL).
+    pub time_step: i64,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// Token ids with each media item's placeholder already repeated `tokens` times.
+    pub prompt: Vec<u32>,
+    pub media: Vec<MediaItem>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    /// Generation ends before any of these strings.
+    pub stop: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Including the media placeholders.
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Media items whose embeddings came from the feature store's cache (or a concurrent request).
+    pub cached_media: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A sampled token and the text it completes (may be empty mid-character or held back while it
+    /// could be the start of a stop string).
+    Token {
+        id: u32,
+        text: String,
+    },
+    Done {
+        finish: FinishReason,
+        usage: Usage,
+    },
+    Failed(String),
+}
+
+/// The caller's side of a running request.
+pub struct RequestHandle {
+    pub events: UnboundedReceiver<Event>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl RequestHandle {
+    /// Stops the request; its resources are freed on the engine's next iteration.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub running: usize,
+    pub queued: usize,
+    pub waiting_for_encoder: usize,
+    /// Device bytes of all live KV caches.
+    pub kv_bytes: usize,
+    pub kv_reserved_tokens: usize,
+    pub completed: u64,
+    pub cancelled: u64,
+    pub failed: u64,
+}
+
+struct Submission {
+    request: GenerateRequest,
+    events: UnboundedSender<Event>,
+    cancel: Arc<AtomicBool>,
+}
+
+pub struct Engine {
+    commands: Option<Sender<Submission>>,
+    stats: Arc<Mutex<EngineStats>>,
+    store: Arc<FeatureStore>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    pub fn start<L: Backend>(
+        config: EngineConfig,
+        llm: Qwen2<L>,
+        text: Arc<TextProcessor>,
+        pool: Arc<EncoderPool>,
+        store: Arc<FeatureStore>,
+    ) -> Result<Self> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let stats = Arc::new(Mutex::new(EngineStats::default()));
+        let (wake_tx, wake_rx) = crossbeam_channel::unbounded();
+        let mut eos: Vec<u32> = llm.config().eos_token_ids.clone();
+        eos.extend(text.eos_token_id());
+        let state = Scheduler {
+            config,
+            llm,
+            text,
+            pool,
+            store: store.clone(),
+            eos,
+            queue: VecDeque::new(),
+            running: Vec::new(),
+            stats: stats.clone(),
+            wake_tx,
+            wake_rx,
+            totals: EngineStats::default(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || state.run(rx))
+            .map_err(|e| Error::Device {
+                device: "engine".into(),
+                reason: e.to_string(),
+            })?;
+        Ok(Self {
+            commands: Some(tx),
+            stats,
+            store,
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues a request; returns at once.
+    pub fn submit(&self, request: GenerateRequest) -> Result<RequestHandle> {
+        let (events, rx) = unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let submission = Submission {
+            request,
+            events,
+            cancel: cancel.clone(),
+        };
+        self.commands
+            .as_ref()
+            .and_then(|c| c.send(submission).ok())
+            .ok_or_else(|| Error::Device {
+                device: "engine".into(),
+                reason: "the engine has stopped".into(),
+            })?;
+        Ok(RequestHandle { events: rx, cancel })
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.stats.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    pub fn feature_store(&self) -> &FeatureStore {
+        &self.store
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.commands = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Sequence<L: Backend> {
+    ids: Vec<u32>,
+    positions: Vec<[i64; 3]>,
+    /// Added to a generated token's index to get its M-RoPE position.
+    delta: i64,
+    media: Vec<(store::FeatureKey, MediaItem)>,
+    /// Each media item's prompt rows.
+    media_rows: Vec<Range<usize>>,
+    /// Pins still held in the feature store.
+    pinned: bool,
+    media_ready: bool,
+    cached_media: usize,
+    /// Prompt rows before the first placeholder (prefillable before encoding finishes).
+    text_prefix: usize,
+    prefilled: usize,
+    cache: KvCache<L>,
+    reserved: usize,
+    sampler: Sampler,
+    stream: TextStream,
+    /// The token to feed next (sampled, not yet in the cache).
+    next: Option<u32>,
+    generated: usize,
+    text: String,
+    emitted: usize,
+    max_tokens: usize,
+    stop: Vec<String>,
+    events: UnboundedSender<Event>,
+    cancel: Arc<AtomicBool>,
+    outcome: Option<Outcome>,
+}
+
+enum Outcome {
+    Finished(FinishReason),
+    Cancelled,
+    Failed(String),
+}
+
+struct Scheduler<L: Backend> {
+    config: EngineConfig,
+    llm: Qwen2<L>,
+    text: Arc<TextProcessor>,
+    pool: Arc<EncoderPool>,
+    store: Arc<FeatureStore>,
+    eos: Vec<u32>,
+    queue: VecDeque<Submission>,
+    running: Vec<Sequence<L>>,
+    stats: Arc<Mutex<EngineStats>>,
+    wake_tx: Sender<()>,
+    wake_rx: Receiver<()>,
+    totals: EngineStats,
+}
+
+impl<L: Backend> Scheduler<L> {
+    fn run(mut self, commands: Receiver<Submission>) {
+        loop {
+            // Block only when there is nothing to do.
+            if self.running.is_empty() && self.queue.is_empty() {
+                match commands.recv() {
+                    Ok(s) => self.queue.push_back(s),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(s) = commands.try_recv() {
+                self.queue.push_back(s);
+            }
+            self.admit();
+            self.poll_media();
+            let worked = match self.step() {
+                Ok(worked) => worked,
+                Err(e) => {
+                    // A failed batch fails the sequences in it; the engine goes on.
+                    tracing::error!(error = %e, "engine step failed");
+                    for seq in self.running.iter_mut().filter(|s| s.outcome.is_none()) {
+                        seq.outcome = Some(Outcome::Failed(e.to_string()));
+                    }
+                    true
+                }
+            };
+            self.retire();
+            self.publish_stats();
+            if !worked && !self.running.is_empty() {
+                // Everyone waits for encoders: sleep until one finishes or a request arrives.
+                crossbeam_channel::select! {
+                    recv(self.wake_rx) -> _ => {}
+                    recv(commands) -> s => match s {
+                        Ok(s) => self.queue.push_back(s),
+                        // The engine was dropped: stop everything now.
+                        Err(_) => {
+                            for seq in &mut self.running {
+                                seq.outcome.get_or_insert(Outcome::Cancelled);
+                            }
+                            self.retire();
+                            return;
+                        }
+                    },
+                    default(Duration::from_millis(50)) => {}
+                }
+                while self.wake_rx.try_recv().is_ok() {}
+            }
+        }
+    }
+
+    fn reserved(&self) -> usize {
+        self.running.iter().map(|s| s.reserved).sum()
+    }
+
+    fn admit(&mut self) {
+        while self.running.len() < self.config.max_running {
+            let Some(sub) = self.queue.front() else { break };
+            let need = sub.request.prompt.len() + sub.request.max_tokens;
+            if need > self.config.kv_budget_tokens
+                || need > self.llm.config().max_position_embeddings
+            {
+                let sub = self.queue.pop_front();
+                if let Some(sub) = sub {
+                    self.totals.failed += 1;
+                    let _ = sub.events.send(Event::Failed(format!(
+                        "prompt ({} tokens) + max_tokens ({}) exceed what this model can hold ({})",
+                        sub.request.prompt.len(),
+                        sub.request.max_tokens,
+                        self.config
+                            .kv_budget_tokens
+                            .min(self.llm.config().max_position_embeddings)
+                    )));
+                }
+                continue;
+            }
+            if self.reserved() + need > self.config.kv_budget_tokens {
+                break; // wait for running sequences to finish
+            }
+            let Some(sub) = self.queue.pop_front() else {
+                break;
+            };
+            let events = sub.events.clone();
+            match self.start(sub) {
+                Ok(seq) => self.running.push(seq),
+                Err(e) => {
+                    self.totals.failed += 1;
+                    let _ = events.send(Event::Failed(e.to_string()));
+                }
+            }
+        }
+    }
+
+    fn start(&mut self, sub: Submission) -> Result<Sequence<L>> {
+        let r = sub.request;
+        if r.prompt.is_empty() {
+            return Err(Error::Input("empty prompt".into()));
+        }
+        if r.max_tokens == 0 {
+            return Err(Error::Input("max_tokens must be at least 1".into()));
+        }
+        let sampler = Sampler::new(r.sampling.clone())?;
+        // Each item's rows, in prompt order per placeholder token.
+        let mut media_rows = vec![0..0; r.media.len()];
+        let mut tokens: Vec<u32> = r.media.iter().map(|m| m.placeholder).collect();
+        tokens.sort_unstable();
+        tokens.dedup();
+        for token in tokens {
+            let of_token: Vec<usize> = (0..r.media.len())
+                .filter(|&i| r.media[i].placeholder == token)
+                .collect();
+            let counts: Vec<usize> = of_token.iter().map(|&i| r.media[i].tokens).collect();
+            let map = PlaceholderMap::build(&r.prompt, token, &counts)?;
+            for (i, rows) in of_token.into_iter().zip(map.items) {
+                media_rows[i] = rows;
+            }
+        }
+        let (positions, delta) = match self.config.positions {
+            PositionScheme::MRope { merge } if !r.media.is_empty() => {
+                let spans = media_spans(&r.media, &media_rows)?;
+                mrope_positions(&r.prompt, &spans, merge)?
+            }
+            _ => ((0..r.prompt.len() as i64).map(|p| [p; 3]).collect(), 0),
+        };
+        let text_prefix = media_rows
+            .iter()
+            .map(|r| r.start)
+            .min()
+            .unwrap_or(r.prompt.len());
+        let reserved = r.prompt.len() + r.max_tokens;
+        let cache = self.llm.new_cache(reserved)?;
+
+        // Pin every item's features; encode what nobody has encoded yet.
+        let mut media = Vec::with_capacity(r.media.len());
+        let mut cached_media = 0;
+        for item in r.media {
+            let key =
+                store::feature_key(&self.config.model_name, &item.processor_config, &item.input);
+            match self.store.pin(key) {
+                store::Pinned::Shared => cached_media += 1,
+                store::Pinned::MustEncode => {
+                    let store = self.store.clone();
+                    let wake = self.wake_tx.clone();
+                    let submitted = self.pool.submit(item.input.clone(), move |result| {
+                        store.complete(key, result);
+                        let _ = wake.send(());
+                    });
+                    if let Err(e) = submitted {
+                        self.store.complete(key, Err(e.to_string()));
+                    }
+                }
+            }
+            media.push((key, item));
+        }
+        Ok(Sequence {
+            ids: r.prompt,
+            positions,
+            delta,
+            pinned: !media.is_empty(),
+            media_ready: media.is_empty(),
+            media,
+            media_rows,
+            cached_media,
+            text_prefix,
+            prefilled: 0,
+            cache,
+            reserved,
+            sampler,
+            stream: self.text.stream(true),
+            next: None,
+            generated: 0,
+            text: String::new(),
+            emitted: 0,
+            max_tokens: r.max_tokens,
+            stop: r.stop,
+            events: sub.events,
+            cancel: sub.cancel,
+            outcome: None,
+        })
+    }
+
+    fn poll_media(&mut self) {
+        for seq in self
+            .running
+            .iter_mut()
+            .filter(|s| !s.media_ready && s.outcome.is_none())
+        {
+            let mut ready = true;
+            for (key, _) in &seq.media {
+                match self.store.state(key) {
+                    Some(FeatureState::Ready(_)) => {}
+                    Some(FeatureState::Failed(msg)) => {
+                        seq.outcome = Some(Outcome::Failed(format!(
+                            "encoding a media item failed: {msg}"
+                        )));
+                        ready = false;
+                        break;
+                    }
+                    Some(FeatureState::Encoding) | None => ready = false,
+                }
+            }
+            seq.media_ready = ready;
+        }
+    }
+
+    /// One batched forward over decodes and prefill chunks. Returns whether anything ran.
+    fn step(&mut self) -> Result<bool> {
+        let mut budget = self.config.prefill_chunk.max(1);
+        // (sequence index, rows fed, whether its last row yields a token)
+        let mut plan: Vec<(usize, Range<usize>, bool)> = Vec::new();
+        for (i, seq) in self.running.iter().enumerate() {
+            if seq.outcome.is_some() || seq.cancel.load(Ordering::Relaxed) || seq.events.is_closed()
+            {
+                continue;
+            }
+            if seq.next.is_some() {
+                plan.push((i, 0..0, true));
+                continue;
+            }
+            let limit = if seq.media_ready {
+                seq.ids.len()
+            } else {
+                seq.text_prefix
+            };
+            if seq.prefilled < limit && budget > 0 {
+                let n = (limit - seq.prefilled).min(budget);
+                budget -= n;
+                let rows = seq.prefilled..seq.prefilled + n;
+                plan.push((i, rows.clone(), rows.end == seq.ids.len()));
+            }
+        }
+        if plan.is_empty() {
+            return Ok(false);
+        }
+        let mut inputs = Vec::with_capacity(plan.len());
+        for (i, rows, _) in &plan {
+            inputs.push(self.input_rows(&self.running[*i], rows.clone())?);
+        }
+        // Disjoint mutable borrows of the caches, in plan order.
+        let mut caches: Vec<Option<&mut KvCache<L>>> = self
+            .running
+            .iter_mut()
+            .map(|s| Some(&mut s.cache))
+            .collect();
+        let (embeds, positions): (Vec<_>, Vec<_>) = inputs.into_iter().unzip();
+        let mut steps = Vec::with_capacity(plan.len());
+        for (((i, _, _), embeds), positions) in plan.iter().zip(embeds).zip(&positions) {
+            let cache = caches[*i]
+                .take()
+                .ok_or_else(|| Error::Input("sequence planned twice".into()))?;
+            steps.push(SeqStep {
+                embeds,
+                positions,
+                cache,
+            });
+        }
+        let hidden = self.llm.forward_batch(steps)?;
+        for ((i, rows, samples), h) in plan.into_iter().zip(hidden) {
+            let seq = &mut self.running[i];
+            if seq.next.take().is_none() {
+                seq.prefilled = rows.end;
+                if seq.prefilled == seq.ids.len() && seq.pinned {
+                    // Merged: the features are in the KV cache now; the store may cache or drop them.
+                    for (key, _) in &seq.media {
+                        self.store.unpin(key);
+                    }
+                    seq.pinned = false;
+                }
+            }
+            if samples {
+                let last = self
+                    .llm
+                    .logits(&h.slice_rows(h.rows() - 1, 1)?)?
+                    .to_host()?;
+                let token = seq.sampler.sample(&last)?;
+                on_token(seq, token, &self.eos, &self.text);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Embeddings and positions of prompt rows `rows` (media rows replaced by their features), or
+    /// of the pending sampled token when `rows` is empty.
+    fn input_rows(
+        &self,
+        seq: &Sequence<L>,
+        rows: Range<usize>,
+    ) -> Result<(Tensor<L>, Vec<[i64; 3]>)> {
+        if let Some(token) = seq.next {
+            let pos = seq.cache.len() as i64 + seq.delta;
+            return Ok((self.llm.embed(&[token])?, vec![[pos; 3]]));
+        }
+        let mut embeds = self.llm.embed(&seq.ids[rows.clone()])?;
+        let hidden = self.llm.config().hidden_size;
+        for ((key, _), item_rows) in seq.media.iter().zip(&seq.media_rows) {
+            let (start, end) = (item_rows.start.max(rows.start), item_rows.end.min(rows.end));
+            if start >= end {
+                continue;
+            }
+            let Some(FeatureState::Ready(features)) = self.store.state(key) else {
+                return Err(Error::Input(
+                    "media features vanished before the merge".into(),
+                ));
+            };
+            if features.len() != item_rows.len() * hidden {
+                return Err(Error::Input(format!(
+                    "an encoder produced {} embeddings for {} placeholders",
+                    features.len() / hidden.max(1),
+                    item_rows.len()
+                )));
+            }
+            let part =
+                &features[(start - item_rows.start) * hidden..(end - item_rows.start) * hidden];
+            let part = Tensor::from_host(self.llm.device(), part, &[end - start, hidden])?;
+            embeds.write_rows(start - rows.start, &part)?;
+        }
+        Ok((embeds, seq.positions[rows].to_vec()))
+    }
+
+    /// Ends sequences that finished, failed or were cancelled: final event, pins and cache freed.
+    fn retire(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let seq = &mut self.running[i];
+            if seq.outcome.is_none()
+                && (seq.cancel.load(Ordering::Relaxed) || seq.events.is_closed())
+            {
+                seq.outcome = Some(Outcome::Cancelled);
+            }
+            if seq.outcome.is_none() {
+                i += 1;
+                continue;
+            }
+            let seq = self.running.swap_remove(i);
+            if seq.pinned {
+                for (key, _) in &seq.media {
+                    self.store.unpin(key);
+                }
+            }
+            match seq.outcome {
+                Some(Outcome::Finished(finish)) => {
+                    self.totals.completed += 1;
+                    let usage = Usage {
+                        prompt_tokens: seq.ids.len(),
+                        completion_tokens: seq.generated,
+                        cached_media: seq.cached_media,
+                    };
+                    let _ = seq.events.send(Event::Done { finish, usage });
+                }
+                Some(Outcome::Failed(msg)) => {
+                    self.totals.failed += 1;
+                    let _ = seq.events.send(Event::Failed(msg));
+                }
+                Some(Outcome::Cancelled) | None => self.totals.cancelled += 1,
+            }
+        }
+    }
+
+    fn publish_stats(&self) {
+        let mut s = self.totals.clone();
+        s.running = self.running.len();
+        s.queued = self.queue.len();
+        s.waiting_for_encoder = self.running.iter().filter(|s| !s.media_ready).count();
+        s.kv_bytes = self.running.iter().map(|s| s.cache.bytes()).sum();
+        s.kv_reserved_tokens = self.reserved();
+        if let Ok(mut shared) = self.stats.lock() {
+            *shared = s;
+        }
+    }
+}
+
+fn media_spans(media: &[MediaItem], rows: &[Range<usize>]) -> Result<Vec<MediaSpan>> {
+    let mut order: Vec<usize> = (0..media.len()).collect();
+    order.sort_by_key(|&i| rows[i].start);
+    order
+        .into_iter()
+        .map(|i| match media[i].input.as_ref() {
+            EncodeInput::Vision { grid, .. } => Ok(MediaSpan {
+                token: media[i].placeholder,
+                grid: *grid,
+                time_step: media[i].time_step,
+            }),
+            EncodeInput::Audio { .. } => {
+                Err(Error::Input("audio in an M-RoPE (vision) model".into()))
+            }
+        })
+        .collect()
+}
+
+/// Records a sampled token: streams its text (holding back what may start a stop string) and decides
+/// whether the sequence is done.
+fn on_token<L: Backend>(seq: &mut Sequence<L>, token: u32, eos: &[u32], text: &TextProcessor) {
+    seq.generated += 1;
+    if eos.contains(&token) {
+        flush(seq, None, token);
+        seq.outcome = Some(Outcome::Finished(FinishReason::Stop));
+        return;
+    }
+    match seq.stream.step(text, token) {
+        Ok(Some(delta)) => seq.text.push_str(&delta),
+        Ok(None) => {}
+        Err(e) => {
+            seq.outcome = Some(Outcome::Failed(e.to_string()));
+            return;
+        }
+    }
+    if let Some(at) = seq
+        .stop
+        .iter()
+        .filter_map(|s| seq.text[seq.emitted..].find(s.as_str()))
+        .min()
+    {
+        let end = seq.emitted + at;
+        flush(seq, Some(end), token);
+        seq.outcome = Some(Outcome::Finished(FinishReason::Stop));
+        return;
+    }
+    let hold = held_back(&seq.text[seq.emitted..], &seq.stop);
+    let end = seq.text.len() - hold;
+    if seq.generated >= seq.max_tokens {
+        flush(seq, None, token);
+        seq.outcome = Some(Outcome::Finished(FinishReason::Length));
+        return;
+    }
+    flush(seq, Some(end), token);
+    seq.next = Some(token);
+}
+
+/// Sends the text from `emitted` to `end` (all of it when `None`) with the token.
+fn flush<L: Backend>(seq: &mut Sequence<L>, end: Option<usize>, token: u32) {
+    let end = end.unwrap_or(seq.text.len()).max(seq.emitted);
+    let text = seq.text[seq.emitted..end].to_owned();
+    seq.emitted = end;
+    if seq.events.send(Event::Token { id: token, text }).is_err() {
+        seq.outcome = Some(Outcome::Cancelled);
+    }
+}
+
+/// Bytes at the end of `pending` that are a proper prefix of some stop string.
+fn held_back(pending: &str, stops: &[String]) -> usize {
+    let mut hold = 0;
+    for stop in stops {
+        for (k, _) in stop.char_indices().skip(1) {
+            if pending.ends_with(&stop[..k]) {
+                hold = hold.max(k);
+            }
+        }
+    }
+    hold
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holds_back_only_possible_stop_prefixes() {
+        let stops = vec!["END".to_owned(), "ü!".to_owned()];
+        assert_eq!(held_back("hello E", &stops), 1);
+        assert_eq!(held_back("hello EN", &stops), 2);
+        assert_eq!(held_back("hello", &stops), 0);
+        assert_eq!(held_back("grü", &stops), "ü".len());
+    }
+}

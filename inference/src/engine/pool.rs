@@ -1,0 +1,196 @@
+//! The encoder pool: encoder devices, each a thread of its own in front of its device (a CPU device
+//! has its own rayon threads; a CUDA device, later, its own stream), fed by a queue. `submit` never
+//! blocks: it picks the least-loaded device that has an encoder for the input and returns a ticket.
+//! A device drains up to `max_batch` queued jobs of one kind at a time and encodes them as one batch.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::encoder::{EncodeInput, Encoder, EncoderKind};
+use crate::error::{Error, Result};
+
+/// What a finished job delivers: the item's embeddings or why it failed.
+pub type EncodeResult = std::result::Result<Arc<Vec<f32>>, String>;
+
+struct Job {
+    input: Arc<EncodeInput>,
+    done: Box<dyn FnOnce(EncodeResult) + Send>,
+}
+
+struct Device {
+    name: String,
+    kinds: Vec<EncoderKind>,
+    queue: Option<Sender<Job>>,
+    /// Jobs queued or running on this device.
+    load: Arc<AtomicUsize>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// A device's encoders, as configured: a name and one encoder per modality it serves.
+pub struct DeviceSpec {
+    pub name: String,
+    pub encoders: Vec<Arc<dyn Encoder>>,
+}
+
+pub struct EncoderPool {
+    devices: Vec<Device>,
+}
+
+/// Per-device queue depths (for metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceLoad {
+    pub name: String,
+    pub queued: usize,
+}
+
+impl EncoderPool {
+    pub fn new(specs: Vec<DeviceSpec>, max_batch: usize) -> Result<Self> {
+        let mut devices = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+            let load = Arc::new(AtomicUsize::new(0));
+            let kinds = spec.encoders.iter().map(|e| e.kind()).collect();
+            let worker_load = load.clone();
+            let encoders = spec.encoders;
+            let thread = std::thread::Builder::new()
+                .name(format!("encoder-{}", spec.name))
+                .spawn(move || run_device(rx, encoders, worker_load, max_batch.max(1)))
+                .map_err(|e| Error::Device {
+                    device: spec.name.clone(),
+                    reason: e.to_string(),
+                })?;
+            devices.push(Device {
+                name: spec.name,
+                kinds,
+                queue: Some(tx),
+                load,
+                thread: Some(thread),
+            });
+        }
+        Ok(Self { devices })
+    }
+
+    /// Queues `input` on the least-loaded device able to encode it; `done` runs on that device's
+    /// thread when it finishes.
+    pub fn submit(
+        &self,
+        input: Arc<EncodeInput>,
+        done: impl FnOnce(EncodeResult) + Send + 'static,
+    ) -> Result<()> {
+        let kind = input.kind();
+        let device = self
+            .devices
+            .iter()
+            .filter(|d| d.kinds.contains(&kind))
+            .min_by_key(|d| d.load.load(Ordering::Relaxed))
+            .ok_or_else(|| Error::Input(format!("no encoder device serves {kind:?} inputs")))?;
+        device.load.fetch_add(1, Ordering::Relaxed);
+        let job = Job {
+            input,
+            done: Box::new(done),
+        };
+        let sent = device.queue.as_ref().map(|q| q.send(job));
+        if !matches!(sent, Some(Ok(()))) {
+            device.load.fetch_sub(1, Ordering::Relaxed);
+            return Err(Error::Device {
+                device: device.name.clone(),
+                reason: "encoder thread has stopped".into(),
+            });
+        }
+        Ok(())
+    }
+
+    pub fn loads(&self) -> Vec<DeviceLoad> {
+        self.devices
+            .iter()
+            .map(|d| DeviceLoad {
+                name: d.name.clone(),
+                queued: d.load.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+}
+
+impl Drop for EncoderPool {
+    fn drop(&mut self) {
+        for d in &mut self.devices {
+            d.queue = None;
+        }
+        for d in &mut self.devices {
+            if let Some(t) = d.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+fn run_device(
+    rx: Receiver<Job>,
+    encoders: Vec<Arc<dyn Encoder>>,
+    load: Arc<AtomicUsize>,
+    max_batch: usize,
+) {
+    let mut backlog: VecDeque<Job> = VecDeque::new();
+    loop {
+        let first = match backlog.pop_front() {
+            Some(job) => job,
+            None => match rx.recv() {
+                Ok(job) => job,
+                Err(_) => return,
+            },
+        };
+        let kind = first.input.kind();
+        let mut batch = vec![first];
+        // Take what else is queued of the same kind; others wait their turn in order.
+        let mut rest = VecDeque::new();
+        while let Some(job) = backlog.pop_front() {
+            if job.input.kind() == kind && batch.len() < max_batch {
+                batch.push(job);
+            } else {
+                rest.push_back(job);
+            }
+        }
+        while batch.len() < max_batch {
+            match rx.try_recv() {
+                Ok(job) if job.input.kind() == kind => batch.push(job),
+                Ok(job) => rest.push_back(job),
+                Err(_) => break,
+            }
+        }
+        backlog = rest;
+
+        let results = match encoders.iter().find(|e| e.kind() == kind) {
+            Some(encoder) => {
+                let inputs: Vec<&EncodeInput> = batch.iter().map(|j| j.input.as_ref()).collect();
+                let span = tracing::debug_span!("encode", ?kind, items = inputs.len());
+                let _guard = span.enter();
+                encoder.encode(&inputs)
+            }
+            None => batch
+                .iter()
+                .map(|_| Err(Error::Input(format!("no {kind:?} encoder"))))
+                .collect(),
+        };
+        // Every job's callback must run exactly once, whatever the encoder returned.
+        let results = if results.len() == batch.len() {
+            results
+        } else {
+            batch
+                .iter()
+                .map(|_| {
+                    Err(Error::Input(
+                        "encoder returned a wrong number of results".into(),
+                    ))
+                })
+                .collect()
+        };
+        for (job, result) in batch.into_iter().zip(results) {
+            load.fetch_sub(1, Ordering::Relaxed);
+            (job.done)(result.map(Arc::new).map_err(|e| e.to_string()));
+        }
+    }
+}
