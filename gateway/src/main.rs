@@ -5,6 +5,7 @@ mod cli;
 mod config;
 mod error;
 mod media;
+mod model;
 mod pipeline;
 mod plugins;
 mod server;

@@ -18,7 +18,7 @@ use tokenizers::{AddedToken, Tokenizer};
 use crate::error::{Error, Result};
 
 /// Bumped whenever what [`write`] produces changes, so cached copies are regenerated.
-pub const DEMO_VERSION: u32 = 1;
+pub const DEMO_VERSION: u32 = 2;
 
 /// Special tokens of the Qwen2 chat format and its media placeholders.
 pub const SPECIAL_TOKENS: [&str; 10] = [
@@ -239,6 +239,8 @@ fn llm_weights(w: &mut WeightMaker, vocab: usize) {
         w.linear(&format!("{l}mlp.down_proj"), HIDDEN, INTERMEDIATE, false);
     }
     w.add(format!("{p}norm.weight"), &[HIDDEN], Init::Norm);
+    // An output head of its own: tied to random embeddings, the model just repeats its last token.
+    w.linear("lm_head", vocab, HIDDEN, false);
 }
 
 fn text_config(vocab: usize, eos: u32, rope: serde_json::Value) -> serde_json::Value {
@@ -254,7 +256,7 @@ fn text_config(vocab: usize, eos: u32, rope: serde_json::Value) -> serde_json::V
         "rms_norm_eps": 1e-6,
         "rope_parameters": rope,
         "eos_token_id": eos,
-        "tie_word_embeddings": true,
+        "tie_word_embeddings": false,
     })
 }
 
@@ -310,7 +312,7 @@ pub fn write(dir: &Path, family: DemoFamily, seed: u64) -> Result<()> {
                 "video_token_id": id("<|video_pad|>")?,
                 "vision_start_token_id": id("<|vision_start|>")?,
                 "vision_end_token_id": id("<|vision_end|>")?,
-                "tie_word_embeddings": true,
+                "tie_word_embeddings": false,
             });
             // At most 256 tokens per image keeps the demo quick.
             let preprocessor = json!({
@@ -363,7 +365,7 @@ pub fn write(dir: &Path, family: DemoFamily, seed: u64) -> Result<()> {
                     "max_source_positions": 1500, "activation_function": "gelu",
                 },
                 "audio_token_index": id("<|AUDIO|>")?,
-                "tie_word_embeddings": true,
+                "tie_word_embeddings": false,
             });
             let preprocessor = json!({
                 "feature_extractor_type": "WhisperFeatureExtractor", "processor_class": "Qwen2AudioProcessor",

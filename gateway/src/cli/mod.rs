@@ -1,5 +1,6 @@
 //! Command-line parsing and dispatch.
 
+mod generate;
 mod plugin;
 mod preprocess;
 mod render;
@@ -44,6 +45,9 @@ pub enum Command {
     Plugin(plugin::PluginCommand),
     /// Preprocess one media file as a request would and write its tensors as safetensors.
     Preprocess(preprocess::PreprocessArgs),
+    /// Generate a reply with the native inference core (plugins + encoders + LLM in this process);
+    /// prints one JSON line.
+    Generate(generate::GenerateArgs),
 }
 
 pub fn init_logging(filter: Option<&str>) {
@@ -74,5 +78,6 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Plugin(command) => plugin::run(command),
         Command::Preprocess(args) => preprocess::run(args),
+        Command::Generate(args) => generate::run(args),
     }
 }

@@ -1,0 +1,333 @@
+//! A served model: its directory (a real HF checkpoint or a generated demo), the native inference
+//! core running it (encoder devices, engine), and the glue between the plugins' tensors and the
+//! engine's inputs: which media a model takes, how its prompt's placeholders expand, and the token
+//! budget left for media.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, anyhow, bail};
+use mmgate_host::{Dtype, Tensor};
+use mmgate_inference::CpuBackend;
+use mmgate_inference::demo::{self, DemoFamily};
+use mmgate_inference::engine::{
+    DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig, FeatureStore, MediaItem,
+    PositionScheme,
+};
+use mmgate_inference::models::config::ConfigFile;
+use mmgate_inference::models::{Qwen2Audio, Qwen2Vl};
+use mmgate_inference::rope::Grid;
+use mmgate_inference::text::{ContentPart, TextProcessor};
+
+/// The kinds of media a request can carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MediaKind {
+    Image,
+    Video,
+    Audio,
+}
+
+impl MediaKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Image => "image",
+            Self::Video => "video",
+            Self::Audio => "audio",
+        }
+    }
+
+    pub fn content_part(self) -> ContentPart {
+        match self {
+            Self::Image => ContentPart::Image,
+            Self::Video => ContentPart::Video,
+            Self::Audio => ContentPart::Audio,
+        }
+    }
+}
+
+/// Placeholder tokens per media kind, from the model's config.
+#[derive(Debug, Clone)]
+enum Family {
+    Vision {
+        image_token: u32,
+        video_token: u32,
+        merge: usize,
+    },
+    Audio {
+        audio_token: u32,
+    },
+}
+
+/// How many threads each device of a model gets.
+#[derive(Debug, Clone)]
+pub struct DeviceThreads {
+    pub llm: usize,
+    /// One entry per encoder device.
+    pub encoders: Vec<usize>,
+}
+
+impl DeviceThreads {
+    /// Half the cores for the LLM, the other half for one encoder device (at least one each).
+    pub fn split_cores() -> Self {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Self {
+            llm: (cores / 2).max(1),
+            encoders: vec![(cores - cores / 2).max(1)],
+        }
+    }
+}
+
+pub struct ModelRuntime {
+    pub name: String,
+    family: Family,
+    pub text: Arc<TextProcessor>,
+    pub engine: Engine,
+    /// `preprocessor_config.json`, handed to the plugins.
+    pub processor_config: String,
+    pub context_length: usize,
+}
+
+/// `demo` and `demo-audio` name the generated demo models (written under `cache_dir` on first use);
+/// anything else is a model directory.
+pub fn resolve_model_dir(spec: &Path, cache_dir: &Path) -> anyhow::Result<PathBuf> {
+    let family = match spec.to_str() {
+        Some("demo") => DemoFamily::Qwen2Vl,
+        Some("demo-audio") => DemoFamily::Qwen2Audio,
+        _ => return Ok(spec.to_owned()),
+    };
+    demo::ensure(cache_dir, family)
+        .with_context(|| format!("writing the demo model under {}", cache_dir.display()))
+}
+
+/// Where generated demo models live: `$XDG_CACHE_HOME/mmgate/models`, else `~/.cache/mmgate/models`,
+/// else the system temp directory.
+pub fn default_cache_dir() -> PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("mmgate").join("models")
+}
+
+impl ModelRuntime {
+    pub fn load(name: &str, dir: &Path, threads: &DeviceThreads) -> anyhow::Result<Self> {
+        let config = ConfigFile::read(dir)?;
+        let llm_dev = CpuBackend::new(&format!("{name}-llm"), threads.llm)?;
+        let mut encoder_devices = Vec::new();
+        for (i, &n) in threads.encoders.iter().enumerate() {
+            encoder_devices.push((
+                format!("{name}-enc{i}"),
+                CpuBackend::new(&format!("{name}-enc{i}"), n)?,
+            ));
+        }
+        let first_encoder = encoder_devices
+            .first()
+            .map(|(_, d)| d.clone())
+            .ok_or_else(|| anyhow!("a model needs at least one encoder device"))?;
+        // Each encoder device holds its own copy of the encoder; the LLM comes from the first load.
+        // (Extra devices load the whole checkpoint and keep only its encoder.)
+        let (family, llm, positions, encoders): (_, _, _, Vec<Arc<dyn Encoder>>) =
+            match config.model_type() {
+                Some("qwen2_vl") => {
+                    let Qwen2Vl {
+                        config,
+                        vision,
+                        llm,
+                    } = Qwen2Vl::<CpuBackend, CpuBackend>::load(dir, &first_encoder, &llm_dev)?;
+                    let mut encoders: Vec<Arc<dyn Encoder>> = vec![Arc::new(vision)];
+                    for (_, dev) in encoder_devices.iter().skip(1) {
+                        encoders.push(Arc::new(
+                            Qwen2Vl::<CpuBackend, CpuBackend>::load(dir, dev, &llm_dev)?.vision,
+                        ));
+                    }
+                    let merge = config.vision.merge;
+                    let family = Family::Vision {
+                        image_token: config.image_token_id,
+                        video_token: config.video_token_id,
+                        merge,
+                    };
+                    (family, llm, PositionScheme::MRope { merge }, encoders)
+                }
+                Some("qwen2_audio") => {
+                    let Qwen2Audio { config, audio, llm } =
+                        Qwen2Audio::<CpuBackend, CpuBackend>::load(dir, &first_encoder, &llm_dev)?;
+                    let mut encoders: Vec<Arc<dyn Encoder>> = vec![Arc::new(audio)];
+                    for (_, dev) in encoder_devices.iter().skip(1) {
+                        encoders.push(Arc::new(
+                            Qwen2Audio::<CpuBackend, CpuBackend>::load(dir, dev, &llm_dev)?.audio,
+                        ));
+                    }
+                    (
+                        Family::Audio {
+                            audio_token: config.audio_token_id,
+                        },
+                        llm,
+                        PositionScheme::Plain,
+                        encoders,
+                    )
+                }
+                other => bail!(
+                    "{}: model_type {other:?} is not supported (qwen2_vl, qwen2_audio)",
+                    config.path.display()
+                ),
+            };
+        let specs = encoder_devices
+            .iter()
+            .zip(encoders)
+            .map(|((name, _), encoder)| DeviceSpec {
+                name: name.clone(),
+                encoders: vec![encoder],
+            })
+            .collect();
+        let context_length = llm.config().max_position_embeddings;
+        let text = Arc::new(TextProcessor::load(dir)?);
+        let pool = Arc::new(EncoderPool::new(specs, 8)?);
+        let store = Arc::new(FeatureStore::new(256 << 20));
+        let engine_config = EngineConfig {
+            model_name: name.to_owned(),
+            positions,
+            max_running: 16,
+            prefill_chunk: 512,
+            kv_budget_tokens: context_length.max(1) * 4,
+        };
+        let engine = Engine::start(engine_config, llm, text.clone(), pool, store)?;
+        let processor_path = dir.join("preprocessor_config.json");
+        let processor_config = std::fs::read_to_string(&processor_path)
+            .with_context(|| format!("cannot read {}", processor_path.display()))?;
+        Ok(Self {
+            name: name.to_owned(),
+            family,
+            text,
+            engine,
+            processor_config,
+            context_length,
+        })
+    }
+
+    /// The placeholder token for a media kind, or why this model does not take it.
+    pub fn placeholder(&self, kind: MediaKind) -> anyhow::Result<u32> {
+        match (&self.family, kind) {
+            (Family::Vision { image_token, .. }, MediaKind::Image) => Ok(*image_token),
+            (Family::Vision { video_token, .. }, MediaKind::Video) => Ok(*video_token),
+            (Family::Audio { audio_token }, MediaKind::Audio) => Ok(*audio_token),
+            _ => bail!("model {} does not take {} input", self.name, kind.name()),
+        }
+    }
+
+    /// The engine's input for one preprocessed item (the plugin's tensors), checking that the
+    /// plugin's token count is what the encoder will produce.
+    pub fn media_item(
+        &self,
+        kind: MediaKind,
+        tokens: u32,
+        tensors: &[Tensor],
+    ) -> anyhow::Result<MediaItem> {
+        let placeholder = self.placeholder(kind)?;
+        let find = |name: &str| {
+            tensors.iter().find(|t| t.name == name).ok_or_else(|| {
+                anyhow!(
+                    "the plugin's output lacks {name}: does this model's processor config match?"
+                )
+            })
+        };
+        let (input, expected) = match &self.family {
+            Family::Vision { merge, .. } => {
+                let grid_name = if kind == MediaKind::Video {
+                    "video_grid_thw"
+                } else {
+                    "image_grid_thw"
+                };
+                let pixels_name = if kind == MediaKind::Video {
+                    "pixel_values_videos"
+                } else {
+                    "pixel_values"
+                };
+                let grid = i64s(find(grid_name)?)?;
+                let [t, h, w] = grid[..] else {
+                    bail!("{grid_name} has {} values, not 3", grid.len())
+                };
+                let grid = Grid {
+                    t: usize::try_from(t)?,
+                    h: usize::try_from(h)?,
+                    w: usize::try_from(w)?,
+                };
+                let input = EncodeInput::Vision {
+                    pixel_values: f32s(find(pixels_name)?)?,
+                    grid,
+                };
+                (input, grid.tokens(*merge))
+            }
+            Family::Audio { .. } => {
+                let mask = find("feature_attention_mask")?;
+                let frames = mask.shape.last().copied().unwrap_or(0) as usize;
+                let valid: Vec<usize> = i64s(mask)?
+                    .chunks(frames.max(1))
+                    .map(|c| c.iter().filter(|&&v| v != 0).count())
+                    .collect();
+                let per_chunk =
+                    |v: usize| ((v.saturating_sub(1) / 2 + 1).saturating_sub(2)) / 2 + 1;
+                let expected = valid.iter().map(|&v| per_chunk(v)).sum();
+                (
+                    EncodeInput::Audio {
+                        features: f32s(find("input_features")?)?,
+                        valid_frames: valid,
+                    },
+                    expected,
+                )
+            }
+        };
+        if expected != tokens as usize {
+            bail!("the plugin planned {tokens} tokens but its tensors make {expected}");
+        }
+        Ok(MediaItem {
+            input: Arc::new(input),
+            placeholder,
+            tokens: expected,
+            processor_config: self.processor_config.clone(),
+            time_step: 1,
+        })
+    }
+}
+
+fn f32s(t: &Tensor) -> anyhow::Result<Vec<f32>> {
+    if t.dtype != Dtype::F32 {
+        bail!("{} is {:?}, expected f32", t.name, t.dtype);
+    }
+    Ok(t.data
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+fn i64s(t: &Tensor) -> anyhow::Result<Vec<i64>> {
+    if t.dtype != Dtype::I64 {
+        bail!("{} is {:?}, expected i64", t.name, t.dtype);
+    }
+    Ok(t.data
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+        .collect())
+}
+
+/// Replaces each media item's single placeholder in the templated prompt by `tokens` copies, items
+/// taken in prompt order per placeholder token.
+pub fn expand_placeholders(ids: &[u32], media: &[MediaItem]) -> anyhow::Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(ids.len() + media.iter().map(|m| m.tokens).sum::<usize>());
+    let mut used = vec![false; media.len()];
+    for &id in ids {
+        match (0..media.len()).find(|&i| !used[i] && media[i].placeholder == id) {
+            Some(i) => {
+                used[i] = true;
+                out.extend(std::iter::repeat_n(id, media[i].tokens));
+            }
+            None if media.iter().any(|m| m.placeholder == id) => {
+                bail!("the prompt has more media placeholders than media items")
+            }
+            None => out.push(id),
+        }
+    }
+    if used.iter().any(|u| !u) {
+        bail!("the chat template placed fewer media placeholders than there are media items");
+    }
+    Ok(out)
+}
