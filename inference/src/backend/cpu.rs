@@ -94,6 +94,10 @@ impl Backend for CpuBackend {
         format!("cpu:{} ({} threads)", self.label, self.threads())
     }
 
+    fn run_on<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
+        self.run(work)
+    }
+
     fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
         Ok(host.to_vec())
     }

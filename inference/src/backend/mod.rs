@@ -125,6 +125,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
 
     /// A short human-readable name ("cpu:encoders (4 threads)").
     fn name(&self) -> String;
+    /// Runs `work` on this device's own threads, so that the many operations of a forward pass are
+    /// issued from there instead of each handing over from the caller's thread.
+    fn run_on<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
+        work()
+    }
     fn upload(&self, host: &[f32]) -> Result<Self::Buffer>;
     fn download(&self, buffer: &Self::Buffer) -> Result<Vec<f32>>;
     fn zeros(&self, len: usize) -> Result<Self::Buffer>;

@@ -109,30 +109,32 @@ impl<B: Backend> Encoder for VisionTower<B> {
     /// Packs every item's patches into one call (attention stays within each frame) and splits the
     /// output by each grid's token count.
     fn encode(&self, batch: &[&EncodeInput]) -> Vec<Result<Vec<f32>>> {
-        packed_or_each(batch, |items| {
-            let mut grids = Vec::with_capacity(items.len());
-            let mut pixels = Vec::new();
-            for item in items {
-                let EncodeInput::Vision { pixel_values, grid } = item else {
-                    return Err(wrong_kind(EncoderKind::Vision));
-                };
-                grids.push(*grid);
-                pixels.extend_from_slice(pixel_values);
-            }
-            let c = self.config();
-            let patches: usize = grids.iter().map(Grid::patches).sum();
-            let input = Tensor::from_host(self.device(), &pixels, &[patches, c.patch_len()])?;
-            let out = self.encode(&input, &grids)?.to_host()?;
-            let width = c.out_dim;
-            let mut at = 0;
-            Ok(grids
-                .iter()
-                .map(|g| {
-                    let n = g.tokens(c.merge) * width;
-                    at += n;
-                    out[at - n..at].to_vec()
-                })
-                .collect())
+        self.device().run_on(|| {
+            packed_or_each(batch, |items| {
+                let mut grids = Vec::with_capacity(items.len());
+                let mut pixels = Vec::new();
+                for item in items {
+                    let EncodeInput::Vision { pixel_values, grid } = item else {
+                        return Err(wrong_kind(EncoderKind::Vision));
+                    };
+                    grids.push(*grid);
+                    pixels.extend_from_slice(pixel_values);
+                }
+                let c = self.config();
+                let patches: usize = grids.iter().map(Grid::patches).sum();
+                let input = Tensor::from_host(self.device(), &pixels, &[patches, c.patch_len()])?;
+                let out = self.encode(&input, &grids)?.to_host()?;
+                let width = c.out_dim;
+                let mut at = 0;
+                Ok(grids
+                    .iter()
+                    .map(|g| {
+                        let n = g.tokens(c.merge) * width;
+                        at += n;
+                        out[at - n..at].to_vec()
+                    })
+                    .collect())
+            })
         })
     }
 }
@@ -144,37 +146,39 @@ impl<B: Backend> Encoder for AudioEncoder<B> {
 
     /// Packs every item's chunks into one call and splits the output by each item's token count.
     fn encode(&self, batch: &[&EncodeInput]) -> Vec<Result<Vec<f32>>> {
-        packed_or_each(batch, |items| {
-            let mut features = Vec::new();
-            let mut valid = Vec::new();
-            let mut per_item = Vec::with_capacity(items.len());
-            for item in items {
-                let EncodeInput::Audio {
-                    features: f,
-                    valid_frames,
-                } = item
-                else {
-                    return Err(wrong_kind(EncoderKind::Audio));
-                };
-                features.extend_from_slice(f);
-                valid.extend_from_slice(valid_frames);
-                per_item.push(
-                    valid_frames
-                        .iter()
-                        .map(|&v| self.config().output_len(v))
-                        .sum::<usize>(),
-                );
-            }
-            let out = AudioEncoder::encode(self, &features, &valid)?.to_host()?;
-            let width = out.len() / per_item.iter().sum::<usize>().max(1);
-            let mut at = 0;
-            Ok(per_item
-                .iter()
-                .map(|&n| {
-                    at += n * width;
-                    out[at - n * width..at].to_vec()
-                })
-                .collect())
+        self.device().run_on(|| {
+            packed_or_each(batch, |items| {
+                let mut features = Vec::new();
+                let mut valid = Vec::new();
+                let mut per_item = Vec::with_capacity(items.len());
+                for item in items {
+                    let EncodeInput::Audio {
+                        features: f,
+                        valid_frames,
+                    } = item
+                    else {
+                        return Err(wrong_kind(EncoderKind::Audio));
+                    };
+                    features.extend_from_slice(f);
+                    valid.extend_from_slice(valid_frames);
+                    per_item.push(
+                        valid_frames
+                            .iter()
+                            .map(|&v| self.config().output_len(v))
+                            .sum::<usize>(),
+                    );
+                }
+                let out = AudioEncoder::encode(self, &features, &valid)?.to_host()?;
+                let width = out.len() / per_item.iter().sum::<usize>().max(1);
+                let mut at = 0;
+                Ok(per_item
+                    .iter()
+                    .map(|&n| {
+                        at += n * width;
+                        out[at - n * width..at].to_vec()
+                    })
+                    .collect())
+            })
         })
     }
 }

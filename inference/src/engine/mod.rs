@@ -539,7 +539,8 @@ impl<L: Backend> Scheduler<L> {
                 cache,
             });
         }
-        let hidden = self.llm.forward_batch(steps)?;
+        let llm = &self.llm;
+        let hidden = llm.device().run_on(|| llm.forward_batch(steps))?;
         for ((i, rows, samples), h) in plan.into_iter().zip(hidden) {
             let seq = &mut self.running[i];
             if seq.next.take().is_none() {
