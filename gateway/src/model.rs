@@ -15,6 +15,7 @@ use mmgate_inference::engine::{
     PositionScheme,
 };
 use mmgate_inference::models::config::ConfigFile;
+use mmgate_inference::models::qwen2_audio::AudioEncoderConfig;
 use mmgate_inference::models::{Qwen2Audio, Qwen2Vl};
 use mmgate_inference::rope::Grid;
 use mmgate_inference::text::{ContentPart, TextProcessor};
@@ -52,9 +53,12 @@ enum Family {
         image_token: u32,
         video_token: u32,
         merge: usize,
+        /// Values per patch row of `pixel_values`.
+        patch_len: usize,
     },
     Audio {
         audio_token: u32,
+        encoder: AudioEncoderConfig,
     },
 }
 
@@ -145,6 +149,7 @@ impl ModelRuntime {
                         image_token: config.image_token_id,
                         video_token: config.video_token_id,
                         merge,
+                        patch_len: config.vision.patch_len(),
                     };
                     (family, llm, PositionScheme::MRope { merge }, encoders)
                 }
@@ -160,6 +165,7 @@ impl ModelRuntime {
                     (
                         Family::Audio {
                             audio_token: config.audio_token_id,
+                            encoder: config.audio,
                         },
                         llm,
                         PositionScheme::Plain,
@@ -209,7 +215,7 @@ impl ModelRuntime {
         match (&self.family, kind) {
             (Family::Vision { image_token, .. }, MediaKind::Image) => Ok(*image_token),
             (Family::Vision { video_token, .. }, MediaKind::Video) => Ok(*video_token),
-            (Family::Audio { audio_token }, MediaKind::Audio) => Ok(*audio_token),
+            (Family::Audio { audio_token, .. }, MediaKind::Audio) => Ok(*audio_token),
             _ => bail!("model {} does not take {} input", self.name, kind.name()),
         }
     }
@@ -231,7 +237,9 @@ impl ModelRuntime {
             })
         };
         let (input, expected) = match &self.family {
-            Family::Vision { merge, .. } => {
+            Family::Vision {
+                merge, patch_len, ..
+            } => {
                 let grid_name = if kind == MediaKind::Video {
                     "video_grid_thw"
                 } else {
@@ -251,22 +259,38 @@ impl ModelRuntime {
                     h: usize::try_from(h)?,
                     w: usize::try_from(w)?,
                 };
-                let input = EncodeInput::Vision {
-                    pixel_values: f32s(find(pixels_name)?)?,
-                    grid,
-                };
+                // The grid comes from a plugin: check it against the patches before trusting it.
+                let pixel_values = f32s(find(pixels_name)?)?;
+                let patches = grid
+                    .t
+                    .checked_mul(grid.h)
+                    .and_then(|p| p.checked_mul(grid.w));
+                if patches.and_then(|p| p.checked_mul(*patch_len)) != Some(pixel_values.len()) {
+                    bail!(
+                        "{pixels_name} holds {} values, not the {}x{}x{} grid's patches of {patch_len}",
+                        pixel_values.len(),
+                        grid.t,
+                        grid.h,
+                        grid.w
+                    );
+                }
+                let input = EncodeInput::Vision { pixel_values, grid };
                 (input, grid.tokens(*merge))
             }
-            Family::Audio { .. } => {
+            Family::Audio { encoder, .. } => {
                 let mask = find("feature_attention_mask")?;
                 let frames = mask.shape.last().copied().unwrap_or(0) as usize;
+                if frames != encoder.frames() {
+                    bail!(
+                        "feature_attention_mask has chunks of {frames} frames; the model takes {}",
+                        encoder.frames()
+                    );
+                }
                 let valid: Vec<usize> = i64s(mask)?
                     .chunks(frames.max(1))
                     .map(|c| c.iter().filter(|&&v| v != 0).count())
                     .collect();
-                let per_chunk =
-                    |v: usize| ((v.saturating_sub(1) / 2 + 1).saturating_sub(2)) / 2 + 1;
-                let expected = valid.iter().map(|&v| per_chunk(v)).sum();
+                let expected = valid.iter().map(|&v| encoder.output_len(v)).sum();
                 (
                     EncodeInput::Audio {
                         features: f32s(find("input_features")?)?,

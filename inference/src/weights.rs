@@ -155,6 +155,14 @@ impl Weights {
         Tensor::from_host(device, &t.data, shape)
     }
 
+    /// Logs the tensors no model part took (a checkpoint with parts this code does not know).
+    pub fn warn_unused(&self) {
+        let leftover = self.leftover();
+        if !leftover.is_empty() {
+            tracing::warn!(dir = %self.dir.display(), unused = ?leftover, "checkpoint tensors the model does not use");
+        }
+    }
+
     /// The names no model part took, sorted.
     pub fn leftover(&self) -> Vec<String> {
         let sorted: BTreeMap<_, _> = self.tensors.iter().collect();

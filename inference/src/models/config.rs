@@ -146,6 +146,23 @@ impl ConfigFile {
     pub fn model_type(&self) -> Option<&str> {
         self.value.get("model_type").and_then(|v| v.as_str())
     }
+
+    /// A config error naming this file.
+    pub(crate) fn error(&self, reason: String) -> Error {
+        Error::Config {
+            path: self.path.clone(),
+            reason,
+        }
+    }
+
+    /// Reads `dir/config.json` and checks it describes a `model_type` model.
+    pub(crate) fn read_of_type(dir: &Path, model_type: &str) -> Result<Self> {
+        let file = Self::read(dir)?;
+        match file.model_type() {
+            Some(t) if t == model_type => Ok(file),
+            other => Err(file.error(format!("model_type {other:?} is not {model_type}"))),
+        }
+    }
 }
 
 /// The Qwen2 LLM's hyper-parameters (also the text half of Qwen2-VL and Qwen2-Audio).

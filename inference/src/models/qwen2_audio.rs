@@ -52,16 +52,9 @@ pub struct Qwen2AudioConfig {
 
 impl Qwen2AudioConfig {
     pub fn read(dir: &Path) -> Result<Self> {
-        let file = ConfigFile::read(dir)?;
+        let file = ConfigFile::read_of_type(dir, "qwen2_audio")?;
         let root = file.root();
-        let err = |reason: String| Error::Config {
-            path: file.path.clone(),
-            reason,
-        };
-        match file.model_type() {
-            Some("qwen2_audio") => {}
-            other => return Err(err(format!("model_type {other:?} is not qwen2_audio"))),
-        }
+        let err = |reason: String| file.error(reason);
         let text = root
             .sub("text_config", "text_config")
             .ok_or_else(|| err("missing text_config".into()))?;
@@ -331,10 +324,7 @@ impl<E: Backend, L: Backend> Qwen2Audio<E, L> {
             "model.language_model.",
             llm_device,
         )?;
-        let leftover = weights.leftover();
-        if !leftover.is_empty() {
-            tracing::warn!(dir = %dir.display(), unused = ?leftover, "checkpoint tensors the model does not use");
-        }
+        weights.warn_unused();
         Ok(Self { config, audio, llm })
     }
 }

@@ -58,16 +58,9 @@ pub struct Qwen2VlConfig {
 
 impl Qwen2VlConfig {
     pub fn read(dir: &Path) -> Result<Self> {
-        let file = ConfigFile::read(dir)?;
+        let file = ConfigFile::read_of_type(dir, "qwen2_vl")?;
         let root = file.root();
-        let err = |reason: String| Error::Config {
-            path: file.path.clone(),
-            reason,
-        };
-        match file.model_type() {
-            Some("qwen2_vl") => {}
-            other => return Err(err(format!("model_type {other:?} is not qwen2_vl"))),
-        }
+        let err = |reason: String| file.error(reason);
         let text = match root.sub("text_config", "text_config") {
             Some(t) => TextConfig::parse(&t, &root)?,
             None => TextConfig::parse(&root, &root)?,
@@ -321,10 +314,7 @@ impl<E: Backend, L: Backend> Qwen2Vl<E, L> {
             "model.language_model.",
             llm_device,
         )?;
-        let leftover = weights.leftover();
-        if !leftover.is_empty() {
-            tracing::warn!(dir = %dir.display(), unused = ?leftover, "checkpoint tensors the model does not use");
-        }
+        weights.warn_unused();
         Ok(Self {
             config,
             vision,

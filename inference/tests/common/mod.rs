@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use mmgate_inference::models::{KvCache, Qwen2};
+use mmgate_inference::sampling::argmax;
 use mmgate_inference::{CpuBackend, Tensor};
 use safetensors::{Dtype, SafeTensors};
 
@@ -105,15 +106,6 @@ pub fn devices() -> (CpuBackend, CpuBackend) {
     )
 }
 
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| {
-            if x > bv { (i, x) } else { (bi, bv) }
-        })
-        .0
-}
-
 /// Prefills the merged prompt `embeds` and compares the logits at the stored rows, then decodes
 /// greedily and compares the 32 tokens. Generated tokens sit at position `len + delta` (the M-RoPE
 /// offset; 0 for plain RoPE).
@@ -158,10 +150,10 @@ pub fn check_prefill_and_greedy(
     let mut generated = Vec::new();
     for _ in 0..GREEDY_TOKENS {
         let next = argmax(&last);
-        generated.push(next as i64);
+        generated.push(i64::from(next));
         let pos = cache.len() as i64 + delta;
         let h = llm
-            .forward(llm.embed(&[next as u32]).unwrap(), &[[pos; 3]], &mut cache)
+            .forward(llm.embed(&[next]).unwrap(), &[[pos; 3]], &mut cache)
             .unwrap();
         last = llm.logits(&h).unwrap().to_host().unwrap();
     }
