@@ -41,7 +41,7 @@ impl Server {
         let mut server = Server { child, addr };
         // Start-up compiles the built-in plugins; give it generous time, but notice if it died.
         let deadline = Instant::now() + Duration::from_secs(120);
-        while TcpStream::connect(&server.addr).is_err() {
+        while !answers_health(&server.addr) {
             if let Some(status) = server.child.try_wait().unwrap() {
                 panic!("mmgate serve exited during start-up: {status}");
             }
@@ -53,6 +53,23 @@ impl Server {
         }
         server
     }
+}
+
+/// Whether `GET /health` gets an HTTP 200 back. An open port alone is not proof: while nothing
+/// listens yet, a connect to a free ephemeral port can occasionally connect the socket to itself.
+fn answers_health(addr: &str) -> bool {
+    let Ok(mut stream) = TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+    let sent = write!(
+        stream,
+        "GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    );
+    let mut response = Vec::new();
+    sent.is_ok()
+        && stream.read_to_end(&mut response).is_ok()
+        && response.starts_with(b"HTTP/1.1 200")
 }
 
 /// One HTTP/1.1 request with an optional JSON body; returns (status, JSON body).
