@@ -13,6 +13,8 @@ pub struct ApiError {
     /// A stable machine-readable code.
     pub code: &'static str,
     pub message: String,
+    /// The request field at fault, when there is one.
+    pub param: Option<&'static str>,
 }
 
 impl ApiError {
@@ -27,6 +29,7 @@ impl ApiError {
             kind,
             code,
             message: message.into(),
+            param: None,
         }
     }
 
@@ -51,7 +54,7 @@ impl ApiError {
             "error": {
                 "message": self.message,
                 "type": self.kind,
-                "param": null,
+                "param": self.param,
                 "code": self.code,
             }
         })

@@ -1,14 +1,21 @@
 //! `mmgate`: the multimodal LLM gateway's command line.
 
+mod api;
 mod budget;
+mod chat;
 mod cli;
 mod config;
 mod error;
+mod fetch;
+mod files;
 mod media;
+mod metrics;
 mod model;
+mod openai;
 mod pipeline;
 mod plugins;
 mod server;
+mod upstream;
 
 use std::process::ExitCode;
 

@@ -81,11 +81,33 @@ impl DeviceThreads {
     }
 }
 
+/// How a model runs: its devices and engine settings.
+#[derive(Debug, Clone)]
+pub struct RuntimeOptions {
+    pub threads: DeviceThreads,
+    pub max_running: usize,
+    pub prefill_chunk: usize,
+    pub feature_cache_bytes: usize,
+}
+
+impl Default for RuntimeOptions {
+    fn default() -> Self {
+        Self {
+            threads: DeviceThreads::split_cores(),
+            max_running: 16,
+            prefill_chunk: 512,
+            feature_cache_bytes: 256 << 20,
+        }
+    }
+}
+
 pub struct ModelRuntime {
     pub name: String,
     family: Family,
     pub text: Arc<TextProcessor>,
     pub engine: Engine,
+    /// The dedicated encoder devices (shared with the engine).
+    pub encoders: Arc<EncoderPool>,
     /// `preprocessor_config.json`, handed to the plugins.
     pub processor_config: String,
     pub context_length: usize,
@@ -114,7 +136,8 @@ pub fn default_cache_dir() -> PathBuf {
 }
 
 impl ModelRuntime {
-    pub fn load(name: &str, dir: &Path, threads: &DeviceThreads) -> anyhow::Result<Self> {
+    pub fn load(name: &str, dir: &Path, options: &RuntimeOptions) -> anyhow::Result<Self> {
+        let threads = &options.threads;
         let config = ConfigFile::read(dir)?;
         let llm_dev = CpuBackend::new(&format!("{name}-llm"), threads.llm)?;
         let mut encoder_devices = Vec::new();
@@ -188,15 +211,15 @@ impl ModelRuntime {
         let context_length = llm.config().max_position_embeddings;
         let text = Arc::new(TextProcessor::load(dir)?);
         let pool = Arc::new(EncoderPool::new(specs, 8)?);
-        let store = Arc::new(FeatureStore::new(256 << 20));
+        let store = Arc::new(FeatureStore::new(options.feature_cache_bytes));
         let engine_config = EngineConfig {
             model_name: name.to_owned(),
             positions,
-            max_running: 16,
-            prefill_chunk: 512,
+            max_running: options.max_running,
+            prefill_chunk: options.prefill_chunk,
             kv_budget_tokens: context_length.max(1) * 4,
         };
-        let engine = Engine::start(engine_config, llm, text.clone(), pool, store)?;
+        let engine = Engine::start(engine_config, llm, text.clone(), pool.clone(), store)?;
         let processor_path = dir.join("preprocessor_config.json");
         let processor_config = std::fs::read_to_string(&processor_path)
             .with_context(|| format!("cannot read {}", processor_path.display()))?;
@@ -205,9 +228,18 @@ impl ModelRuntime {
             family,
             text,
             engine,
+            encoders: pool,
             processor_config,
             context_length,
         })
+    }
+
+    /// The media kinds this model takes.
+    pub fn media_kinds(&self) -> &'static [MediaKind] {
+        match self.family {
+            Family::Vision { .. } => &[MediaKind::Image, MediaKind::Video],
+            Family::Audio { .. } => &[MediaKind::Audio],
+        }
     }
 
     /// The placeholder token for a media kind, or why this model does not take it.

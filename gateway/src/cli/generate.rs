@@ -17,7 +17,7 @@ use crate::budget::BudgetError;
 use crate::error::ApiError;
 use crate::media::sniff_mime_type;
 use crate::model::{
-    DeviceThreads, MediaKind, ModelRuntime, default_cache_dir, expand_placeholders,
+    MediaKind, ModelRuntime, RuntimeOptions, default_cache_dir, expand_placeholders,
     resolve_model_dir,
 };
 use crate::pipeline;
@@ -59,7 +59,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
     let name = dir
         .file_name()
         .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-    let model = ModelRuntime::load(&name, &dir, &DeviceThreads::split_cores())
+    let model = ModelRuntime::load(&name, &dir, &RuntimeOptions::default())
         .with_context(|| format!("loading the model in {}", dir.display()))?;
 
     let files: Vec<(MediaKind, &PathBuf)> = (args.image.iter().map(|f| (MediaKind::Image, f)))
@@ -161,7 +161,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
                 text.push_str(&t);
             }
             Some(Event::Done { finish, usage }) => break (finish, usage),
-            Some(Event::Failed(msg)) => bail!("generation failed: {msg}"),
+            Some(Event::Failed(failure)) => bail!("generation failed: {failure}"),
             None => bail!("the engine stopped"),
         }
     };

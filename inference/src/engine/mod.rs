@@ -111,7 +111,29 @@ pub enum Event {
         finish: FinishReason,
         usage: Usage,
     },
-    Failed(String),
+    Failed(Failure),
+}
+
+/// Why a request failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// Encoding media item `item` (in the request's order) failed; nothing was generated.
+    Encode { item: usize, message: String },
+    /// The request cannot run as given (it never fits the KV budget, an empty prompt, ...).
+    Invalid(String),
+    /// The engine failed while running it.
+    Internal(String),
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Encode { item, message } => {
+                write!(f, "encoding media item {item} failed: {message}")
+            }
+            Self::Invalid(message) | Self::Internal(message) => f.write_str(message),
+        }
+    }
 }
 
 /// The caller's side of a running request.
@@ -266,7 +288,7 @@ struct Sequence<L: Backend> {
 enum Outcome {
     Finished(FinishReason),
     Cancelled,
-    Failed(String),
+    Failed(Failure),
 }
 
 struct Scheduler<L: Backend> {
@@ -305,7 +327,7 @@ impl<L: Backend> Scheduler<L> {
                     // A failed batch fails the sequences in it; the engine goes on.
                     tracing::error!(error = %e, "engine step failed");
                     for seq in self.running.iter_mut().filter(|s| s.outcome.is_none()) {
-                        seq.outcome = Some(Outcome::Failed(e.to_string()));
+                        seq.outcome = Some(Outcome::Failed(Failure::Internal(e.to_string())));
                     }
                     true
                 }
@@ -348,14 +370,14 @@ impl<L: Backend> Scheduler<L> {
                 let sub = self.queue.pop_front();
                 if let Some(sub) = sub {
                     self.totals.failed += 1;
-                    let _ = sub.events.send(Event::Failed(format!(
+                    let _ = sub.events.send(Event::Failed(Failure::Invalid(format!(
                         "prompt ({} tokens) + max_tokens ({}) exceed what this model can hold ({})",
                         sub.request.prompt.len(),
                         sub.request.max_tokens,
                         self.config
                             .kv_budget_tokens
                             .min(self.llm.config().max_position_embeddings)
-                    )));
+                    ))));
                 }
                 continue;
             }
@@ -370,7 +392,7 @@ impl<L: Backend> Scheduler<L> {
                 Ok(seq) => self.running.push(seq),
                 Err(e) => {
                     self.totals.failed += 1;
-                    let _ = events.send(Event::Failed(e.to_string()));
+                    let _ = events.send(Event::Failed(Failure::Invalid(e.to_string())));
                 }
             }
         }
@@ -471,13 +493,11 @@ impl<L: Backend> Scheduler<L> {
             .filter(|s| !s.media_ready && s.outcome.is_none())
         {
             let mut ready = true;
-            for (key, _) in &seq.media {
+            for (item, (key, _)) in seq.media.iter().enumerate() {
                 match self.store.state(key) {
                     Some(FeatureState::Ready(_)) => {}
-                    Some(FeatureState::Failed(msg)) => {
-                        seq.outcome = Some(Outcome::Failed(format!(
-                            "encoding a media item failed: {msg}"
-                        )));
+                    Some(FeatureState::Failed(message)) => {
+                        seq.outcome = Some(Outcome::Failed(Failure::Encode { item, message }));
                         ready = false;
                         break;
                     }
@@ -686,7 +706,7 @@ fn on_token<L: Backend>(seq: &mut Sequence<L>, token: u32, eos: &[u32], text: &T
         Ok(Some(delta)) => seq.text.push_str(&delta),
         Ok(None) => {}
         Err(e) => {
-            seq.outcome = Some(Outcome::Failed(e.to_string()));
+            seq.outcome = Some(Outcome::Failed(Failure::Internal(e.to_string())));
             return;
         }
     }

@@ -1,0 +1,232 @@
+//! `POST /v1/chat/completions`: routed by model name to the native core (a JSON reply, or an SSE
+//! stream) or to the model's upstream pool (forwarded untouched).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use http::StatusCode;
+use pingora::protocols::http::ServerSession;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::io::{EventStream, read_body, write_error, write_json};
+use super::{Gateway, Route};
+use crate::chat::{self, ChatServices, Generation, NativeModel, Step};
+use crate::error::ApiError;
+use crate::openai::{self, ChatCompletionRequest};
+use crate::upstream::Forwarded;
+
+/// Just what routing needs; the rest of the body is left to whoever serves the model.
+#[derive(Deserialize)]
+struct RoutingFields {
+    model: String,
+    #[serde(default)]
+    user: Option<String>,
+}
+
+impl Gateway {
+    pub(super) async fn chat_completions(&self, session: &mut ServerSession) {
+        let started = Instant::now();
+        let outcome = self.chat_inner(session).await;
+        let (route, status) = match &outcome {
+            Ok(route) => (*route, StatusCode::OK),
+            Err((route, error)) => (*route, error.status),
+        };
+        if let Err((_, error)) = outcome {
+            write_error(session, &error).await;
+        }
+        self.metrics
+            .request_done("/v1/chat/completions", route, status, started.elapsed());
+    }
+
+    /// The route taken ("native", "upstream", or "none"), or the error to answer with.
+    async fn chat_inner(
+        &self,
+        session: &mut ServerSession,
+    ) -> Result<&'static str, (&'static str, ApiError)> {
+        let body = read_body(session, self.limits.max_body_bytes)
+            .await
+            .map_err(|e| ("none", e))?;
+        let routing: RoutingFields =
+            serde_json::from_slice(&body).map_err(|e| ("none", invalid_json(&e)))?;
+        match self.models.get(&routing.model) {
+            None => Err((
+                "none",
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "model_not_found",
+                    format!("the model {:?} does not exist", routing.model),
+                ),
+            )),
+            Some(Route::Upstream(pool)) => {
+                let key = routing
+                    .user
+                    .as_deref()
+                    .map_or(&body[..], str::as_bytes)
+                    .to_vec();
+                match pool.forward(session, body, &key).await {
+                    Forwarded::Answered => Ok("upstream"),
+                    Forwarded::Failed(error) => Err(("upstream", error)),
+                }
+            }
+            Some(Route::Native(model)) => {
+                let request: ChatCompletionRequest =
+                    serde_json::from_slice(&body).map_err(|e| ("native", invalid_json(&e)))?;
+                drop(body);
+                self.native(session, model, request)
+                    .await
+                    .map(|()| "native")
+                    .map_err(|e| ("native", e))
+            }
+        }
+    }
+
+    async fn native(
+        &self,
+        session: &mut ServerSession,
+        model: &NativeModel,
+        request: ChatCompletionRequest,
+    ) -> Result<(), ApiError> {
+        let services = ChatServices {
+            registry: self.plugins.registry(),
+            pool: &self.pool,
+            limits: &self.limits,
+            files: &self.files,
+            fetcher: &self.fetcher,
+        };
+        let prepared = chat::prepare(model, request, &services).await?;
+        self.metrics.media_prepared(&prepared.media);
+        let (stream, include_usage) = (prepared.stream, prepared.include_usage);
+        let mut generation = Generation::start(model, prepared)?;
+        let id = completion_id();
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let name = model.runtime.name.as_str();
+
+        if !stream {
+            let mut text = String::new();
+            loop {
+                match generation.next().await? {
+                    Step::Text(delta) => text.push_str(&delta),
+                    Step::Done { finish, usage } => {
+                        let reply =
+                            openai::completion_json(&id, created, name, &text, finish, usage);
+                        write_json(session, StatusCode::OK, &reply).await;
+                        return Ok(());
+                    }
+                }
+            }
+        }
+
+        // The first step decides the status: a failure before any token is still a proper error.
+        let first = generation.next().await?;
+        let Ok(mut events) = EventStream::start(session).await else {
+            return Ok(()); // the client is gone; dropping the generation cancels it
+        };
+        let role = openai::chunk_json(
+            &id,
+            created,
+            name,
+            json!({"role": "assistant", "content": ""}),
+            None,
+        );
+        if events.send(&role).await.is_err() {
+            return Ok(());
+        }
+        let mut step: Result<Step, ApiError> = Ok(first);
+        loop {
+            let sent = match step {
+                Ok(Step::Text(delta)) => {
+                    let chunk =
+                        openai::chunk_json(&id, created, name, json!({"content": delta}), None);
+                    events.send(&chunk).await
+                }
+                Ok(Step::Done { finish, usage }) => {
+                    let last = openai::chunk_json(&id, created, name, json!({}), Some(finish));
+                    let mut sent = events.send(&last).await;
+                    if include_usage && sent.is_ok() {
+                        let chunk = openai::usage_chunk_json(&id, created, name, usage);
+                        sent = events.send(&chunk).await;
+                    }
+                    if sent.is_ok() {
+                        sent = events.send_raw("[DONE]").await;
+                    }
+                    if sent.is_ok() {
+                        let _ = events.finish().await;
+                    }
+                    return Ok(());
+                }
+                Err(error) => {
+                    // Mid-stream the status is sent: the error goes as an event, then the stream ends.
+                    let body: Value = serde_json::from_slice(&error.body()).unwrap_or(Value::Null);
+                    if events.send(&body).await.is_ok() {
+                        let _ = events.finish().await;
+                    }
+                    return Ok(());
+                }
+            };
+            if sent.is_err() {
+                // The client left: dropping the generation cancels it in the engine.
+                return Ok(());
+            }
+            step = generation.next().await;
+        }
+    }
+
+    /// `GET /v1/models`
+    pub(super) fn models_json(&self) -> Value {
+        let data: Vec<Value> = self
+            .models
+            .iter()
+            .map(|(name, route)| {
+                let mut model = json!({
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "mmgate",
+                });
+                match route {
+                    Route::Native(m) => {
+                        model["served_by"] = json!("native");
+                        model["context_length"] = json!(m.runtime.context_length);
+                        model["modalities"] = json!(
+                            m.runtime
+                                .media_kinds()
+                                .iter()
+                                .map(|k| k.name())
+                                .collect::<Vec<_>>()
+                        );
+                    }
+                    Route::Upstream(pool) => {
+                        model["served_by"] = json!("upstream");
+                        model["upstreams"] = pool.health_json();
+                    }
+                }
+                model
+            })
+            .collect();
+        json!({"object": "list", "data": data})
+    }
+}
+
+fn invalid_json(error: &serde_json::Error) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+        format!("the request body is not a valid chat completion request: {error}"),
+    )
+}
+
+/// `chatcmpl-` + a process-unique suffix.
+fn completion_id() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!(
+        "chatcmpl-{:08x}{:08x}",
+        nanos,
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}

@@ -1,0 +1,113 @@
+//! Reading request bodies and writing JSON and server-sent-event responses on a pingora session.
+
+use bytes::Bytes;
+use http::StatusCode;
+use pingora::http::ResponseHeader;
+use pingora::protocols::http::ServerSession;
+use serde_json::Value;
+
+use crate::error::ApiError;
+
+/// The request body, refused past `limit` bytes (by Content-Length before reading, else while
+/// reading).
+pub async fn read_body(session: &mut ServerSession, limit: usize) -> Result<Bytes, ApiError> {
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request_too_large",
+            format!("the request body is over {limit} bytes"),
+        )
+    };
+    let declared = session
+        .req_header()
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large());
+    }
+    let mut body = Vec::with_capacity(declared.unwrap_or(0));
+    loop {
+        let chunk = session.read_request_body().await.map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request_body",
+                format!("cannot read the request body: {e}"),
+            )
+        })?;
+        let Some(chunk) = chunk else { break };
+        if body.len() + chunk.len() > limit {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(body))
+}
+
+/// A complete JSON response. A client that went away is only logged: there is no one to tell.
+pub async fn write_json(session: &mut ServerSession, status: StatusCode, body: &Value) {
+    let bytes = Bytes::from(body.to_string());
+    let written = async {
+        let mut header = ResponseHeader::build(status, Some(3))?;
+        header.insert_header("content-type", "application/json")?;
+        header.insert_header("content-length", bytes.len().to_string())?;
+        session.write_response_header(Box::new(header)).await?;
+        session.write_response_body(bytes, true).await
+    }
+    .await;
+    if let Err(e) = written {
+        tracing::debug!(error = %e, "writing a response");
+    }
+}
+
+/// A complete non-JSON response (the metrics exposition).
+pub async fn write_text(session: &mut ServerSession, content_type: &str, text: String) {
+    let bytes = Bytes::from(text);
+    let written = async {
+        let mut header = ResponseHeader::build(StatusCode::OK, Some(3))?;
+        header.insert_header("content-type", content_type)?;
+        header.insert_header("content-length", bytes.len().to_string())?;
+        session.write_response_header(Box::new(header)).await?;
+        session.write_response_body(bytes, true).await
+    }
+    .await;
+    if let Err(e) = written {
+        tracing::debug!(error = %e, "writing a response");
+    }
+}
+
+pub async fn write_error(session: &mut ServerSession, error: &ApiError) {
+    let body: Value = serde_json::from_slice(&error.body()).unwrap_or(Value::Null);
+    write_json(session, error.status, &body).await;
+}
+
+/// A `text/event-stream` response: one `data:` event per call, chunked as it goes.
+pub struct EventStream<'s> {
+    session: &'s mut ServerSession,
+}
+
+impl<'s> EventStream<'s> {
+    pub async fn start(session: &'s mut ServerSession) -> pingora::Result<EventStream<'s>> {
+        let mut header = ResponseHeader::build(StatusCode::OK, Some(4))?;
+        header.insert_header("content-type", "text/event-stream")?;
+        header.insert_header("cache-control", "no-cache")?;
+        header.insert_header("transfer-encoding", "chunked")?;
+        session.write_response_header(Box::new(header)).await?;
+        Ok(EventStream { session })
+    }
+
+    /// `data: <json>\n\n`; an error means the client is gone.
+    pub async fn send(&mut self, data: &Value) -> pingora::Result<()> {
+        self.send_raw(&data.to_string()).await
+    }
+
+    pub async fn send_raw(&mut self, data: &str) -> pingora::Result<()> {
+        let event = Bytes::from(format!("data: {data}\n\n"));
+        self.session.write_response_body(event, false).await
+    }
+
+    pub async fn finish(self) -> pingora::Result<()> {
+        self.session.finish_body().await
+    }
+}

@@ -1,0 +1,262 @@
+//! The HTTP API: routing, authentication, and the handlers, on one pingora HTTP application.
+//! Handlers write their own responses, so chat replies can stream and upstream answers pass through
+//! as they arrive.
+
+mod chat;
+mod files;
+mod io;
+mod preprocess;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use http::StatusCode;
+use mmgate_host::{CONTRACT_VERSION, PluginPool};
+use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
+use pingora::protocols::http::ServerSession;
+use pingora::server::ShutdownWatch;
+use serde_json::{Value, json};
+
+use crate::chat::NativeModel;
+use crate::config::RequestLimits;
+use crate::error::ApiError;
+use crate::fetch::Fetcher;
+use crate::files::FileStore;
+use crate::metrics::{Metrics, ModelGauges, Snapshot};
+use crate::plugins::{LivePlugins, ReloadGuard};
+use crate::upstream::UpstreamPool;
+use io::{write_error, write_json};
+
+/// How a model is served.
+pub enum Route {
+    Native(NativeModel),
+    Upstream(Arc<UpstreamPool>),
+}
+
+/// What every request handler shares.
+pub struct Gateway {
+    pub plugins: Arc<LivePlugins>,
+    pub pool: Arc<PluginPool>,
+    pub models: BTreeMap<String, Route>,
+    pub files: FileStore,
+    pub fetcher: Fetcher,
+    pub limits: RequestLimits,
+    pub api_keys: Vec<String>,
+    pub metrics: Metrics,
+    /// Keeps the plugin directory watched while the gateway runs.
+    pub _reload: ReloadGuard,
+}
+
+impl Gateway {
+    async fn handle(&self, session: &mut ServerSession) {
+        let started = Instant::now();
+        let method = session.req_header().method.as_str().to_owned();
+        let path = session.req_header().uri.path().to_owned();
+        if path.starts_with("/v1/")
+            && let Err(error) = self.authenticate(session)
+        {
+            write_error(session, &error).await;
+            self.metrics
+                .request_done(&path, "none", error.status, started.elapsed());
+            return;
+        }
+        let result: Result<Value, ApiError> = match (method.as_str(), path.as_str()) {
+            ("POST", "/v1/chat/completions") => {
+                // Writes its own response (it may stream) and records its own metrics.
+                return self.chat_completions(session).await;
+            }
+            ("GET", "/metrics") => {
+                let text = self.metrics.render(self.snapshot());
+                io::write_text(session, "text/plain; version=0.0.4", text).await;
+                return;
+            }
+            ("GET", "/health") => Ok(json!({ "status": "ok" })),
+            ("GET", "/v1/models") => Ok(self.models_json()),
+            ("GET", "/v1/plugins") => Ok(self.plugins_json()),
+            ("POST", "/v1/preprocess") => self.preprocess(session).await,
+            ("POST", "/v1/files") => self.upload(session).await,
+            ("GET", "/v1/files") => Ok(self.list_files()),
+            (m, p) if p.starts_with("/v1/files/") => {
+                let id = &p["/v1/files/".len()..];
+                match m {
+                    "GET" => self.file_json(id),
+                    "DELETE" => self.delete_file(id),
+                    _ => Err(ApiError::method_not_allowed(m, p)),
+                }
+            }
+            (
+                _,
+                "/health"
+                | "/metrics"
+                | "/v1/models"
+                | "/v1/plugins"
+                | "/v1/preprocess"
+                | "/v1/files"
+                | "/v1/chat/completions",
+            ) => Err(ApiError::method_not_allowed(&method, &path)),
+            _ => Err(ApiError::not_found(&path)),
+        };
+        let status = match &result {
+            Ok(body) => {
+                write_json(session, StatusCode::OK, body).await;
+                StatusCode::OK
+            }
+            Err(error) => {
+                write_error(session, error).await;
+                error.status
+            }
+        };
+        // Ids in paths would make a label per file: the path is recorded by its route.
+        let label = if path.starts_with("/v1/files/") {
+            "/v1/files/{id}"
+        } else {
+            path.as_str()
+        };
+        self.metrics
+            .request_done(label, "none", status, started.elapsed());
+    }
+
+    /// With `api_keys` configured, `/v1/*` needs `Authorization: Bearer <one of them>`.
+    fn authenticate(&self, session: &ServerSession) -> Result<(), ApiError> {
+        if self.api_keys.is_empty() {
+            return Ok(());
+        }
+        let presented = session
+            .req_header()
+            .headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        match presented {
+            Some(key) if self.api_keys.iter().any(|k| constant_time_eq(k, key)) => Ok(()),
+            Some(_) => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid_api_key",
+                "the API key is not valid",
+            )),
+            None => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing_api_key",
+                "this gateway needs an API key: Authorization: Bearer <key>",
+            )),
+        }
+    }
+
+    fn plugins_json(&self) -> Value {
+        let registry = self.plugins.registry();
+        let plugins: Vec<_> = registry
+            .iter()
+            .map(|p| {
+                let d = p.descriptor();
+                json!({
+                    "name": d.name,
+                    "version": d.version,
+                    "contract_version": p.contract_version().to_string(),
+                    "modalities": d.modalities,
+                    "mime_types": d.mime_types,
+                    "origin": p.origin().to_string(),
+                    "sha256": p.sha256(),
+                })
+            })
+            .collect();
+        json!({
+            "object": "list",
+            "host_contract_version": CONTRACT_VERSION.to_string(),
+            "data": plugins,
+            "reload": self.plugins.status(),
+        })
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let mut models = Vec::new();
+        let mut upstreams = Vec::new();
+        for (name, route) in &self.models {
+            match route {
+                Route::Native(model) => {
+                    let engine = model.runtime.engine.stats();
+                    let store = model.runtime.engine.feature_store().stats();
+                    models.push(ModelGauges {
+                        model: name.clone(),
+                        running: engine.running,
+                        queued: engine.queued,
+                        waiting_for_encoder: engine.waiting_for_encoder,
+                        kv_bytes: engine.kv_bytes,
+                        feature_pinned_bytes: store.pinned_bytes,
+                        feature_cached_bytes: store.cached_bytes,
+                        encoder_queue: model
+                            .runtime
+                            .encoders
+                            .loads()
+                            .iter()
+                            .map(|l| l.queued)
+                            .sum(),
+                    });
+                }
+                Route::Upstream(pool) => {
+                    for (addr, healthy) in pool.servers() {
+                        upstreams.push((name.clone(), addr, healthy));
+                    }
+                }
+            }
+        }
+        Snapshot {
+            models,
+            upstreams,
+            plugin_queue: self.pool.queued(),
+            file_bytes: self.files.bytes(),
+        }
+    }
+}
+
+/// Comparing keys without leaking through timing how much of a guess was right.
+fn constant_time_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The application pingora runs for each connection: one request after another while the client
+/// keeps the connection alive.
+pub struct App(pub Arc<Gateway>);
+
+#[async_trait]
+impl HttpServerApp for App {
+    async fn process_new_http(
+        self: &Arc<Self>,
+        mut session: ServerSession,
+        shutdown: &ShutdownWatch,
+    ) -> Option<ReusedHttpStream> {
+        match session.read_request().await {
+            Ok(true) => {}
+            Ok(false) => return None,
+            Err(e) => {
+                tracing::debug!(error = %e, "reading a request");
+                return None;
+            }
+        }
+        session.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
+        self.0.handle(&mut session).await;
+        let persistent = HttpPersistentSettings::for_session(&session);
+        match session.finish().await {
+            Ok(stream) => stream.map(|s| ReusedHttpStream::from_reusable_stream(s, persistent)),
+            Err(e) => {
+                tracing::debug!(error = %e, "finishing a request");
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_compare_equal_only_when_identical() {
+        assert!(constant_time_eq("sk-abc", "sk-abc"));
+        assert!(!constant_time_eq("sk-abc", "sk-abd"));
+        assert!(!constant_time_eq("sk-abc", "sk-ab"));
+    }
+}

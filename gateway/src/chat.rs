@@ -1,0 +1,594 @@
+//! A chat completion on a natively served model: the request's media resolved and checked against
+//! the limits, run through their plugins under the request-wide token budget, the prompt templated
+//! and expanded, and the engine's events turned into text — with the model's encode-error policy.
+
+use std::sync::Arc;
+
+use base64::Engine as _;
+use http::StatusCode;
+use mmgate_host::{LoadedPlugin, Media, PluginPool, PluginRegistry};
+use mmgate_inference::engine::{
+    Event, Failure, FinishReason, GenerateRequest, RequestHandle, Usage,
+};
+use mmgate_inference::sampling::SamplingParams;
+use mmgate_inference::text::{ChatMessage, ContentPart};
+use serde_json::{Value, json};
+
+use crate::budget::BudgetError;
+use crate::config::{EncodeErrorPolicy, RequestLimits};
+use crate::error::ApiError;
+use crate::files::FileStore;
+use crate::media::sniff_mime_type;
+use crate::model::{MediaKind, ModelRuntime, expand_placeholders};
+use crate::openai::{ChatCompletionRequest, Content, MediaSource, Part};
+use crate::pipeline;
+
+/// Most stop strings a request may give (OpenAI allows 4).
+const MAX_STOP_STRINGS: usize = 16;
+
+/// A model served by the native inference core.
+pub struct NativeModel {
+    pub runtime: ModelRuntime,
+    pub on_encode_error: EncodeErrorPolicy,
+}
+
+/// What a chat request needs besides its model.
+pub struct ChatServices<'a> {
+    pub registry: Arc<PluginRegistry>,
+    pub pool: &'a PluginPool,
+    pub limits: &'a RequestLimits,
+    pub files: &'a FileStore,
+    pub fetcher: &'a crate::fetch::Fetcher,
+}
+
+/// One media part of the request, resolved to its bytes.
+struct Item {
+    kind: MediaKind,
+    plugin: Arc<LoadedPlugin>,
+    media: Media,
+}
+
+/// A request ready for the engine, and what is needed to rerun it without its media.
+pub struct Prepared {
+    request: GenerateRequest,
+    /// The conversation with its media parts, for the text-only rerun of the drop policy.
+    messages: Vec<ChatMessage>,
+    /// Per media item: the account `usage.media` shows.
+    pub media: Vec<Value>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+pub async fn prepare(
+    model: &NativeModel,
+    request: ChatCompletionRequest,
+    services: &ChatServices<'_>,
+) -> Result<Prepared, ApiError> {
+    let runtime = &model.runtime;
+    if request.n.is_some_and(|n| n != 1) {
+        return Err(invalid("n", "only n = 1 is supported"));
+    }
+    if request.messages.is_empty() {
+        return Err(invalid("messages", "messages is empty"));
+    }
+    let stop = request.stop.map(|s| s.into_vec()).unwrap_or_default();
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(invalid(
+            "stop",
+            format!("at most {MAX_STOP_STRINGS} stop strings"),
+        ));
+    }
+
+    // The conversation as the chat template sees it, and the media parts in prompt order.
+    let mut messages = Vec::with_capacity(request.messages.len());
+    let mut sources = Vec::new();
+    for message in request.messages {
+        let mut content = Vec::new();
+        match message.content {
+            None => {}
+            Some(Content::Text(text)) => content.push(ContentPart::Text(text)),
+            Some(Content::Parts(parts)) => {
+                for part in parts {
+                    match (part.media(), part) {
+                        (Some((kind, source)), _) => {
+                            sources.push((kind, source));
+                            // The kind of a `file` part is settled below; the slot is fixed then.
+                            content.push(ContentPart::Image);
+                        }
+                        (None, Part::Text { text }) => content.push(ContentPart::Text(text)),
+                        (None, _) => {}
+                    }
+                }
+            }
+        }
+        messages.push(ChatMessage {
+            role: message.role,
+            content,
+        });
+    }
+    let items = resolve_media(runtime, sources, services).await?;
+    let mut next_item = items.iter();
+    for part in messages.iter_mut().flat_map(|m| m.content.iter_mut()) {
+        if !matches!(part, ContentPart::Text(_))
+            && let Some(item) = next_item.next()
+        {
+            *part = item.kind.content_part();
+        }
+    }
+
+    let templated = runtime
+        .text
+        .apply_chat_template(&messages, true)
+        .map_err(|e| invalid("messages", format!("the chat template refused them: {e}")))?;
+    let ids = runtime
+        .text
+        .encode(&templated)
+        .map_err(|e| internal(e.to_string()))?;
+    let placeholders: Vec<u32> = items
+        .iter()
+        .filter_map(|item| runtime.placeholder(item.kind).ok())
+        .collect();
+    let text_tokens = ids.iter().filter(|id| !placeholders.contains(id)).count();
+    let context = runtime.context_length;
+    let max_tokens = match request.max_tokens {
+        Some(0) => return Err(invalid("max_tokens", "max_tokens must be at least 1")),
+        Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    // Media share what the context leaves after the text and the completion; without max_tokens
+    // the completion gets whatever the media leave (at least one token).
+    let budget = context
+        .checked_sub(text_tokens)
+        .and_then(|left| left.checked_sub(max_tokens.unwrap_or(1)))
+        .ok_or_else(|| {
+            context_exceeded(format!(
+                "the messages are {text_tokens} tokens and max_tokens is {}; this model's context is {context} tokens",
+                max_tokens.unwrap_or(1)
+            ))
+        })?;
+
+    let processor_config = runtime.processor_config.clone();
+    let jobs: Vec<(Arc<LoadedPlugin>, Media)> = items
+        .iter()
+        .map(|i| (i.plugin.clone(), i.media.clone()))
+        .collect();
+    let processed = services
+        .pool
+        .run(move || {
+            Ok(pipeline::process_together(
+                &jobs,
+                &processor_config,
+                u32::try_from(budget).unwrap_or(u32::MAX),
+            ))
+        })
+        .await
+        .map_err(|e| ApiError::from(&e))?
+        .map_err(|e| match e {
+            BudgetError::TooSmall { .. } => context_exceeded(e.to_string()),
+            BudgetError::Plugin { item, error } => {
+                let mut api = ApiError::from(&error);
+                api.message = format!("media item {item}: {}", api.message);
+                api
+            }
+        })?;
+
+    let mut media = Vec::with_capacity(items.len());
+    let mut report = Vec::with_capacity(items.len());
+    for (index, (item, processed)) in items.iter().zip(&processed).enumerate() {
+        media.push(
+            runtime
+                .media_item(item.kind, processed.plan.tokens, &processed.tensors)
+                .map_err(|e| {
+                    ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "plugin_output_mismatch",
+                        format!("media item {index}: {e:#}"),
+                    )
+                })?,
+        );
+        let mut account = serde_json::Map::new();
+        account.insert("index".into(), json!(index));
+        account.insert("kind".into(), json!(item.kind.name()));
+        for (key, value) in pipeline::report(&item.plugin, processed) {
+            if !matches!(key.as_str(), "tensors" | "time_ms" | "choices") {
+                account.insert(key, value);
+            }
+        }
+        let t = &processed.timings;
+        let plugin_ms = (t.probe + t.plan + t.preprocess).as_secs_f64() * 1e3;
+        account.insert("plugin_ms".into(), json!((plugin_ms * 1e3).round() / 1e3));
+        report.push(Value::Object(account));
+    }
+    let prompt = expand_placeholders(&ids, &media).map_err(|e| internal(format!("{e:#}")))?;
+    let max_tokens = max_tokens.unwrap_or_else(|| context.saturating_sub(prompt.len()).max(1));
+    if prompt.len() + max_tokens > context {
+        return Err(context_exceeded(format!(
+            "the prompt is {} tokens and max_tokens is {max_tokens}; this model's context is {context} tokens",
+            prompt.len()
+        )));
+    }
+    Ok(Prepared {
+        request: GenerateRequest {
+            prompt,
+            media,
+            sampling: sampling(
+                request.temperature,
+                request.top_p,
+                request.top_k,
+                request.seed,
+            )?,
+            max_tokens,
+            stop,
+        },
+        messages,
+        media: report,
+        stream: request.stream,
+        include_usage: request.stream_options.is_some_and(|o| o.include_usage),
+    })
+}
+
+fn sampling(
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i64>,
+    seed: Option<u64>,
+) -> Result<SamplingParams, ApiError> {
+    let temperature = temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(invalid("temperature", "temperature must be within [0, 2]"));
+    }
+    let top_p = top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(invalid("top_p", "top_p must be within (0, 1]"));
+    }
+    Ok(SamplingParams {
+        temperature,
+        top_p,
+        top_k: top_k.and_then(|k| usize::try_from(k).ok()).unwrap_or(0),
+        seed,
+    })
+}
+
+/// Every media part's bytes, within the limits (checked before decoding or fetching), and the
+/// plugin that takes each, which must handle the kind the part claims and the model must take it.
+async fn resolve_media(
+    runtime: &ModelRuntime,
+    sources: Vec<(Option<MediaKind>, MediaSource)>,
+    services: &ChatServices<'_>,
+) -> Result<Vec<Item>, ApiError> {
+    let limits = services.limits;
+    if sources.len() > limits.max_media_items {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "too_many_media_items",
+            format!(
+                "the request has {} media items; at most {} are allowed",
+                sources.len(),
+                limits.max_media_items
+            ),
+        ));
+    }
+    let mut resolved = Vec::with_capacity(sources.len());
+    let mut image_bytes = 0usize;
+    for (index, (kind, source)) in sources.into_iter().enumerate() {
+        if let Some(kind) = kind {
+            runtime
+                .placeholder(kind)
+                .map_err(|e| invalid("messages", format!("media item {index}: {e}")))?;
+        }
+        let limit = kind.map_or(limits.max_video_bytes, |k| max_bytes(limits, k));
+        let (data, declared) = match source {
+            MediaSource::Base64 { data, mime_type } => {
+                // Decoded size from the encoded length, before decoding anything.
+                let decoded = data.len() / 4 * 3;
+                if decoded > limit {
+                    return Err(too_large(index, decoded, limit));
+                }
+                let bytes = base64::engine::general_purpose::STANDARD
+                    .decode(data.trim())
+                    .map_err(|e| {
+                        ApiError::new(
+                            StatusCode::BAD_REQUEST,
+                            "invalid_media_url",
+                            format!("media item {index}: the base64 data does not decode: {e}"),
+                        )
+                    })?;
+                (bytes, mime_type)
+            }
+            MediaSource::Url(url) => {
+                let fetched = services.fetcher.fetch(&url, limit).await.map_err(|e| {
+                    let mut api = ApiError::from(&e);
+                    api.message = format!("media item {index}: {}", api.message);
+                    api
+                })?;
+                (fetched.data, fetched.mime_type)
+            }
+            MediaSource::File(id) => {
+                let file = services.files.get(&id).ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::NOT_FOUND,
+                        "file_not_found",
+                        format!("media item {index}: no uploaded file {id:?}"),
+                    )
+                })?;
+                (file.data.to_vec(), file.mime_type.clone())
+            }
+        };
+        if data.len() > limit {
+            return Err(too_large(index, data.len(), limit));
+        }
+        let mime_type = sniff_mime_type(&data).map(str::to_owned).or(declared);
+        resolved.push((index, kind, Media { data, mime_type }));
+    }
+
+    // Choosing a plugin may probe: plugin work runs on the plugin pool.
+    let registry = services.registry.clone();
+    let chosen = services
+        .pool
+        .run(move || {
+            Ok(resolved
+                .into_iter()
+                .map(|(index, kind, media)| {
+                    let plugin = pipeline::choose_plugin(&registry, &media).cloned();
+                    (index, kind, media, plugin)
+                })
+                .collect::<Vec<_>>())
+        })
+        .await
+        .map_err(|e| ApiError::from(&e))?;
+
+    let mut items = Vec::with_capacity(chosen.len());
+    for (index, kind, media, plugin) in chosen {
+        let what = media
+            .mime_type
+            .clone()
+            .unwrap_or_else(|| "unknown content".into());
+        let plugin = plugin.ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media",
+                format!("media item {index}: no loaded plugin accepts it ({what})"),
+            )
+        })?;
+        let handles = |k: MediaKind| plugin.descriptor().modalities.iter().any(|m| m == k.name());
+        let kind = match kind {
+            Some(kind) if handles(kind) => kind,
+            Some(kind) => {
+                return Err(invalid(
+                    "messages",
+                    format!(
+                        "media item {index} is sent as {} but holds {what}",
+                        kind.name()
+                    ),
+                ));
+            }
+            // An upload is whatever its plugin makes of it, if the model takes that.
+            None => runtime
+                .media_kinds()
+                .iter()
+                .copied()
+                .find(|&k| handles(k))
+                .ok_or_else(|| {
+                    invalid(
+                        "messages",
+                        format!(
+                            "media item {index}: model {} does not take {what}",
+                            runtime.name
+                        ),
+                    )
+                })?,
+        };
+        if media.data.len() > max_bytes(services.limits, kind) {
+            return Err(too_large(
+                index,
+                media.data.len(),
+                max_bytes(services.limits, kind),
+            ));
+        }
+        if kind == MediaKind::Image {
+            image_bytes += media.data.len();
+            if image_bytes > services.limits.max_total_image_bytes {
+                return Err(ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "media_too_large",
+                    format!(
+                        "the request's images are over {} bytes together",
+                        services.limits.max_total_image_bytes
+                    ),
+                ));
+            }
+        }
+        items.push(Item {
+            kind,
+            plugin,
+            media,
+        });
+    }
+    Ok(items)
+}
+
+fn max_bytes(limits: &RequestLimits, kind: MediaKind) -> usize {
+    match kind {
+        MediaKind::Image => limits.max_image_bytes,
+        MediaKind::Video => limits.max_video_bytes,
+        MediaKind::Audio => limits.max_audio_bytes,
+    }
+}
+
+/// A running generation. Its steps are text deltas, then the end; an encode failure is retried
+/// without the media when the model's policy says so (before any token was produced: a request's
+/// first token needs all its media).
+pub struct Generation<'m> {
+    model: &'m NativeModel,
+    handle: RequestHandle,
+    messages: Vec<ChatMessage>,
+    max_tokens: usize,
+    stop: Vec<String>,
+    sampling: SamplingParams,
+    /// The media accounts, updated when items are dropped.
+    pub media: Vec<Value>,
+    produced: bool,
+}
+
+pub enum Step {
+    Text(String),
+    Done { finish: &'static str, usage: Value },
+}
+
+impl<'m> Generation<'m> {
+    pub fn start(model: &'m NativeModel, prepared: Prepared) -> Result<Self, ApiError> {
+        let Prepared {
+            request,
+            messages,
+            media,
+            ..
+        } = prepared;
+        let (max_tokens, stop, sampling) = (
+            request.max_tokens,
+            request.stop.clone(),
+            request.sampling.clone(),
+        );
+        let handle = model
+            .runtime
+            .engine
+            .submit(request)
+            .map_err(|e| internal(e.to_string()))?;
+        Ok(Self {
+            model,
+            handle,
+            messages,
+            max_tokens,
+            stop,
+            sampling,
+            media,
+            produced: false,
+        })
+    }
+
+    /// The next step; `Ok(None)` never comes before `Done`.
+    pub async fn next(&mut self) -> Result<Step, ApiError> {
+        loop {
+            let event = self
+                .handle
+                .events
+                .recv()
+                .await
+                .ok_or_else(|| internal("the inference engine stopped"))?;
+            match event {
+                Event::Token { text, .. } => {
+                    self.produced = true;
+                    if !text.is_empty() {
+                        return Ok(Step::Text(text));
+                    }
+                }
+                Event::Done { finish, usage } => return Ok(self.done(finish, &usage)),
+                Event::Failed(Failure::Encode { item, message })
+                    if self.model.on_encode_error == EncodeErrorPolicy::Drop && !self.produced =>
+                {
+                    tracing::warn!(item, %message, "encoding failed; dropping the media");
+                    self.rerun_without_media(&message)?;
+                }
+                Event::Failed(failure) => return Err(failure_error(&failure)),
+            }
+        }
+    }
+
+    fn done(&self, finish: FinishReason, usage: &Usage) -> Step {
+        let finish = match finish {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        };
+        Step::Done {
+            finish,
+            usage: crate::openai::usage_json(
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                &self.media,
+            ),
+        }
+    }
+
+    /// The drop policy: the same conversation with its media parts removed.
+    fn rerun_without_media(&mut self, reason: &str) -> Result<(), ApiError> {
+        for account in &mut self.media {
+            if let Value::Object(fields) = account {
+                fields.insert("tokens".into(), json!(0));
+                fields.insert("dropped".into(), json!(true));
+                fields.insert("reason".into(), json!(format!("encoding failed: {reason}")));
+            }
+        }
+        let text_only: Vec<ChatMessage> = self
+            .messages
+            .iter()
+            .map(|m| ChatMessage {
+                role: m.role.clone(),
+                content: m
+                    .content
+                    .iter()
+                    .filter(|p| matches!(p, ContentPart::Text(_)))
+                    .cloned()
+                    .collect(),
+            })
+            .collect();
+        let text = &self.model.runtime.text;
+        let templated = text
+            .apply_chat_template(&text_only, true)
+            .map_err(|e| internal(e.to_string()))?;
+        let prompt = text
+            .encode(&templated)
+            .map_err(|e| internal(e.to_string()))?;
+        let context = self.model.runtime.context_length;
+        let max_tokens = self
+            .max_tokens
+            .min(context.saturating_sub(prompt.len()).max(1));
+        self.handle = self
+            .model
+            .runtime
+            .engine
+            .submit(GenerateRequest {
+                prompt,
+                media: Vec::new(),
+                sampling: self.sampling.clone(),
+                max_tokens,
+                stop: self.stop.clone(),
+            })
+            .map_err(|e| internal(e.to_string()))?;
+        Ok(())
+    }
+}
+
+fn failure_error(failure: &Failure) -> ApiError {
+    match failure {
+        Failure::Encode { .. } => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "encode_failed",
+            failure.to_string(),
+        ),
+        Failure::Invalid(message) => {
+            ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message.clone())
+        }
+        Failure::Internal(message) => internal(message.clone()),
+    }
+}
+
+fn invalid(param: &'static str, message: impl Into<String>) -> ApiError {
+    let mut error = ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message);
+    error.param = Some(param);
+    error
+}
+
+fn internal(message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
+}
+
+fn context_exceeded(message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, "context_length_exceeded", message)
+}
+
+fn too_large(index: usize, bytes: usize, limit: usize) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "media_too_large",
+        format!("media item {index} is {bytes} bytes; the limit is {limit}"),
+    )
+}

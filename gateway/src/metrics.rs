@@ -1,0 +1,277 @@
+//! `GET /metrics` in the Prometheus text format. Counters and histograms are updated as requests
+//! finish; gauges (queues, feature-store bytes, upstream health) are read from their owners at
+//! scrape time, so they are never stale.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use http::StatusCode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use serde_json::Value;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    path: String,
+    route: String,
+    status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PathLabels {
+    path: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModalityLabels {
+    modality: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamLabels {
+    pub model: String,
+    pub upstream: String,
+}
+
+/// A snapshot of one native model's queues and memory, taken at scrape time.
+pub struct ModelGauges {
+    pub model: String,
+    pub running: usize,
+    pub queued: usize,
+    pub waiting_for_encoder: usize,
+    pub kv_bytes: usize,
+    pub feature_pinned_bytes: usize,
+    pub feature_cached_bytes: usize,
+    pub encoder_queue: usize,
+}
+
+/// Everything sampled at scrape time.
+pub struct Snapshot {
+    pub models: Vec<ModelGauges>,
+    pub upstreams: Vec<(String, String, bool)>,
+    pub plugin_queue: usize,
+    pub file_bytes: usize,
+}
+
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    requests: Family<RequestLabels, Counter>,
+    latency: Family<PathLabels, Histogram>,
+    media_items: Family<ModalityLabels, Counter>,
+    media_tokens: Family<ModalityLabels, Counter>,
+    budget_cuts: Family<ModalityLabels, Counter>,
+    plugin_seconds: Family<ModalityLabels, Histogram>,
+    engine_running: Family<ModelLabels, Gauge>,
+    engine_queued: Family<ModelLabels, Gauge>,
+    waiting_for_encoder: Family<ModelLabels, Gauge>,
+    encoder_queue: Family<ModelLabels, Gauge>,
+    kv_bytes: Family<ModelLabels, Gauge>,
+    feature_pinned: Family<ModelLabels, Gauge>,
+    feature_cached: Family<ModelLabels, Gauge>,
+    upstream_healthy: Family<UpstreamLabels, Gauge>,
+    plugin_queue: Gauge,
+    file_bytes: Gauge,
+}
+
+fn seconds_histogram() -> Histogram {
+    // 1 ms .. ~65 s
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("mmgate");
+        let requests = Family::<RequestLabels, Counter>::default();
+        let latency = Family::<PathLabels, Histogram>::new_with_constructor(
+            seconds_histogram as fn() -> Histogram,
+        );
+        let media_items = Family::<ModalityLabels, Counter>::default();
+        let media_tokens = Family::<ModalityLabels, Counter>::default();
+        let budget_cuts = Family::<ModalityLabels, Counter>::default();
+        let plugin_seconds = Family::<ModalityLabels, Histogram>::new_with_constructor(
+            seconds_histogram as fn() -> Histogram,
+        );
+        registry.register(
+            "requests",
+            "HTTP requests by path, route (native, upstream, none) and status",
+            requests.clone(),
+        );
+        registry.register(
+            "request_duration_seconds",
+            "Time from the request to the end of its response",
+            latency.clone(),
+        );
+        registry.register(
+            "media_items",
+            "Media items run through their plugins",
+            media_items.clone(),
+        );
+        registry.register(
+            "media_tokens",
+            "Tokens the plugins planned for media",
+            media_tokens.clone(),
+        );
+        registry.register(
+            "budget_cuts",
+            "Media items reduced to fit the request's token budget",
+            budget_cuts.clone(),
+        );
+        registry.register(
+            "plugin_duration_seconds",
+            "Probe + plan + preprocess time of one media item",
+            plugin_seconds.clone(),
+        );
+        let gauges = [
+            ("engine_running", "Sequences in the engine's batch"),
+            ("engine_queued", "Requests waiting for a place in the batch"),
+            (
+                "engine_waiting_for_encoder",
+                "Running requests whose media are still encoding",
+            ),
+            (
+                "encoder_queue",
+                "Encode jobs queued or running on the model's encoder devices",
+            ),
+            ("kv_cache_bytes", "Bytes of live KV caches"),
+            (
+                "feature_store_pinned_bytes",
+                "Encoder outputs in use by requests",
+            ),
+            (
+                "feature_store_cached_bytes",
+                "Encoder outputs kept for reuse",
+            ),
+        ];
+        let families: Vec<Family<ModelLabels, Gauge>> = gauges
+            .iter()
+            .map(|(name, help)| {
+                let family = Family::<ModelLabels, Gauge>::default();
+                registry.register(*name, *help, family.clone());
+                family
+            })
+            .collect();
+        let upstream_healthy = Family::<UpstreamLabels, Gauge>::default();
+        registry.register(
+            "upstream_healthy",
+            "1 when the upstream server is in rotation",
+            upstream_healthy.clone(),
+        );
+        let plugin_queue = Gauge::default();
+        registry.register(
+            "plugin_queue",
+            "Plugin calls waiting for a worker",
+            plugin_queue.clone(),
+        );
+        let file_bytes = Gauge::default();
+        registry.register(
+            "file_store_bytes",
+            "Bytes of uploaded files",
+            file_bytes.clone(),
+        );
+        let mut families = families.into_iter();
+        let mut next = || families.next().unwrap_or_default();
+        Metrics {
+            requests,
+            latency,
+            media_items,
+            media_tokens,
+            budget_cuts,
+            plugin_seconds,
+            engine_running: next(),
+            engine_queued: next(),
+            waiting_for_encoder: next(),
+            encoder_queue: next(),
+            kv_bytes: next(),
+            feature_pinned: next(),
+            feature_cached: next(),
+            upstream_healthy,
+            plugin_queue,
+            file_bytes,
+            registry: Mutex::new(registry),
+        }
+    }
+
+    pub fn request_done(&self, path: &str, route: &str, status: StatusCode, took: Duration) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                path: path.to_owned(),
+                route: route.to_owned(),
+                status: status.as_u16(),
+            })
+            .inc();
+        self.latency
+            .get_or_create(&PathLabels {
+                path: path.to_owned(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    /// One request's media accounts (`usage.media` entries).
+    pub fn media_prepared(&self, media: &[Value]) {
+        for item in media {
+            let modality = ModalityLabels {
+                modality: item["kind"].as_str().unwrap_or("unknown").to_owned(),
+            };
+            self.media_items.get_or_create(&modality).inc();
+            self.media_tokens
+                .get_or_create(&modality)
+                .inc_by(item["tokens"].as_u64().unwrap_or(0));
+            if item["reduced"].as_bool() == Some(true) {
+                self.budget_cuts.get_or_create(&modality).inc();
+            }
+            if let Some(ms) = item["plugin_ms"].as_f64() {
+                self.plugin_seconds
+                    .get_or_create(&modality)
+                    .observe(ms / 1e3);
+            }
+        }
+    }
+
+    /// The text exposition, gauges set from `snapshot` first.
+    pub fn render(&self, snapshot: Snapshot) -> String {
+        for m in &snapshot.models {
+            let labels = ModelLabels {
+                model: m.model.clone(),
+            };
+            let set = |family: &Family<ModelLabels, Gauge>, value: usize| {
+                family
+                    .get_or_create(&labels)
+                    .set(i64::try_from(value).unwrap_or(i64::MAX));
+            };
+            set(&self.engine_running, m.running);
+            set(&self.engine_queued, m.queued);
+            set(&self.waiting_for_encoder, m.waiting_for_encoder);
+            set(&self.encoder_queue, m.encoder_queue);
+            set(&self.kv_bytes, m.kv_bytes);
+            set(&self.feature_pinned, m.feature_pinned_bytes);
+            set(&self.feature_cached, m.feature_cached_bytes);
+        }
+        for (model, upstream, healthy) in snapshot.upstreams {
+            self.upstream_healthy
+                .get_or_create(&UpstreamLabels { model, upstream })
+                .set(i64::from(healthy));
+        }
+        self.plugin_queue
+            .set(i64::try_from(snapshot.plugin_queue).unwrap_or(i64::MAX));
+        self.file_bytes
+            .set(i64::try_from(snapshot.file_bytes).unwrap_or(i64::MAX));
+        let mut text = String::new();
+        let registry = self
+            .registry
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut text, &registry) {
+            tracing::error!(error = %e, "encoding metrics");
+        }
+        text
+    }
+}

@@ -1,0 +1,315 @@
+//! The OpenAI chat completions wire format: what a request may hold, and the JSON of replies and
+//! stream chunks. Parsing only; what a request means is decided in [`crate::chat`].
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::model::MediaKind;
+
+/// The fields the native core uses (`model` and `user` are read when routing).
+#[derive(Debug, Deserialize)]
+pub struct ChatCompletionRequest {
+    pub messages: Vec<Message>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// `max_completion_tokens` is the newer name of `max_tokens`.
+    #[serde(default, alias = "max_completion_tokens")]
+    pub max_tokens: Option<u64>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    /// vLLM's extension; 0 or -1 is off.
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stop: Option<OneOrMany>,
+    #[serde(default)]
+    pub n: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Self::One(s) => vec![s],
+            Self::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+#[derive(Debug)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+/// By hand rather than `untagged`, so that a bad part is named in the error ("content part 2:
+/// unknown variant `hologram`") instead of "did not match any variant".
+impl<'de> Deserialize<'de> for Content {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        match Value::deserialize(deserializer)? {
+            Value::String(text) => Ok(Content::Text(text)),
+            Value::Array(parts) => parts
+                .into_iter()
+                .enumerate()
+                .map(|(i, part)| {
+                    Part::deserialize(part)
+                        .map_err(|e| D::Error::custom(format!("content part {i}: {e}")))
+                })
+                .collect::<Result<_, _>>()
+                .map(Content::Parts),
+            _ => Err(D::Error::custom(
+                "content must be a string or a list of parts",
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Part {
+    Text {
+        text: String,
+    },
+    ImageUrl {
+        image_url: UrlRef,
+    },
+    /// vLLM's extension.
+    VideoUrl {
+        video_url: UrlRef,
+    },
+    /// vLLM's extension.
+    AudioUrl {
+        audio_url: UrlRef,
+    },
+    InputAudio {
+        input_audio: InputAudio,
+    },
+    File {
+        file: FileRef,
+    },
+}
+
+#[derive(Debug, Deserialize)]
+pub struct UrlRef {
+    pub url: String,
+    /// OpenAI's `auto` / `low` / `high`; accepted, and the budget decides the size.
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub detail: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct InputAudio {
+    /// Base64 audio bytes (not a data URL).
+    pub data: String,
+    /// `wav`, `mp3`, ...
+    #[serde(default)]
+    pub format: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FileRef {
+    pub file_id: String,
+}
+
+/// Where a media part's bytes are.
+#[derive(Debug)]
+pub enum MediaSource {
+    /// Base64 bytes and the MIME type the client declared.
+    Base64 {
+        data: String,
+        mime_type: Option<String>,
+    },
+    /// An http(s) URL to fetch.
+    Url(String),
+    /// An upload in the file store.
+    File(String),
+}
+
+impl Part {
+    /// A media part's kind and source; `None` for text. A `file` part's kind is known only once its
+    /// bytes are (it is whatever the upload is).
+    pub fn media(&self) -> Option<(Option<MediaKind>, MediaSource)> {
+        let url = |kind, r: &UrlRef| Some((Some(kind), MediaSource::from_url(&r.url)));
+        match self {
+            Part::Text { .. } => None,
+            Part::ImageUrl { image_url } => url(MediaKind::Image, image_url),
+            Part::VideoUrl { video_url } => url(MediaKind::Video, video_url),
+            Part::AudioUrl { audio_url } => url(MediaKind::Audio, audio_url),
+            Part::InputAudio { input_audio } => Some((
+                Some(MediaKind::Audio),
+                MediaSource::Base64 {
+                    data: input_audio.data.clone(),
+                    mime_type: input_audio
+                        .format
+                        .as_deref()
+                        .map(|f| format!("audio/{}", f.to_ascii_lowercase())),
+                },
+            )),
+            Part::File { file } => Some((None, MediaSource::File(file.file_id.clone()))),
+        }
+    }
+}
+
+impl MediaSource {
+    /// A data URL (`data:<mime>;base64,<payload>`) keeps its payload undecoded; anything else is
+    /// a URL to fetch (its scheme is checked when it is fetched).
+    fn from_url(url: &str) -> MediaSource {
+        let data_url = url.strip_prefix("data:").and_then(|rest| {
+            let (header, payload) = rest.split_once(',')?;
+            let mime = header.strip_suffix(";base64")?;
+            Some(MediaSource::Base64 {
+                data: payload.to_owned(),
+                mime_type: (!mime.is_empty()).then(|| mime.to_ascii_lowercase()),
+            })
+        });
+        match data_url {
+            Some(source) => source,
+            None if url.starts_with("data:") => MediaSource::Base64 {
+                // Not base64: decoding says so with a clear error.
+                data: String::from("!"),
+                mime_type: None,
+            },
+            None => MediaSource::Url(url.to_owned()),
+        }
+    }
+}
+
+/// The reply's `usage`.
+pub fn usage_json(prompt: usize, completion: usize, media: &[Value]) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "media": media,
+    })
+}
+
+/// A non-streamed reply.
+pub fn completion_json(
+    id: &str,
+    created: u64,
+    model: &str,
+    text: &str,
+    finish_reason: &str,
+    usage: Value,
+) -> Value {
+    json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish_reason,
+        }],
+        "usage": usage,
+    })
+}
+
+/// One `chat.completion.chunk` of a stream.
+pub fn chunk_json(
+    id: &str,
+    created: u64,
+    model: &str,
+    delta: Value,
+    finish_reason: Option<&str>,
+) -> Value {
+    json!({
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+    })
+}
+
+/// The last chunk of a stream with `stream_options.include_usage`: no choices, the usage.
+pub fn usage_chunk_json(id: &str, created: u64, model: &str, usage: Value) -> Value {
+    json!({
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_of_every_type_parse_and_say_where_their_bytes_are() {
+        let request: ChatCompletionRequest = serde_json::from_value(json!({
+            "model": "demo",
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hi"},
+                {"type": "image_url", "image_url": {"url": "data:image/PNG;base64,aGk=", "detail": "low"}},
+                {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
+                {"type": "input_audio", "input_audio": {"data": "aGk=", "format": "wav"}},
+                {"type": "file", "file": {"file_id": "file-1"}},
+            ]}],
+            "max_completion_tokens": 5,
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(request.max_tokens, Some(5));
+        let Some(Content::Parts(parts)) = &request.messages[0].content else {
+            panic!("parts expected");
+        };
+        let media: Vec<_> = parts.iter().filter_map(Part::media).collect();
+        assert!(matches!(
+            &media[0],
+            (Some(MediaKind::Image), MediaSource::Base64 { data, mime_type: Some(m) })
+                if data == "aGk=" && m == "image/png"
+        ));
+        assert!(
+            matches!(&media[1], (Some(MediaKind::Video), MediaSource::Url(u)) if u.starts_with("https"))
+        );
+        assert!(matches!(
+            &media[2],
+            (Some(MediaKind::Audio), MediaSource::Base64 { mime_type: Some(m), .. }) if m == "audio/wav"
+        ));
+        assert!(matches!(&media[3], (None, MediaSource::File(id)) if id == "file-1"));
+    }
+
+    #[test]
+    fn unknown_part_types_are_refused() {
+        let error = serde_json::from_value::<ChatCompletionRequest>(json!({
+            "model": "demo",
+            "messages": [{"role": "user", "content": [{"type": "hologram", "hologram": {}}]}],
+        }))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+        assert!(error.contains("hologram"), "{error}");
+    }
+}
