@@ -29,8 +29,14 @@ fn free_port() -> u16 {
 impl Server {
     /// `mmgate serve ARGS --listen <free port>`, once it accepts connections.
     pub fn start(args: &[&str]) -> Server {
+        Server::start_with_env(args, &[])
+    }
+
+    /// The same, with extra environment variables.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
         let addr = format!("127.0.0.1:{}", free_port());
         let child = super::mmgate_command()
+            .envs(env.iter().copied())
             .arg("serve")
             .args(args)
             .args(["--listen", &addr])

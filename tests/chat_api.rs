@@ -1,0 +1,498 @@
+//! The OpenAI chat API end to end: the real `mmgate serve` on the demo models, real HTTP over
+//! loopback, media as data URLs, uploads and http URLs from a local server; another real mmgate as
+//! the upstream of a proxied model.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use common::files_server::{Answer, FilesServer};
+use common::server::Server;
+use serde_json::{Value, json};
+
+fn fixture(path: &str) -> Vec<u8> {
+    std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures")
+            .join(path),
+    )
+    .unwrap()
+}
+
+fn data_url(mime: &str, bytes: &[u8]) -> String {
+    format!(
+        "data:{mime};base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    )
+}
+
+/// Demo models are written once into this cache, shared by the tests' servers.
+fn cache_dir() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join("chat-api-cache")
+}
+
+fn start(config: &str) -> (Server, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mmgate.toml");
+    std::fs::write(&path, config).unwrap();
+    let cache = cache_dir();
+    let server = Server::start_with_env(
+        &["--config", path.to_str().unwrap()],
+        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
+    );
+    (server, dir)
+}
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap()
+}
+
+fn post(server: &Server, path: &str, body: &Value) -> (u16, Value) {
+    let response = client()
+        .post(format!("http://{}{path}", server.addr))
+        .json(body)
+        .send()
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().unwrap())
+}
+
+fn get(server: &Server, path: &str) -> (u16, Value) {
+    let response = client()
+        .get(format!("http://{}{path}", server.addr))
+        .send()
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().unwrap())
+}
+
+fn chat(model: &str, content: Value) -> Value {
+    json!({
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "temperature": 0,
+    })
+}
+
+fn image_part(url: &str) -> Value {
+    json!({"type": "image_url", "image_url": {"url": url}})
+}
+
+/// The plan `POST /v1/preprocess` makes for `media` with the demo model's processor config.
+fn planned_tokens(server: &Server, media: &str, model_dir: &str) -> u64 {
+    let config: Value = serde_json::from_slice(
+        &std::fs::read(
+            cache_dir()
+                .join("mmgate/models")
+                .join(model_dir)
+                .join("preprocessor_config.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let (status, body) = post(
+        server,
+        "/v1/preprocess",
+        &json!({"media": media, "processor_config": config}),
+    );
+    assert_eq!(status, 200, "{body}");
+    body["tokens"].as_u64().unwrap()
+}
+
+fn demo_dir(prefix: &str) -> String {
+    std::fs::read_dir(cache_dir().join("mmgate/models"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with(prefix))
+        .unwrap()
+}
+
+#[test]
+fn images_and_audio_by_data_url_upload_and_http_url_cost_what_their_plugins_planned() {
+    let png = fixture("image/images/png-rgb-wide.png");
+    let wav = fixture("audio/clips/speech-16k-s16.wav");
+    let mut routes = HashMap::new();
+    routes.insert(
+        "/cat.png".to_owned(),
+        Answer::Body {
+            content_type: "image/png".into(),
+            data: png.clone(),
+        },
+    );
+    routes.insert(
+        "/speech.wav".to_owned(),
+        Answer::Body {
+            content_type: "audio/wav".into(),
+            data: wav.clone(),
+        },
+    );
+    routes.insert("/moved.png".to_owned(), Answer::Redirect("/cat.png".into()));
+    let files = FilesServer::start(routes);
+    let (server, _dir) = start("[fetch]\nallow = [\"127.0.0.1/32\"]\n");
+
+    let image = data_url("image/png", &png);
+    let planned = planned_tokens(&server, &image, &demo_dir("demo-qwen2-vl"));
+    let mut usages = Vec::new();
+    for source in [
+        image.clone(),
+        format!("{}/cat.png", files.base),
+        format!("{}/moved.png", files.base),
+    ] {
+        let (status, body) = post(
+            &server,
+            "/v1/chat/completions",
+            &chat(
+                "demo",
+                json!([image_part(&source), {"type": "text", "text": "What is it?"}]),
+            ),
+        );
+        assert_eq!(status, 200, "{source}: {body}");
+        assert_eq!(body["object"], "chat.completion");
+        assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+        let media = &body["usage"]["media"][0];
+        assert_eq!(media["kind"], "image");
+        assert_eq!(media["tokens"].as_u64(), Some(planned), "{body}");
+        usages.push(body["usage"]["prompt_tokens"].clone());
+    }
+    // The same image, however it came, makes the same prompt.
+    assert!(usages.windows(2).all(|w| w[0] == w[1]), "{usages:?}");
+
+    // An upload, referenced by file id.
+    let form = reqwest::blocking::multipart::Form::new()
+        .text("purpose", "vision")
+        .part(
+            "file",
+            reqwest::blocking::multipart::Part::bytes(png.clone()).file_name("cat.png"),
+        );
+    let uploaded: Value = client()
+        .post(format!("http://{}/v1/files", server.addr))
+        .multipart(form)
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    let id = uploaded["id"].as_str().unwrap().to_owned();
+    assert_eq!(uploaded["bytes"].as_u64(), Some(png.len() as u64));
+    let by_file = chat(
+        "demo",
+        json!([{"type": "file", "file": {"file_id": id}}, {"type": "text", "text": "What is it?"}]),
+    );
+    let (status, body) = post(&server, "/v1/chat/completions", &by_file);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["media"][0]["tokens"].as_u64(), Some(planned));
+    assert_eq!(body["usage"]["prompt_tokens"], usages[0]);
+    let (status, listed) = get(&server, "/v1/files");
+    assert_eq!(status, 200);
+    assert_eq!(listed["data"][0]["id"].as_str(), Some(id.as_str()));
+    let deleted: Value = client()
+        .delete(format!("http://{}/v1/files/{id}", server.addr))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(deleted["deleted"], true);
+    let (status, body) = post(&server, "/v1/chat/completions", &by_file);
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (404, Some("file_not_found"))
+    );
+
+    // Audio: input_audio (base64) and audio_url (fetched) on the audio demo model.
+    let wav_url = data_url("audio/wav", &wav);
+    let planned = planned_tokens(&server, &wav_url, &demo_dir("demo-qwen2-audio"));
+    for part in [
+        json!({"type": "input_audio", "input_audio": {"data": base64::engine::general_purpose::STANDARD.encode(&wav), "format": "wav"}}),
+        json!({"type": "audio_url", "audio_url": {"url": format!("{}/speech.wav", files.base)}}),
+    ] {
+        let (status, body) = post(
+            &server,
+            "/v1/chat/completions",
+            &chat(
+                "demo-audio",
+                json!([part, {"type": "text", "text": "What was said?"}]),
+            ),
+        );
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["usage"]["media"][0]["kind"], "audio");
+        assert_eq!(
+            body["usage"]["media"][0]["tokens"].as_u64(),
+            Some(planned),
+            "{body}"
+        );
+    }
+}
+
+/// The text of an SSE chat stream, its usage chunk, and whether it ended with `[DONE]`.
+fn read_stream(server: &Server, body: &Value) -> (String, Value, bool) {
+    let response = client()
+        .post(format!("http://{}/v1/chat/completions", server.addr))
+        .json(body)
+        .send()
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert!(
+        response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let text = response.text().unwrap();
+    let (mut content, mut usage, mut done) = (String::new(), Value::Null, false);
+    for event in text.split("\n\n").filter(|e| !e.is_empty()) {
+        let data = event.strip_prefix("data: ").expect(event);
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        assert_eq!(chunk["object"], "chat.completion.chunk", "{chunk}");
+        if let Some(delta) = chunk["choices"][0]["delta"]["content"].as_str() {
+            content.push_str(delta);
+        }
+        if !chunk["usage"].is_null() {
+            usage = chunk["usage"].clone();
+        }
+    }
+    (content, usage, done)
+}
+
+#[test]
+fn streaming_and_non_streaming_agree_under_a_seed() {
+    let (server, _dir) = start("");
+    let png = fixture("image/images/png-rgb-wide.png");
+    let mut request = json!({
+        "model": "demo",
+        "messages": [
+            {"role": "system", "content": "You describe pictures."},
+            {"role": "user", "content": [image_part(&data_url("image/png", &png)), {"type": "text", "text": "Describe it."}]},
+        ],
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 1234,
+    });
+    let (status, whole) = post(&server, "/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{whole}");
+    request["stream"] = json!(true);
+    request["stream_options"] = json!({"include_usage": true});
+    let (streamed, usage, done) = read_stream(&server, &request);
+    assert!(done);
+    assert_eq!(
+        whole["choices"][0]["message"]["content"].as_str(),
+        Some(streamed.as_str())
+    );
+    // Everything but the plugin's time agrees.
+    let without_time = |usage: &Value| {
+        let mut usage = usage.clone();
+        for item in usage["media"].as_array_mut().unwrap() {
+            item.as_object_mut().unwrap().remove("plugin_ms");
+        }
+        usage
+    };
+    assert_eq!(without_time(&whole["usage"]), without_time(&usage));
+
+    // Another seed samples something else (12 tokens from a near-uniform demo model).
+    request["seed"] = json!(99);
+    let (other, _, _) = read_stream(&server, &request);
+    assert_ne!(other, streamed);
+}
+
+#[test]
+fn bad_requests_get_clear_4xx_errors_and_the_server_keeps_serving() {
+    let config = "\
+api_keys = [\"sk-test\"]
+[limits]
+max_image_bytes = 100000
+[fetch]
+allow = []
+";
+    let (server, _dir) = start(config);
+    let url = format!("http://{}/v1/chat/completions", server.addr);
+    let send = |body: &str, key: Option<&str>| {
+        let mut request = client().post(&url).body(body.to_owned());
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
+        }
+        let response = request.send().unwrap();
+        let status = response.status().as_u16();
+        let body: Value = response.json().unwrap();
+        (
+            status,
+            body["error"]["code"].as_str().unwrap_or("").to_owned(),
+        )
+    };
+    let ok = chat("demo", json!("Hello")).to_string();
+    assert_eq!(send(&ok, None), (401, "missing_api_key".into()));
+    assert_eq!(send(&ok, Some("sk-wrong")), (401, "invalid_api_key".into()));
+
+    let big_png = fixture("image/images/photo-640x480.jpg");
+    assert!(big_png.len() > 100_000);
+    let truncated = fixture("image/bad/truncated.jpg");
+    let cases: Vec<(String, u16, &str)> = vec![
+        ("{\"model\": \"demo\", \"messages\": [".into(), 400, "invalid_request"),
+        (chat("no-such-model", json!("hi")).to_string(), 404, "model_not_found"),
+        (chat("demo", json!([{"type": "hologram", "hologram": {}}])).to_string(), 400, "invalid_request"),
+        (chat("demo", json!([image_part(&data_url("image/jpeg", &big_png))])).to_string(), 413, "media_too_large"),
+        (chat("demo", json!([image_part(&data_url("image/jpeg", &truncated))])).to_string(), 400, "invalid_media"),
+        (chat("demo", json!([image_part("data:image/png;base64,@@@@")])).to_string(), 400, "invalid_media_url"),
+        (chat("demo", json!([image_part(&data_url("text/plain", b"just text, no image"))])).to_string(), 415, "unsupported_media"),
+        (chat("demo-audio", json!([image_part(&data_url("image/png", &fixture("image/images/bmp-palette.bmp")))])).to_string(), 400, "invalid_request"),
+        (json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000000}).to_string(), 400, "context_length_exceeded"),
+        (json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": 7}).to_string(), 400, "invalid_request"),
+    ];
+    for (body, status, code) in &cases {
+        assert_eq!(
+            send(body, Some("sk-test")),
+            (*status, code.to_string()),
+            "{}",
+            &body[..body.len().min(200)]
+        );
+    }
+    // The SSRF guard: loopback, private, link-local, unspecified and mapped forms are never fetched.
+    for target in [
+        "http://127.0.0.1:9/x.png",
+        "http://localhost:9/x.png",
+        "http://10.0.0.1/x.png",
+        "http://192.168.0.1/x.png",
+        "http://169.254.169.254/latest/meta-data",
+        "http://0.0.0.0/x.png",
+        "http://[::1]/x.png",
+        "http://[::ffff:127.0.0.1]/x.png",
+        "http://[fe80::1]/x.png",
+        "file:///etc/passwd",
+    ] {
+        let (status, code) = send(
+            &chat("demo", json!([image_part(target)])).to_string(),
+            Some("sk-test"),
+        );
+        assert_eq!(status, 400, "{target}");
+        assert!(
+            code == "media_url_forbidden" || code == "media_fetch_failed",
+            "{target}: {code}"
+        );
+        if !target.starts_with("file:") {
+            assert_eq!(code, "media_url_forbidden", "{target}");
+        }
+    }
+    // Still serving, and serving well.
+    let (status, _) = send(&ok, Some("sk-test"));
+    assert_eq!(status, 200);
+    let response = client()
+        .get(format!("http://{}/metrics", server.addr))
+        .send()
+        .unwrap();
+    let metrics = response.text().unwrap();
+    assert!(
+        metrics.contains(
+            "mmgate_requests_total{path=\"/v1/chat/completions\",route=\"native\",status=\"413\"} 1"
+        ),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn a_redirect_to_a_private_address_is_refused() {
+    let mut routes = HashMap::new();
+    routes.insert(
+        "/r".to_owned(),
+        Answer::Redirect("http://10.1.2.3/x.png".into()),
+    );
+    routes.insert(
+        "/l".to_owned(),
+        Answer::Redirect("http://localhost:1/x.png".into()),
+    );
+    let files = FilesServer::start(routes);
+    let (server, _dir) = start("[fetch]\nallow = [\"127.0.0.1/32\"]\n");
+    for path in ["/r", "/l"] {
+        let (status, body) = post(
+            &server,
+            "/v1/chat/completions",
+            &chat(
+                "demo",
+                json!([image_part(&format!("{}{path}", files.base))]),
+            ),
+        );
+        // localhost resolves to 127.0.0.1 (allowed) and ::1 (not); port 1 refuses either way.
+        let code = body["error"]["code"].as_str().unwrap_or("");
+        assert_eq!(status, 400, "{body}");
+        if path == "/r" {
+            assert_eq!(code, "media_url_forbidden", "{body}");
+        }
+    }
+}
+
+fn chat_requests_served(server: &Server) -> u64 {
+    let text = client()
+        .get(format!("http://{}/metrics", server.addr))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("mmgate_requests_total{path=\"/v1/chat/completions\",route=\"native\",status=\"200\"}"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[test]
+fn an_upstream_pool_balances_passes_streams_through_and_ejects_a_dead_server() {
+    let (mut first, _d1) = start("");
+    let (second, _d2) = start("");
+    let config = format!(
+        "models = [{{ name = \"demo\", upstreams = [\"{}\", \"{}\"], health_check = {{ path = \"/health\", interval_ms = 200 }} }}]\n",
+        first.addr, second.addr
+    );
+    let (front, _d3) = start(&config);
+    let (status, models) = get(&front, "/v1/models");
+    assert_eq!(status, 200);
+    assert_eq!(models["data"][0]["served_by"], "upstream");
+
+    let request = chat("demo", json!("Hello"));
+    for _ in 0..4 {
+        let (status, body) = post(&front, "/v1/chat/completions", &request);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["model"], "demo");
+    }
+    assert_eq!(
+        (chat_requests_served(&first), chat_requests_served(&second)),
+        (2, 2)
+    );
+
+    // Streams pass through unchanged, [DONE] included.
+    let mut streaming = request.clone();
+    streaming["stream"] = json!(true);
+    let (_, _, done) = read_stream(&front, &streaming);
+    assert!(done);
+
+    // The first upstream dies: the health check takes it out of rotation, the survivor serves all.
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, models) = get(&front, "/v1/models");
+        let servers = models["data"][0]["upstreams"].as_array().unwrap().clone();
+        if servers
+            .iter()
+            .any(|s| s["address"] == first.addr.as_str() && s["healthy"] == false)
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never ejected: {servers:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let before = chat_requests_served(&second);
+    for _ in 0..4 {
+        let (status, body) = post(&front, "/v1/chat/completions", &request);
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(chat_requests_served(&second), before + 4);
+}
