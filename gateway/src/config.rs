@@ -21,6 +21,8 @@ pub struct Config {
     /// A directory of extra plugins (`*.toml` manifests beside their `.wasm` components); they add to
     /// the built-ins or replace a built-in of the same name.
     pub plugin_dir: Option<PathBuf>,
+    /// Threads serving HTTP (default: one per core).
+    pub http_threads: Option<usize>,
     /// On SIGTERM, how long requests in flight get to finish before the gateway exits.
     pub shutdown_grace_seconds: u64,
     /// Limits of every plugin call.
@@ -223,6 +225,7 @@ impl Default for Config {
                 .parse()
                 .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 8080))),
             plugin_dir: None,
+            http_threads: None,
             shutdown_grace_seconds: 5,
             sandbox: SandboxLimits::default(),
             models: demo_models(),
@@ -274,6 +277,9 @@ impl Config {
         if s.deadline_ms == 0 {
             bail!("sandbox.deadline_ms must be positive");
         }
+        if self.http_threads == Some(0) {
+            bail!("http_threads must be positive");
+        }
         if s.max_instances == 0 {
             bail!("sandbox.max_instances must be positive");
         }
@@ -293,5 +299,72 @@ impl Config {
             bail!("api_keys holds an empty key");
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> anyhow::Result<Config> {
+        let config: Config = toml::from_str(text)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    #[test]
+    fn the_example_config_is_valid_and_matches_the_defaults() {
+        let example = include_str!("../../examples/mmgate.toml");
+        let config = parse(example).unwrap_or_else(|e| panic!("{e:#}"));
+        let names: Vec<_> = config.models.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["demo", "demo-audio"]);
+        let default = Config::default();
+        assert_eq!(
+            config.limits.max_image_bytes,
+            default.limits.max_image_bytes
+        );
+        assert_eq!(config.models.len(), default.models.len());
+    }
+
+    #[test]
+    fn invalid_configs_say_what_is_wrong() {
+        for (text, expected) in [
+            ("[[models]]\nname = \"m\"\n", "give a path"),
+            (
+                "[[models]]\nname = \"m\"\npath = \"demo\"\nupstreams = [\"a:1\"]\n",
+                "not both",
+            ),
+            (
+                "[[models]]\nname = \"m\"\nupstreams = [\"nope\"]\n",
+                "not host:port",
+            ),
+            (
+                "[[models]]\nname = \"m\"\npath = \"demo\"\n[[models]]\nname = \"m\"\npath = \"demo\"\n",
+                "configured twice",
+            ),
+            ("api_keys = [\"\"]\n", "empty key"),
+            ("[limits]\nmax_image_byte = 5\n", "unknown field"),
+            ("[fetch]\nallow = [\"not a network\"]\n", "invalid"),
+        ] {
+            let error = parse(text)
+                .err()
+                .map(|e| format!("{e:#}"))
+                .unwrap_or_default();
+            assert!(error.contains(expected), "{text:?}: {error}");
+        }
+    }
+
+    #[test]
+    fn without_a_models_key_the_demo_models_are_served_and_an_empty_list_serves_none() {
+        let names = |text: &str| -> Vec<String> {
+            parse(text)
+                .map(|c| c.models.into_iter().map(|m| m.name).collect())
+                .unwrap_or_default()
+        };
+        assert_eq!(
+            names("listen = \"127.0.0.1:9000\"\n"),
+            ["demo", "demo-audio"]
+        );
+        assert!(names("models = []\n").is_empty());
     }
 }

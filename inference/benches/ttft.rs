@@ -32,7 +32,7 @@ fn ttft(engine: &Engine, prompt: &[u32]) -> Result<Duration> {
     })?;
     match h.events.blocking_recv() {
         Some(Event::Token { .. }) => Ok(start.elapsed()),
-        Some(Event::Failed(m)) => Err(mmgate_inference::Error::Input(m)),
+        Some(Event::Failed(m)) => Err(mmgate_inference::Error::Input(m.to_string())),
         Some(Event::Done { .. }) | None => Err(mmgate_inference::Error::Input("no token".into())),
     }
 }
