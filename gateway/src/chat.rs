@@ -45,7 +45,7 @@ pub struct ChatServices<'a> {
 struct Item {
     kind: MediaKind,
     plugin: Arc<LoadedPlugin>,
-    media: Media,
+    media: Arc<Media>,
 }
 
 /// A request ready for the engine, and what is needed to rerun it without its media.
@@ -147,30 +147,25 @@ pub async fn prepare(
             ))
         })?;
 
-    let processor_config = runtime.processor_config.clone();
-    let jobs: Vec<(Arc<LoadedPlugin>, Media)> = items
+    let jobs: Vec<(Arc<LoadedPlugin>, Arc<Media>)> = items
         .iter()
         .map(|i| (i.plugin.clone(), i.media.clone()))
         .collect();
-    let processed = services
-        .pool
-        .run(move || {
-            Ok(pipeline::process_together(
-                &jobs,
-                &processor_config,
-                u32::try_from(budget).unwrap_or(u32::MAX),
-            ))
-        })
-        .await
-        .map_err(|e| ApiError::from(&e))?
-        .map_err(|e| match e {
-            BudgetError::TooSmall { .. } => context_exceeded(e.to_string()),
-            BudgetError::Plugin { item, error } => {
-                let mut api = ApiError::from(&error);
-                api.message = format!("media item {item}: {}", api.message);
-                api
-            }
-        })?;
+    let processed = pipeline::process_concurrently(
+        services.pool,
+        &jobs,
+        Arc::from(runtime.processor_config.as_str()),
+        u32::try_from(budget).unwrap_or(u32::MAX),
+    )
+    .await
+    .map_err(|e| match e {
+        BudgetError::TooSmall { .. } => context_exceeded(e.to_string()),
+        BudgetError::Plugin { item, error } => {
+            let mut api = ApiError::from(&error);
+            api.message = format!("media item {item}: {}", api.message);
+            api
+        }
+    })?;
 
     let mut media = Vec::with_capacity(items.len());
     let mut report = Vec::with_capacity(items.len());
@@ -401,7 +396,7 @@ async fn resolve_media(
         items.push(Item {
             kind,
             plugin,
-            media,
+            media: Arc::new(media),
         });
     }
     Ok(items)

@@ -6,7 +6,10 @@ use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mmgate_host::{Budget, LoadedPlugin, Media, MediaInfo, PluginRegistry, Tensor, TokenPlan};
+use futures_util::future::join_all;
+use mmgate_host::{
+    Budget, LoadedPlugin, Media, MediaInfo, PluginPool, PluginRegistry, Tensor, TokenPlan,
+};
 use serde_json::{Value, json};
 
 use crate::budget::{self, BudgetError};
@@ -84,6 +87,99 @@ pub fn process_together(
         });
     }
     Ok(processed)
+}
+
+/// [`process_together`] on the plugin pool, the items' probes in parallel and then their
+/// preprocessing in parallel (planning, which shares the budget, is one job in between): a request's
+/// items take as long as the slowest, not the sum.
+pub async fn process_concurrently(
+    pool: &PluginPool,
+    items: &[(Arc<LoadedPlugin>, Arc<Media>)],
+    processor_config: Arc<str>,
+    budget: u32,
+) -> Result<Vec<Processed>, BudgetError> {
+    let plugin_error = |item: usize| move |error| BudgetError::Plugin { item, error };
+    let probes = items.iter().enumerate().map(|(item, (plugin, media))| {
+        let (plugin, media) = (plugin.clone(), media.clone());
+        async move {
+            pool.run(move || {
+                let started = Instant::now();
+                plugin.probe(&media).map(|info| (info, started.elapsed()))
+            })
+            .await
+            .map_err(plugin_error(item))
+        }
+    });
+    let (infos, probe_times): (Vec<MediaInfo>, Vec<Duration>) = join_all(probes)
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .unzip();
+
+    let plugins: Vec<Arc<LoadedPlugin>> = items.iter().map(|(p, _)| p.clone()).collect();
+    let infos = Arc::new(infos);
+    let planning_infos = infos.clone();
+    let config = processor_config.clone();
+    let (plans, plan_times) = pool
+        .run(move || {
+            let plan_times = RefCell::new(vec![Duration::ZERO; plugins.len()]);
+            let plans = budget::allocate(plugins.len(), budget, |item, max_tokens| {
+                let started = Instant::now();
+                let plan =
+                    plugins[item].plan(&planning_infos[item], Budget { max_tokens }, &config);
+                plan_times.borrow_mut()[item] += started.elapsed();
+                plan
+            });
+            Ok((plans, plan_times.into_inner()))
+        })
+        .await
+        .map_err(plugin_error(0))?;
+    let plans = plans?;
+
+    let jobs = items
+        .iter()
+        .zip(&plans)
+        .enumerate()
+        .map(|(item, ((plugin, media), plan))| {
+            let (plugin, media, plan, config) = (
+                plugin.clone(),
+                media.clone(),
+                plan.clone(),
+                processor_config.clone(),
+            );
+            async move {
+                pool.run(move || {
+                    let started = Instant::now();
+                    plugin
+                        .preprocess(&media, &plan, &config)
+                        .map(|tensors| (tensors, started.elapsed()))
+                })
+                .await
+                .map_err(plugin_error(item))
+            }
+        });
+    let outputs = join_all(jobs)
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+    let infos = Arc::try_unwrap(infos).unwrap_or_else(|shared| (*shared).clone());
+    Ok(infos
+        .into_iter()
+        .zip(plans)
+        .zip(outputs)
+        .enumerate()
+        .map(|(item, ((info, plan), (tensors, preprocess)))| Processed {
+            info,
+            plan,
+            tensors,
+            timings: Timings {
+                probe: probe_times[item],
+                plan: plan_times[item],
+                preprocess,
+            },
+        })
+        .collect())
 }
 
 /// The account of one item: the plugin, what the media is, the size/duration chosen, tokens, why
