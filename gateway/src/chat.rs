@@ -124,11 +124,7 @@ pub async fn prepare(
         .text
         .encode(&templated)
         .map_err(|e| internal(e.to_string()))?;
-    let placeholders: Vec<u32> = items
-        .iter()
-        .filter_map(|item| runtime.placeholder(item.kind).ok())
-        .collect();
-    let text_tokens = ids.iter().filter(|id| !placeholders.contains(id)).count();
+    let text_tokens = runtime.text_tokens(&ids);
     let context = runtime.context_length;
     let max_tokens = match request.max_tokens {
         Some(0) => return Err(invalid("max_tokens", "max_tokens must be at least 1")),

@@ -242,6 +242,17 @@ impl ModelRuntime {
         }
     }
 
+    /// Tokens of a templated prompt that are not media placeholders (each media item is one
+    /// placeholder before expansion).
+    pub fn text_tokens(&self, ids: &[u32]) -> usize {
+        let placeholders: Vec<u32> = self
+            .media_kinds()
+            .iter()
+            .filter_map(|&k| self.placeholder(k).ok())
+            .collect();
+        ids.iter().filter(|id| !placeholders.contains(id)).count()
+    }
+
     /// The placeholder token for a media kind, or why this model does not take it.
     pub fn placeholder(&self, kind: MediaKind) -> anyhow::Result<u32> {
         match (&self.family, kind) {

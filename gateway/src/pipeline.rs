@@ -59,16 +59,9 @@ pub fn process_together(
         probe_times.push(started.elapsed());
         infos.push(info);
     }
-    let plan_times = RefCell::new(vec![Duration::ZERO; items.len()]);
-    let plans = budget::allocate(items.len(), budget, |item, max_tokens| {
-        let started = Instant::now();
-        let plan = items[item]
-            .0
-            .plan(&infos[item], Budget { max_tokens }, processor_config);
-        plan_times.borrow_mut()[item] += started.elapsed();
-        plan
-    })?;
-    let plan_times = plan_times.into_inner();
+    let plugins: Vec<&LoadedPlugin> = items.iter().map(|(p, _)| p.as_ref()).collect();
+    let (plans, plan_times) = plan_items(&plugins, &infos, processor_config, budget);
+    let plans = plans?;
     let mut processed = Vec::with_capacity(items.len());
     for (item, (((plugin, media), info), plan)) in items.iter().zip(infos).zip(plans).enumerate() {
         let started = Instant::now();
@@ -87,6 +80,24 @@ pub fn process_together(
         });
     }
     Ok(processed)
+}
+
+/// Every item's plan within `budget` shared (see [`budget::allocate`]), and the time each item's
+/// plan calls took.
+fn plan_items(
+    plugins: &[&LoadedPlugin],
+    infos: &[MediaInfo],
+    processor_config: &str,
+    budget: u32,
+) -> (Result<Vec<TokenPlan>, BudgetError>, Vec<Duration>) {
+    let plan_times = RefCell::new(vec![Duration::ZERO; plugins.len()]);
+    let plans = budget::allocate(plugins.len(), budget, |item, max_tokens| {
+        let started = Instant::now();
+        let plan = plugins[item].plan(&infos[item], Budget { max_tokens }, processor_config);
+        plan_times.borrow_mut()[item] += started.elapsed();
+        plan
+    });
+    (plans, plan_times.into_inner())
 }
 
 /// [`process_together`] on the plugin pool, the items' probes in parallel and then their
@@ -123,15 +134,8 @@ pub async fn process_concurrently(
     let config = processor_config.clone();
     let (plans, plan_times) = pool
         .run(move || {
-            let plan_times = RefCell::new(vec![Duration::ZERO; plugins.len()]);
-            let plans = budget::allocate(plugins.len(), budget, |item, max_tokens| {
-                let started = Instant::now();
-                let plan =
-                    plugins[item].plan(&planning_infos[item], Budget { max_tokens }, &config);
-                plan_times.borrow_mut()[item] += started.elapsed();
-                plan
-            });
-            Ok((plans, plan_times.into_inner()))
+            let plugins: Vec<&LoadedPlugin> = plugins.iter().map(AsRef::as_ref).collect();
+            Ok(plan_items(&plugins, &planning_infos, &config, budget))
         })
         .await
         .map_err(plugin_error(0))?;

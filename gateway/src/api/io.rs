@@ -48,24 +48,22 @@ pub async fn read_body(session: &mut ServerSession, limit: usize) -> Result<Byte
 /// A complete JSON response. A client that went away is only logged: there is no one to tell.
 pub async fn write_json(session: &mut ServerSession, status: StatusCode, body: &Value) {
     let bytes = Bytes::from(body.to_string());
-    let written = async {
-        let mut header = ResponseHeader::build(status, Some(3))?;
-        header.insert_header("content-type", "application/json")?;
-        header.insert_header("content-length", bytes.len().to_string())?;
-        session.write_response_header(Box::new(header)).await?;
-        session.write_response_body(bytes, true).await
-    }
-    .await;
-    if let Err(e) = written {
-        tracing::debug!(error = %e, "writing a response");
-    }
+    write_complete(session, status, "application/json", bytes).await;
 }
 
 /// A complete non-JSON response (the metrics exposition).
 pub async fn write_text(session: &mut ServerSession, content_type: &str, text: String) {
-    let bytes = Bytes::from(text);
+    write_complete(session, StatusCode::OK, content_type, Bytes::from(text)).await;
+}
+
+async fn write_complete(
+    session: &mut ServerSession,
+    status: StatusCode,
+    content_type: &str,
+    bytes: Bytes,
+) {
     let written = async {
-        let mut header = ResponseHeader::build(StatusCode::OK, Some(3))?;
+        let mut header = ResponseHeader::build(status, Some(3))?;
         header.insert_header("content-type", content_type)?;
         header.insert_header("content-length", bytes.len().to_string())?;
         session.write_response_header(Box::new(header)).await?;

@@ -59,7 +59,7 @@ impl Gateway {
         {
             write_error(session, &error).await;
             self.metrics
-                .request_done(&path, "none", error.status, started.elapsed());
+                .request_done("unauthenticated", "none", error.status, started.elapsed());
             return;
         }
         let result: Result<Value, ApiError> = match (method.as_str(), path.as_str()) {
@@ -108,11 +108,14 @@ impl Gateway {
                 error.status
             }
         };
-        // Ids in paths would make a label per file: the path is recorded by its route.
-        let label = if path.starts_with("/v1/files/") {
-            "/v1/files/{id}"
-        } else {
-            path.as_str()
+        // Labels come from the routes, never from the client's path: ids and unknown paths would
+        // make a new series each, without bound.
+        let label = match path.as_str() {
+            "/health" | "/v1/models" | "/v1/plugins" | "/v1/preprocess" | "/v1/files" => {
+                path.as_str()
+            }
+            p if p.starts_with("/v1/files/") => "/v1/files/{id}",
+            _ => "other",
         };
         self.metrics
             .request_done(label, "none", status, started.elapsed());

@@ -79,11 +79,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
     let ids = model.text.encode(&templated)?;
 
     // Media share what the context leaves after the text and the completion.
-    let placeholders: Vec<u32> = files
-        .iter()
-        .filter_map(|(k, _)| model.placeholder(*k).ok())
-        .collect();
-    let text_tokens = ids.iter().filter(|id| !placeholders.contains(id)).count();
+    let text_tokens = model.text_tokens(&ids);
     let budget = model
         .context_length
         .checked_sub(text_tokens + args.max_tokens)
