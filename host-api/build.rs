@@ -15,10 +15,14 @@ use std::process::Command;
 /// Built-in plugins: (name the host registers, crate artifact name). Embedded in the binary.
 const BUILTIN: &[(&str, &str)] = &[
     ("image", "mmgate_image_plugin"),
+    ("video", "mmgate_video_plugin"),
     ("audio", "mmgate_audio_plugin"),
 ];
 /// Test-only plugins: built beside the built-ins, never embedded.
-const TEST_ONLY: &[(&str, &str)] = &[("testing", "mmgate_test_plugin")];
+const TEST_ONLY: &[(&str, &str)] = &[
+    ("testing", "mmgate_test_plugin"),
+    ("testing-v0_1", "mmgate_test_plugin_v0_1"),
+];
 
 const WASM_TARGET: &str = "wasm32-wasip2";
 
@@ -49,13 +53,17 @@ fn run() -> Result<(), String> {
         "cargo:rerun-if-changed={}",
         plugins.join("Cargo.lock").display()
     );
-    for dir in ["sdk", "image", "video", "audio", "testing"] {
+    for dir in ["sdk", "image", "video", "audio", "testing", "testing-v0_1"] {
         let path = plugins.join(dir);
         if path.exists() {
             println!("cargo:rerun-if-changed={}", path.display());
         }
     }
     println!("cargo:rerun-if-changed={}", root.join("wit").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        manifest_dir.join("wit").display()
+    );
     println!("cargo:rerun-if-env-changed=MMGATE_PLUGINS_PROFILE");
 
     let target_dir = plugin_target_dir(&out_dir)?;

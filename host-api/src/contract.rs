@@ -7,19 +7,43 @@ wasmtime::component::bindgen!({
     world: "modality-plugin",
     path: "../wit",
     additional_derives: [serde::Serialize, serde::Deserialize],
+    with: { "mmgate:modality/video.video-decoder": crate::video::HostVideo },
 });
+
+/// The previous contract, 0.1, frozen in `host-api/wit/v0.1/`: plugins built against it keep loading. Its types
+/// are the current ones (unchanged since), so calls into either version share one set of Rust types;
+/// only its `host` interface is its own.
+pub mod v0_1 {
+    wasmtime::component::bindgen!({
+        world: "modality-plugin",
+        path: "wit/v0.1",
+        with: { "mmgate:modality/types": super::mmgate::modality::types },
+    });
+}
 
 pub use mmgate::modality::host::LogLevel;
 pub use mmgate::modality::types::{
     Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, PluginError, Tensor, TokenPlan,
 };
+pub use mmgate::modality::video::{Frame, VideoError, VideoInfo};
 
 /// The contract version this host implements (the `mmgate:modality` package version in `wit/`).
 pub const CONTRACT_VERSION: Version = Version {
     major: 0,
-    minor: 1,
+    minor: 2,
     patch: 0,
 };
+
+/// Every contract version this host serves plugins of, newest first: the current one, and 0.1 through
+/// the frozen bindings in [`v0_1`].
+pub const SUPPORTED_VERSIONS: [Version; 2] = [
+    CONTRACT_VERSION,
+    Version {
+        major: 0,
+        minor: 1,
+        patch: 0,
+    },
+];
 
 /// The interface every plugin exports, without its version suffix.
 pub const PLUGIN_INTERFACE: &str = "mmgate:modality/plugin";
@@ -41,6 +65,13 @@ impl Version {
             patch: parts.next()??,
         };
         parts.next().is_none().then_some(version)
+    }
+
+    /// The supported contract whose bindings serve a plugin built against `self`, if any.
+    pub fn supported(self) -> Option<Version> {
+        SUPPORTED_VERSIONS
+            .into_iter()
+            .find(|&host| self.runs_on(host))
     }
 
     /// Whether a plugin built against `self` can run on a host implementing `host`: the component
@@ -149,6 +180,16 @@ mod tests {
         assert!(!Version::parse("2.0.0").unwrap().runs_on(host1));
         assert!(Version::parse("0.1").is_none());
         assert!(Version::parse("0.1.0-rc1").is_none());
+    }
+
+    #[test]
+    fn plugins_of_the_previous_minor_version_are_still_served() {
+        let v = |s| Version::parse(s).unwrap();
+        assert_eq!(v("0.1.0").supported(), Some(v("0.1.0")));
+        assert_eq!(v("0.2.0").supported(), Some(CONTRACT_VERSION));
+        assert_eq!(v("0.1.1").supported(), None);
+        assert_eq!(v("0.3.0").supported(), None);
+        assert_eq!(v("0.0.9").supported(), None);
     }
 
     #[test]

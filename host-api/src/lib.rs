@@ -6,6 +6,7 @@
 //! - [`manifest`] and [`registry`]: the built-in plugins plus a plugin directory;
 //! - [`component`]: building a plugin crate into a component (`mmgate plugin build`, the SDK's harness);
 //! - [`pool`]: the bounded thread pool plugin calls run on, away from async reactors;
+//! - [`video`]: the FFmpeg video decoder plugins import (contract 0.2);
 //! - [`error`]: what can go wrong, typed.
 //!
 //! This crate knows nothing of HTTP or models: the gateway drives it, the inference core consumes the
@@ -20,6 +21,7 @@ pub mod plugin;
 pub mod pool;
 pub mod registry;
 pub mod sandbox;
+pub mod video;
 
 pub use contract::{
     Budget, CONTRACT_VERSION, Descriptor, Dtype, Media, MediaInfo, PluginError, Tensor, TokenPlan,

@@ -11,7 +11,7 @@ use wasmtime::{Store, Trap};
 
 use crate::contract::{
     Budget, CONTRACT_VERSION, Descriptor, Media, MediaInfo, ModalityPlugin, ModalityPluginPre,
-    PLUGIN_INTERFACE, Tensor, TokenPlan, Version,
+    PLUGIN_INTERFACE, SUPPORTED_VERSIONS, Tensor, TokenPlan, Version, v0_1,
 };
 use crate::error::{CallError, LoadError};
 use crate::sandbox::{CallState, Sandbox};
@@ -34,10 +34,38 @@ impl std::fmt::Display for PluginOrigin {
     }
 }
 
+/// A component pre-linked against the bindings of the contract version it was built for.
+enum Pre {
+    Current(ModalityPluginPre<CallState>),
+    V0_1(v0_1::ModalityPluginPre<CallState>),
+}
+
+/// An instance of either version. Both export the same functions over the same Rust types.
+enum Instance {
+    Current(ModalityPlugin),
+    V0_1(v0_1::ModalityPlugin),
+}
+
+/// Call an export of whichever contract version `$instance` speaks.
+macro_rules! on_plugin {
+    ($instance:expr, |$exports:ident| $call:expr) => {
+        match $instance {
+            Instance::Current(p) => {
+                let $exports = p.mmgate_modality_plugin();
+                $call
+            }
+            Instance::V0_1(p) => {
+                let $exports = p.mmgate_modality_plugin();
+                $call
+            }
+        }
+    };
+}
+
 /// A plugin ready to be called: compiled, contract-checked, linked, and described.
 pub struct LoadedPlugin {
     sandbox: Arc<Sandbox>,
-    pre: ModalityPluginPre<CallState>,
+    pre: Pre,
     descriptor: Descriptor,
     contract: Version,
     origin: PluginOrigin,
@@ -66,11 +94,15 @@ impl LoadedPlugin {
                 reason: format!("it needs an import this host does not provide: {e:#}"),
             }
         })?;
-        let pre =
-            ModalityPluginPre::new(instance_pre).map_err(|e| LoadError::ContractMismatch {
-                origin: label.clone(),
-                reason: format!("its exports do not match the contract: {e:#}"),
-            })?;
+        let exports_mismatch = |e: wasmtime::Error| LoadError::ContractMismatch {
+            origin: label.clone(),
+            reason: format!("its exports do not match the contract: {e:#}"),
+        };
+        let pre = if contract.runs_on(CONTRACT_VERSION) {
+            Pre::Current(ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?)
+        } else {
+            Pre::V0_1(v0_1::ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?)
+        };
         let mut plugin = LoadedPlugin {
             sandbox,
             pre,
@@ -88,7 +120,7 @@ impl LoadedPlugin {
             origin,
         };
         let descriptor = plugin
-            .call(|store, p| p.mmgate_modality_plugin().call_describe(store))
+            .call(|store, p| on_plugin!(p, |e| e.call_describe(store)))
             .map_err(|source| LoadError::Describe {
                 origin: label.clone(),
                 source,
@@ -126,12 +158,12 @@ impl LoadedPlugin {
 
     /// `describe()`, in a fresh sandbox.
     pub fn describe(&self) -> Result<Descriptor, CallError> {
-        self.call(|store, p| p.mmgate_modality_plugin().call_describe(store))
+        self.call(|store, p| on_plugin!(p, |e| e.call_describe(store)))
     }
 
     /// `probe(media)`: read the header.
     pub fn probe(&self, media: &Media) -> Result<MediaInfo, CallError> {
-        self.call(|store, p| p.mmgate_modality_plugin().call_probe(store, media))?
+        self.call(|store, p| on_plugin!(p, |e| e.call_probe(&mut *store, media)))?
             .map_err(CallError::Plugin)
     }
 
@@ -142,11 +174,9 @@ impl LoadedPlugin {
         budget: Budget,
         processor_config: &str,
     ) -> Result<TokenPlan, CallError> {
-        self.call(|store, p| {
-            p.mmgate_modality_plugin()
-                .call_plan(store, info, budget, &processor_config.to_owned())
-        })?
-        .map_err(CallError::Plugin)
+        let config = processor_config.to_owned();
+        self.call(|store, p| on_plugin!(p, |e| e.call_plan(&mut *store, info, budget, &config)))?
+            .map_err(CallError::Plugin)
     }
 
     /// `preprocess(media, plan, config)`: produce the tensors, checked against the contract and the
@@ -157,14 +187,10 @@ impl LoadedPlugin {
         plan: &TokenPlan,
         processor_config: &str,
     ) -> Result<Vec<Tensor>, CallError> {
+        let config = processor_config.to_owned();
         let tensors = self
             .call(|store, p| {
-                p.mmgate_modality_plugin().call_preprocess(
-                    store,
-                    media,
-                    plan,
-                    &processor_config.to_owned(),
-                )
+                on_plugin!(p, |e| e.call_preprocess(&mut *store, media, plan, &config))
             })?
             .map_err(CallError::Plugin)?;
         let limit = self.sandbox.limits().max_output_bytes;
@@ -183,7 +209,7 @@ impl LoadedPlugin {
     /// went wrong into a typed [`CallError`].
     fn call<R>(
         &self,
-        f: impl FnOnce(&mut Store<CallState>, &ModalityPlugin) -> wasmtime::Result<R>,
+        f: impl FnOnce(&mut Store<CallState>, &Instance) -> wasmtime::Result<R>,
     ) -> Result<R, CallError> {
         let limits = self.sandbox.limits();
         let mut store = Store::new(
@@ -196,10 +222,11 @@ impl LoadedPlugin {
         // image's f32 patches exceed); our own cap is max_output_bytes, checked precisely after the
         // copy, so wasmtime's is set just above it and only stops a guest that goes far past it.
         store.set_hostcall_fuel(limits.max_output_bytes.saturating_add(HOSTCALL_FUEL_SLACK));
-        let result = self
-            .pre
-            .instantiate(&mut store)
-            .and_then(|instance| f(&mut store, &instance));
+        let instance = match &self.pre {
+            Pre::Current(pre) => pre.instantiate(&mut store).map(Instance::Current),
+            Pre::V0_1(pre) => pre.instantiate(&mut store).map(Instance::V0_1),
+        };
+        let result = instance.and_then(|instance| f(&mut store, &instance));
         result.map_err(|error| classify(error, store.data(), &self.sandbox))
     }
 }
@@ -257,13 +284,17 @@ fn exported_contract_version(
         origin: label.to_owned(),
         reason: format!("unreadable contract version {version_text:?}"),
     })?;
-    if !version.runs_on(CONTRACT_VERSION) {
+    if version.supported().is_none() {
+        let compatible: Vec<String> = SUPPORTED_VERSIONS
+            .iter()
+            .map(|v| format!("{}.{}.x up to {v}", v.major, v.minor))
+            .collect();
         return Err(LoadError::ContractMismatch {
             origin: label.to_owned(),
             reason: format!(
                 "built for contract {version}, but this host implements {CONTRACT_VERSION} \
-                 (compatible: {}.{}.x up to {CONTRACT_VERSION})",
-                CONTRACT_VERSION.major, CONTRACT_VERSION.minor
+                 (compatible: {})",
+                compatible.join(", ")
             ),
         });
     }

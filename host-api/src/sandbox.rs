@@ -15,7 +15,7 @@ use wasmtime::component::{HasSelf, Linker, ResourceTable};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
-use crate::contract::{LogLevel, ModalityPlugin, mmgate};
+use crate::contract::{LogLevel, ModalityPlugin, mmgate, v0_1};
 use crate::error::LoadError;
 
 /// How often the epoch advances. A deadline is rounded up to whole ticks, so a call overruns its
@@ -43,6 +43,8 @@ pub struct SandboxLimits {
     pub max_wasm_stack: usize,
     /// Most plugin instances alive at once (sizes the pooling allocator).
     pub max_instances: u32,
+    /// Limits of the host's video decoder (contract 0.2), per opened video.
+    pub video: mmgate_video_decode::Limits,
 }
 
 impl Default for SandboxLimits {
@@ -54,6 +56,7 @@ impl Default for SandboxLimits {
             max_output_bytes: 512 << 20,
             max_wasm_stack: 1 << 20,
             max_instances: 64,
+            video: mmgate_video_decode::Limits::default(),
         }
     }
 }
@@ -95,6 +98,9 @@ impl Sandbox {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(engine_error)?;
         ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
+            .map_err(engine_error)?;
+        // The 0.1 contract's imports, for plugins built against it (its types are shared).
+        v0_1::ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
             .map_err(engine_error)?;
 
         let ticker = Ticker::start(engine.clone());
@@ -173,6 +179,8 @@ pub struct CallState {
     limiter: MemoryLimiter,
     plugin: Arc<str>,
     deadline_at: Instant,
+    video_limits: mmgate_video_decode::Limits,
+    open_videos: usize,
 }
 
 impl CallState {
@@ -193,7 +201,34 @@ impl CallState {
             },
             plugin,
             deadline_at: Instant::now() + limits.deadline(),
+            video_limits: limits.video.clone(),
+            open_videos: 0,
         }
+    }
+
+    /// When the call's deadline passes: host work done on the plugin's behalf stops there too.
+    pub fn deadline_at(&self) -> Instant {
+        self.deadline_at
+    }
+
+    pub(crate) fn table(&mut self) -> &mut ResourceTable {
+        &mut self.table
+    }
+
+    pub(crate) fn video_limits(&self) -> &mmgate_video_decode::Limits {
+        &self.video_limits
+    }
+
+    pub(crate) fn open_videos(&self) -> usize {
+        self.open_videos
+    }
+
+    pub(crate) fn video_opened(&mut self) {
+        self.open_videos += 1;
+    }
+
+    pub(crate) fn video_closed(&mut self) {
+        self.open_videos = self.open_videos.saturating_sub(1);
     }
 
     pub fn limiter(&mut self) -> &mut MemoryLimiter {
@@ -279,6 +314,28 @@ impl mmgate::modality::host::Host for CallState {
         self.deadline_at
             .saturating_duration_since(Instant::now())
             .as_nanos() as u64
+    }
+}
+
+impl v0_1::mmgate::modality::host::Host for CallState {
+    fn log(&mut self, level: v0_1::mmgate::modality::host::LogLevel, message: String) {
+        use v0_1::mmgate::modality::host::LogLevel as Old;
+        let level = match level {
+            Old::Trace => LogLevel::Trace,
+            Old::Debug => LogLevel::Debug,
+            Old::Info => LogLevel::Info,
+            Old::Warn => LogLevel::Warn,
+            Old::Error => LogLevel::Error,
+        };
+        mmgate::modality::host::Host::log(self, level, message);
+    }
+
+    fn monotonic_now(&mut self) -> u64 {
+        mmgate::modality::host::Host::monotonic_now(self)
+    }
+
+    fn time_remaining(&mut self) -> u64 {
+        mmgate::modality::host::Host::time_remaining(self)
     }
 }
 

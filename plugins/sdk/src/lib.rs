@@ -21,6 +21,7 @@ pub mod imagedecode;
 pub mod imageops;
 pub mod log;
 mod tensor;
+pub mod video;
 
 /// Generated bindings of the `modality-plugin` world (the contract in `wit/modality.wit`).
 pub mod bindings {
@@ -44,7 +45,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 /// The contract version this SDK was built against (the `mmgate:modality` package version).
-pub const CONTRACT_VERSION: &str = "0.1.0";
+pub const CONTRACT_VERSION: &str = "0.2.0";
 
 /// Result type of the fallible contract functions.
 pub type PluginResult<T> = Result<T, PluginError>;

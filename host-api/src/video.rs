@@ -1,0 +1,119 @@
+//! The `video-decoder` host resource (contract 0.2): FFmpeg decoding through `mmgate-video-decode`,
+//! owned by the call's resource table so everything a plugin opened is freed when its call ends.
+
+use std::time::Instant;
+
+use mmgate_video_decode::{Limits, Video, VideoError as DecodeError};
+use wasmtime::component::Resource;
+
+use crate::contract::mmgate::modality::video::{Host, HostVideoDecoder};
+use crate::contract::{Frame, VideoError, VideoInfo};
+use crate::sandbox::CallState;
+
+/// Most videos one plugin call may hold open at once: each holds the upload and a decoder.
+pub const MAX_OPEN_VIDEOS: usize = 4;
+
+/// A video opened by a plugin.
+pub struct HostVideo {
+    video: Video,
+}
+
+fn contract_error(error: DecodeError) -> VideoError {
+    match error {
+        DecodeError::InvalidMedia(m) => VideoError::InvalidMedia(m),
+        DecodeError::Unsupported(m) => VideoError::Unsupported(m),
+        DecodeError::LimitExceeded(m) => VideoError::LimitExceeded(m),
+        DecodeError::BadRequest(m) => VideoError::BadRequest(m),
+        DecodeError::Internal(m) => VideoError::Internal(m),
+    }
+}
+
+impl CallState {
+    fn video(&mut self, handle: &Resource<HostVideo>) -> Result<&mut Video, VideoError> {
+        self.table()
+            .get_mut(handle)
+            .map(|v| &mut v.video)
+            .map_err(|e| VideoError::Internal(format!("unknown video handle: {e}")))
+    }
+}
+
+impl Host for CallState {}
+
+impl HostVideoDecoder for CallState {
+    fn open(&mut self, data: Vec<u8>) -> Result<Resource<HostVideo>, VideoError> {
+        if self.open_videos() >= MAX_OPEN_VIDEOS {
+            return Err(VideoError::LimitExceeded(format!(
+                "a plugin call may hold at most {MAX_OPEN_VIDEOS} videos open"
+            )));
+        }
+        let limits: Limits = self.video_limits().clone();
+        let video = Video::open(&data, limits).map_err(contract_error)?;
+        drop(data);
+        let handle = self
+            .table()
+            .push(HostVideo { video })
+            .map_err(|e| VideoError::Internal(format!("cannot keep the video: {e}")))?;
+        self.video_opened();
+        Ok(handle)
+    }
+
+    fn info(&mut self, handle: Resource<HostVideo>) -> VideoInfo {
+        match self.video(&handle) {
+            Ok(video) => {
+                let info = video.info();
+                VideoInfo {
+                    container: info.container.clone(),
+                    codec: info.codec.clone(),
+                    width: info.width,
+                    height: info.height,
+                    rotation: info.rotation,
+                    fps: info.fps,
+                    frame_count: info.frame_count,
+                    duration_seconds: info.duration_seconds,
+                }
+            }
+            // Only a handle of this call can reach here; an empty answer rather than a trap.
+            Err(_) => VideoInfo {
+                container: String::new(),
+                codec: String::new(),
+                width: 0,
+                height: 0,
+                rotation: 0,
+                fps: 0.0,
+                frame_count: 0,
+                duration_seconds: 0.0,
+            },
+        }
+    }
+
+    fn keyframes(&mut self, handle: Resource<HostVideo>) -> Vec<u64> {
+        self.video(&handle)
+            .map(|v| v.keyframe_indices())
+            .unwrap_or_default()
+    }
+
+    fn frame(&mut self, handle: Resource<HostVideo>, index: u64) -> Result<Frame, VideoError> {
+        let deadline: Instant = self.deadline_at();
+        let frame = self
+            .video(&handle)?
+            .frame(index, Some(deadline))
+            .map_err(contract_error)?;
+        Ok(Frame {
+            index: frame.index,
+            timestamp: frame.timestamp,
+            width: frame.width,
+            height: frame.height,
+            rgb: frame.rgb,
+        })
+    }
+
+    fn frames_decoded(&mut self, handle: Resource<HostVideo>) -> u64 {
+        self.video(&handle).map(|v| v.frames_decoded()).unwrap_or(0)
+    }
+
+    fn drop(&mut self, handle: Resource<HostVideo>) -> wasmtime::Result<()> {
+        self.table().delete(handle)?;
+        self.video_closed();
+        Ok(())
+    }
+}

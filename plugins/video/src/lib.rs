@@ -1,0 +1,383 @@
+//! The built-in video plugin.
+//!
+//! - `probe`: the host's FFmpeg decoder opens and indexes the video (exact frame count, fps,
+//!   displayed size, rotation, keyframes); nothing is decoded.
+//! - `plan`: qwen-vl-utils' rules choose the frames (`fps`: 2 a second, 4–768, even; `uniform`:
+//!   `nframes`; `keyframes`: the encoder's keyframes) and the per-frame size (VIDEO_MIN/MAX/TOTAL
+//!   pixels); over budget, frames are cut first (down to the minimum), then resolution.
+//! - `preprocess`: the host decodes only the chosen frames, one at a time; each pair is resized as
+//!   torchvision does (bicubic, antialias) and patchified as Qwen2-VL's processor does.
+//!
+//! Outputs: `pixel_values_videos` (f32, HF layout), `video_grid_thw` (i64 [1,3]), `frame_indices`
+//! (i64), `frame_timestamps` (f32 seconds) and `second_per_grid_ts` (f32 [1], Qwen2.5-VL's).
+
+mod config;
+pub mod sampling;
+
+use mmgate_plugin_sdk::imageops::{RgbImage, qwen2vl_frame_patches, resize_like_torchvision};
+use mmgate_plugin_sdk::video::VideoDecoder;
+use mmgate_plugin_sdk::*;
+use serde::{Deserialize, Serialize};
+
+use config::VideoConfig;
+use sampling::{FRAME_FACTOR, Strategy, linspace_indices, smart_resize, spread};
+
+pub struct VideoPlugin;
+
+/// Keyframe indices ride in `media-info.extra` from `probe` to `plan` (which sees nothing else).
+const KEYFRAMES_KEY: &str = "keyframes";
+/// At most this many keyframes are carried; beyond it they are spread evenly.
+const MAX_KEYFRAMES_CARRIED: usize = 4096;
+
+/// What `plan` decided, handed back to `preprocess`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Choices {
+    pub strategy: Strategy,
+    pub frame_indices: Vec<u64>,
+    pub width: usize,
+    pub height: usize,
+    /// Frames in the source video (checked again at preprocess: the bytes must be the same video).
+    pub source_frames: u64,
+    /// Frames a second of the chosen frames, as qwen-vl-utils computes it.
+    pub sample_fps: f64,
+}
+
+impl Plugin for VideoPlugin {
+    fn describe() -> Descriptor {
+        Descriptor::new(
+            "video",
+            env!("CARGO_PKG_VERSION"),
+            "Video through the host's FFmpeg: frame sampling under a token budget (qwen-vl-utils), \
+             torchvision resize, Qwen2-VL patches",
+            &["video"],
+            &[
+                "video/mp4",
+                "video/webm",
+                "video/x-matroska",
+                "video/x-msvideo",
+                "video/quicktime",
+                "video/mpeg",
+                "video/ogg",
+                "video/x-flv",
+                "video/3gpp",
+            ],
+            config::SUPPORTED,
+        )
+    }
+
+    fn probe(media: Media) -> PluginResult<MediaInfo> {
+        let video = VideoDecoder::open(&media.data)?;
+        let info = video.info();
+        let keyframes = spread(&video.keyframes(), MAX_KEYFRAMES_CARRIED);
+        let keyframes: Vec<String> = keyframes.iter().map(u64::to_string).collect();
+        let mut media_info = MediaInfo::new("video", format!("{}/{}", info.container, info.codec));
+        media_info.width = Some(info.width);
+        media_info.height = Some(info.height);
+        media_info.frame_count = Some(info.frame_count);
+        media_info.fps = Some(info.fps);
+        media_info.duration_seconds = Some(info.duration_seconds);
+        media_info.extra = vec![
+            ("codec".into(), info.codec.clone()),
+            ("rotation".into(), info.rotation.to_string()),
+            (KEYFRAMES_KEY.into(), keyframes.join(",")),
+        ];
+        Ok(media_info)
+    }
+
+    fn plan(info: MediaInfo, budget: Budget, config: ProcessorConfig) -> PluginResult<TokenPlan> {
+        let config = VideoConfig::parse(&config)?;
+        let source = Source::from_info(&info)?;
+        let choices_for = |frames: Vec<u64>, (height, width): (usize, usize)| Choices {
+            strategy: config.strategy.clone(),
+            sample_fps: frames.len() as f64 / (source.frames as f64).max(1e-6) * source.fps,
+            frame_indices: frames,
+            width,
+            height,
+            source_frames: source.frames,
+        };
+        let tokens = |frames: usize, (h, w): (usize, usize)| {
+            (frames / FRAME_FACTOR) * (h / config.factor()) * (w / config.factor())
+        };
+
+        let wanted = source.frames_for(&config)?;
+        let size = config.frame_size(&source, wanted.len())?;
+        let full = tokens(wanted.len(), size);
+        let max = budget.max_tokens as usize;
+        if full <= max {
+            let reason = format!(
+                "{} frames ({}) at {}x{}",
+                wanted.len(),
+                config.strategy_label(),
+                size.1,
+                size.0
+            );
+            let tokens = tokens_u32(full)?;
+            return TokenPlan::new(tokens, false, reason, &choices_for(wanted, size));
+        }
+
+        // Over budget: fewer frames at the same size, down to the minimum count.
+        let min_frames = config.min_frames_for(source.frames).min(wanted.len());
+        let per_pair = tokens(FRAME_FACTOR, size).max(1);
+        let fit = (max / per_pair) * FRAME_FACTOR;
+        if fit >= min_frames {
+            let frames = source.reduce(&config, &wanted, fit);
+            let cost = tokens(frames.len(), size);
+            let reason = format!(
+                "{} of {} frames at {}x{} to fit {max} tokens",
+                frames.len(),
+                wanted.len(),
+                size.1,
+                size.0
+            );
+            return TokenPlan::new(tokens_u32(cost)?, true, reason, &choices_for(frames, size));
+        }
+
+        // Then the minimum count at a lower resolution, never below the minimum pixels.
+        let frames = source.reduce(&config, &wanted, min_frames);
+        let pairs = (frames.len() / FRAME_FACTOR).max(1);
+        let per_frame_tokens = max / pairs;
+        let cap = (per_frame_tokens * config.factor() * config.factor()) as f64;
+        let smaller = smart_resize(
+            source.height,
+            source.width,
+            config.factor(),
+            config.min_pixels,
+            cap.max(1.0),
+        )
+        .map_err(PluginError::limit)?;
+        let cost = tokens(frames.len(), smaller);
+        if cost <= max && cap >= config.min_pixels {
+            let reason = format!(
+                "{} of {} frames at {}x{} (down from {}x{}) to fit {max} tokens",
+                frames.len(),
+                wanted.len(),
+                smaller.1,
+                smaller.0,
+                size.1,
+                size.0
+            );
+            return TokenPlan::new(
+                tokens_u32(cost)?,
+                true,
+                reason,
+                &choices_for(frames, smaller),
+            );
+        }
+        let smallest = smart_resize(
+            source.height,
+            source.width,
+            config.factor(),
+            config.min_pixels,
+            config.min_pixels,
+        )
+        .map_err(PluginError::limit)?;
+        let needed = tokens(frames.len(), smallest);
+        Err(PluginError::over_budget(
+            tokens_u32(needed)?,
+            budget.max_tokens,
+            format!(
+                "a {}x{} video needs at least {needed} tokens ({} frames at {}x{})",
+                source.width,
+                source.height,
+                frames.len(),
+                smallest.1,
+                smallest.0
+            ),
+        ))
+    }
+
+    fn preprocess(
+        media: Media,
+        plan: TokenPlan,
+        config: ProcessorConfig,
+    ) -> PluginResult<Vec<Tensor>> {
+        let config = VideoConfig::parse(&config)?;
+        let choices: Choices = plan.choices()?;
+        let video = VideoDecoder::open(&media.data)?;
+        let source_frames = video.info().frame_count;
+        if source_frames != choices.source_frames {
+            return Err(PluginError::internal(format!(
+                "the plan was made for a video of {} frames; this one has {source_frames}",
+                choices.source_frames
+            )));
+        }
+        if choices.frame_indices.is_empty()
+            || !choices.frame_indices.len().is_multiple_of(FRAME_FACTOR)
+        {
+            return Err(PluginError::internal("the plan has no whole frame pairs"));
+        }
+        let table = config.normalize.table();
+        let (patch, merge) = (config.patch, config.merge);
+        let (height, width) = (choices.height, choices.width);
+        let rows =
+            (choices.frame_indices.len() / config.temporal) * (height / patch) * (width / patch);
+        let row_len = 3 * config.temporal * patch * patch;
+        let mut pixels: Vec<f32> = Vec::with_capacity(rows * row_len);
+        let mut timestamps = Vec::with_capacity(choices.frame_indices.len());
+        let mut previous: Option<(u64, RgbImage)> = None;
+        for group in choices.frame_indices.chunks(config.temporal) {
+            let mut resized = Vec::with_capacity(group.len());
+            for &index in group {
+                let image = match &previous {
+                    // A repeated index (keyframe padding) reuses the frame already decoded.
+                    Some((last, image)) if *last == index => image.clone(),
+                    _ => {
+                        let frame = video.frame(index)?;
+                        timestamps.push(frame.timestamp as f32);
+                        let decoded = RgbImage {
+                            width: frame.width as usize,
+                            height: frame.height as usize,
+                            data: frame.rgb,
+                        };
+                        resize_like_torchvision(&decoded, width, height)
+                    }
+                };
+                previous = Some((index, image.clone()));
+                resized.push(image);
+            }
+            let refs: Vec<&RgbImage> = resized.iter().collect();
+            qwen2vl_frame_patches(
+                &refs,
+                patch,
+                merge,
+                |c, v| table[c][v as usize],
+                &mut pixels,
+            );
+        }
+        let timestamps = frame_timestamps(&choices.frame_indices, &timestamps);
+        let grid = [
+            (choices.frame_indices.len() / config.temporal) as i64,
+            (height / patch) as i64,
+            (width / patch) as i64,
+        ];
+        let indices: Vec<i64> = choices.frame_indices.iter().map(|&i| i as i64).collect();
+        let second_per_grid = config.temporal as f32 / choices.sample_fps as f32;
+        Ok(vec![
+            Tensor::from_f32("pixel_values_videos", &[rows, row_len], &pixels)?,
+            Tensor::from_i64("video_grid_thw", &[1, 3], &grid)?,
+            Tensor::from_i64("frame_indices", &[indices.len()], &indices)?,
+            Tensor::from_f32("frame_timestamps", &[timestamps.len()], &timestamps)?,
+            Tensor::from_f32("second_per_grid_ts", &[1], &[second_per_grid])?,
+        ])
+    }
+}
+
+mmgate_plugin_sdk::export_plugin!(VideoPlugin);
+
+/// One timestamp per chosen index: `decoded` holds one per distinct consecutive index.
+fn frame_timestamps(indices: &[u64], decoded: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(indices.len());
+    let mut next = decoded.iter();
+    let mut last = 0.0;
+    for (i, index) in indices.iter().enumerate() {
+        if i == 0 || indices[i - 1] != *index {
+            last = next.next().copied().unwrap_or(last);
+        }
+        out.push(last);
+    }
+    out
+}
+
+/// What `probe` found, as `plan` needs it.
+pub(crate) struct Source {
+    frames: u64,
+    fps: f64,
+    width: usize,
+    height: usize,
+    keyframes: Vec<u64>,
+}
+
+impl Source {
+    fn from_info(info: &MediaInfo) -> PluginResult<Source> {
+        let (Some(frames), Some(fps), Some(width), Some(height)) =
+            (info.frame_count, info.fps, info.width, info.height)
+        else {
+            return Err(PluginError::invalid(
+                "the video's frame count, rate or size is unknown",
+            ));
+        };
+        if frames < FRAME_FACTOR as u64 {
+            return Err(PluginError::invalid(format!(
+                "the video has {frames} frame(s); at least {FRAME_FACTOR} are needed"
+            )));
+        }
+        if !(fps.is_finite() && fps > 0.0) {
+            return Err(PluginError::invalid("the video has no frame rate"));
+        }
+        let keyframes = info
+            .extra
+            .iter()
+            .find(|(k, _)| k == KEYFRAMES_KEY)
+            .map(|(_, v)| v.split(',').filter_map(|s| s.parse().ok()).collect())
+            .unwrap_or_default();
+        Ok(Source {
+            frames,
+            fps,
+            width: width as usize,
+            height: height as usize,
+            keyframes,
+        })
+    }
+
+    /// The frames the strategy wants before any budget cut.
+    fn frames_for(&self, config: &VideoConfig) -> PluginResult<Vec<u64>> {
+        let last = self.frames - 1;
+        let total = usize::try_from(self.frames).unwrap_or(usize::MAX);
+        match config.strategy {
+            Strategy::Fps => {
+                let n = sampling::fps_frame_count(
+                    total,
+                    self.fps,
+                    config.fps,
+                    config.min_frames,
+                    config.max_frames,
+                );
+                Ok(linspace_indices(0, last, n))
+            }
+            Strategy::Uniform => {
+                let n = sampling::round_by_factor(config.nframes as f64, FRAME_FACTOR);
+                if !(FRAME_FACTOR..=total).contains(&n) {
+                    return Err(PluginError::invalid(format!(
+                        "nframes {} (rounded to {n}) must be between {FRAME_FACTOR} and the video's {total} frames",
+                        config.nframes
+                    )));
+                }
+                Ok(linspace_indices(0, last, n))
+            }
+            Strategy::Keyframes => {
+                let keyframes = if self.keyframes.is_empty() {
+                    vec![0]
+                } else {
+                    self.keyframes.clone()
+                };
+                let cap = sampling::floor_by_factor(config.max_frames as f64, FRAME_FACTOR);
+                Ok(spread(&keyframes, cap.max(FRAME_FACTOR)))
+            }
+        }
+    }
+
+    /// `count` frames instead of `wanted`: the same rule over fewer frames.
+    fn reduce(&self, config: &VideoConfig, wanted: &[u64], count: usize) -> Vec<u64> {
+        match config.strategy {
+            Strategy::Keyframes => spread(wanted, count),
+            Strategy::Fps | Strategy::Uniform => linspace_indices(0, self.frames - 1, count),
+        }
+    }
+}
+
+fn tokens_u32(tokens: usize) -> PluginResult<u32> {
+    u32::try_from(tokens).map_err(|_| PluginError::limit(format!("{tokens} tokens is too many")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_follow_repeated_indices() {
+        assert_eq!(
+            frame_timestamps(&[0, 30, 60, 60], &[0.0, 1.0, 2.0]),
+            vec![0.0, 1.0, 2.0, 2.0]
+        );
+    }
+}
