@@ -233,6 +233,70 @@ fn images_and_audio_by_data_url_upload_and_http_url_cost_what_their_plugins_plan
 }
 
 /// The text of an SSE chat stream, its usage chunk, and whether it ended with `[DONE]`.
+#[test]
+fn a_video_by_data_url_and_by_http_url_costs_what_its_plugin_planned() {
+    let mp4 = fixture("video/clips/h264.mp4");
+    let mut routes = HashMap::new();
+    routes.insert(
+        "/clip.mp4".to_owned(),
+        Answer::Body {
+            content_type: "video/mp4".into(),
+            data: mp4.clone(),
+        },
+    );
+    let files = FilesServer::start(routes);
+    let (server, _dir) = start("[fetch]\nallow = [\"127.0.0.1/32\"]\n");
+    let video = data_url("video/mp4", &mp4);
+    let planned = planned_tokens(&server, &video, &demo_dir("demo-qwen2-vl"));
+    for source in [video.clone(), format!("{}/clip.mp4", files.base)] {
+        let (status, body) = post(
+            &server,
+            "/v1/chat/completions",
+            &chat(
+                "demo",
+                json!([
+                    {"type": "video_url", "video_url": {"url": source}},
+                    {"type": "text", "text": "Describe the video."}
+                ]),
+            ),
+        );
+        assert_eq!(status, 200, "{body}");
+        let media = &body["usage"]["media"][0];
+        assert_eq!(media["kind"], "video", "{body}");
+        assert_eq!(media["plugin"]["name"], "video", "{body}");
+        assert_eq!(media["tokens"].as_u64(), Some(planned), "{body}");
+        assert!(body["usage"]["prompt_tokens"].as_u64().unwrap() > planned);
+    }
+    // A video to the audio model, and a corrupt one: clear 4xx, and the server goes on.
+    let (status, body) = post(
+        &server,
+        "/v1/chat/completions",
+        &chat(
+            "demo-audio",
+            json!([{"type": "video_url", "video_url": {"url": video}}]),
+        ),
+    );
+    assert!((400..500).contains(&status), "{status} {body}");
+    let mut broken = mp4.clone();
+    broken.truncate(3_000);
+    let (status, body) = post(
+        &server,
+        "/v1/chat/completions",
+        &chat(
+            "demo",
+            json!([{"type": "video_url", "video_url": {"url": data_url("video/mp4", &broken)}}]),
+        ),
+    );
+    assert!((400..500).contains(&status), "{status} {body}");
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    let (status, _) = post(
+        &server,
+        "/v1/chat/completions",
+        &chat("demo", json!([{"type": "text", "text": "still there?"}])),
+    );
+    assert_eq!(status, 200);
+}
+
 fn read_stream(server: &Server, body: &Value) -> (String, Value, bool) {
     let response = client()
         .post(format!("http://{}/v1/chat/completions", server.addr))

@@ -320,7 +320,9 @@ async fn resolve_media(
             Ok(resolved
                 .into_iter()
                 .map(|(index, kind, media)| {
-                    let plugin = pipeline::choose_plugin(&registry, &media).cloned();
+                    let plugin =
+                        pipeline::choose_plugin(&registry, &media, kind.map(MediaKind::name))
+                            .cloned();
                     (index, kind, media, plugin)
                 })
                 .collect::<Vec<_>>())

@@ -15,17 +15,35 @@ use serde_json::{Value, json};
 use crate::budget::{self, BudgetError};
 
 /// The plugin for `media`: the one that lists its MIME type (a directory plugin before a built-in),
-/// else the first whose probe accepts it. A container several modalities share (an MP4 holding only
-/// audio is sniffed as video/mp4) needs the second rule.
+/// else the first whose probe accepts it. Containers are shared between modalities (an MP4 may hold
+/// only audio and is still sniffed as video/mp4), so:
+/// - when the client said what the item is (`modality`, from an `audio_url` part say), only plugins of
+///   that modality are considered, and the probe rule finds the one the client meant;
+/// - when it did not, the listed plugin must accept the item in its probe, else the others are asked
+///   (the listed one is still returned when none does, so its error is what the client sees).
 pub fn choose_plugin<'r>(
     registry: &'r PluginRegistry,
     media: &Media,
+    modality: Option<&str>,
 ) -> Option<&'r Arc<LoadedPlugin>> {
-    media
+    let serves = |p: &Arc<LoadedPlugin>| {
+        modality.is_none_or(|m| p.descriptor().modalities.iter().any(|x| x == m))
+    };
+    let listed = media
         .mime_type
         .as_deref()
         .and_then(|mime| registry.for_mime_type(mime))
-        .or_else(|| registry.iter().find(|p| p.probe(media).is_ok()))
+        .filter(|p| serves(p));
+    if let Some(plugin) = listed
+        && (modality.is_some() || plugin.probe(media).is_ok())
+    {
+        return Some(plugin);
+    }
+    registry
+        .iter()
+        .filter(|p| serves(p) && listed.is_none_or(|l| !Arc::ptr_eq(l, p)))
+        .find(|p| p.probe(media).is_ok())
+        .or(listed)
 }
 
 /// What running one item produced.

@@ -42,6 +42,7 @@ fn main() {
         (plan.tokens, tensors)
     };
     let (tokens, _) = run();
+    let frames = (modality == "video").then(|| frames_decoded(&media.data, &config, &plugin));
     let mut samples: Vec<f64> = (0..iterations)
         .map(|_| {
             let start = Instant::now();
@@ -50,8 +51,40 @@ fn main() {
         })
         .collect();
     samples.sort_by(f64::total_cmp);
+    let frames = frames
+        .map(|(sampled, decoded)| {
+            format!(", \"frames_sampled\": {sampled}, \"frames_decoded\": {decoded}")
+        })
+        .unwrap_or_default();
     println!(
-        "{{\"file\": {file:?}, \"wasm_ms_median\": {:.3}, \"tokens\": {tokens}}}",
+        "{{\"file\": {file:?}, \"wasm_ms_median\": {:.3}, \"tokens\": {tokens}{frames}}}",
         samples[samples.len() / 2]
     );
+}
+
+/// For a video: the frames the plan sampled, and how many the host's decoder decoded to get them
+/// (the same decoder, asked for the same frames in the same order).
+fn frames_decoded(data: &[u8], config: &str, plugin: &mmgate_host::LoadedPlugin) -> (usize, u64) {
+    let media = Media {
+        data: data.to_vec(),
+        mime_type: None,
+    };
+    let info = plugin.probe(&media).unwrap();
+    let budget = Budget {
+        max_tokens: u32::MAX,
+    };
+    let plan = plugin.plan(&info, budget, config).unwrap();
+    let choices: serde_json::Value = serde_json::from_str(&plan.choices).unwrap();
+    let indices: Vec<u64> = choices["frame_indices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i.as_u64().unwrap())
+        .collect();
+    let mut video =
+        mmgate_video_decode::Video::open(data, mmgate_video_decode::Limits::default()).unwrap();
+    for &index in &indices {
+        video.frame(index, None).unwrap();
+    }
+    (indices.len(), video.frames_decoded())
 }

@@ -28,6 +28,7 @@ fn limits() -> SandboxLimits {
         max_output_bytes: OUTPUT,
         max_wasm_stack: 512 << 10,
         max_instances: 16,
+        ..SandboxLimits::default()
     }
 }
 
@@ -257,4 +258,28 @@ fn a_full_pool_refuses_instead_of_queueing_without_bound() {
         assert!(matches!(busy.await.unwrap(), Err(CallError::Deadline(_))));
         assert_eq!(queued.await.unwrap().unwrap()[0].data, b"echo");
     });
+}
+
+#[test]
+fn a_plugin_built_against_contract_0_1_is_still_served() {
+    let sandbox = Arc::new(Sandbox::new(limits()).unwrap());
+    let path = artifact_dir().join("testing-v0_1.wasm");
+    let bytes = std::fs::read(&path).unwrap();
+    let plugin = LoadedPlugin::load(sandbox, &bytes, PluginOrigin::File(path)).unwrap();
+    assert_eq!(plugin.contract_version().to_string(), "0.1.0");
+    assert_eq!(plugin.name(), "legacy");
+    let item = Media {
+        data: b"LEGACYabc".to_vec(),
+        mime_type: None,
+    };
+    // probe logs through the 0.1 host interface.
+    let info = plugin.probe(&item).unwrap();
+    let plan = plugin.plan(&info, Budget { max_tokens: 10 }, "{}").unwrap();
+    assert_eq!(plan.tokens, 3);
+    let tensors = plugin.preprocess(&item, &plan, "{}").unwrap();
+    assert_eq!(tensors[0].data, b"abc");
+    match plugin.plan(&info, Budget { max_tokens: 2 }, "{}") {
+        Err(CallError::Plugin(PluginError::OverBudget(o))) => assert_eq!(o.needed_tokens, 3),
+        other => panic!("expected over-budget, got {other:?}"),
+    }
 }

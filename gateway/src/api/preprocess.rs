@@ -66,7 +66,7 @@ impl Gateway {
                 for (index, media) in media.into_iter().enumerate() {
                     let chosen = named
                         .clone()
-                        .or_else(|| pipeline::choose_plugin(&registry, &media).cloned());
+                        .or_else(|| pipeline::choose_plugin(&registry, &media, None).cloned());
                     match chosen {
                         Some(plugin) => items.push((plugin, media)),
                         None => return Ok(Err(unsupported(index, several, media.mime_type))),

@@ -91,7 +91,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         None => PluginRegistry::builtin(&sandbox),
     }?;
     let mut items = Vec::with_capacity(files.len());
-    for (_, path) in &files {
+    for (kind, path) in &files {
         let data =
             std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
         let mime_type = sniff_mime_type(&data);
@@ -99,13 +99,14 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
             data,
             mime_type: mime_type.map(str::to_owned),
         };
-        let plugin = pipeline::choose_plugin(&registry, &media).ok_or_else(|| {
-            anyhow!(
-                "{}: no loaded plugin accepts this file ({})",
-                path.display(),
-                mime_type.unwrap_or("unknown content")
-            )
-        })?;
+        let plugin =
+            pipeline::choose_plugin(&registry, &media, Some(kind.name())).ok_or_else(|| {
+                anyhow!(
+                    "{}: no loaded plugin accepts this file ({})",
+                    path.display(),
+                    mime_type.unwrap_or("unknown content")
+                )
+            })?;
         items.push((plugin.clone(), media));
     }
     let processed = pipeline::process_together(

@@ -40,6 +40,10 @@ pub struct PreprocessArgs {
     /// Also draw the audio's log-mel spectrogram as a PNG (audio only).
     #[arg(long, value_name = "OUT.png")]
     mel_png: Option<PathBuf>,
+    /// Also draw the frames a video's plan chose, as the model sees them, with their timestamps and
+    /// the token cost (video only).
+    #[arg(long, value_name = "OUT.png")]
+    contact_sheet: Option<PathBuf>,
 }
 
 pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
@@ -61,17 +65,18 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
         data,
         mime_type: mime_type.map(str::to_owned),
     };
-    let plugin = pipeline::choose_plugin(&registry, &media).ok_or_else(|| match mime_type {
-        Some(mime_type) => anyhow!(
-            "no loaded plugin accepts {mime_type} ({})",
-            args.file.display()
-        ),
-        None => anyhow!(
-            "{}: not a media file any plugin recognises ({} bytes of unknown content)",
-            args.file.display(),
-            media.data.len()
-        ),
-    })?;
+    let plugin =
+        pipeline::choose_plugin(&registry, &media, None).ok_or_else(|| match mime_type {
+            Some(mime_type) => anyhow!(
+                "no loaded plugin accepts {mime_type} ({})",
+                args.file.display()
+            ),
+            None => anyhow!(
+                "{}: not a media file any plugin recognises ({} bytes of unknown content)",
+                args.file.display(),
+                media.data.len()
+            ),
+        })?;
     // Plugin errors read the way a client would see them (the message the API would return), on
     // one line: decoder messages sometimes carry newlines.
     let reason = |e: BudgetError| {
@@ -101,6 +106,10 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
     if let Some(path) = &args.mel_png {
         render::mel_png(tensors, path)?;
     }
+    if let Some(path) = &args.contact_sheet {
+        let (mean, std) = normalisation(&config);
+        render::contact_sheet(tensors, mean, std, plan.tokens, path)?;
+    }
     write_safetensors(&args.out, tensors, metadata)?;
 
     if args.explain {
@@ -112,6 +121,18 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The processor config's `image_mean` and `image_std` (CLIP's when absent), to undo normalisation.
+fn normalisation(config: &str) -> ([f32; 3], [f32; 3]) {
+    let value: Value = serde_json::from_str(config).unwrap_or_default();
+    let triple = |key: &str, default: [f32; 3]| {
+        serde_json::from_value::<[f32; 3]>(value[key].clone()).unwrap_or(default)
+    };
+    (
+        triple("image_mean", [0.481_454_66, 0.457_827_5, 0.408_210_73]),
+        triple("image_std", [0.268_629_54, 0.261_302_58, 0.275_777_11]),
+    )
 }
 
 fn safetensors_dtype(dtype: Dtype) -> safetensors::Dtype {

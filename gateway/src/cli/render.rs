@@ -124,3 +124,156 @@ pub fn mel_png(tensors: &[Tensor], path: &Path) -> anyhow::Result<()> {
         .and_then(|mut writer| writer.write_image_data(&rgb))
         .with_context(|| format!("cannot write {}", path.display()))
 }
+
+/// Widest thumbnail in a contact sheet; frames are scaled down (nearest pixel) to fit.
+const THUMB_WIDTH: usize = 240;
+const SHEET_COLUMNS: usize = 4;
+const GAP: usize = 8;
+/// The label font's pixel size: 3×5 glyphs drawn at this scale.
+const FONT_SCALE: usize = 2;
+
+/// 3×5 bitmap glyphs, one row per byte (bit 2 is the left column), for the few characters labels use.
+fn glyph(c: char) -> [u8; 5] {
+    match c {
+        '0' => [7, 5, 5, 5, 7],
+        '1' => [2, 6, 2, 2, 7],
+        '2' => [7, 1, 7, 4, 7],
+        '3' => [7, 1, 7, 1, 7],
+        '4' => [5, 5, 7, 1, 1],
+        '5' => [7, 4, 7, 1, 7],
+        '6' => [7, 4, 7, 5, 7],
+        '7' => [7, 1, 1, 1, 1],
+        '8' => [7, 5, 7, 5, 7],
+        '9' => [7, 5, 7, 1, 7],
+        '.' => [0, 0, 0, 0, 2],
+        '#' => [5, 7, 5, 7, 5],
+        's' => [3, 4, 2, 1, 6],
+        't' => [2, 7, 2, 2, 3],
+        'o' => [0, 7, 5, 5, 7],
+        'k' => [4, 5, 6, 5, 5],
+        'e' => [7, 5, 7, 4, 7],
+        'n' => [0, 6, 5, 5, 5],
+        _ => [0; 5],
+    }
+}
+
+struct Canvas {
+    width: usize,
+    height: usize,
+    rgb: Vec<u8>,
+}
+
+impl Canvas {
+    fn put(&mut self, x: usize, y: usize, pixel: [u8; 3]) {
+        if x < self.width && y < self.height {
+            self.rgb[(y * self.width + x) * 3..][..3].copy_from_slice(&pixel);
+        }
+    }
+
+    fn text(&mut self, x: usize, y: usize, text: &str) {
+        for (i, c) in text.chars().enumerate() {
+            for (row, bits) in glyph(c).iter().enumerate() {
+                for col in 0..3 {
+                    if bits & (4 >> col) != 0 {
+                        for dy in 0..FONT_SCALE {
+                            for dx in 0..FONT_SCALE {
+                                let px = x + (i * 4 + col) * FONT_SCALE + dx;
+                                self.put(px, y + row * FONT_SCALE + dy, [255, 255, 255]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Render the frames a video plugin chose, as the model will see them (rebuilt from
+/// `pixel_values_videos`, un-normalised with `mean`/`std`), in a grid: each with its index and
+/// timestamp, the sheet headed by the token cost.
+pub fn contact_sheet(
+    tensors: &[Tensor],
+    mean: [f32; 3],
+    std: [f32; 3],
+    tokens: u32,
+    path: &Path,
+) -> anyhow::Result<()> {
+    const PATCH: usize = 14;
+    const MERGE: usize = 2;
+    const TEMPORAL: usize = 2;
+    let find = |name: &str| {
+        tensors.iter().find(|t| t.name == name).ok_or_else(|| {
+            anyhow!("--contact-sheet: the plugin produced no {name} (is this a video?)")
+        })
+    };
+    let grid = values(find("video_grid_thw")?, Dtype::I64, i64::from_le_bytes)?;
+    let [t, gh, gw] = <[i64; 3]>::try_from(grid.as_slice())
+        .map_err(|_| anyhow!("video_grid_thw is not [t, h, w]"))?
+        .map(|d| d.max(0) as usize);
+    let pixels = values(find("pixel_values_videos")?, Dtype::F32, f32::from_le_bytes)?;
+    let indices = values(find("frame_indices")?, Dtype::I64, i64::from_le_bytes)?;
+    let times = values(find("frame_timestamps")?, Dtype::F32, f32::from_le_bytes)?;
+    let row_len = 3 * TEMPORAL * PATCH * PATCH;
+    if pixels.len() != t * gh * gw * row_len || indices.len() != t * TEMPORAL {
+        bail!("pixel_values_videos, video_grid_thw and frame_indices do not agree");
+    }
+    let (height, width) = (gh * PATCH, gw * PATCH);
+    let step = width.div_ceil(THUMB_WIDTH).max(1);
+    let (tw, th) = (width.div_ceil(step), height.div_ceil(step));
+    let label = 5 * FONT_SCALE + GAP;
+    let frames = indices.len();
+    let columns = SHEET_COLUMNS.min(frames).max(1);
+    let rows = frames.div_ceil(columns);
+    let mut canvas = Canvas {
+        width: GAP + columns * (tw + GAP),
+        height: label + GAP + rows * (th + label + GAP),
+        rgb: vec![24; (GAP + columns * (tw + GAP)) * (label + GAP + rows * (th + label + GAP)) * 3],
+    };
+    canvas.text(GAP, GAP, &format!("{tokens} tokens"));
+    let pixel = |frame: usize, y: usize, x: usize| -> [u8; 3] {
+        let (group, tp) = (frame / TEMPORAL, frame % TEMPORAL);
+        let (ph, pw) = (y / PATCH, x / PATCH);
+        let row = ((group * (gh / MERGE) + ph / MERGE) * (gw / MERGE) + pw / MERGE) * MERGE * MERGE
+            + (ph % MERGE) * MERGE
+            + pw % MERGE;
+        std::array::from_fn(|c| {
+            let at = row * row_len
+                + (c * TEMPORAL + tp) * PATCH * PATCH
+                + (y % PATCH) * PATCH
+                + x % PATCH;
+            ((pixels[at] * std[c] + mean[c]) * 255.0)
+                .round()
+                .clamp(0.0, 255.0) as u8
+        })
+    };
+    for frame in 0..frames {
+        let (col, row) = (frame % columns, frame / columns);
+        let x0 = GAP + col * (tw + GAP);
+        let y0 = label + GAP + row * (th + label + GAP);
+        for y in 0..th {
+            for x in 0..tw {
+                canvas.put(x0 + x, y0 + y, pixel(frame, y * step, x * step));
+            }
+        }
+        let text = format!(
+            "#{} {:.2}s",
+            indices[frame],
+            times.get(frame).copied().unwrap_or(0.0)
+        );
+        canvas.text(x0, y0 + th + GAP / 2, &text);
+    }
+    let file =
+        std::fs::File::create(path).with_context(|| format!("cannot write {}", path.display()))?;
+    let mut encoder = png::Encoder::new(
+        std::io::BufWriter::new(file),
+        canvas.width as u32,
+        canvas.height as u32,
+    );
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    encoder
+        .write_header()
+        .and_then(|mut writer| writer.write_image_data(&canvas.rgb))
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}

@@ -134,56 +134,49 @@ impl Plugin for VideoPlugin {
 
         // Then the minimum count at a lower resolution, never below the minimum pixels.
         let frames = source.reduce(&config, &wanted, min_frames);
-        let pairs = (frames.len() / FRAME_FACTOR).max(1);
-        let per_frame_tokens = max / pairs;
-        let cap = (per_frame_tokens * config.factor() * config.factor()) as f64;
-        let smaller = smart_resize(
-            source.height,
-            source.width,
-            config.factor(),
-            config.min_pixels,
-            cap.max(1.0),
-        )
-        .map_err(PluginError::limit)?;
-        let cost = tokens(frames.len(), smaller);
-        if cost <= max && cap >= config.min_pixels {
-            let reason = format!(
-                "{} of {} frames at {}x{} (down from {}x{}) to fit {max} tokens",
-                frames.len(),
-                wanted.len(),
-                smaller.1,
-                smaller.0,
-                size.1,
-                size.0
-            );
-            return TokenPlan::new(
-                tokens_u32(cost)?,
-                true,
-                reason,
-                &choices_for(frames, smaller),
-            );
-        }
-        let smallest = smart_resize(
-            source.height,
-            source.width,
-            config.factor(),
-            config.min_pixels,
-            config.min_pixels,
-        )
-        .map_err(PluginError::limit)?;
-        let needed = tokens(frames.len(), smallest);
-        Err(PluginError::over_budget(
-            tokens_u32(needed)?,
-            budget.max_tokens,
-            format!(
-                "a {}x{} video needs at least {needed} tokens ({} frames at {}x{})",
-                source.width,
+        let resize = |max_pixels: f64| {
+            smart_resize(
                 source.height,
-                frames.len(),
-                smallest.1,
-                smallest.0
-            ),
-        ))
+                source.width,
+                config.factor(),
+                config.min_pixels,
+                max_pixels,
+            )
+            .map_err(PluginError::limit)
+        };
+        let smallest = resize(config.min_pixels)?;
+        let needed = tokens(frames.len(), smallest);
+        if needed > max {
+            return Err(PluginError::over_budget(
+                tokens_u32(needed)?,
+                budget.max_tokens,
+                format!(
+                    "a {}x{} video needs at least {needed} tokens ({} frames at {}x{})",
+                    source.width,
+                    source.height,
+                    frames.len(),
+                    smallest.1,
+                    smallest.0
+                ),
+            ));
+        }
+        let pairs = (frames.len() / FRAME_FACTOR).max(1);
+        let cap = ((max / pairs) * config.factor() * config.factor()) as f64;
+        let mut smaller = resize(cap.max(config.min_pixels))?;
+        if tokens(frames.len(), smaller) > max {
+            smaller = smallest;
+        }
+        let cost = tokens(frames.len(), smaller);
+        let reason = format!(
+            "{} of {} frames at {}x{} (down from {}x{}) to fit {max} tokens",
+            frames.len(),
+            wanted.len(),
+            smaller.1,
+            smaller.0,
+            size.1,
+            size.0
+        );
+        TokenPlan::new(tokens_u32(cost)?, true, reason, &choices_for(frames, smaller))
     }
 
     fn preprocess(
