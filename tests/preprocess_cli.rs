@@ -346,3 +346,50 @@ fn bad_audio_fails_with_one_line() {
         assert!(!out.exists(), "{file:?}: nothing is written on failure");
     }
 }
+
+#[test]
+fn video_output_has_the_chosen_frames_and_a_contact_sheet() {
+    // Qwen2-VL's config serves video too (the image fixture config).
+    let model = model_dir("qwen2-vl");
+    let out_dir = tempfile::tempdir().unwrap();
+    let (out, sheet) = (
+        out_dir.path().join("out.safetensors"),
+        out_dir.path().join("sheet.png"),
+    );
+    let clip = fixtures_of("video").join("clips/h264.mp4");
+    let result = preprocess(
+        model.path(),
+        &clip,
+        &out,
+        &["--explain", "--contact-sheet", sheet.to_str().unwrap()],
+    );
+    assert!(result.status.success(), "{result:?}");
+    let explain: Value = serde_json::from_slice(&result.stdout).unwrap();
+    assert_eq!(explain["plugin"]["name"], "video");
+    assert_eq!(explain["tokens"], 420);
+    let bytes = std::fs::read(&out).unwrap();
+    let tensors = SafeTensors::deserialize(&bytes).unwrap();
+    let indices = tensors.tensor("frame_indices").unwrap();
+    assert_eq!(indices.dtype(), safetensors::Dtype::I64);
+    assert_eq!(indices.shape(), [6]);
+    assert_eq!(tensors.tensor("video_grid_thw").unwrap().shape(), [1, 3]);
+    assert_eq!(
+        tensors.tensor("pixel_values_videos").unwrap().shape(),
+        [3 * 20 * 28, 1176]
+    );
+    // A PNG: 4 thumbnails to a row, 2 rows.
+    let sheet = std::fs::read(&sheet).unwrap();
+    assert!(sheet.starts_with(b"\x89PNG\r\n\x1a\n"));
+    let width = u32::from_be_bytes(sheet[16..20].try_into().unwrap());
+    assert!(width > 4 * 100, "{width}");
+
+    // A truncated video: non-zero exit, one line, no files.
+    let broken = out_dir.path().join("broken.mp4");
+    std::fs::write(&broken, &std::fs::read(&clip).unwrap()[..2000]).unwrap();
+    let out2 = out_dir.path().join("broken.safetensors");
+    let result = preprocess(model.path(), &broken, &out2, &[]);
+    assert!(!result.status.success());
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(!out2.exists());
+}

@@ -42,7 +42,7 @@ fn main() {
         (plan.tokens, tensors)
     };
     let (tokens, _) = run();
-    let frames = (modality == "video").then(|| frames_decoded(&media.data, &config, &plugin));
+    let frames = (modality == "video").then(|| frames_decoded(&media.data, &config, plugin));
     let mut samples: Vec<f64> = (0..iterations)
         .map(|_| {
             let start = Instant::now();

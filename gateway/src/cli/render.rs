@@ -246,7 +246,7 @@ pub fn contact_sheet(
                 .clamp(0.0, 255.0) as u8
         })
     };
-    for frame in 0..frames {
+    for (frame, index) in indices.iter().enumerate() {
         let (col, row) = (frame % columns, frame / columns);
         let x0 = GAP + col * (tw + GAP);
         let y0 = label + GAP + row * (th + label + GAP);
@@ -255,11 +255,8 @@ pub fn contact_sheet(
                 canvas.put(x0 + x, y0 + y, pixel(frame, y * step, x * step));
             }
         }
-        let text = format!(
-            "#{} {:.2}s",
-            indices[frame],
-            times.get(frame).copied().unwrap_or(0.0)
-        );
+        let time = times.get(frame).copied().unwrap_or(0.0);
+        let text = format!("#{index} {time:.2}s");
         canvas.text(x0, y0 + th + GAP / 2, &text);
     }
     let file =
