@@ -313,7 +313,8 @@ fn the_host_limits_bound_every_video() {
         common::builtin_plugin_with("video", limits)
     };
     let config = config(&serde_json::Map::new());
-    let cases: [(&str, fn(&mut SandboxLimits)); 5] = [
+    type Setter = fn(&mut SandboxLimits);
+    let cases: [(&str, Setter); 5] = [
         ("bytes", |l| l.video.max_bytes = 1_000),
         ("duration", |l| l.video.max_duration_seconds = 1.0),
         ("pixels", |l| l.video.max_frame_pixels = 100 * 100),

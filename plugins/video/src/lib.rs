@@ -176,7 +176,12 @@ impl Plugin for VideoPlugin {
             size.1,
             size.0
         );
-        TokenPlan::new(tokens_u32(cost)?, true, reason, &choices_for(frames, smaller))
+        TokenPlan::new(
+            tokens_u32(cost)?,
+            true,
+            reason,
+            &choices_for(frames, smaller),
+        )
     }
 
     fn preprocess(
