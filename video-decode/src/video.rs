@@ -2,6 +2,7 @@ use std::io::Write;
 use std::sync::Once;
 use std::time::{Duration, Instant};
 
+use ffmpeg::codec::discard::Discard;
 use ffmpeg::codec::packet::side_data::Type as SideDataType;
 use ffmpeg::format::Pixel;
 use ffmpeg::software::scaling;
@@ -46,6 +47,9 @@ pub struct Frame {
     pub height: u32,
     /// `width × height × 3` bytes, row-major.
     pub rgb: Vec<u8>,
+    /// Whether the decoder produced exactly this frame (false: the next one it had, when the stream
+    /// lacks the frame the index promised).
+    pub exact: bool,
 }
 
 /// An opened, indexed video. Decoding state moves forward; asking for an earlier frame seeks back.
@@ -68,6 +72,8 @@ pub struct Video {
     drained: bool,
     /// Whether the demuxer is positioned for decoding (false right after indexing).
     positioned: bool,
+    /// What the decoder currently discards (see [`Video::frame`]).
+    discard: Discard,
 }
 
 fn init_ffmpeg() {
@@ -226,6 +232,7 @@ impl Video {
             last_pts: None,
             drained: false,
             positioned: false,
+            discard: Discard::Default,
         };
         video.build_index(started)?;
         let count = video.index.len();
@@ -322,11 +329,27 @@ impl Video {
     /// Decode frame `index` (in presentation order). Frames are cheapest asked for in ascending order:
     /// decoding goes on from the last one, or seeks to the keyframe before the target when that is
     /// nearer. `deadline` bounds this call on top of the video's own time limit.
+    ///
+    /// Frames before the target that no other frame references (most B-frames) are not decoded at
+    /// all: nothing can ask for them later without seeking back. Should that ever cost the target
+    /// itself (a decoder applying the setting a packet late), the frame is decoded again from its
+    /// keyframe with nothing skipped.
     pub fn frame(&mut self, index: u64, deadline: Option<Instant>) -> Result<Frame, VideoError> {
         let started = Instant::now();
-        let result = self.decode_frame(index, started, deadline);
+        let mut result = self.decode_frame(index, started, deadline, true);
+        if matches!(result, Ok(ref frame) if !frame.exact) {
+            self.positioned = false;
+            result = self.decode_frame(index, started, deadline, false);
+        }
         self.spent += started.elapsed();
         result
+    }
+
+    fn set_discard(&mut self, discard: Discard) {
+        if self.discard != discard {
+            self.decoder.skip_frame(discard);
+            self.discard = discard;
+        }
     }
 
     fn decode_frame(
@@ -334,6 +357,7 @@ impl Video {
         index: u64,
         started: Instant,
         deadline: Option<Instant>,
+        skip_unreferenced: bool,
     ) -> Result<Frame, VideoError> {
         let target = self.index.pts(index).ok_or_else(|| {
             VideoError::BadRequest(format!(
@@ -368,7 +392,9 @@ impl Video {
                 };
                 self.last_pts = Some(pts);
                 if pts >= target {
-                    return self.to_rgb(&picture, index);
+                    let mut frame = self.to_rgb(&picture, index)?;
+                    frame.exact = pts == target;
+                    return Ok(frame);
                 }
             }
             if started.elapsed() > budget {
@@ -386,6 +412,12 @@ impl Video {
             }
             match packet.read(&mut self.input) {
                 Ok(()) if packet.stream() == self.stream => {
+                    let before_target = packet.pts().is_some_and(|p| p < target);
+                    self.set_discard(if skip_unreferenced && before_target {
+                        Discard::NonReference
+                    } else {
+                        Discard::Default
+                    });
                     // A corrupt packet loses its frame, not the video: decoding goes on with the next.
                     if let Err(e) = self.decoder.send_packet(&packet) {
                         tracing::debug!("video packet rejected by the decoder: {e}");
@@ -467,6 +499,7 @@ impl Video {
             width,
             height,
             rgb,
+            exact: true,
         })
     }
 }
