@@ -260,6 +260,9 @@ impl Plugin for VideoPlugin {
     }
 }
 
+// Natively (unit tests) there is no component to export, and the linker would choke on the
+// component-model symbol names.
+#[cfg(target_arch = "wasm32")]
 mmgate_plugin_sdk::export_plugin!(VideoPlugin);
 
 /// One timestamp per chosen index: `decoded` holds one per distinct consecutive index.
