@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use mmgate_video_decode::{Limits, Video, VideoError as DecodeError};
+use mmgate_video_decode::{Video, VideoError as DecodeError};
 use wasmtime::component::Resource;
 
 use crate::contract::mmgate::modality::video::{Host, HostVideoDecoder};
@@ -46,8 +46,9 @@ impl HostVideoDecoder for CallState {
                 "a plugin call may hold at most {MAX_OPEN_VIDEOS} videos open"
             )));
         }
-        let limits: Limits = self.video_limits().clone();
+        let limits = self.video_limits().clone();
         let video = Video::open(&data, limits).map_err(contract_error)?;
+        // FFmpeg reads its own in-memory copy: the call's copy can go now.
         drop(data);
         let handle = self
             .table()

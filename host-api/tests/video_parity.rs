@@ -345,18 +345,16 @@ fn mutated_clips_never_crash_the_host() {
         state ^= state << 17;
         state as usize
     };
-    let (mut served, mut refused) = (0, 0);
     for i in 0..60 {
         let mut data = clip(names[i % names.len()]);
         for _ in 0..1 + random() % 30 {
             let at = random() % data.len();
             data[at] = random() as u8;
         }
+        // A result or the plugin's typed error; a trap, a host error or a crash fails here.
         match run(&plugin, data, &config, 100_000) {
-            Ok(_) => served += 1,
-            Err(CallError::Plugin(_)) => refused += 1,
+            Ok(_) | Err(CallError::Plugin(_)) => {}
             Err(other) => panic!("mutation {i}: {other:?}"),
         }
     }
-    assert_eq!(served + refused, 60);
 }

@@ -214,7 +214,11 @@ pub fn contact_sheet(
     let indices = values(find("frame_indices")?, Dtype::I64, i64::from_le_bytes)?;
     let times = values(find("frame_timestamps")?, Dtype::F32, f32::from_le_bytes)?;
     let row_len = 3 * TEMPORAL * PATCH * PATCH;
-    if pixels.len() != t * gh * gw * row_len || indices.len() != t * TEMPORAL {
+    if pixels.len() != t * gh * gw * row_len
+        || indices.len() != t * TEMPORAL
+        || !gh.is_multiple_of(MERGE)
+        || !gw.is_multiple_of(MERGE)
+    {
         bail!("pixel_values_videos, video_grid_thw and frame_indices do not agree");
     }
     let (height, width) = (gh * PATCH, gw * PATCH);

@@ -1,6 +1,8 @@
 //! The image processors: reading HF `preprocessor_config.json`, planning tokens, producing tensors.
 
-use mmgate_plugin_sdk::imageops::{Filter, Normalize, RgbImage, qwen2vl_patches};
+use mmgate_plugin_sdk::imageops::{
+    CLIP_MEAN, CLIP_STD, Filter, Normalize, RgbImage, qwen2vl_patches,
+};
 use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
 
@@ -12,11 +14,6 @@ pub const SUPPORTED: &[&str] = &[
     "CLIPFeatureExtractor",
     "SiglipImageProcessor",
 ];
-
-const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
-// Written exactly as HF's OPENAI_CLIP_STD so the two can be compared by eye.
-#[allow(clippy::excessive_precision)]
-const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
 
 /// `size` / `crop_size` in either of the forms checkpoints use: a bare number (old feature
 /// extractors: the shortest edge for `size`, a square for `crop_size`) or a dict.

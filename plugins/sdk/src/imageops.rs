@@ -230,6 +230,12 @@ impl RgbImage {
     }
 }
 
+/// OpenAI CLIP's normalisation (HF's OPENAI_CLIP_MEAN / OPENAI_CLIP_STD), Qwen2-VL's too.
+pub const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+// Written exactly as HF's OPENAI_CLIP_STD so the two can be compared by eye.
+#[allow(clippy::excessive_precision)]
+pub const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
+
 /// Per-channel `(x * rescale - mean) / std`, done as HF does it: rescale in f64 then cast to f32,
 /// normalise in f32.
 #[derive(Debug, Clone, Copy)]

@@ -3,7 +3,7 @@
 //! them (`fps`, `min_frames`, `max_frames`, `nframes`) or prefixed `video_` where the image processor
 //! already uses the name (`video_min_pixels`, `video_max_pixels`, `video_total_pixels`).
 
-use mmgate_plugin_sdk::imageops::Normalize;
+use mmgate_plugin_sdk::imageops::{CLIP_MEAN, CLIP_STD, Normalize};
 use mmgate_plugin_sdk::*;
 use serde::Deserialize;
 
@@ -15,10 +15,6 @@ pub const SUPPORTED: &[&str] = &[
     "Qwen2VLImageProcessorFast",
     "Qwen2VLVideoProcessor",
 ];
-
-const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
-#[allow(clippy::excessive_precision)]
-const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
 
 // qwen-vl-utils' constants.
 const FPS: f64 = 2.0;

@@ -20,7 +20,7 @@ use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
 
 use config::VideoConfig;
-use sampling::{FRAME_FACTOR, Strategy, linspace_indices, smart_resize, spread};
+use sampling::{FRAME_FACTOR, Strategy, evenly, linspace_indices, pad_to_pairs, smart_resize};
 
 pub struct VideoPlugin;
 
@@ -68,7 +68,7 @@ impl Plugin for VideoPlugin {
     fn probe(media: Media) -> PluginResult<MediaInfo> {
         let video = VideoDecoder::open(&media.data)?;
         let info = video.info();
-        let keyframes = spread(&video.keyframes(), MAX_KEYFRAMES_CARRIED);
+        let keyframes = evenly(&video.keyframes(), MAX_KEYFRAMES_CARRIED);
         let keyframes: Vec<String> = keyframes.iter().map(u64::to_string).collect();
         let mut media_info = MediaInfo::new("video", format!("{}/{}", info.container, info.codec));
         media_info.width = Some(info.width);
@@ -212,28 +212,29 @@ impl Plugin for VideoPlugin {
         let row_len = 3 * config.temporal * patch * patch;
         let mut pixels: Vec<f32> = Vec::with_capacity(rows * row_len);
         let mut timestamps = Vec::with_capacity(choices.frame_indices.len());
-        let mut previous: Option<(u64, RgbImage)> = None;
         for group in choices.frame_indices.chunks(config.temporal) {
-            let mut resized = Vec::with_capacity(group.len());
-            for &index in group {
-                let image = match &previous {
-                    // A repeated index (keyframe padding) reuses the frame already decoded.
-                    Some((last, image)) if *last == index => image.clone(),
-                    _ => {
-                        let frame = video.frame(index)?;
-                        timestamps.push(frame.timestamp as f32);
-                        let decoded = RgbImage {
-                            width: frame.width as usize,
-                            height: frame.height as usize,
-                            data: frame.rgb,
-                        };
-                        resize_like_torchvision(&decoded, width, height)
-                    }
+            // A pair is decoded and resized once per distinct index: keyframe padding repeats the
+            // last index, and the patch walk copies a repeated frame.
+            let mut resized: Vec<RgbImage> = Vec::with_capacity(group.len());
+            let mut slots = Vec::with_capacity(group.len());
+            for (i, &index) in group.iter().enumerate() {
+                if i > 0 && group[i - 1] == index {
+                    slots.push(slots[i - 1]);
+                    let time = timestamps.last().copied().unwrap_or(0.0);
+                    timestamps.push(time);
+                    continue;
+                }
+                let frame = video.frame(index)?;
+                timestamps.push(frame.timestamp as f32);
+                let decoded = RgbImage {
+                    width: frame.width as usize,
+                    height: frame.height as usize,
+                    data: frame.rgb,
                 };
-                previous = Some((index, image.clone()));
-                resized.push(image);
+                slots.push(resized.len());
+                resized.push(resize_like_torchvision(&decoded, width, height));
             }
-            let refs: Vec<&RgbImage> = resized.iter().collect();
+            let refs: Vec<&RgbImage> = slots.iter().map(|&s| &resized[s]).collect();
             qwen2vl_frame_patches(
                 &refs,
                 patch,
@@ -242,7 +243,6 @@ impl Plugin for VideoPlugin {
                 &mut pixels,
             );
         }
-        let timestamps = frame_timestamps(&choices.frame_indices, &timestamps);
         let grid = [
             (choices.frame_indices.len() / config.temporal) as i64,
             (height / patch) as i64,
@@ -264,20 +264,6 @@ impl Plugin for VideoPlugin {
 // component-model symbol names.
 #[cfg(target_arch = "wasm32")]
 mmgate_plugin_sdk::export_plugin!(VideoPlugin);
-
-/// One timestamp per chosen index: `decoded` holds one per distinct consecutive index.
-fn frame_timestamps(indices: &[u64], decoded: &[f32]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(indices.len());
-    let mut next = decoded.iter();
-    let mut last = 0.0;
-    for (i, index) in indices.iter().enumerate() {
-        if i == 0 || indices[i - 1] != *index {
-            last = next.next().copied().unwrap_or(last);
-        }
-        out.push(last);
-    }
-    out
-}
 
 /// What `probe` found, as `plan` needs it.
 pub(crate) struct Source {
@@ -352,7 +338,7 @@ impl Source {
                     self.keyframes.clone()
                 };
                 let cap = sampling::floor_by_factor(config.max_frames as f64, FRAME_FACTOR);
-                Ok(spread(&keyframes, cap.max(FRAME_FACTOR)))
+                Ok(pad_to_pairs(evenly(&keyframes, cap.max(FRAME_FACTOR))))
             }
         }
     }
@@ -360,7 +346,7 @@ impl Source {
     /// `count` frames instead of `wanted`: the same rule over fewer frames.
     fn reduce(&self, config: &VideoConfig, wanted: &[u64], count: usize) -> Vec<u64> {
         match config.strategy {
-            Strategy::Keyframes => spread(wanted, count),
+            Strategy::Keyframes => pad_to_pairs(evenly(wanted, count)),
             Strategy::Fps | Strategy::Uniform => linspace_indices(0, self.frames - 1, count),
         }
     }
@@ -368,17 +354,4 @@ impl Source {
 
 fn tokens_u32(tokens: usize) -> PluginResult<u32> {
     u32::try_from(tokens).map_err(|_| PluginError::limit(format!("{tokens} tokens is too many")))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn timestamps_follow_repeated_indices() {
-        assert_eq!(
-            frame_timestamps(&[0, 30, 60, 60], &[0.0, 1.0, 2.0]),
-            vec![0.0, 1.0, 2.0, 2.0]
-        );
-    }
 }

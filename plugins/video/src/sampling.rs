@@ -114,23 +114,25 @@ pub fn smart_resize(
     Ok((h_bar, w_bar))
 }
 
-/// `count` of `items` spread evenly (by linspace over their positions), then padded to an even count
-/// with the last one (as qwen-vl-utils pads a list of frames).
-pub fn spread(items: &[u64], count: usize) -> Vec<u64> {
-    let mut out: Vec<u64> = if count >= items.len() {
-        items.to_vec()
-    } else {
-        linspace_indices(0, items.len() as u64 - 1, count)
-            .into_iter()
-            .filter_map(|i| items.get(i as usize).copied())
-            .collect()
-    };
-    if !out.len().is_multiple_of(FRAME_FACTOR)
-        && let Some(&last) = out.last()
-    {
-        out.push(last);
+/// At most `count` of `items`, spread evenly (by linspace over their positions).
+pub fn evenly(items: &[u64], count: usize) -> Vec<u64> {
+    if count >= items.len() {
+        return items.to_vec();
     }
-    out
+    linspace_indices(0, items.len() as u64 - 1, count)
+        .into_iter()
+        .filter_map(|i| items.get(i as usize).copied())
+        .collect()
+}
+
+/// Pad to an even count with the last item, as qwen-vl-utils pads a list of frames.
+pub fn pad_to_pairs(mut items: Vec<u64>) -> Vec<u64> {
+    if !items.len().is_multiple_of(FRAME_FACTOR)
+        && let Some(&last) = items.last()
+    {
+        items.push(last);
+    }
+    items
 }
 
 #[cfg(test)]
@@ -168,8 +170,10 @@ mod tests {
     }
 
     #[test]
-    fn spread_pads_to_pairs() {
-        assert_eq!(spread(&[0, 30, 60], 8), vec![0, 30, 60, 60]);
-        assert_eq!(spread(&[0, 10, 20, 30, 40], 2), vec![0, 40]);
+    fn keyframes_are_spread_then_padded_to_pairs() {
+        assert_eq!(evenly(&[0, 30, 60], 8), vec![0, 30, 60]);
+        assert_eq!(evenly(&[0, 10, 20, 30, 40], 2), vec![0, 40]);
+        assert_eq!(pad_to_pairs(vec![0, 30, 60]), vec![0, 30, 60, 60]);
+        assert_eq!(pad_to_pairs(vec![0, 30]), vec![0, 30]);
     }
 }
