@@ -91,6 +91,49 @@ fn generates_from_an_image_and_from_audio_on_the_demo_models() {
 }
 
 #[test]
+fn qwen2_5_vl_demo_takes_video_and_images_like_qwen2_vl_costs_them() {
+    // Same tokenizer, template and processor config as `demo`: the same media cost the same tokens
+    // and the prompt is the same length, while the window-attention tower and time-scaled video
+    // positions make it a different model.
+    let cache = tempfile::tempdir().unwrap();
+    let video = fixture("video/clips/short.mp4");
+    let image = fixture("image/images/png-rgb-wide.png");
+    let run = |model: &str| {
+        json(&generate(
+            cache.path(),
+            &[
+                "--model",
+                model,
+                "--video",
+                &video,
+                "--image",
+                &image,
+                "--prompt",
+                "Describe the video.",
+                "--max-tokens",
+                "8",
+            ],
+        ))
+    };
+    let qwen2_5 = run("demo-qwen2.5-vl");
+    let qwen2 = run("demo");
+    assert_eq!(qwen2_5["usage"]["media"], qwen2["usage"]["media"]);
+    assert_eq!(
+        qwen2_5["usage"]["prompt_tokens"],
+        qwen2["usage"]["prompt_tokens"]
+    );
+    let kinds: Vec<&str> = qwen2_5["usage"]["media"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["image", "video"]);
+    assert_ne!(qwen2_5["token_ids"], qwen2["token_ids"]);
+    assert_eq!(qwen2_5, run("demo-qwen2.5-vl"), "greedy generation repeats");
+}
+
+#[test]
 fn refuses_media_the_model_does_not_take() {
     let cache = tempfile::tempdir().unwrap();
     let audio = fixture("audio/clips/speech-16k-s16.wav");

@@ -254,7 +254,7 @@ impl Config {
             for model in &mut config.models {
                 if let Some(dir) = &model.path
                     && dir.is_relative()
-                    && !matches!(dir.to_str(), Some("demo" | "demo-audio"))
+                    && !crate::model::is_demo_model(dir)
                 {
                     model.path = Some(base.join(dir));
                 }

@@ -16,6 +16,7 @@ use mmgate_inference::engine::{
 };
 use mmgate_inference::models::config::ConfigFile;
 use mmgate_inference::models::qwen2_audio::AudioEncoderConfig;
+use mmgate_inference::models::qwen2_vl::{self, VisionConfig};
 use mmgate_inference::models::{Qwen2Audio, Qwen2Vl};
 use mmgate_inference::rope::Grid;
 use mmgate_inference::text::{ContentPart, TextProcessor};
@@ -52,9 +53,7 @@ enum Family {
     Vision {
         image_token: u32,
         video_token: u32,
-        merge: usize,
-        /// Values per patch row of `pixel_values`.
-        patch_len: usize,
+        vision: Box<VisionConfig>,
     },
     Audio {
         audio_token: u32,
@@ -113,13 +112,28 @@ pub struct ModelRuntime {
     pub context_length: usize,
 }
 
-/// `demo` and `demo-audio` name the generated demo models (written under `cache_dir` on first use);
+/// The names that stand for a generated demo model where a model directory is expected.
+pub const DEMO_MODELS: [(&str, DemoFamily); 3] = [
+    ("demo", DemoFamily::Qwen2Vl),
+    ("demo-qwen2.5-vl", DemoFamily::Qwen2_5Vl),
+    ("demo-audio", DemoFamily::Qwen2Audio),
+];
+
+/// Whether `spec` names a demo model rather than a directory.
+pub fn is_demo_model(spec: &Path) -> bool {
+    DEMO_MODELS
+        .iter()
+        .any(|(name, _)| spec.to_str() == Some(name))
+}
+
+/// A [`DEMO_MODELS`] name is the generated demo model (written under `cache_dir` on first use);
 /// anything else is a model directory.
 pub fn resolve_model_dir(spec: &Path, cache_dir: &Path) -> anyhow::Result<PathBuf> {
-    let family = match spec.to_str() {
-        Some("demo") => DemoFamily::Qwen2Vl,
-        Some("demo-audio") => DemoFamily::Qwen2Audio,
-        _ => return Ok(spec.to_owned()),
+    let Some(&(_, family)) = DEMO_MODELS
+        .iter()
+        .find(|(name, _)| spec.to_str() == Some(name))
+    else {
+        return Ok(spec.to_owned());
     };
     demo::ensure(cache_dir, family)
         .with_context(|| format!("writing the demo model under {}", cache_dir.display()))
@@ -155,7 +169,7 @@ impl ModelRuntime {
         // (Extra devices load the whole checkpoint and keep only its encoder.)
         let (family, llm, positions, encoders): (_, _, _, Vec<Arc<dyn Encoder>>) =
             match config.model_type() {
-                Some("qwen2_vl") => {
+                Some(t) if qwen2_vl::MODEL_TYPES.contains(&t) => {
                     let Qwen2Vl {
                         config,
                         vision,
@@ -171,8 +185,7 @@ impl ModelRuntime {
                     let family = Family::Vision {
                         image_token: config.image_token_id,
                         video_token: config.video_token_id,
-                        merge,
-                        patch_len: config.vision.patch_len(),
+                        vision: Box::new(config.vision),
                     };
                     (family, llm, PositionScheme::MRope { merge }, encoders)
                 }
@@ -196,7 +209,7 @@ impl ModelRuntime {
                     )
                 }
                 other => bail!(
-                    "{}: model_type {other:?} is not supported (qwen2_vl, qwen2_audio)",
+                    "{}: model_type {other:?} is not supported (qwen2_vl, qwen2_5_vl, qwen2_audio)",
                     config.path.display()
                 ),
             };
@@ -279,10 +292,10 @@ impl ModelRuntime {
                 )
             })
         };
+        let mut time_interval = 1.0;
         let (input, expected) = match &self.family {
-            Family::Vision {
-                merge, patch_len, ..
-            } => {
+            Family::Vision { vision, .. } => {
+                let patch_len = vision.patch_len();
                 let grid_name = if kind == MediaKind::Video {
                     "video_grid_thw"
                 } else {
@@ -308,7 +321,7 @@ impl ModelRuntime {
                     .t
                     .checked_mul(grid.h)
                     .and_then(|p| p.checked_mul(grid.w));
-                if patches.and_then(|p| p.checked_mul(*patch_len)) != Some(pixel_values.len()) {
+                if patches.and_then(|p| p.checked_mul(patch_len)) != Some(pixel_values.len()) {
                     bail!(
                         "{pixels_name} holds {} values, not the {}x{}x{} grid's patches of {patch_len}",
                         pixel_values.len(),
@@ -317,8 +330,19 @@ impl ModelRuntime {
                         grid.w
                     );
                 }
+                // Qwen2.5-VL places a video's frames in time: it needs the seconds between them.
+                if kind == MediaKind::Video && vision.tokens_per_second.is_some() {
+                    let seconds = f32s(find("second_per_grid_ts")?)?;
+                    let [seconds] = seconds[..] else {
+                        bail!("second_per_grid_ts has {} values, not 1", seconds.len())
+                    };
+                    if !(seconds.is_finite() && seconds >= 0.0) {
+                        bail!("second_per_grid_ts {seconds} is not a duration");
+                    }
+                    time_interval = vision.time_interval(seconds);
+                }
                 let input = EncodeInput::Vision { pixel_values, grid };
-                (input, grid.tokens(*merge))
+                (input, grid.tokens(vision.merge))
             }
             Family::Audio { encoder, .. } => {
                 let mask = find("feature_attention_mask")?;
@@ -351,7 +375,7 @@ impl ModelRuntime {
             placeholder,
             tokens: expected,
             processor_config: self.processor_config.clone(),
-            time_step: 1,
+            time_interval,
         })
     }
 }
@@ -397,4 +421,77 @@ pub fn expand_placeholders(ids: &[u32], media: &[MediaItem]) -> anyhow::Result<V
         bail!("the chat template placed fewer media placeholders than there are media items");
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn tensor(name: &str, dtype: Dtype, shape: &[u64], data: Vec<u8>) -> Tensor {
+        Tensor {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            data,
+        }
+    }
+
+    /// A video's preprocessed tensors: 3 temporal patches of 4x4, `second_per_grid_ts` if given.
+    fn video(seconds: Option<f32>) -> Vec<Tensor> {
+        let grid: Vec<u8> = [3i64, 4, 4].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut tensors = vec![
+            tensor(
+                "pixel_values_videos",
+                Dtype::F32,
+                &[48, 1176],
+                vec![0; 48 * 1176 * 4],
+            ),
+            tensor("video_grid_thw", Dtype::I64, &[1, 3], grid),
+        ];
+        if let Some(s) = seconds {
+            let data = s.to_le_bytes().to_vec();
+            tensors.push(tensor("second_per_grid_ts", Dtype::F32, &[1], data));
+        }
+        tensors
+    }
+
+    fn runtime(spec: &str, cache: &Path) -> ModelRuntime {
+        let dir = resolve_model_dir(Path::new(spec), cache).unwrap();
+        let options = RuntimeOptions {
+            threads: DeviceThreads {
+                llm: 1,
+                encoders: vec![1],
+            },
+            ..RuntimeOptions::default()
+        };
+        ModelRuntime::load(spec, &dir, &options).unwrap()
+    }
+
+    #[test]
+    fn qwen2_5_vl_videos_take_their_time_step_from_the_plugin() {
+        let cache = tempfile::tempdir().unwrap();
+        let model = runtime("demo-qwen2.5-vl", cache.path());
+        // The demo's 2 tokens per second × 0.75 s between temporal patches.
+        let item = model
+            .media_item(MediaKind::Video, 12, &video(Some(0.75)))
+            .unwrap();
+        assert_eq!(item.time_interval, 1.5);
+        let err = model
+            .media_item(MediaKind::Video, 12, &video(None))
+            .unwrap_err();
+        assert!(err.to_string().contains("second_per_grid_ts"), "{err}");
+        let err = model
+            .media_item(MediaKind::Video, 12, &video(Some(f32::NAN)))
+            .unwrap_err();
+        assert!(err.to_string().contains("not a duration"), "{err}");
+
+        // Qwen2-VL steps one position per temporal patch whatever the seconds.
+        let model = runtime("demo", cache.path());
+        let item = model
+            .media_item(MediaKind::Video, 12, &video(Some(0.75)))
+            .unwrap();
+        assert_eq!(item.time_interval, 1.0);
+    }
 }

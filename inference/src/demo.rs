@@ -57,6 +57,8 @@ I see a person standing next to a car on a street. There is music playing and so
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DemoFamily {
     Qwen2Vl,
+    /// Qwen2.5-VL's tower: RMSNorm, gated MLP, window attention, time-scaled video positions.
+    Qwen2_5Vl,
     Qwen2Audio,
 }
 
@@ -64,6 +66,7 @@ impl DemoFamily {
     pub fn name(self) -> &'static str {
         match self {
             Self::Qwen2Vl => "demo-qwen2-vl",
+            Self::Qwen2_5Vl => "demo-qwen2.5-vl",
             Self::Qwen2Audio => "demo-qwen2-audio",
         }
     }
@@ -156,6 +159,10 @@ impl WeightMaker {
     fn layer_norm(&mut self, name: &str, dim: usize) {
         self.add(format!("{name}.weight"), &[dim], Init::Norm);
         self.add(format!("{name}.bias"), &[dim], Init::Bias);
+    }
+
+    fn rms_norm(&mut self, name: &str, dim: usize) {
+        self.add(format!("{name}.weight"), &[dim], Init::Norm);
     }
 
     fn write(self, path: &Path) -> Result<()> {
@@ -277,7 +284,8 @@ pub fn write(dir: &Path, family: DemoFamily, seed: u64) -> Result<()> {
     };
     llm_weights(&mut weights, vocab);
     let (config, chat_template, preprocessor) = match family {
-        DemoFamily::Qwen2Vl => {
+        DemoFamily::Qwen2Vl | DemoFamily::Qwen2_5Vl => {
+            let qwen2_5 = family == DemoFamily::Qwen2_5Vl;
             let (embed, heads, depth, mlp) = (64, 4, 2, 128);
             let v = "model.visual.";
             weights.add(
@@ -287,27 +295,62 @@ pub fn write(dir: &Path, family: DemoFamily, seed: u64) -> Result<()> {
             );
             for i in 0..depth {
                 let b = format!("{v}blocks.{i}.");
-                weights.layer_norm(&format!("{b}norm1"), embed);
-                weights.layer_norm(&format!("{b}norm2"), embed);
+                for norm in ["norm1", "norm2"] {
+                    if qwen2_5 {
+                        weights.rms_norm(&format!("{b}{norm}"), embed);
+                    } else {
+                        weights.layer_norm(&format!("{b}{norm}"), embed);
+                    }
+                }
                 weights.linear(&format!("{b}attn.qkv"), 3 * embed, embed, true);
                 weights.linear(&format!("{b}attn.proj"), embed, embed, true);
-                weights.linear(&format!("{b}mlp.fc1"), mlp, embed, true);
-                weights.linear(&format!("{b}mlp.fc2"), embed, mlp, true);
+                if qwen2_5 {
+                    weights.linear(&format!("{b}mlp.gate_proj"), mlp, embed, true);
+                    weights.linear(&format!("{b}mlp.up_proj"), mlp, embed, true);
+                    weights.linear(&format!("{b}mlp.down_proj"), embed, mlp, true);
+                } else {
+                    weights.linear(&format!("{b}mlp.fc1"), mlp, embed, true);
+                    weights.linear(&format!("{b}mlp.fc2"), embed, mlp, true);
+                }
             }
-            weights.layer_norm(&format!("{v}merger.ln_q"), embed);
+            if qwen2_5 {
+                weights.rms_norm(&format!("{v}merger.ln_q"), embed);
+            } else {
+                weights.layer_norm(&format!("{v}merger.ln_q"), embed);
+            }
             weights.linear(&format!("{v}merger.mlp.0"), 4 * embed, 4 * embed, true);
             weights.linear(&format!("{v}merger.mlp.2"), HIDDEN, 4 * embed, true);
+            let common = json!({
+                "num_heads": heads, "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2,
+                "temporal_patch_size": 2, "depth": depth,
+            });
+            let (architecture, model_type, specific) = if qwen2_5 {
+                // Windows of 2x2 merged patches (56 px) in block 0; block 1 sees the whole frame.
+                let vision = json!({
+                    "hidden_size": embed, "out_hidden_size": HIDDEN, "intermediate_size": mlp,
+                    "hidden_act": "silu", "window_size": 56, "fullatt_block_indexes": [1],
+                    "tokens_per_second": 2,
+                });
+                ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", vision)
+            } else {
+                let vision = json!({
+                    "embed_dim": embed, "hidden_size": HIDDEN,
+                    "mlp_ratio": mlp as f64 / embed as f64, "hidden_act": "quick_gelu",
+                });
+                ("Qwen2VLForConditionalGeneration", "qwen2_vl", vision)
+            };
+            let mut vision_config = common;
+            if let (Some(all), Some(extra)) = (vision_config.as_object_mut(), specific.as_object())
+            {
+                all.extend(extra.clone());
+            }
             let config = json!({
-                "architectures": ["Qwen2VLForConditionalGeneration"],
-                "model_type": "qwen2_vl",
+                "architectures": [architecture],
+                "model_type": model_type,
                 "text_config": text_config(vocab, eos, json!({
                     "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]
                 })),
-                "vision_config": {
-                    "depth": depth, "embed_dim": embed, "hidden_size": HIDDEN, "num_heads": heads,
-                    "mlp_ratio": mlp as f64 / embed as f64, "hidden_act": "quick_gelu", "in_channels": 3,
-                    "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                },
+                "vision_config": vision_config,
                 "image_token_id": id("<|image_pad|>")?,
                 "video_token_id": id("<|video_pad|>")?,
                 "vision_start_token_id": id("<|vision_start|>")?,

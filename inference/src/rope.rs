@@ -106,18 +106,27 @@ pub fn vision_tables(
 }
 
 /// Where the media items of a prompt are: the placeholder token and the grid of each item, in order.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct MediaSpan {
     pub token: u32,
     pub grid: Grid,
-    /// Temporal position step per temporal patch (1 for Qwen2-VL images and videos).
-    pub time_step: i64,
+    /// Temporal position step per temporal patch, truncated after multiplying: 1 for Qwen2-VL and
+    /// for images; `tokens_per_second · second_per_grid_t` for Qwen2.5-VL videos, so that positions
+    /// follow real time.
+    pub time_interval: f32,
 }
 
 /// Qwen2-VL's 3-D positions for a prompt: text tokens advance all three components together; the
-/// `t·h·w / merge²` placeholder tokens of a media item get (start + t·step, start + row, start + col)
-/// over its merged grid; text after it continues from one past the largest position the item used.
-/// Returns the positions and the delta to add to a plain counter for tokens generated afterwards.
+/// `t·h·w / merge²` placeholder tokens of a media item get (start + ⌊t·interval⌋, start + row,
+/// start + col) over its merged grid; text after it continues from one past the largest position
+/// the item used. Returns the positions and the delta to add to a plain counter for tokens
+/// generated afterwards.
+///
+/// "One past the largest position" is the rule the Qwen2-VL and Qwen2.5-VL authors wrote (and
+/// vLLM follows). transformers 5 continues text from `start + max(h, w)` instead, which differs
+/// only when an item's temporal positions reach past its spatial ones (long videos, or Qwen2.5-VL's
+/// time-scaled ones) while its generated tokens still continue from the largest position; the
+/// parity fixtures stay in the range where both agree.
 ///
 /// Media items are consumed in order as their placeholder tokens appear; an item's placeholders must
 /// be contiguous and their count must match its grid.
@@ -162,8 +171,9 @@ pub fn mrope_positions(
         for ti in 0..t {
             for hi in 0..h {
                 for wi in 0..w {
+                    // PyTorch: `(arange(t) * interval).long()`, in f32, truncating.
                     let p = [
-                        start + ti as i64 * item.time_step,
+                        start + (ti as f32 * item.time_interval) as i64,
                         start + hi as i64,
                         start + wi as i64,
                     ];
@@ -195,7 +205,7 @@ mod tests {
         let media = [MediaSpan {
             token: 9,
             grid: Grid { t: 6, h: 4, w: 4 },
-            time_step: 1,
+            time_interval: 1.0,
         }];
         let mut ids = vec![1, 2];
         ids.extend(std::iter::repeat_n(9, 24));
@@ -208,11 +218,37 @@ mod tests {
     }
 
     #[test]
+    fn qwen2_5_vl_video_positions_follow_time_and_truncate_after_scaling() {
+        // The Qwen2.5-VL authors' example: 3 temporal patches of a 2x2 merged grid at interval 50
+        // (25 tokens/s, 2 frames per patch, 1 fps); text continues from the largest position + 1.
+        let media = [MediaSpan {
+            token: 9,
+            grid: Grid { t: 3, h: 4, w: 4 },
+            time_interval: 50.0,
+        }];
+        let mut ids = vec![9; 12];
+        ids.push(1);
+        let (pos, delta) = mrope_positions(&ids, &media, 2).unwrap();
+        let temporal: Vec<i64> = pos[..12].iter().map(|p| p[0]).collect();
+        assert_eq!(temporal, [0, 0, 0, 0, 50, 50, 50, 50, 100, 100, 100, 100]);
+        assert_eq!(pos[12], [101; 3]);
+        assert_eq!(delta, 102 - 13);
+        // A fractional interval is truncated per patch, not per step: 0, 1.5, 3.0 -> 0, 1, 3.
+        let media = [MediaSpan {
+            token: 9,
+            grid: Grid { t: 3, h: 2, w: 2 },
+            time_interval: 1.5,
+        }];
+        let (pos, _) = mrope_positions(&[9, 9, 9], &media, 2).unwrap();
+        assert_eq!(pos.iter().map(|p| p[0]).collect::<Vec<_>>(), [0, 1, 3]);
+    }
+
+    #[test]
     fn placeholder_counts_must_match_the_grids() {
         let media = [MediaSpan {
             token: 9,
             grid: Grid { t: 1, h: 4, w: 4 },
-            time_step: 1,
+            time_interval: 1.0,
         }];
         assert!(mrope_positions(&[1, 9, 9, 9, 2], &media, 2).is_err());
         assert!(mrope_positions(&[1, 2], &media, 2).is_err());

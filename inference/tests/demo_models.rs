@@ -60,7 +60,7 @@ fn demo_vl_model_templates_tokenizes_and_generates() {
     let media = [mmgate_inference::rope::MediaSpan {
         token: image_pad,
         grid,
-        time_step: 1,
+        time_interval: 1.0,
     }];
     let (positions, delta) = mmgate_inference::rope::mrope_positions(&ids, &media, 2).unwrap();
     let mut cache = model.llm.new_cache(ids.len() + 8).unwrap();

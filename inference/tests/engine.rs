@@ -111,7 +111,7 @@ fn request(
                 placeholder: s.reference.config.image_token_id,
                 tokens,
                 processor_config: "{}".into(),
-                time_step: 1,
+                time_interval: 1.0,
             }
         })
         .collect();
@@ -140,7 +140,7 @@ fn solo_greedy(s: &Setup, ids: &[u32], images: &[Arc<EncodeInput>], n: usize) ->
         spans.push(MediaSpan {
             token: m.config.image_token_id,
             grid: *grid,
-            time_step: 1,
+            time_interval: 1.0,
         });
     }
     let counts: Vec<usize> = features.iter().map(|f| f.rows()).collect();

@@ -1,7 +1,9 @@
-//! Qwen2-VL parity with transformers (fixtures: tests/fixtures/models, made by its generate.py with
-//! the pinned transformers): the vision tower, the M-RoPE positions, the logits of merged image and
-//! video prompts and 32 greedy tokens each, for the checkpoint as transformers 5 saves it and as the
-//! Hub ships it (flat config, legacy names, sharded).
+//! Qwen2-VL and Qwen2.5-VL parity with transformers (fixtures: tests/fixtures/models, made by its
+//! generate.py with the pinned transformers): the vision tower, the M-RoPE positions, the logits of
+//! merged image and video prompts and 32 greedy tokens each, for the checkpoint as transformers 5
+//! saves it and as the Hub ships it (flat config, legacy names, sharded). The Qwen2.5-VL model has
+//! window attention with windows cut by the image's edge and a video whose temporal positions are
+//! scaled by time.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -36,13 +38,20 @@ fn check_prompt(model: &Model, g: &Goldens, prompt: &str, item: &str, token: u32
     let ids = g.ids(&format!("{prompt}.input_ids"));
     let grids = grids(g, item);
     let merge = model.config.vision.merge;
+    // Videos of Qwen2.5-VL carry the seconds between temporal patches; images and Qwen2-VL do not.
+    let seconds = g
+        .has(&format!("{item}.second_per_grid_ts"))
+        .then(|| g.f32(&format!("{item}.second_per_grid_ts")).1.to_vec());
 
     let media: Vec<MediaSpan> = grids
         .iter()
-        .map(|&grid| MediaSpan {
+        .enumerate()
+        .map(|(i, &grid)| MediaSpan {
             token,
             grid,
-            time_step: 1,
+            time_interval: seconds
+                .as_ref()
+                .map_or(1.0, |s| model.config.vision.time_interval(s[i])),
         })
         .collect();
     let (positions, delta) = mrope_positions(&ids, &media, merge).unwrap();
@@ -85,10 +94,10 @@ fn check_prompt(model: &Model, g: &Goldens, prompt: &str, item: &str, token: u32
     check_prefill_and_greedy(&model.llm, g, prompt, embeds, &positions, delta);
 }
 
-fn check_model(dir: &str) {
+fn check_model(family: &str, dir: &str) {
     let (encoder, llm) = devices();
-    let model: Model = Qwen2Vl::load(&family_dir("qwen2-vl").join(dir), &encoder, &llm).unwrap();
-    let g = Goldens::load("qwen2-vl");
+    let model: Model = Qwen2Vl::load(&family_dir(family).join(dir), &encoder, &llm).unwrap();
+    let g = Goldens::load(family);
     check_close(
         "image embeddings",
         &encode(&model, &g, "image"),
@@ -117,10 +126,20 @@ fn check_model(dir: &str) {
 
 #[test]
 fn current_layout_matches_transformers() {
-    check_model("model");
+    check_model("qwen2-vl", "model");
 }
 
 #[test]
 fn hub_layout_matches_transformers() {
-    check_model("model-legacy");
+    check_model("qwen2-vl", "model-legacy");
+}
+
+#[test]
+fn qwen2_5_vl_current_layout_matches_transformers() {
+    check_model("qwen2.5-vl", "model");
+}
+
+#[test]
+fn qwen2_5_vl_hub_layout_matches_transformers() {
+    check_model("qwen2.5-vl", "model-legacy");
 }

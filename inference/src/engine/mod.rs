@@ -67,8 +67,8 @@ pub struct MediaItem {
     pub tokens: usize,
     /// The processor config the input was made with (part of the cache key).
     pub processor_config: String,
-    /// M-RoPE temporal step per temporal patch (1 for Qwen2-VL).
-    pub time_step: i64,
+    /// M-RoPE temporal step per temporal patch (see [`MediaSpan::time_interval`]).
+    pub time_interval: f32,
 }
 
 #[derive(Debug, Clone)]
@@ -684,7 +684,7 @@ fn media_spans(media: &[MediaItem], rows: &[Range<usize>]) -> Result<Vec<MediaSp
             EncodeInput::Vision { grid, .. } => Ok(MediaSpan {
                 token: media[i].placeholder,
                 grid: *grid,
-                time_step: media[i].time_step,
+                time_interval: media[i].time_interval,
             }),
             EncodeInput::Audio { .. } => {
                 Err(Error::Input("audio in an M-RoPE (vision) model".into()))

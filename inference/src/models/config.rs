@@ -18,7 +18,7 @@ pub(crate) struct Section<'a> {
 }
 
 impl<'a> Section<'a> {
-    fn err(&self, reason: String) -> Error {
+    pub(crate) fn err(&self, reason: String) -> Error {
         Error::Config {
             path: self.path.to_owned(),
             reason: format!(
@@ -157,10 +157,18 @@ impl ConfigFile {
 
     /// Reads `dir/config.json` and checks it describes a `model_type` model.
     pub(crate) fn read_of_type(dir: &Path, model_type: &str) -> Result<Self> {
+        Self::read_of_types(dir, &[model_type])
+    }
+
+    /// Reads `dir/config.json` and checks its `model_type` is one of `model_types`.
+    pub(crate) fn read_of_types(dir: &Path, model_types: &[&str]) -> Result<Self> {
         let file = Self::read(dir)?;
         match file.model_type() {
-            Some(t) if t == model_type => Ok(file),
-            other => Err(file.error(format!("model_type {other:?} is not {model_type}"))),
+            Some(t) if model_types.contains(&t) => Ok(file),
+            other => Err(file.error(format!(
+                "model_type {other:?} is not {}",
+                model_types.join(" or ")
+            ))),
         }
     }
 }

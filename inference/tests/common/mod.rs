@@ -61,6 +61,10 @@ impl Goldens {
         Self(map)
     }
 
+    pub fn has(&self, name: &str) -> bool {
+        self.0.contains_key(name)
+    }
+
     pub fn f32(&self, name: &str) -> (&[usize], &[f32]) {
         match &self.0[name] {
             Golden::F32(s, d) => (s, d),
