@@ -165,8 +165,8 @@ impl ModelRuntime {
             .first()
             .map(|(_, d)| d.clone())
             .ok_or_else(|| anyhow!("a model needs at least one encoder device"))?;
-        // Each encoder device holds its own copy of the encoder; the LLM comes from the first load.
-        // (Extra devices load the whole checkpoint and keep only its encoder.)
+        // Each encoder device holds its own copy of the encoder; the LLM comes from the first load,
+        // the other devices read only the encoder's weights.
         let (family, llm, positions, encoders): (_, _, _, Vec<Arc<dyn Encoder>>) =
             match config.model_type() {
                 Some(t) if qwen2_vl::MODEL_TYPES.contains(&t) => {
@@ -177,9 +177,9 @@ impl ModelRuntime {
                     } = Qwen2Vl::<CpuBackend, CpuBackend>::load(dir, &first_encoder, &llm_dev)?;
                     let mut encoders: Vec<Arc<dyn Encoder>> = vec![Arc::new(vision)];
                     for (_, dev) in encoder_devices.iter().skip(1) {
-                        encoders.push(Arc::new(
-                            Qwen2Vl::<CpuBackend, CpuBackend>::load(dir, dev, &llm_dev)?.vision,
-                        ));
+                        encoders.push(Arc::new(Qwen2Vl::<CpuBackend, CpuBackend>::load_vision(
+                            dir, dev,
+                        )?));
                     }
                     let merge = config.vision.merge;
                     let family = Family::Vision {
@@ -194,9 +194,9 @@ impl ModelRuntime {
                         Qwen2Audio::<CpuBackend, CpuBackend>::load(dir, &first_encoder, &llm_dev)?;
                     let mut encoders: Vec<Arc<dyn Encoder>> = vec![Arc::new(audio)];
                     for (_, dev) in encoder_devices.iter().skip(1) {
-                        encoders.push(Arc::new(
-                            Qwen2Audio::<CpuBackend, CpuBackend>::load(dir, dev, &llm_dev)?.audio,
-                        ));
+                        encoders.push(Arc::new(Qwen2Audio::<CpuBackend, CpuBackend>::load_audio(
+                            dir, dev,
+                        )?));
                     }
                     (
                         Family::Audio {

@@ -1,12 +1,21 @@
 //! Reading a model's weights from an HF directory: `model.safetensors`, or the shards listed in
-//! `model.safetensors.index.json`. Tensors are converted to f32 on the host (from f32, f16 or bf16)
-//! and renamed once to the names the model code uses, so checkpoints saved by different
-//! transformers versions load through one path.
+//! `model.safetensors.index.json`. Tensors are renamed once to the names the model code uses, so
+//! checkpoints saved by different transformers versions load through one path.
+//!
+//! Loading reads only the files' headers. A tensor's bytes are read (positioned reads, no mapping)
+//! and converted to f32 (from f32, f16 or bf16) when a model part takes it, so memory holds one
+//! tensor in flight rather than the whole checkpoint, and a part loaded on its own (an encoder for
+//! a second device) reads only its own tensors.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
+use safetensors::tensor::Metadata;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -19,12 +28,59 @@ pub struct HostTensor {
     pub data: Vec<f32>,
 }
 
+/// Where one tensor's bytes are.
+#[derive(Debug)]
+struct Entry {
+    file: Arc<(PathBuf, File)>,
+    /// The name in the file (before renaming), for messages.
+    stored_name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Absolute byte offset in the file, and length.
+    offset: u64,
+    len: usize,
+}
+
 /// All tensors of a checkpoint, by (renamed) name. Models take what they need; what is left over is
 /// reported so a checkpoint with unexpected parts is noticed.
 #[derive(Debug)]
 pub struct Weights {
     dir: PathBuf,
-    tensors: HashMap<String, HostTensor>,
+    tensors: HashMap<String, Entry>,
+}
+
+/// The largest header accepted (safetensors' own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Reads a safetensors file's header: its tensors and where their data starts.
+fn read_header(path: &Path, file: &mut File) -> Result<(Metadata, u64)> {
+    let bad = |reason: String| Error::Weights(format!("{}: {reason}", path.display()));
+    let mut prefix = [0u8; 8];
+    file.read_exact(&mut prefix).map_err(io(path))?;
+    let header_len = u64::from_le_bytes(prefix);
+    if header_len > MAX_HEADER_BYTES {
+        return Err(bad(format!("header of {header_len} bytes")));
+    }
+    let mut header = Vec::new();
+    file.by_ref()
+        .take(header_len)
+        .read_to_end(&mut header)
+        .map_err(io(path))?;
+    if header.len() as u64 != header_len {
+        return Err(bad("truncated header".into()));
+    }
+    // Deserialising checks that the tensors tile the data section with consistent sizes.
+    let metadata: Metadata =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
+    let data_start = 8 + header_len;
+    let file_len = file.metadata().map_err(io(path))?.len();
+    if file_len != data_start + metadata.data_len() as u64 {
+        return Err(bad(format!(
+            "{file_len} bytes, the header describes {}",
+            data_start + metadata.data_len() as u64
+        )));
+    }
+    Ok((metadata, data_start))
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
@@ -94,23 +150,28 @@ fn to_f32(dtype: Dtype, bytes: &[u8], name: &str) -> Result<Vec<f32>> {
 }
 
 impl Weights {
-    /// Loads every tensor of the directory's checkpoint, renaming each with `rename`.
+    /// Indexes every tensor of the directory's checkpoint, renaming each with `rename`.
     pub fn load(dir: &Path, rename: impl Fn(&str) -> String) -> Result<Self> {
         let mut tensors = HashMap::new();
-        for file in weight_files(dir)? {
-            let bytes = std::fs::read(&file).map_err(io(&file))?;
-            let st = SafeTensors::deserialize(&bytes)
-                .map_err(|e| Error::Weights(format!("{}: {e}", file.display())))?;
-            for (name, view) in st.tensors() {
-                let data = to_f32(view.dtype(), view.data(), &name)?;
+        for path in weight_files(dir)? {
+            let mut file = File::open(&path).map_err(io(&path))?;
+            let (metadata, data_start) = read_header(&path, &mut file)?;
+            let file = Arc::new((path, file));
+            for (name, info) in metadata.tensors() {
+                let (begin, end) = info.data_offsets;
                 let renamed = rename(&name);
-                let tensor = HostTensor {
-                    shape: view.shape().to_vec(),
-                    data,
+                let entry = Entry {
+                    file: file.clone(),
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    offset: data_start + begin as u64,
+                    len: end - begin,
+                    stored_name: name,
                 };
-                if tensors.insert(renamed.clone(), tensor).is_some() {
+                if let Some(other) = tensors.insert(renamed.clone(), entry) {
                     return Err(Error::Weights(format!(
-                        "{renamed} appears twice (after renaming {name})"
+                        "{renamed} appears twice (after renaming {})",
+                        other.stored_name
                     )));
                 }
             }
@@ -131,17 +192,24 @@ impl Weights {
 
     /// Removes and returns a tensor, checking its shape.
     pub fn take_host(&mut self, name: &str, shape: &[usize]) -> Result<HostTensor> {
-        let t = self
+        let entry = self
             .tensors
             .remove(name)
             .ok_or_else(|| Error::Weights(format!("{} lacks {name}", self.dir.display())))?;
-        if t.shape != shape {
+        if entry.shape != shape {
             return Err(Error::Weights(format!(
                 "{name} has shape {:?}, the config implies {shape:?}",
-                t.shape
+                entry.shape
             )));
         }
-        Ok(t)
+        let (path, file) = &*entry.file;
+        let mut bytes = vec![0u8; entry.len];
+        file.read_exact_at(&mut bytes, entry.offset)
+            .map_err(io(path))?;
+        Ok(HostTensor {
+            shape: entry.shape,
+            data: to_f32(entry.dtype, &bytes, &entry.stored_name)?,
+        })
     }
 
     /// Removes a tensor and uploads it to `device`.
@@ -205,6 +273,24 @@ impl<'a, B: Backend> Scope<'a, B> {
         Ok((w, b))
     }
 
+    /// `name.weight` `[out, in]` and `name.bias` `[out]` of a layer that always has a bias.
+    pub fn biased_linear(
+        &mut self,
+        name: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<(Tensor<B>, Tensor<B>)> {
+        Ok((
+            self.tensor(&format!("{name}.weight"), &[out, inp])?,
+            self.tensor(&format!("{name}.bias"), &[out])?,
+        ))
+    }
+
+    /// An RMSNorm's `name.weight` `[dim]`.
+    pub fn rms_norm(&mut self, name: &str, dim: usize) -> Result<Tensor<B>> {
+        self.tensor(&format!("{name}.weight"), &[dim])
+    }
+
     /// A LayerNorm's `name.weight` and `name.bias`, both `[dim]`.
     pub fn layer_norm(&mut self, name: &str, dim: usize) -> Result<(Tensor<B>, Tensor<B>)> {
         Ok((
@@ -225,5 +311,63 @@ mod tests {
         assert_eq!(to_f32(Dtype::BF16, &bf, "x").unwrap(), vec![1.5]);
         assert_eq!(to_f32(Dtype::F16, &hf, "x").unwrap(), vec![-0.25]);
         assert!(to_f32(Dtype::I64, &[0; 8], "x").is_err());
+    }
+
+    fn write_checkpoint(dir: &Path) -> Vec<u8> {
+        let a: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let b: Vec<u8> = [half::bf16::from_f32(-2.5)]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let views = [
+            (
+                "model.a",
+                safetensors::tensor::TensorView::new(Dtype::F32, vec![2, 2], &a).unwrap(),
+            ),
+            (
+                "model.b",
+                safetensors::tensor::TensorView::new(Dtype::BF16, vec![1], &b).unwrap(),
+            ),
+        ];
+        let bytes = safetensors::serialize(views, None).unwrap();
+        std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
+        bytes
+    }
+
+    #[test]
+    fn reads_each_tensor_when_taken_and_reports_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        write_checkpoint(dir.path());
+        let mut w = Weights::load(dir.path(), |n| n.replace("model.", "m.")).unwrap();
+        assert_eq!(w.leftover(), ["m.a", "m.b"]);
+        assert!(w.take_host("m.a", &[4]).is_err(), "shape is checked");
+        let mut w = Weights::load(dir.path(), |n| n.replace("model.", "m.")).unwrap();
+        let a = w.take_host("m.a", &[2, 2]).unwrap();
+        assert_eq!(a.data, [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(w.leftover(), ["m.b"]);
+        assert_eq!(w.take_host("m.b", &[1]).unwrap().data, [-2.5]);
+        assert!(w.take_host("m.b", &[1]).is_err(), "taken once");
+    }
+
+    #[test]
+    fn refuses_files_whose_size_or_header_do_not_add_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = write_checkpoint(dir.path());
+        let path = dir.path().join("model.safetensors");
+        for broken in [
+            bytes[..bytes.len() - 1].to_vec(),
+            [&bytes[..], &[0]].concat(),
+            bytes[..20].to_vec(),
+            bytes[..5].to_vec(),
+            [&u64::MAX.to_le_bytes()[..], &bytes[8..]].concat(),
+            [&bytes[..8], &vec![b' '; bytes.len() - 8][..]].concat(),
+        ] {
+            std::fs::write(&path, &broken).unwrap();
+            let err = Weights::load(dir.path(), str::to_owned).unwrap_err();
+            assert!(matches!(err, Error::Weights(_) | Error::Io { .. }), "{err}");
+        }
     }
 }

@@ -29,6 +29,12 @@ fn check_model(dir: &str) {
         .collect();
     let embeds_audio = model.audio.encode(features, &valid).unwrap();
     check_close("audio embeddings", &embeds_audio, g.f32("audio.embeds"));
+    // A second encoder device loads the encoder alone; it must be the same encoder.
+    let alone = Model::load_audio(&family_dir("qwen2-audio").join(dir), &encoder).unwrap();
+    assert_eq!(
+        alone.encode(features, &valid).unwrap().to_host().unwrap(),
+        embeds_audio.to_host().unwrap()
+    );
 
     let ids = g.ids("audio_prompt.input_ids");
     let per_chunk: Vec<usize> = valid

@@ -96,8 +96,21 @@ fn check_prompt(model: &Model, g: &Goldens, prompt: &str, item: &str, token: u32
 
 fn check_model(family: &str, dir: &str) {
     let (encoder, llm) = devices();
-    let model: Model = Qwen2Vl::load(&family_dir(family).join(dir), &encoder, &llm).unwrap();
+    let dir = family_dir(family).join(dir);
+    let model: Model = Qwen2Vl::load(&dir, &encoder, &llm).unwrap();
     let g = Goldens::load(family);
+    // A second encoder device loads the tower alone; it must be the same tower.
+    let (pixels_shape, pixels) = g.f32("image.pixel_values");
+    let alone = Model::load_vision(&dir, &encoder).unwrap();
+    let pixels = Tensor::from_host(&encoder, pixels, pixels_shape).unwrap();
+    assert_eq!(
+        alone
+            .encode(&pixels, &grids(&g, "image"))
+            .unwrap()
+            .to_host()
+            .unwrap(),
+        encode(&model, &g, "image").to_host().unwrap()
+    );
     check_close(
         "image embeddings",
         &encode(&model, &g, "image"),

@@ -327,4 +327,18 @@ impl<E: Backend, L: Backend> Qwen2Audio<E, L> {
         weights.warn_unused();
         Ok(Self { config, audio, llm })
     }
+
+    /// Only the audio encoder and projector, on `device`: another encoder device's copy, reading
+    /// nothing of the LLM's weights.
+    pub fn load_audio(dir: &Path, device: &E) -> Result<AudioEncoder<E>> {
+        let config = Qwen2AudioConfig::read(dir)?;
+        let mut weights = Weights::load(dir, canonical_name)?;
+        AudioEncoder::load(
+            config.audio,
+            config.text.hidden_size,
+            &mut weights,
+            "model.",
+            device,
+        )
+    }
 }

@@ -16,7 +16,7 @@ use crate::models::config::{ConfigFile, Section, TextConfig};
 use crate::models::qwen2::Qwen2;
 use crate::rope::{self, Grid};
 use crate::tensor::Tensor;
-use crate::weights::Weights;
+use crate::weights::{Scope, Weights};
 
 /// The norm epsilon transformers hard-codes for the tower and merger.
 const VISION_NORM_EPS: f32 = 1e-6;
@@ -282,33 +282,13 @@ pub struct VisionTower<B: Backend> {
     device: B,
 }
 
-/// Takes the tower's tensors out of a checkpoint, named as under `prefix` (`model.visual.`).
-struct Loader<'a, B: Backend> {
-    weights: &'a mut Weights,
-    prefix: &'a str,
-    device: &'a B,
-}
-
-impl<B: Backend> Loader<'_, B> {
-    fn linear(&mut self, name: &str, out: usize, inp: usize) -> Result<Linear<B>> {
-        let (p, d) = (self.prefix, self.device);
-        Ok((
-            self.weights
-                .take(d, &format!("{p}{name}.weight"), &[out, inp])?,
-            self.weights.take(d, &format!("{p}{name}.bias"), &[out])?,
-        ))
-    }
-
-    fn norm(&mut self, name: &str, dim: usize, rms: bool) -> Result<Norm<B>> {
-        let (p, d) = (self.prefix, self.device);
-        let weight = self.weights.take(d, &format!("{p}{name}.weight"), &[dim])?;
+impl<B: Backend> Norm<B> {
+    fn load(scope: &mut Scope<'_, B>, name: &str, dim: usize, rms: bool) -> Result<Self> {
         Ok(if rms {
-            Norm::Rms(weight)
+            Self::Rms(scope.rms_norm(name, dim)?)
         } else {
-            Norm::Layer(
-                weight,
-                self.weights.take(d, &format!("{p}{name}.bias"), &[dim])?,
-            )
+            let (w, b) = scope.layer_norm(name, dim)?;
+            Self::Layer(w, b)
         })
     }
 }
@@ -322,28 +302,24 @@ impl<B: Backend> VisionTower<B> {
     ) -> Result<Self> {
         let c = &config;
         let d = c.embed_dim;
-        let mut l = Loader {
-            weights,
-            prefix,
-            device,
-        };
+        let mut l = Scope::new(weights, device, prefix);
         let rms = matches!(c.blocks, VisionBlocks::Qwen2_5Vl { .. });
         let mut blocks = Vec::with_capacity(c.depth);
         for i in 0..c.depth {
             let b = format!("blocks.{i}.");
             let mlp = match &c.blocks {
                 VisionBlocks::Qwen2Vl { mlp_hidden: h } => Mlp::Plain {
-                    fc1: l.linear(&format!("{b}mlp.fc1"), *h, d)?,
-                    fc2: l.linear(&format!("{b}mlp.fc2"), d, *h)?,
+                    fc1: l.biased_linear(&format!("{b}mlp.fc1"), *h, d)?,
+                    fc2: l.biased_linear(&format!("{b}mlp.fc2"), d, *h)?,
                 },
                 VisionBlocks::Qwen2_5Vl { mlp_hidden: h, .. } => Mlp::Gated {
-                    gate: l.linear(&format!("{b}mlp.gate_proj"), *h, d)?,
-                    up: l.linear(&format!("{b}mlp.up_proj"), *h, d)?,
-                    down: l.linear(&format!("{b}mlp.down_proj"), d, *h)?,
+                    gate: l.biased_linear(&format!("{b}mlp.gate_proj"), *h, d)?,
+                    up: l.biased_linear(&format!("{b}mlp.up_proj"), *h, d)?,
+                    down: l.biased_linear(&format!("{b}mlp.down_proj"), d, *h)?,
                 },
             };
             // The checkpoint packs q, k and v into one [3d, d] projection; split it once here.
-            let (qkv_w, qkv_b) = l.linear(&format!("{b}attn.qkv"), 3 * d, d)?;
+            let (qkv_w, qkv_b) = l.biased_linear(&format!("{b}attn.qkv"), 3 * d, d)?;
             let (w, bias) = (qkv_w.to_host()?, qkv_b.to_host()?);
             let part = |j: usize| -> Result<Linear<B>> {
                 Ok((
@@ -352,19 +328,19 @@ impl<B: Backend> VisionTower<B> {
                 ))
             };
             blocks.push(VisionBlock {
-                norm1: l.norm(&format!("{b}norm1"), d, rms)?,
-                norm2: l.norm(&format!("{b}norm2"), d, rms)?,
+                norm1: Norm::load(&mut l, &format!("{b}norm1"), d, rms)?,
+                norm2: Norm::load(&mut l, &format!("{b}norm2"), d, rms)?,
                 q: part(0)?,
                 k: part(1)?,
                 v: part(2)?,
-                proj: l.linear(&format!("{b}attn.proj"), d, d)?,
+                proj: l.biased_linear(&format!("{b}attn.proj"), d, d)?,
                 mlp,
             });
         }
         let merged = d * c.merge * c.merge;
-        let merger_norm = l.norm("merger.ln_q", d, rms)?;
-        let merger_fc1 = l.linear("merger.mlp.0", merged, merged)?;
-        let merger_fc2 = l.linear("merger.mlp.2", c.out_dim, merged)?;
+        let merger_norm = Norm::load(&mut l, "merger.ln_q", d, rms)?;
+        let merger_fc1 = l.biased_linear("merger.mlp.0", merged, merged)?;
+        let merger_fc2 = l.biased_linear("merger.mlp.2", c.out_dim, merged)?;
         // Conv3d with stride = kernel over exactly one patch is a linear map of the flattened patch.
         let conv = weights.take_host(
             &format!("{prefix}patch_embed.proj.weight"),
@@ -583,6 +559,14 @@ impl<E: Backend, L: Backend> Qwen2Vl<E, L> {
             vision,
             llm,
         })
+    }
+
+    /// Only the vision tower, on `device`: another encoder device's copy, reading nothing of the
+    /// LLM's weights.
+    pub fn load_vision(dir: &Path, device: &E) -> Result<VisionTower<E>> {
+        let config = Qwen2VlConfig::read(dir)?;
+        let mut weights = Weights::load(dir, canonical_name)?;
+        VisionTower::load(config.vision, &mut weights, "model.visual.", device)
     }
 }
 
