@@ -208,11 +208,14 @@ impl Processor {
         let kept_samples = samples.min(kept as u64 * self.chunk_samples);
         let seconds = |s: u64| s as f64 / f64::from(SAMPLE_RATE);
         let chunk_seconds = self.chunk_samples / u64::from(SAMPLE_RATE);
+        let plural = |n: u64| if n == 1 { "" } else { "s" };
         let reason = if kept == total_chunks {
             format!(
-                "{:.2} s of audio in {total_chunks} chunk{} of {chunk_seconds} s: {total_tokens} tokens",
+                "{:.2} s of audio in {total_chunks} chunk{} of {chunk_seconds} s: {total_tokens} \
+                 token{}",
                 seconds(samples),
-                if total_chunks == 1 { "" } else { "s" }
+                plural(total_chunks as u64),
+                plural(total_tokens)
             )
         } else {
             format!(
@@ -307,6 +310,23 @@ mod tests {
             (1625, 3, &[750, 750, 125][..])
         );
         assert!(!p.reduced);
+    }
+
+    #[test]
+    fn the_reason_counts_in_words_that_agree() {
+        // 4 frames -> 2 -> 1 token.
+        let (p, _) = plan(QWEN2_AUDIO, 640, u32::MAX).unwrap();
+        assert!(
+            p.reason.ends_with("1 chunk of 30 s: 1 token"),
+            "{}",
+            p.reason
+        );
+        let (p, _) = plan(QWEN2_AUDIO, 65 * 16_000, u32::MAX).unwrap();
+        assert!(
+            p.reason.ends_with("3 chunks of 30 s: 1625 tokens"),
+            "{}",
+            p.reason
+        );
     }
 
     #[test]
