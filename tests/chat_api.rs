@@ -230,6 +230,26 @@ fn images_and_audio_by_data_url_upload_and_http_url_cost_what_their_plugins_plan
             "{body}"
         );
     }
+
+    // The encoders' work is in the metrics: the same image four times was encoded once (the
+    // feature cache served the rest), the same audio twice once.
+    let metrics = client()
+        .get(format!("http://{}/metrics", server.addr))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    for (model, encoder) in [("demo", "vision"), ("demo-audio", "audio")] {
+        let labels = format!("{{model=\"{model}\",device=\"{model}-enc0\",encoder=\"{encoder}\"}}");
+        for (metric, value) in [
+            ("mmgate_encoded_items_total", 1),
+            ("mmgate_encode_failures_total", 0),
+            ("mmgate_encode_duration_seconds_count", 1),
+        ] {
+            let line = format!("{metric}{labels} {value}");
+            assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+        }
+    }
 }
 
 /// The text of an SSE chat stream, its usage chunk, and whether it ended with `[DONE]`.

@@ -2,10 +2,11 @@
 //! finish; gauges (queues, feature-store bytes, upstream health) are read from their owners at
 //! scrape time, so they are never stale.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::StatusCode;
+use mmgate_inference::engine::{BatchObserver, BatchReport};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -29,6 +30,13 @@ struct PathLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ModalityLabels {
     modality: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EncodeLabels {
+    model: String,
+    device: String,
+    encoder: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -70,6 +78,9 @@ pub struct Metrics {
     media_tokens: Family<ModalityLabels, Counter>,
     budget_cuts: Family<ModalityLabels, Counter>,
     plugin_seconds: Family<ModalityLabels, Histogram>,
+    encode_seconds: Family<EncodeLabels, Histogram>,
+    encoded_items: Family<EncodeLabels, Counter>,
+    encode_failures: Family<EncodeLabels, Counter>,
     engine_running: Family<ModelLabels, Gauge>,
     engine_queued: Family<ModelLabels, Gauge>,
     waiting_for_encoder: Family<ModelLabels, Gauge>,
@@ -130,6 +141,26 @@ impl Metrics {
             "Probe + plan + preprocess time of one media item",
             plugin_seconds.clone(),
         );
+        let encode_seconds = Family::<EncodeLabels, Histogram>::new_with_constructor(
+            seconds_histogram as fn() -> Histogram,
+        );
+        let encoded_items = Family::<EncodeLabels, Counter>::default();
+        let encode_failures = Family::<EncodeLabels, Counter>::default();
+        registry.register(
+            "encode_duration_seconds",
+            "Time an encoder device spent on one batch, by model, device and encoder (vision, audio)",
+            encode_seconds.clone(),
+        );
+        registry.register(
+            "encoded_items",
+            "Media items encoded (cache hits are not encoded again)",
+            encoded_items.clone(),
+        );
+        registry.register(
+            "encode_failures",
+            "Media items whose encoding failed",
+            encode_failures.clone(),
+        );
         let gauges = [
             ("engine_running", "Sequences in the engine's batch"),
             ("engine_queued", "Requests waiting for a place in the batch"),
@@ -186,6 +217,9 @@ impl Metrics {
             media_tokens,
             budget_cuts,
             plugin_seconds,
+            encode_seconds,
+            encoded_items,
+            encode_failures,
             engine_running: next(),
             engine_queued: next(),
             waiting_for_encoder: next(),
@@ -234,6 +268,28 @@ impl Metrics {
                     .observe(ms / 1e3);
             }
         }
+    }
+
+    /// What `model`'s encoder pool reports each batch to (called on the encoder devices' threads).
+    pub fn encode_observer(&self, model: &str) -> BatchObserver {
+        let (seconds, items, failures) = (
+            self.encode_seconds.clone(),
+            self.encoded_items.clone(),
+            self.encode_failures.clone(),
+        );
+        let model = model.to_owned();
+        Arc::new(move |batch: &BatchReport<'_>| {
+            let labels = EncodeLabels {
+                model: model.clone(),
+                device: batch.device.to_owned(),
+                encoder: batch.kind.name().to_owned(),
+            };
+            seconds
+                .get_or_create(&labels)
+                .observe(batch.took.as_secs_f64());
+            items.get_or_create(&labels).inc_by(batch.items as u64);
+            failures.get_or_create(&labels).inc_by(batch.failed as u64);
+        })
     }
 
     /// The text exposition, gauges set from `snapshot` first.

@@ -11,8 +11,8 @@ use mmgate_host::{Dtype, Tensor};
 use mmgate_inference::CpuBackend;
 use mmgate_inference::demo::{self, DemoFamily};
 use mmgate_inference::engine::{
-    DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig, FeatureStore, MediaItem,
-    PositionScheme,
+    BatchObserver, DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig,
+    FeatureStore, MediaItem, PositionScheme,
 };
 use mmgate_inference::models::config::ConfigFile;
 use mmgate_inference::models::qwen2_audio::AudioEncoderConfig;
@@ -150,7 +150,13 @@ pub fn default_cache_dir() -> PathBuf {
 }
 
 impl ModelRuntime {
-    pub fn load(name: &str, dir: &Path, options: &RuntimeOptions) -> anyhow::Result<Self> {
+    /// Loads the model onto its devices; `observer`, if any, hears of every encoded batch.
+    pub fn load(
+        name: &str,
+        dir: &Path,
+        options: &RuntimeOptions,
+        observer: Option<BatchObserver>,
+    ) -> anyhow::Result<Self> {
         let threads = &options.threads;
         let config = ConfigFile::read(dir)?;
         let llm_dev = CpuBackend::new(&format!("{name}-llm"), threads.llm)?;
@@ -223,7 +229,7 @@ impl ModelRuntime {
             .collect();
         let context_length = llm.config().max_position_embeddings;
         let text = Arc::new(TextProcessor::load(dir)?);
-        let pool = Arc::new(EncoderPool::new(specs, 8)?);
+        let pool = Arc::new(EncoderPool::with_observer(specs, 8, observer)?);
         let store = Arc::new(FeatureStore::new(options.feature_cache_bytes));
         let engine_config = EngineConfig {
             model_name: name.to_owned(),
@@ -466,7 +472,7 @@ mod tests {
             },
             ..RuntimeOptions::default()
         };
-        ModelRuntime::load(spec, &dir, &options).unwrap()
+        ModelRuntime::load(spec, &dir, &options, None).unwrap()
     }
 
     #[test]

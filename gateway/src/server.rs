@@ -23,8 +23,8 @@ use crate::model::{
 use crate::plugins::LivePlugins;
 use crate::upstream::UpstreamPool;
 
-/// Loads a natively served model onto its devices.
-fn load_native(model: &ModelConfig) -> anyhow::Result<NativeModel> {
+/// Loads a natively served model onto its devices, its encoders reporting to `metrics`.
+fn load_native(model: &ModelConfig, metrics: &Metrics) -> anyhow::Result<NativeModel> {
     let spec = model
         .path
         .as_deref()
@@ -43,7 +43,8 @@ fn load_native(model: &ModelConfig) -> anyhow::Result<NativeModel> {
         prefill_chunk: model.prefill_chunk,
         feature_cache_bytes: model.feature_cache_bytes,
     };
-    let runtime = ModelRuntime::load(&model.name, &dir, &options)
+    let observer = metrics.encode_observer(&model.name);
+    let runtime = ModelRuntime::load(&model.name, &dir, &options, Some(observer))
         .with_context(|| format!("model {}: loading {}", model.name, dir.display()))?;
     Ok(NativeModel {
         runtime,
@@ -58,11 +59,12 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let pool = PluginPool::new(threads, threads * 16).context("starting the plugin pool")?;
 
+    let metrics = Metrics::new();
     let mut models = BTreeMap::new();
     let mut background: Vec<Box<dyn ServiceWithDependents>> = Vec::new();
     for model in &config.models {
         let route = if model.upstreams.is_empty() {
-            Route::Native(load_native(model)?)
+            Route::Native(load_native(model, &metrics)?)
         } else {
             let (pool, health_checks) = UpstreamPool::build(model)?;
             background.push(health_checks);
@@ -78,7 +80,7 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
         fetcher: Fetcher::new(config.fetch.clone())?,
         limits: config.limits.clone(),
         api_keys: config.api_keys.clone(),
-        metrics: Metrics::new(),
+        metrics,
         _reload: reload,
     };
     tracing::info!(

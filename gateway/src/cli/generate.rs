@@ -59,7 +59,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
     let name = dir
         .file_name()
         .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-    let model = ModelRuntime::load(&name, &dir, &RuntimeOptions::default())
+    let model = ModelRuntime::load(&name, &dir, &RuntimeOptions::default(), None)
         .with_context(|| format!("loading the model in {}", dir.display()))?;
 
     let files: Vec<(MediaKind, &PathBuf)> = (args.image.iter().map(|f| (MediaKind::Image, f)))

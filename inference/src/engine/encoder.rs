@@ -27,6 +27,16 @@ pub enum EncoderKind {
     Audio,
 }
 
+impl EncoderKind {
+    /// The name metrics and logs use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Vision => "vision",
+            Self::Audio => "audio",
+        }
+    }
+}
+
 impl EncodeInput {
     pub fn kind(&self) -> EncoderKind {
         match self {

@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
@@ -30,6 +31,21 @@ struct Device {
     thread: Option<JoinHandle<()>>,
 }
 
+/// What one encoded batch took, reported to the pool's observer (metrics) from the device's thread.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchReport<'a> {
+    pub device: &'a str,
+    pub kind: EncoderKind,
+    pub items: usize,
+    /// Items of the batch whose encoding failed.
+    pub failed: usize,
+    /// Time in the encoder (not in the queue).
+    pub took: Duration,
+}
+
+/// Receives a [`BatchReport`] after every batch.
+pub type BatchObserver = Arc<dyn Fn(&BatchReport<'_>) + Send + Sync>;
+
 /// A device's encoders, as configured: a name and one encoder per modality it serves.
 pub struct DeviceSpec {
     pub name: String,
@@ -49,6 +65,15 @@ pub struct DeviceLoad {
 
 impl EncoderPool {
     pub fn new(specs: Vec<DeviceSpec>, max_batch: usize) -> Result<Self> {
+        Self::with_observer(specs, max_batch, None)
+    }
+
+    /// A pool that reports every batch to `observer`.
+    pub fn with_observer(
+        specs: Vec<DeviceSpec>,
+        max_batch: usize,
+        observer: Option<BatchObserver>,
+    ) -> Result<Self> {
         let mut devices = Vec::with_capacity(specs.len());
         for spec in specs {
             let (tx, rx) = crossbeam_channel::unbounded::<Job>();
@@ -56,9 +81,16 @@ impl EncoderPool {
             let kinds = spec.encoders.iter().map(|e| e.kind()).collect();
             let worker_load = load.clone();
             let encoders = spec.encoders;
+            let worker = Worker {
+                name: spec.name.clone(),
+                encoders,
+                load: worker_load,
+                max_batch: max_batch.max(1),
+                observer: observer.clone(),
+            };
             let thread = std::thread::Builder::new()
                 .name(format!("encoder-{}", spec.name))
-                .spawn(move || run_device(rx, encoders, worker_load, max_batch.max(1)))
+                .spawn(move || worker.run(rx))
                 .map_err(|e| Error::Device {
                     device: spec.name.clone(),
                     reason: e.to_string(),
@@ -128,42 +160,53 @@ impl Drop for EncoderPool {
     }
 }
 
-fn run_device(
-    rx: Receiver<Job>,
+/// A device's thread: its encoders and what it reports to.
+struct Worker {
+    name: String,
     encoders: Vec<Arc<dyn Encoder>>,
     load: Arc<AtomicUsize>,
     max_batch: usize,
-) {
-    let mut backlog: VecDeque<Job> = VecDeque::new();
-    loop {
-        let first = match backlog.pop_front() {
-            Some(job) => job,
-            None => match rx.recv() {
-                Ok(job) => job,
-                Err(_) => return,
-            },
-        };
-        let kind = first.input.kind();
-        let mut batch = vec![first];
-        // Take what else is queued of the same kind; others wait their turn in order.
-        let mut rest = VecDeque::new();
-        while let Some(job) = backlog.pop_front() {
-            if job.input.kind() == kind && batch.len() < max_batch {
-                batch.push(job);
-            } else {
-                rest.push_back(job);
-            }
-        }
-        while batch.len() < max_batch {
-            match rx.try_recv() {
-                Ok(job) if job.input.kind() == kind => batch.push(job),
-                Ok(job) => rest.push_back(job),
-                Err(_) => break,
-            }
-        }
-        backlog = rest;
+    observer: Option<BatchObserver>,
+}
 
-        let results = match encoders.iter().find(|e| e.kind() == kind) {
+impl Worker {
+    fn run(self, rx: Receiver<Job>) {
+        let max_batch = self.max_batch;
+        let mut backlog: VecDeque<Job> = VecDeque::new();
+        loop {
+            let first = match backlog.pop_front() {
+                Some(job) => job,
+                None => match rx.recv() {
+                    Ok(job) => job,
+                    Err(_) => return,
+                },
+            };
+            let kind = first.input.kind();
+            let mut batch = vec![first];
+            // Take what else is queued of the same kind; others wait their turn in order.
+            let mut rest = VecDeque::new();
+            while let Some(job) = backlog.pop_front() {
+                if job.input.kind() == kind && batch.len() < max_batch {
+                    batch.push(job);
+                } else {
+                    rest.push_back(job);
+                }
+            }
+            while batch.len() < max_batch {
+                match rx.try_recv() {
+                    Ok(job) if job.input.kind() == kind => batch.push(job),
+                    Ok(job) => rest.push_back(job),
+                    Err(_) => break,
+                }
+            }
+            backlog = rest;
+            self.encode(kind, batch);
+        }
+    }
+
+    fn encode(&self, kind: EncoderKind, batch: Vec<Job>) {
+        let started = Instant::now();
+        let results = match self.encoders.iter().find(|e| e.kind() == kind) {
             Some(encoder) => {
                 let inputs: Vec<&EncodeInput> = batch.iter().map(|j| j.input.as_ref()).collect();
                 let span = tracing::debug_span!("encode", ?kind, items = inputs.len());
@@ -188,8 +231,17 @@ fn run_device(
                 })
                 .collect()
         };
+        if let Some(observe) = &self.observer {
+            observe(&BatchReport {
+                device: &self.name,
+                kind,
+                items: batch.len(),
+                failed: results.iter().filter(|r| r.is_err()).count(),
+                took: started.elapsed(),
+            });
+        }
         for (job, result) in batch.into_iter().zip(results) {
-            load.fetch_sub(1, Ordering::Relaxed);
+            self.load.fetch_sub(1, Ordering::Relaxed);
             (job.done)(result.map(Arc::new).map_err(|e| e.to_string()));
         }
     }
