@@ -1,7 +1,9 @@
 //! `mmgate generate` as a user runs it: the real binary, the built-in plugins and the native core on
 //! the demo models (written into a scratch cache directory on first use). The usage it reports
 //! counts each media item at the tokens its plugin planned; greedy and seeded runs repeat exactly;
-//! media a model does not take is refused with a one-line reason.
+//! greedy tokens equal what transformers generates from the same preprocessed media
+//! (tests/fixtures/generate, made by its make_expected.py); media a model does not take is refused
+//! with a one-line reason.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -131,6 +133,50 @@ fn qwen2_5_vl_demo_takes_video_and_images_like_qwen2_vl_costs_them() {
     assert_eq!(kinds, ["image", "video"]);
     assert_ne!(qwen2_5["token_ids"], qwen2["token_ids"]);
     assert_eq!(qwen2_5, run("demo-qwen2.5-vl"), "greedy generation repeats");
+}
+
+#[test]
+fn greedy_tokens_match_transformers_on_the_demo_models() {
+    let expected: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("generate/expected.json")).unwrap())
+            .unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let max_tokens = expected["max_tokens"].to_string();
+    for case in expected["cases"].as_array().unwrap() {
+        let mut args = vec![
+            "--model".to_owned(),
+            case["model"].as_str().unwrap().to_owned(),
+        ];
+        for (flag, key) in [("--image", "images"), ("--video", "videos")] {
+            for media in case[key].as_array().unwrap() {
+                args.push(flag.to_owned());
+                args.push(fixture(media.as_str().unwrap()));
+            }
+        }
+        args.extend([
+            "--prompt".to_owned(),
+            expected["prompt"].as_str().unwrap().to_owned(),
+            "--max-tokens".to_owned(),
+            max_tokens.clone(),
+        ]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let ours = json(&generate(cache.path(), &args));
+        assert_eq!(
+            ours["usage"]["prompt_tokens"], case["prompt_tokens"],
+            "{case}"
+        );
+        // The demo models' logits are not scaled apart: compare up to the first step where HF's
+        // top two were within 0.01 (float noise may pick either there, and all after it differs).
+        let margins = case["margins"].as_array().unwrap();
+        let clear = margins
+            .iter()
+            .take_while(|m| m.as_f64().unwrap() >= 0.01)
+            .count();
+        assert!(clear >= 3, "too few clear steps to compare: {case}");
+        let want = &case["token_ids"].as_array().unwrap()[..clear];
+        let got = &ours["token_ids"].as_array().unwrap()[..clear];
+        assert_eq!(got, want, "{case}");
+    }
 }
 
 #[test]

@@ -18,7 +18,7 @@ use tokenizers::{AddedToken, Tokenizer};
 use crate::error::{Error, Result};
 
 /// Bumped whenever what [`write`] produces changes, so cached copies are regenerated.
-pub const DEMO_VERSION: u32 = 2;
+pub const DEMO_VERSION: u32 = 3;
 
 /// Special tokens of the Qwen2 chat format and its media placeholders.
 pub const SPECIAL_TOKENS: [&str; 10] = [
@@ -335,7 +335,8 @@ pub fn write(dir: &Path, family: DemoFamily, seed: u64) -> Result<()> {
             } else {
                 let vision = json!({
                     "embed_dim": embed, "hidden_size": HIDDEN,
-                    "mlp_ratio": mlp as f64 / embed as f64, "hidden_act": "quick_gelu",
+                    // transformers 5 wants an integer ratio.
+                    "mlp_ratio": mlp / embed, "hidden_act": "quick_gelu",
                 });
                 ("Qwen2VLForConditionalGeneration", "qwen2_vl", vision)
             };
