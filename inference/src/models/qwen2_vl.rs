@@ -242,6 +242,15 @@ enum Norm<B: Backend> {
 }
 
 impl<B: Backend> Norm<B> {
+    fn load(scope: &mut Scope<'_, B>, name: &str, dim: usize, rms: bool) -> Result<Self> {
+        Ok(if rms {
+            Self::Rms(scope.rms_norm(name, dim)?)
+        } else {
+            let (w, b) = scope.layer_norm(name, dim)?;
+            Self::Layer(w, b)
+        })
+    }
+
     fn apply(&self, x: &Tensor<B>) -> Result<Tensor<B>> {
         match self {
             Self::Layer(w, b) => x.layer_norm(w, b, VISION_NORM_EPS),
@@ -280,17 +289,6 @@ pub struct VisionTower<B: Backend> {
     merger_fc1: Linear<B>,
     merger_fc2: Linear<B>,
     device: B,
-}
-
-impl<B: Backend> Norm<B> {
-    fn load(scope: &mut Scope<'_, B>, name: &str, dim: usize, rms: bool) -> Result<Self> {
-        Ok(if rms {
-            Self::Rms(scope.rms_norm(name, dim)?)
-        } else {
-            let (w, b) = scope.layer_norm(name, dim)?;
-            Self::Layer(w, b)
-        })
-    }
 }
 
 impl<B: Backend> VisionTower<B> {
