@@ -5,7 +5,8 @@ is the proxies, not a model. wrk drives three targets on loopback with the same 
 request: the upstream directly, nginx proxying to it (keep-alive upstream connections), and mmgate
 serving a model whose upstream pool is that server. Latency is measured with one connection (the
 added latency of a hop), throughput with many. mmgate and nginx get the same number of worker
-threads/processes.
+threads/processes, and (with two CPUs or more) the proxies run on a CPU of their own while wrk and
+the upstream share the others, so each proxy's throughput is what its own CPU can do.
 
 Run from the repository root after `cargo build --release -p mmgate-gateway` (./dev bench does it).
 """
@@ -37,6 +38,16 @@ REQUEST = (
 )
 
 
+CPUS = sorted(os.sched_getaffinity(0))
+# The proxy under test on the last CPU, the load generator and the upstream on the rest.
+PROXY_CPUS = set(CPUS[-1:]) if len(CPUS) > 1 else set(CPUS)
+LOAD_CPUS = set(CPUS[:-1]) if len(CPUS) > 1 else set(CPUS)
+
+
+def pinned(cpus: set[int]):
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,7 +65,7 @@ def wait_listening(port: int, what: str) -> None:
     sys.exit(f"{what} did not start on port {port}")
 
 
-def nginx(workdir: Path, name: str, server_block: str) -> subprocess.Popen:
+def nginx(workdir: Path, name: str, server_block: str, cpus: set[int]) -> subprocess.Popen:
     conf = workdir / f"{name}.conf"
     conf.write_text(f"""
 worker_processes {WORKERS};
@@ -72,7 +83,7 @@ http {{
     {server_block}
 }}
 """)
-    return subprocess.Popen(["nginx", "-p", str(workdir), "-c", str(conf)])
+    return subprocess.Popen(["nginx", "-p", str(workdir), "-c", str(conf)], preexec_fn=pinned(cpus))
 
 
 def wrk(port: int, connections: int, script: Path) -> tuple[float, float, float]:
@@ -80,7 +91,7 @@ def wrk(port: int, connections: int, script: Path) -> tuple[float, float, float]
     out = subprocess.run(
         ["wrk", "-t1", f"-c{connections}", f"-d{DURATION}", "--latency", "-s", str(script),
          f"http://127.0.0.1:{port}/v1/chat/completions"],
-        check=True, capture_output=True, text=True).stdout
+        check=True, capture_output=True, text=True, preexec_fn=pinned(LOAD_CPUS)).stdout
     if "Non-2xx" in out:
         sys.exit(f"errors while benchmarking port {port}:\n{out}")
 
@@ -115,7 +126,7 @@ def main() -> None:
         keepalive_requests 1000000;
         location = /health {{ return 200 '{{"status":"ok"}}'; }}
         location / {{ default_type application/json; return 200 '{REPLY}'; }}
-    }}"""),
+    }}""", LOAD_CPUS),
             nginx(work, "proxy", f"""
     upstream backend {{ server 127.0.0.1:{upstream_port}; keepalive 64; }}
     server {{
@@ -127,17 +138,18 @@ def main() -> None:
             proxy_set_header Connection "";
             proxy_buffering off;
         }}
-    }}"""),
+    }}""", PROXY_CPUS),
         ]
         config = work / "mmgate.toml"
         # As many pingora worker threads as nginx has worker processes.
+        # Each thread serving its own connections, as each nginx worker does.
         config.write_text(
-            f"http_threads = {WORKERS}\n"
+            f"http_threads = {WORKERS}\nhttp_work_stealing = false\n"
             f'models = [{{ name = "bench", upstreams = ["127.0.0.1:{upstream_port}"] }}]\n')
         env = dict(os.environ, RUST_LOG="warn")
         processes.append(subprocess.Popen(
             [str(MMGATE), "serve", "--config", str(config), "--listen", f"127.0.0.1:{mmgate_port}"],
-            env=env))
+            env=env, preexec_fn=pinned(PROXY_CPUS)))
         try:
             for port, what in [(upstream_port, "upstream nginx"), (nginx_port, "nginx proxy"),
                                (mmgate_port, "mmgate")]:

@@ -59,12 +59,9 @@ impl Gateway {
                 ),
             )),
             Some(Route::Upstream(pool)) => {
-                let key = routing
-                    .user
-                    .as_deref()
-                    .map_or(&body[..], str::as_bytes)
-                    .to_vec();
-                match pool.forward(session, body, &key).await {
+                // Consistent hashing keeps a user (else an identical request) on one server.
+                let key = routing.user.as_deref().map_or(&body[..], str::as_bytes);
+                match pool.forward(session, body.clone(), key).await {
                     Forwarded::Answered => Ok("upstream"),
                     Forwarded::Failed(error) => Err(("upstream", error)),
                 }

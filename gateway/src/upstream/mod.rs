@@ -1,30 +1,36 @@
 //! Upstream pools: a model served by other OpenAI-compatible servers (vLLM, SGLang, another
 //! mmgate). Pingora's load balancer picks a healthy server (round robin or consistent hashing) and
-//! its health checks eject dead ones in the background; pingora's connector keeps connections
-//! alive between requests. A request goes out byte for byte as it came, and the answer (SSE
-//! streams included) is passed back chunk by chunk as it arrives.
+//! its health checks eject dead ones in the background; connections are kept alive between
+//! requests ([`idle`]). A request goes out as it came (less the hop-by-hop headers), and the answer
+//! (SSE streams included) is passed back chunk by chunk as it arrives.
 //!
 //! The request body is read before a server is chosen (the model name is in it), so forwarding is
-//! done here with pingora's client session rather than its proxy service, which cannot replay a
-//! body it did not read itself.
+//! done here rather than by pingora's proxy service, which cannot replay a body it did not read
+//! itself: header and body leave in one write (pingora's client session flushes the header on its
+//! own, a second send per request), and pingora's HTTP/1 client session reads the answer.
 
-use std::collections::HashSet;
+mod idle;
+
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use bytes::Bytes;
 use http::StatusCode;
-use pingora::connectors::http::Connector;
+use pingora::connectors::TransportConnector;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::lb::health_check::{HttpHealthCheck, TcpHealthCheck};
 use pingora::lb::selection::{BackendIter, BackendSelection, Consistent, RoundRobin};
 use pingora::lb::{Backend, LoadBalancer};
+use pingora::protocols::Stream;
 use pingora::protocols::http::ServerSession;
+use pingora::protocols::http::v1::client::HttpSession as UpstreamSession;
 use pingora::services::ServiceWithDependents;
 use pingora::services::background::background_service;
 use pingora::upstreams::peer::HttpPeer;
 use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
 
 use crate::config::{Balance, HealthCheck, ModelConfig};
 use crate::error::ApiError;
@@ -41,8 +47,8 @@ const HOP_BY_HOP: [&str; 8] = [
     "upgrade",
 ];
 
-/// How long an idle upstream connection is kept for the next request.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long connecting to an upstream server may take before the next one is tried.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 enum Balancer {
     RoundRobin(Arc<LoadBalancer<RoundRobin>>),
@@ -51,14 +57,14 @@ enum Balancer {
 
 impl Balancer {
     /// The first server the selection offers that is healthy and not yet tried.
-    fn select(&self, key: &[u8], tried: &HashSet<String>) -> Option<Backend> {
-        fn pick<S>(lb: &LoadBalancer<S>, key: &[u8], tried: &HashSet<String>) -> Option<Backend>
+    fn select(&self, key: &[u8], tried: &[SocketAddr]) -> Option<Backend> {
+        fn pick<S>(lb: &LoadBalancer<S>, key: &[u8], tried: &[SocketAddr]) -> Option<Backend>
         where
             S: BackendSelection + 'static,
             S::Iter: BackendIter,
         {
             lb.select_with(key, 256, |b, healthy| {
-                healthy && !tried.contains(&b.addr.to_string())
+                healthy && b.addr.as_inet().is_some_and(|a| !tried.contains(a))
             })
         }
         match self {
@@ -89,7 +95,7 @@ impl Balancer {
 pub struct UpstreamPool {
     pub model: String,
     balancer: Balancer,
-    connector: Connector,
+    connector: TransportConnector,
     servers: usize,
 }
 
@@ -130,7 +136,7 @@ impl UpstreamPool {
         let pool = UpstreamPool {
             model: model.name.clone(),
             balancer,
-            connector: Connector::new(None),
+            connector: TransportConnector::new(None),
             servers: model.upstreams.len().max(1),
         };
         Ok((Arc::new(pool), service))
@@ -159,43 +165,57 @@ impl UpstreamPool {
         body: Bytes,
         key: &[u8],
     ) -> Forwarded {
-        let mut tried = HashSet::new();
+        // Few servers per pool: a list is the cheapest set.
+        let mut tried = Vec::new();
         let mut last_error = String::from("no server is healthy");
         for _ in 0..self.servers * 2 {
             let Some(backend) = self.balancer.select(key, &tried) else {
                 break;
             };
-            let addr = backend.addr.to_string();
-            let mut peer = HttpPeer::new(addr.as_str(), false, String::new());
-            peer.options.connection_timeout = Some(Duration::from_secs(2));
-            let (mut upstream, reused) = match self.connector.get_http_session(&peer).await {
-                Ok(session) => session,
+            let Some(&server) = backend.addr.as_inet() else {
+                // Configured upstreams are resolved host:port addresses.
+                continue;
+            };
+            let (mut stream, reused) = match self.connect(server).await {
+                Ok(connection) => connection,
                 Err(e) => {
-                    tracing::warn!(model = %self.model, upstream = %addr, error = %e, "upstream unreachable; trying the next");
-                    last_error = format!("{addr}: {e}");
-                    tried.insert(addr);
+                    tracing::warn!(model = %self.model, upstream = %server, error = %e, "upstream unreachable; trying the next");
+                    last_error = format!("{server}: {e}");
+                    tried.push(server);
                     continue;
                 }
             };
-            let request = upstream_request(downstream.req_header(), body.len());
-            let sent = async {
-                upstream.write_request_header(Box::new(request)).await?;
-                upstream.write_request_body(body.clone(), true).await?;
-                upstream.finish_request_body().await?;
-                upstream.read_response_header().await
+            let Some(wire) = request_wire(downstream.req_header(), &body) else {
+                return Forwarded::Failed(bad_gateway(
+                    &self.model,
+                    "the request target cannot be forwarded",
+                ));
+            };
+            let written = async {
+                stream.write_all(&wire).await?;
+                stream.flush().await
             }
             .await;
+            let mut upstream = UpstreamSession::new(stream);
+            let sent = match written {
+                Ok(()) => upstream
+                    .read_response()
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
             if let Err(e) = sent {
-                last_error = format!("{addr}: {e}");
+                last_error = format!("{server}: {e}");
                 if reused {
                     // The server closed a kept-alive connection: the request never reached it.
-                    tracing::debug!(upstream = %addr, error = %e, "stale upstream connection; retrying");
+                    tracing::debug!(upstream = %server, error = %e, "stale upstream connection; retrying");
                     continue;
                 }
-                tracing::warn!(model = %self.model, upstream = %addr, error = %e, "upstream failed");
+                tracing::warn!(model = %self.model, upstream = %server, error = %e, "upstream failed");
                 return Forwarded::Failed(bad_gateway(&self.model, &last_error));
             }
-            let Some(header) = upstream.response_header() else {
+            let Some(header) = upstream.resp_header() else {
                 return Forwarded::Failed(bad_gateway(&self.model, "no response header"));
             };
             let response = downstream_response(header);
@@ -204,7 +224,7 @@ impl UpstreamPool {
                 return Forwarded::Answered;
             }
             loop {
-                match upstream.read_response_body().await {
+                match upstream.read_body_bytes().await {
                     Ok(Some(chunk)) => {
                         if let Err(e) = downstream.write_response_body(chunk, false).await {
                             // The client left: the upstream connection is dropped, not reused.
@@ -214,7 +234,7 @@ impl UpstreamPool {
                     }
                     Ok(None) => break,
                     Err(e) => {
-                        tracing::warn!(upstream = %addr, error = %e, "upstream failed mid-answer");
+                        tracing::warn!(upstream = %server, error = %e, "upstream failed mid-answer");
                         return Forwarded::Answered;
                     }
                 }
@@ -222,10 +242,11 @@ impl UpstreamPool {
             if let Err(e) = downstream.finish_body().await {
                 tracing::debug!(error = %e, "finishing the answer to the client");
             }
-            if upstream.response_done() {
-                self.connector
-                    .release_http_session(upstream, &peer, Some(IDLE_TIMEOUT))
-                    .await;
+            if upstream.is_body_done() {
+                upstream.respect_keepalive();
+                if let Some(stream) = upstream.reuse().await {
+                    idle::put(server, stream);
+                }
             }
             return Forwarded::Answered;
         }
@@ -237,6 +258,18 @@ impl UpstreamPool {
                 self.model
             ),
         ))
+    }
+}
+
+impl UpstreamPool {
+    /// A kept-alive connection to `server`, or a new one; and whether it was kept alive.
+    async fn connect(&self, server: SocketAddr) -> pingora::Result<(Stream, bool)> {
+        if let Some(stream) = idle::take(server) {
+            return Ok((stream, true));
+        }
+        let mut peer = HttpPeer::new(server, false, String::new());
+        peer.options.connection_timeout = Some(CONNECT_TIMEOUT);
+        Ok((self.connector.new_stream(&peer).await?, false))
     }
 }
 
@@ -259,17 +292,34 @@ fn health_check(
     Box::new(check)
 }
 
-/// The client's request header for the upstream: hop-by-hop headers dropped, the body's real length.
-fn upstream_request(downstream: &RequestHeader, body_len: usize) -> RequestHeader {
-    let mut request = downstream.clone();
-    for name in HOP_BY_HOP
-        .iter()
-        .chain(&["transfer-encoding", "content-length"])
-    {
-        request.remove_header(*name);
+/// The request as the upstream gets it, in one buffer: the client's request line and headers less
+/// the hop-by-hop ones, the body's real length, then the body. `None` for a request target that
+/// cannot go on the wire (pingora's parser does not let one in; this does not trust that).
+fn request_wire(downstream: &RequestHeader, body: &[u8]) -> Option<Vec<u8>> {
+    let target = downstream.raw_path();
+    if target.iter().any(|b| matches!(b, b' ' | b'\r' | b'\n' | 0)) {
+        return None;
     }
-    let _ = request.insert_header("content-length", body_len.to_string());
-    request
+    let mut wire = Vec::with_capacity(512 + body.len());
+    wire.extend_from_slice(downstream.method.as_str().as_bytes());
+    wire.push(b' ');
+    wire.extend_from_slice(target);
+    wire.extend_from_slice(b" HTTP/1.1\r\n");
+    for (name, value) in &downstream.headers {
+        if name == http::header::CONTENT_LENGTH
+            || name == http::header::TRANSFER_ENCODING
+            || HOP_BY_HOP.contains(&name.as_str())
+        {
+            continue;
+        }
+        wire.extend_from_slice(name.as_str().as_bytes());
+        wire.extend_from_slice(b": ");
+        wire.extend_from_slice(value.as_bytes());
+        wire.extend_from_slice(b"\r\n");
+    }
+    wire.extend_from_slice(format!("content-length: {}\r\n\r\n", body.len()).as_bytes());
+    wire.extend_from_slice(body);
+    Some(wire)
 }
 
 /// The upstream's response header for the client, hop-by-hop headers dropped.
@@ -287,4 +337,44 @@ fn bad_gateway(model: &str, detail: &str) -> ApiError {
         "upstream_failed",
         format!("the upstream of model {model} failed: {detail}"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn the_forwarded_request_drops_hop_by_hop_headers_and_carries_the_real_length() {
+        let mut request = RequestHeader::build("POST", b"/v1/chat/completions?x=1", None).unwrap();
+        for (name, value) in [
+            ("Host", "gateway"),
+            ("Connection", "keep-alive"),
+            ("Keep-Alive", "timeout=5"),
+            ("Transfer-Encoding", "chunked"),
+            ("Content-Length", "999"),
+            ("Content-Type", "application/json"),
+            ("Authorization", "Bearer sk"),
+        ] {
+            request.append_header(name, value).unwrap();
+        }
+        let wire = request_wire(&request, b"{}").unwrap();
+        let text = String::from_utf8(wire).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        let mut lines = head.split("\r\n");
+        assert_eq!(lines.next(), Some("POST /v1/chat/completions?x=1 HTTP/1.1"));
+        let mut headers: Vec<&str> = lines.collect();
+        headers.sort_unstable();
+        assert_eq!(
+            headers,
+            [
+                "authorization: Bearer sk",
+                "content-length: 2",
+                "content-type: application/json",
+                "host: gateway",
+            ]
+        );
+        assert_eq!(body, "{}");
+    }
 }

@@ -1,0 +1,113 @@
+//! Kept-alive connections to upstream servers, one pool per HTTP worker thread.
+//!
+//! The HTTP workers are single-threaded runtimes, so a connection taken here is driven by the
+//! reactor that registered it, and taking or returning one is a thread-local push or pop: no lock,
+//! and no task watching each idle connection (what a shared pool needs, and what costs a spawn and
+//! a wake-up per request). A connection the server closed while it sat here is found out when it is
+//! taken (a read that does not block sees the end of the stream); one older than the idle timeout is
+//! dropped then too.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use futures_util::FutureExt;
+use pingora::protocols::Stream;
+use tokio::io::AsyncReadExt;
+
+/// How long an idle upstream connection is kept for the next request.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Idle connections kept per server and worker; past this, a returned connection is closed.
+const MAX_IDLE_PER_SERVER: usize = 256;
+
+struct Idle {
+    stream: Stream,
+    since: Instant,
+}
+
+thread_local! {
+    static IDLE: RefCell<HashMap<SocketAddr, Vec<Idle>>> = RefCell::new(HashMap::new());
+}
+
+/// The most recently used idle connection to `server` that is still open, if any.
+pub fn take(server: SocketAddr) -> Option<Stream> {
+    IDLE.with_borrow_mut(|idle| {
+        let connections = idle.get_mut(&server)?;
+        while let Some(mut connection) = connections.pop() {
+            if connection.since.elapsed() > IDLE_TIMEOUT {
+                // The rest have waited even longer.
+                connections.clear();
+                return None;
+            }
+            if still_open(&mut connection.stream) {
+                return Some(connection.stream);
+            }
+        }
+        None
+    })
+}
+
+/// Keeps `stream`, whose last response was read completely, for the next request to `server`.
+pub fn put(server: SocketAddr, stream: Stream) {
+    IDLE.with_borrow_mut(|idle| {
+        let connections = idle.entry(server).or_default();
+        if connections.len() < MAX_IDLE_PER_SERVER {
+            connections.push(Idle {
+                stream,
+                since: Instant::now(),
+            });
+        }
+    });
+}
+
+/// Whether an idle connection can take a request: a server never speaks first on an idle HTTP/1
+/// connection, so anything readable (the end of the stream, an error, stray bytes) retires it.
+fn still_open(stream: &mut Stream) -> bool {
+    let mut byte = [0u8; 1];
+    // `unconstrained`: the task's cooperative budget must not turn a ready read into "pending".
+    tokio::task::unconstrained(stream.read(&mut byte))
+        .now_or_never()
+        .is_none()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::time::Duration;
+
+    use pingora::protocols::l4::stream::Stream as TcpStream;
+    use tokio::net::{TcpListener, TcpStream as TokioTcpStream};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn an_open_connection_is_reused_and_one_the_server_closed_is_not() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = listener.local_addr().unwrap();
+        let client = TokioTcpStream::connect(server).await.unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        assert!(take(server).is_none(), "nothing kept yet");
+
+        put(server, Box::new(TcpStream::from(client)));
+        let stream = take(server).unwrap();
+        assert!(take(server).is_none(), "taken once");
+
+        put(server, stream);
+        drop(accepted);
+        // The server's FIN reaches the client's reactor within a few turns of it.
+        for _ in 0..500 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            if IDLE.with_borrow(|idle| idle[&server].is_empty()) {
+                break;
+            }
+            match take(server) {
+                None => break,
+                Some(stream) => put(server, stream),
+            }
+        }
+        assert!(take(server).is_none(), "a closed connection was handed out");
+    }
+}
