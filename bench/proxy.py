@@ -5,8 +5,10 @@ is the proxies, not a model. wrk drives three targets on loopback with the same 
 request: the upstream directly, nginx proxying to it (keep-alive upstream connections), and mmgate
 serving a model whose upstream pool is that server. Latency is measured with one connection (the
 added latency of a hop), throughput with many. mmgate and nginx get the same number of worker
-threads/processes, and (with two CPUs or more) the proxies run on a CPU of their own while wrk and
-the upstream share the others, so each proxy's throughput is what its own CPU can do.
+threads/processes. For the throughput runs (with two CPUs or more) the proxies are pinned to a CPU
+of their own while wrk and the upstream share the others, so each proxy's throughput is what its
+CPU can do; latency is measured unpinned, as a deployment runs (pinned, every hop crosses CPUs and
+the proxy's housekeeping threads queue behind its HTTP thread).
 
 Run from the repository root after `cargo build --release -p mmgate-gateway` (./dev bench does it).
 """
@@ -44,8 +46,14 @@ PROXY_CPUS = set(CPUS[-1:]) if len(CPUS) > 1 else set(CPUS)
 LOAD_CPUS = set(CPUS[:-1]) if len(CPUS) > 1 else set(CPUS)
 
 
-def pinned(cpus: set[int]):
-    return lambda: os.sched_setaffinity(0, cpus)
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` and of its child processes (nginx's workers) onto `cpus`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
+        children = task / "children"
+        if children.exists():
+            for child in children.read_text().split():
+                pin(int(child), cpus)
 
 
 def free_port() -> int:
@@ -65,7 +73,7 @@ def wait_listening(port: int, what: str) -> None:
     sys.exit(f"{what} did not start on port {port}")
 
 
-def nginx(workdir: Path, name: str, server_block: str, cpus: set[int]) -> subprocess.Popen:
+def nginx(workdir: Path, name: str, server_block: str) -> subprocess.Popen:
     conf = workdir / f"{name}.conf"
     conf.write_text(f"""
 worker_processes {WORKERS};
@@ -83,15 +91,17 @@ http {{
     {server_block}
 }}
 """)
-    return subprocess.Popen(["nginx", "-p", str(workdir), "-c", str(conf)], preexec_fn=pinned(cpus))
+    return subprocess.Popen(["nginx", "-p", str(workdir), "-c", str(conf)])
 
 
-def wrk(port: int, connections: int, script: Path) -> tuple[float, float, float]:
+def wrk(port: int, connections: int, script: Path,
+        cpus: set[int] | None = None) -> tuple[float, float, float]:
     """(requests/s, p50 ms, p99 ms)"""
     out = subprocess.run(
         ["wrk", "-t1", f"-c{connections}", f"-d{DURATION}", "--latency", "-s", str(script),
          f"http://127.0.0.1:{port}/v1/chat/completions"],
-        check=True, capture_output=True, text=True, preexec_fn=pinned(LOAD_CPUS)).stdout
+        check=True, capture_output=True, text=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None).stdout
     if "Non-2xx" in out:
         sys.exit(f"errors while benchmarking port {port}:\n{out}")
 
@@ -126,7 +136,7 @@ def main() -> None:
         keepalive_requests 1000000;
         location = /health {{ return 200 '{{"status":"ok"}}'; }}
         location / {{ default_type application/json; return 200 '{REPLY}'; }}
-    }}""", LOAD_CPUS),
+    }}"""),
             nginx(work, "proxy", f"""
     upstream backend {{ server 127.0.0.1:{upstream_port}; keepalive 64; }}
     server {{
@@ -138,7 +148,7 @@ def main() -> None:
             proxy_set_header Connection "";
             proxy_buffering off;
         }}
-    }}""", PROXY_CPUS),
+    }}"""),
         ]
         config = work / "mmgate.toml"
         # As many pingora worker threads as nginx has worker processes.
@@ -149,18 +159,25 @@ def main() -> None:
         env = dict(os.environ, RUST_LOG="warn")
         processes.append(subprocess.Popen(
             [str(MMGATE), "serve", "--config", str(config), "--listen", f"127.0.0.1:{mmgate_port}"],
-            env=env, preexec_fn=pinned(PROXY_CPUS)))
+            env=env))
         try:
             for port, what in [(upstream_port, "upstream nginx"), (nginx_port, "nginx proxy"),
                                (mmgate_port, "mmgate")]:
                 wait_listening(port, what)
+            targets = [("direct", upstream_port), ("nginx", nginx_port), ("mmgate", mmgate_port)]
             results = {}
-            for name, port in [("direct", upstream_port), ("nginx", nginx_port),
-                               ("mmgate", mmgate_port)]:
+            for name, port in targets:
                 wrk(port, 4, script)  # warm-up: connections, caches
                 rate_1, p50, p99 = wrk(port, 1, script)
-                rate_n, _, _ = wrk(port, 32, script)
-                results[name] = (p50, p99, rate_1, rate_n)
+                results[name] = [p50, p99, rate_1]
+            upstream, nginx_proxy, mmgate = processes
+            pin(upstream.pid, LOAD_CPUS)
+            pin(nginx_proxy.pid, PROXY_CPUS)
+            pin(mmgate.pid, PROXY_CPUS)
+            for name, port in targets:
+                wrk(port, 4, script, LOAD_CPUS)
+                rate_n, _, _ = wrk(port, 32, script, LOAD_CPUS)
+                results[name].append(rate_n)
         finally:
             for p in processes:
                 p.terminate()
