@@ -279,8 +279,8 @@ fn the_internvl_example_is_served_from_a_plugin_directory_with_its_planned_token
             .unwrap(),
         )
         .unwrap();
+        // No plugin named: the InternVL config's processor type picks the directory plugin.
         let body = serde_json::json!({
-            "plugin": "internvl-tiles",
             "media": format!("data:image/png;base64,{}", base64::engine::general_purpose::STANDARD.encode(&image)),
             "processor_config": config,
             "max_tokens": case.get("budget").cloned().unwrap_or(serde_json::json!(100_000)),
@@ -300,6 +300,29 @@ fn the_internvl_example_is_served_from_a_plugin_directory_with_its_planned_token
             "{name}"
         );
     }
+
+    // The demo model is Qwen2-VL: its images still go to the built-in image plugin, though the
+    // directory plugin takes PNGs too (it serves InternVL's processors only).
+    let image = std::fs::read(fixtures.join("images/grey-260x390.png")).unwrap();
+    let chat = serde_json::json!({
+        "model": "demo",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": format!(
+                "data:image/png;base64,{}",
+                base64::engine::general_purpose::STANDARD.encode(&image)
+            )}},
+        ]}],
+    });
+    let (status, answer) = request(
+        &server.addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(&chat.to_string()),
+    );
+    assert_eq!(status, 200, "{answer:#}");
+    assert_eq!(answer["usage"]["media"][0]["plugin"]["name"], "image");
 }
 
 #[test]

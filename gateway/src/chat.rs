@@ -314,15 +314,20 @@ async fn resolve_media(
 
     // Choosing a plugin may probe: plugin work runs on the plugin pool.
     let registry = services.registry.clone();
+    let processor_config = runtime.processor_config.clone();
     let chosen = services
         .pool
         .run(move || {
             Ok(resolved
                 .into_iter()
                 .map(|(index, kind, media)| {
-                    let plugin =
-                        pipeline::choose_plugin(&registry, &media, kind.map(MediaKind::name))
-                            .cloned();
+                    let plugin = pipeline::choose_plugin(
+                        &registry,
+                        &media,
+                        kind.map(MediaKind::name),
+                        &processor_config,
+                    )
+                    .cloned();
                     (index, kind, media, plugin)
                 })
                 .collect::<Vec<_>>())

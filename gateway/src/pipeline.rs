@@ -8,15 +8,18 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use mmgate_host::{
-    Budget, LoadedPlugin, Media, MediaInfo, PluginPool, PluginRegistry, Tensor, TokenPlan,
+    Budget, Descriptor, LoadedPlugin, Media, MediaInfo, PluginPool, PluginRegistry, Tensor,
+    TokenPlan,
 };
 use serde_json::{Value, json};
 
 use crate::budget::{self, BudgetError};
 
 /// The plugin for `media`: the one that lists its MIME type (a directory plugin before a built-in),
-/// else the first whose probe accepts it. Containers are shared between modalities (an MP4 may hold
-/// only audio and is still sniffed as video/mp4), so:
+/// else the first whose probe accepts it. Only plugins that serve the model's processor are
+/// considered ([`serves_processor`]): a directory plugin for another model family must not take
+/// this model's images. Containers are shared between modalities (an MP4 may hold only audio and is
+/// still sniffed as video/mp4), so:
 /// - when the client said what the item is (`modality`, from an `audio_url` part say), only plugins of
 ///   that modality are considered, and the probe rule finds the one the client meant;
 /// - when it did not, the listed plugin must accept the item in its probe, else the others are asked
@@ -25,15 +28,17 @@ pub fn choose_plugin<'r>(
     registry: &'r PluginRegistry,
     media: &Media,
     modality: Option<&str>,
+    processor_config: &str,
 ) -> Option<&'r Arc<LoadedPlugin>> {
-    let serves = |p: &Arc<LoadedPlugin>| {
-        modality.is_none_or(|m| p.descriptor().modalities.iter().any(|x| x == m))
+    let processors = processor_types(processor_config);
+    let serves = |d: &Descriptor| {
+        modality.is_none_or(|m| d.modalities.iter().any(|x| x == m))
+            && serves_processor(d, &processors)
     };
     let listed = media
         .mime_type
         .as_deref()
-        .and_then(|mime| registry.for_mime_type(mime))
-        .filter(|p| serves(p));
+        .and_then(|mime| registry.for_mime_type(mime, serves));
     if let Some(plugin) = listed
         && (modality.is_some() || plugin.probe(media).is_ok())
     {
@@ -41,9 +46,44 @@ pub fn choose_plugin<'r>(
     }
     registry
         .iter()
-        .filter(|p| serves(p) && listed.is_none_or(|l| !Arc::ptr_eq(l, p)))
+        .filter(|p| serves(p.descriptor()) && listed.is_none_or(|l| !Arc::ptr_eq(l, p)))
         .find(|p| p.probe(media).is_ok())
         .or(listed)
+}
+
+/// The processor classes a processor config names (`image_processor_type`, `video_processor_type`,
+/// `feature_extractor_type`, `processor_class`), without the `Fast`/`Pil` suffixes of their
+/// implementation variants.
+fn processor_types(processor_config: &str) -> Vec<String> {
+    let Ok(Value::Object(config)) = serde_json::from_str::<Value>(processor_config) else {
+        return Vec::new();
+    };
+    [
+        "image_processor_type",
+        "video_processor_type",
+        "feature_extractor_type",
+        "processor_class",
+    ]
+    .iter()
+    .filter_map(|key| config.get(*key)?.as_str())
+    .map(|class| processor_family(class).to_owned())
+    .collect()
+}
+
+fn processor_family(class: &str) -> &str {
+    let class = class.strip_suffix("Pil").unwrap_or(class);
+    class.strip_suffix("Fast").unwrap_or(class)
+}
+
+/// Whether a plugin serves a model whose config names `processors`: a plugin that lists no
+/// processor types serves any, as does every plugin when the config names none.
+fn serves_processor(descriptor: &Descriptor, processors: &[String]) -> bool {
+    descriptor.processor_types.is_empty()
+        || processors.is_empty()
+        || descriptor
+            .processor_types
+            .iter()
+            .any(|t| processors.iter().any(|p| p == processor_family(t)))
 }
 
 /// What running one item produced.
@@ -255,5 +295,44 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
     match report {
         Value::Object(fields) => fields.into_iter().filter(|(_, v)| !v.is_null()).collect(),
         _ => serde_json::Map::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn descriptor(processor_types: &[&str]) -> Descriptor {
+        Descriptor {
+            name: "p".into(),
+            version: "0.1.0".into(),
+            description: String::new(),
+            modalities: vec!["image".into()],
+            mime_types: vec!["image/png".into()],
+            processor_types: processor_types.iter().map(|t| (*t).to_owned()).collect(),
+        }
+    }
+
+    #[test]
+    fn a_plugin_serves_the_processors_it_lists_in_any_variant() {
+        let qwen = processor_types(
+            r#"{"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen2VLProcessor"}"#,
+        );
+        assert_eq!(qwen, ["Qwen2VLImageProcessor", "Qwen2VLProcessor"]);
+        assert!(serves_processor(
+            &descriptor(&["Qwen2VLImageProcessor"]),
+            &qwen
+        ));
+        assert!(!serves_processor(
+            &descriptor(&["GotOcr2ImageProcessor"]),
+            &qwen
+        ));
+        // A plugin listing nothing serves any model; a config naming nothing is served by any plugin.
+        assert!(serves_processor(&descriptor(&[]), &qwen));
+        assert!(serves_processor(
+            &descriptor(&["GotOcr2ImageProcessor"]),
+            &[]
+        ));
+        assert!(processor_types("not json").is_empty());
     }
 }

@@ -138,12 +138,18 @@ impl PluginRegistry {
         self.preferred(|d| d.modalities.iter().any(|m| m == modality))
     }
 
-    /// The plugin that accepts media of `mime_type` (e.g. `image/png`), with the same preference.
-    pub fn for_mime_type(&self, mime_type: &str) -> Option<&Arc<LoadedPlugin>> {
+    /// The plugin that accepts media of `mime_type` (e.g. `image/png`) among those `eligible` lets
+    /// through, with the same preference.
+    pub fn for_mime_type(
+        &self,
+        mime_type: &str,
+        eligible: impl Fn(&Descriptor) -> bool,
+    ) -> Option<&Arc<LoadedPlugin>> {
         self.preferred(|d| {
-            d.mime_types
-                .iter()
-                .any(|m| m.eq_ignore_ascii_case(mime_type))
+            eligible(d)
+                && d.mime_types
+                    .iter()
+                    .any(|m| m.eq_ignore_ascii_case(mime_type))
         })
     }
 

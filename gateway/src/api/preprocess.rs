@@ -64,9 +64,9 @@ impl Gateway {
             .run(move || {
                 let mut items = Vec::with_capacity(media.len());
                 for (index, media) in media.into_iter().enumerate() {
-                    let chosen = named
-                        .clone()
-                        .or_else(|| pipeline::choose_plugin(&registry, &media, None).cloned());
+                    let chosen = named.clone().or_else(|| {
+                        pipeline::choose_plugin(&registry, &media, None, &config).cloned()
+                    });
                     match chosen {
                         Some(plugin) => items.push((plugin, media)),
                         None => return Ok(Err(unsupported(index, several, media.mime_type))),

@@ -99,14 +99,19 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
             data,
             mime_type: mime_type.map(str::to_owned),
         };
-        let plugin =
-            pipeline::choose_plugin(&registry, &media, Some(kind.name())).ok_or_else(|| {
-                anyhow!(
-                    "{}: no loaded plugin accepts this file ({})",
-                    path.display(),
-                    mime_type.unwrap_or("unknown content")
-                )
-            })?;
+        let plugin = pipeline::choose_plugin(
+            &registry,
+            &media,
+            Some(kind.name()),
+            &model.processor_config,
+        )
+        .ok_or_else(|| {
+            anyhow!(
+                "{}: no loaded plugin accepts this file ({})",
+                path.display(),
+                mime_type.unwrap_or("unknown content")
+            )
+        })?;
         items.push((plugin.clone(), media));
     }
     let processed = pipeline::process_together(

@@ -66,17 +66,19 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
         mime_type: mime_type.map(str::to_owned),
     };
     let plugin =
-        pipeline::choose_plugin(&registry, &media, None).ok_or_else(|| match mime_type {
-            Some(mime_type) => anyhow!(
-                "no loaded plugin accepts {mime_type} ({})",
-                args.file.display()
-            ),
-            None => anyhow!(
-                "{}: not a media file any plugin recognises ({} bytes of unknown content)",
-                args.file.display(),
-                media.data.len()
-            ),
-        })?;
+        pipeline::choose_plugin(&registry, &media, None, &config).ok_or_else(
+            || match mime_type {
+                Some(mime_type) => anyhow!(
+                    "no loaded plugin accepts {mime_type} ({})",
+                    args.file.display()
+                ),
+                None => anyhow!(
+                    "{}: not a media file any plugin recognises ({} bytes of unknown content)",
+                    args.file.display(),
+                    media.data.len()
+                ),
+            },
+        )?;
     // Plugin errors read the way a client would see them (the message the API would return), on
     // one line: decoder messages sometimes carry newlines.
     let reason = |e: BudgetError| {

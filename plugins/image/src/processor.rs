@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 /// the same thing and are accepted too).
 pub const SUPPORTED: &[&str] = &[
     "Qwen2VLImageProcessor",
+    "Qwen2_5_VLImageProcessor",
     "CLIPImageProcessor",
     "CLIPFeatureExtractor",
     "SiglipImageProcessor",
