@@ -580,3 +580,87 @@ fn an_upstream_pool_balances_passes_streams_through_and_ejects_a_dead_server() {
     }
     assert_eq!(chat_requests_served(&second), before + 4);
 }
+
+/// A plugin directory holding the test plugin, which serves `image` parts sent as
+/// `application/x-mmgate-test` (nothing else takes that type).
+fn testing_plugin_dir(parent: &Path) -> PathBuf {
+    use sha2::{Digest, Sha256};
+    let dir = parent.join("plugins");
+    std::fs::create_dir_all(&dir).unwrap();
+    let component =
+        std::fs::read(mmgate_host::builtin::artifact_dir().join("testing.wasm")).unwrap();
+    std::fs::write(dir.join("testing.wasm"), &component).unwrap();
+    std::fs::write(
+        dir.join("testing.toml"),
+        format!(
+            "name = \"testing\"\nversion = \"0.1.0\"\nmodalities = [\"test\", \"image\"]\nsha256 = \"{}\"\n",
+            hex::encode(Sha256::digest(&component))
+        ),
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn an_item_the_model_cannot_encode_is_dropped_or_fails_the_request_as_the_model_is_configured() {
+    let work = tempfile::tempdir().unwrap();
+    let plugins = testing_plugin_dir(work.path());
+    // The same demo model twice: one drops what fails to encode, one fails the request.
+    let (server, _dir) = start(&format!(
+        "plugin_dir = {plugins:?}\nmodels = [\
+         {{ name = \"drops\", path = \"demo\", on_encode_error = \"drop\" }}, \
+         {{ name = \"fails\", path = \"demo\", on_encode_error = \"error\" }}]\n"
+    ));
+    // The plugin plans 3 tokens for a 1x3x4 patch grid, which the model's 2x2 merge cannot take.
+    let content = |model: &str| {
+        chat(
+            model,
+            json!([
+                {"type": "text", "text": "Describe this."},
+                image_part(&data_url("application/x-mmgate-test", b"odd-grid")),
+            ]),
+        )
+    };
+
+    let (status, body) = post(&server, "/v1/chat/completions", &content("drops"));
+    assert_eq!(status, 200, "{body}");
+    let item = &body["usage"]["media"][0];
+    assert_eq!(item["plugin"]["name"], "testing", "{body}");
+    assert_eq!(item["dropped"], true, "{body}");
+    assert_eq!(item["tokens"], 0, "{body}");
+    let reason = item["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("encoding failed:") && reason.contains("merge"),
+        "{reason}"
+    );
+    // Answered text-only: the prompt is what the text alone makes.
+    let (_, text_only) = post(
+        &server,
+        "/v1/chat/completions",
+        &chat("drops", json!([{"type": "text", "text": "Describe this."}])),
+    );
+    assert_eq!(
+        body["usage"]["prompt_tokens"], text_only["usage"]["prompt_tokens"],
+        "{body}"
+    );
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        text_only["choices"][0]["message"]["content"]
+    );
+
+    let (status, body) = post(&server, "/v1/chat/completions", &content("fails"));
+    assert_eq!(status, 500, "{body}");
+    assert_eq!(body["error"]["code"], "plugin_output_mismatch", "{body}");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("merge"),
+        "{body}"
+    );
+
+    // Neither took the gateway or its encoders down.
+    let (status, body) = post(
+        &server,
+        "/v1/chat/completions",
+        &chat("fails", json!("Hello")),
+    );
+    assert_eq!(status, 200, "{body}");
+}

@@ -38,7 +38,7 @@ fn plugin_dir(manifest: &str) -> tempfile::TempDir {
 
 fn good_manifest() -> String {
     format!(
-        "name = \"testing\"\nversion = \"0.1.0\"\nmodalities = [\"test\"]\nsha256 = \"{}\"\n\
+        "name = \"testing\"\nversion = \"0.1.0\"\nmodalities = [\"test\", \"image\"]\nsha256 = \"{}\"\n\
          component = \"testing.wasm\"\n",
         sha256_hex(&testing_wasm())
     )
@@ -176,7 +176,7 @@ fn check_and_list_reject_a_manifest_that_disagrees() {
             "version is \"9.9.9\"",
         ),
         (
-            good_manifest().replace("[\"test\"]", "[\"image\"]"),
+            good_manifest().replace("[\"test\", \"image\"]", "[\"image\"]"),
             "modalities",
         ),
         (good_manifest().replace("sha256", "sha"), "manifest"),

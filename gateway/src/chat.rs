@@ -116,14 +116,7 @@ pub async fn prepare(
         }
     }
 
-    let templated = runtime
-        .text
-        .apply_chat_template(&messages, true)
-        .map_err(|e| invalid("messages", format!("the chat template refused them: {e}")))?;
-    let ids = runtime
-        .text
-        .encode(&templated)
-        .map_err(|e| internal(e.to_string()))?;
+    let ids = prompt_ids(runtime, &messages)?;
     let text_tokens = runtime.text_tokens(&ids);
     let context = runtime.context_length;
     let max_tokens = match request.max_tokens {
@@ -165,18 +158,31 @@ pub async fn prepare(
 
     let mut media = Vec::with_capacity(items.len());
     let mut report = Vec::with_capacity(items.len());
+    let mut dropped = Vec::new();
     for (index, (item, processed)) in items.iter().zip(&processed).enumerate() {
-        media.push(
-            runtime
-                .media_item(item.kind, processed.plan.tokens, &processed.tensors)
-                .map_err(|e| {
-                    ApiError::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "plugin_output_mismatch",
-                        format!("media item {index}: {e:#}"),
-                    )
-                })?,
-        );
+        // Output the model's encoder cannot take fails to encode: the model's policy decides.
+        let unencodable = match runtime.media_item(
+            item.kind,
+            processed.plan.tokens,
+            &processed.tensors,
+        ) {
+            Ok(input) => {
+                media.push(input);
+                None
+            }
+            Err(e) if model.on_encode_error == EncodeErrorPolicy::Drop => {
+                tracing::warn!(item = index, error = %format!("{e:#}"), "the plugin's output cannot be encoded; dropping the item");
+                dropped.push(index);
+                Some(format!("{e:#}"))
+            }
+            Err(e) => {
+                return Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "plugin_output_mismatch",
+                    format!("media item {index}: {e:#}"),
+                ));
+            }
+        };
         let mut account = serde_json::Map::new();
         account.insert("index".into(), json!(index));
         account.insert("kind".into(), json!(item.kind.name()));
@@ -188,8 +194,18 @@ pub async fn prepare(
         let t = &processed.timings;
         let plugin_ms = (t.probe + t.plan + t.preprocess).as_secs_f64() * 1e3;
         account.insert("plugin_ms".into(), json!((plugin_ms * 1e3).round() / 1e3));
-        report.push(Value::Object(account));
+        let mut account = Value::Object(account);
+        if let Some(reason) = unencodable {
+            mark_dropped(&mut account, &reason);
+        }
+        report.push(account);
     }
+    // Dropped items leave the conversation: their placeholders must not reach the prompt.
+    let ids = if dropped.is_empty() {
+        ids
+    } else {
+        prompt_ids(runtime, &without_media(&messages, |i| dropped.contains(&i)))?
+    };
     let prompt = expand_placeholders(&ids, &media).map_err(|e| internal(format!("{e:#}")))?;
     let max_tokens = max_tokens.unwrap_or_else(|| context.saturating_sub(prompt.len()).max(1));
     if prompt.len() + max_tokens > context {
@@ -211,7 +227,7 @@ pub async fn prepare(
             max_tokens,
             stop,
         },
-        messages,
+        messages: without_media(&messages, |i| dropped.contains(&i)),
         media: report,
         stream: request.stream,
         include_usage: request.stream_options.is_some_and(|o| o.include_usage),
@@ -509,32 +525,14 @@ impl<'m> Generation<'m> {
     /// The drop policy: the same conversation with its media parts removed.
     fn rerun_without_media(&mut self, reason: &str) -> Result<(), ApiError> {
         for account in &mut self.media {
-            if let Value::Object(fields) = account {
-                fields.insert("tokens".into(), json!(0));
-                fields.insert("dropped".into(), json!(true));
-                fields.insert("reason".into(), json!(format!("encoding failed: {reason}")));
+            if account.get("dropped") != Some(&json!(true)) {
+                mark_dropped(account, reason);
             }
         }
-        let text_only: Vec<ChatMessage> = self
-            .messages
-            .iter()
-            .map(|m| ChatMessage {
-                role: m.role.clone(),
-                content: m
-                    .content
-                    .iter()
-                    .filter(|p| matches!(p, ContentPart::Text(_)))
-                    .cloned()
-                    .collect(),
-            })
-            .collect();
-        let text = &self.model.runtime.text;
-        let templated = text
-            .apply_chat_template(&text_only, true)
-            .map_err(|e| internal(e.to_string()))?;
-        let prompt = text
-            .encode(&templated)
-            .map_err(|e| internal(e.to_string()))?;
+        let prompt = prompt_ids(
+            &self.model.runtime,
+            &without_media(&self.messages, |_| true),
+        )?;
         let context = self.model.runtime.context_length;
         let max_tokens = self
             .max_tokens
@@ -552,6 +550,51 @@ impl<'m> Generation<'m> {
             })
             .map_err(|e| internal(e.to_string()))?;
         Ok(())
+    }
+}
+
+/// The conversation templated and tokenized (placeholders not yet expanded).
+fn prompt_ids(runtime: &ModelRuntime, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+    let templated = runtime
+        .text
+        .apply_chat_template(messages, true)
+        .map_err(|e| invalid("messages", format!("the chat template refused them: {e}")))?;
+    runtime
+        .text
+        .encode(&templated)
+        .map_err(|e| internal(e.to_string()))
+}
+
+/// `messages` without the media parts whose item index (their order in the conversation) `drop`
+/// picks.
+fn without_media(messages: &[ChatMessage], drop: impl Fn(usize) -> bool) -> Vec<ChatMessage> {
+    let mut item = 0;
+    messages
+        .iter()
+        .map(|m| ChatMessage {
+            role: m.role.clone(),
+            content: m
+                .content
+                .iter()
+                .filter(|part| {
+                    if matches!(part, ContentPart::Text(_)) {
+                        return true;
+                    }
+                    item += 1;
+                    !drop(item - 1)
+                })
+                .cloned()
+                .collect(),
+        })
+        .collect()
+}
+
+/// A media account under the drop policy: no tokens, and why.
+fn mark_dropped(account: &mut Value, reason: &str) {
+    if let Value::Object(fields) = account {
+        fields.insert("tokens".into(), json!(0));
+        fields.insert("dropped".into(), json!(true));
+        fields.insert("reason".into(), json!(format!("encoding failed: {reason}")));
     }
 }
 

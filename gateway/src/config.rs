@@ -75,7 +75,8 @@ pub struct ModelConfig {
     /// Bytes of encoder outputs kept for reuse (identical media skip encoding).
     #[serde(default = "default_feature_cache_bytes")]
     pub feature_cache_bytes: usize,
-    /// What happens to a request when one of its media items fails to encode.
+    /// What happens to a request when one of its media items fails to encode: its encoder fails,
+    /// or its plugin's tensors do not fit the model (corrupt media are the client's error either way).
     #[serde(default)]
     pub on_encode_error: EncodeErrorPolicy,
 }

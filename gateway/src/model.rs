@@ -321,7 +321,17 @@ impl ModelRuntime {
                     h: usize::try_from(h)?,
                     w: usize::try_from(w)?,
                 };
-                // The grid comes from a plugin: check it against the patches before trusting it.
+                // The grid comes from a plugin: check it against the merge and the patches before
+                // trusting it.
+                if !grid.h.is_multiple_of(vision.merge) || !grid.w.is_multiple_of(vision.merge) {
+                    bail!(
+                        "{grid_name} {}x{}x{} is not a multiple of the model's {m}x{m} patch merge",
+                        grid.t,
+                        grid.h,
+                        grid.w,
+                        m = vision.merge
+                    );
+                }
                 let pixel_values = f32s(find(pixels_name)?)?;
                 let patches = grid
                     .t

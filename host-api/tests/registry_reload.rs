@@ -15,18 +15,21 @@ fn sandbox() -> Arc<Sandbox> {
 }
 
 /// Puts `component` into `dir` as NAME.wasm with a manifest that pins it.
-fn install(dir: &Path, name: &str, version: &str, modality: &str, component: &[u8]) {
+fn install(dir: &Path, name: &str, version: &str, modalities: &[&str], component: &[u8]) {
     std::fs::write(dir.join(format!("{name}.wasm")), component).unwrap();
     let sha = hex::encode(Sha256::digest(component));
     std::fs::write(
         dir.join(format!("{name}.toml")),
         format!(
-            "name = \"{name}\"\nversion = \"{version}\"\nmodalities = [\"{modality}\"]\n\
+            "name = \"{name}\"\nversion = \"{version}\"\nmodalities = {modalities:?}\n\
              sha256 = \"{sha}\"\n"
         ),
     )
     .unwrap();
 }
+
+/// The test plugin's modalities.
+const TESTING: &[&str] = &["test", "image"];
 
 fn testing_component() -> Vec<u8> {
     std::fs::read(artifact_dir().join("testing.wasm")).unwrap()
@@ -44,7 +47,13 @@ fn builtin_image() -> &'static [u8] {
 fn unchanged_plugins_are_reused_and_removed_ones_dropped() {
     let sandbox = sandbox();
     let dir = tempfile::tempdir().unwrap();
-    install(dir.path(), "testing", "0.1.0", "test", &testing_component());
+    install(
+        dir.path(),
+        "testing",
+        "0.1.0",
+        TESTING,
+        &testing_component(),
+    );
     let first = PluginRegistry::with_dir(&sandbox, dir.path()).unwrap();
 
     let (second, rejected) = first.reload_dir(&sandbox, dir.path()).unwrap();
@@ -75,7 +84,13 @@ fn unchanged_plugins_are_reused_and_removed_ones_dropped() {
 fn a_broken_replacement_is_rejected_and_the_old_version_keeps_serving() {
     let sandbox = sandbox();
     let dir = tempfile::tempdir().unwrap();
-    install(dir.path(), "testing", "0.1.0", "test", &testing_component());
+    install(
+        dir.path(),
+        "testing",
+        "0.1.0",
+        TESTING,
+        &testing_component(),
+    );
     let serving = PluginRegistry::with_dir(&sandbox, dir.path()).unwrap();
 
     // A component that is not wasm, pinned by its manifest: it fails to compile.
@@ -83,7 +98,7 @@ fn a_broken_replacement_is_rejected_and_the_old_version_keeps_serving() {
         dir.path(),
         "testing",
         "0.1.0",
-        "test",
+        TESTING,
         b"\0asm broken build",
     );
     let (next, rejected) = serving.reload_dir(&sandbox, dir.path()).unwrap();
@@ -104,7 +119,7 @@ fn a_broken_replacement_is_rejected_and_the_old_version_keeps_serving() {
     assert!(next.get("testing").is_some());
 
     // A plugin that was never loaded and fails is simply not there.
-    install(dir.path(), "fresh", "0.1.0", "test", b"garbage");
+    install(dir.path(), "fresh", "0.1.0", &["test"], b"garbage");
     let (next, rejected) = next.reload_dir(&sandbox, dir.path()).unwrap();
     let fresh = rejected
         .iter()
@@ -119,7 +134,7 @@ fn a_directory_plugin_replaces_a_builtin_until_it_is_removed() {
     let sandbox = sandbox();
     let dir = tempfile::tempdir().unwrap();
     let registry = PluginRegistry::builtin(&sandbox).unwrap();
-    install(dir.path(), "image", "0.1.0", "image", builtin_image());
+    install(dir.path(), "image", "0.1.0", &["image"], builtin_image());
     let (replaced, rejected) = registry.reload_dir(&sandbox, dir.path()).unwrap();
     assert!(rejected.is_empty(), "{rejected:?}");
     assert!(matches!(
@@ -139,7 +154,13 @@ fn a_directory_plugin_replaces_a_builtin_until_it_is_removed() {
 fn two_manifests_of_one_name_keep_the_first() {
     let sandbox = sandbox();
     let dir = tempfile::tempdir().unwrap();
-    install(dir.path(), "testing", "0.1.0", "test", &testing_component());
+    install(
+        dir.path(),
+        "testing",
+        "0.1.0",
+        TESTING,
+        &testing_component(),
+    );
     std::fs::copy(
         dir.path().join("testing.toml"),
         dir.path().join("z-copy.toml"),

@@ -13,8 +13,11 @@
 //! | `malformed`        | returns a tensor whose shape does not match its bytes             |
 //! | `fail`             | returns a typed `invalid-media` error                             |
 //! | `escape`           | tries the filesystem, environment and arguments; reports what it saw |
+//! | `odd-grid`         | Qwen2-VL image patches on a 1x3x4 grid: 3 tokens as planned, but no 2x2 merge fits it, so a model's encoder fails on it (the encode-error policy) |
 //!
-//! `probe` and `plan` are always well-behaved. Never embedded in the gateway.
+//! `probe` and `plan` are always well-behaved. Besides its own `test` modality it serves `image`,
+//! so a chat request can send it an image part (as `application/x-mmgate-test`, which nothing else
+//! takes). Never embedded in the gateway.
 
 use mmgate_plugin_sdk::*;
 use std::hint::black_box;
@@ -27,7 +30,7 @@ impl Plugin for TestPlugin {
             name: "testing".into(),
             version: "0.1.0".into(),
             description: "test-only plugin: well-behaved or hostile on demand".into(),
-            modalities: vec!["test".into()],
+            modalities: vec!["test".into(), "image".into()],
             mime_types: vec!["application/x-mmgate-test".into()],
             processor_types: vec![],
         }
@@ -37,24 +40,39 @@ impl Plugin for TestPlugin {
         let mut info = MediaInfo::new("test", "test");
         info.extra
             .push(("bytes".into(), media.data.len().to_string()));
+        if media.data.starts_with(b"odd-grid") {
+            info.extra
+                .push(("tokens".into(), ODD_GRID_TOKENS.to_string()));
+        }
         Ok(info)
     }
 
-    fn plan(_info: MediaInfo, budget: Budget, _config: ProcessorConfig) -> PluginResult<TokenPlan> {
-        if budget.max_tokens < 1 {
+    fn plan(info: MediaInfo, budget: Budget, _config: ProcessorConfig) -> PluginResult<TokenPlan> {
+        let tokens = info
+            .extra
+            .iter()
+            .find(|(key, _)| key == "tokens")
+            .and_then(|(_, value)| value.parse().ok())
+            .unwrap_or(1);
+        if budget.max_tokens < tokens {
             return Err(PluginError::over_budget(
-                1,
+                tokens,
                 budget.max_tokens,
-                "needs one token",
+                "needs its tokens",
             ));
         }
-        TokenPlan::new(1, false, "one token, always", &serde_json::json!({}))
+        TokenPlan::new(
+            tokens,
+            false,
+            "as many tokens as the command needs",
+            &serde_json::json!({}),
+        )
     }
 
     fn preprocess(
         media: Media,
         _plan: TokenPlan,
-        _config: ProcessorConfig,
+        config: ProcessorConfig,
     ) -> PluginResult<Vec<Tensor>> {
         let data = media.data;
         let command = data.get(..data.len().min(16)).unwrap_or_default();
@@ -84,6 +102,7 @@ impl Plugin for TestPlugin {
                 data: vec![1, 2, 3],
             }]),
             "fail" => Err(PluginError::invalid("the test plugin was asked to fail")),
+            "odd-grid" => odd_grid(&config),
             "escape" => {
                 // [entries readable under "/", environment variables, arguments]
                 let root = std::fs::read_dir("/").map_or(-1, |d| d.count() as i64);
@@ -99,6 +118,27 @@ impl Plugin for TestPlugin {
             ))),
         }
     }
+}
+
+/// The `[t, h, w]` grid of `odd-grid`: 12 patches, 3 tokens by patch count, but 3 rows of patches
+/// cannot be merged 2x2.
+const ODD_GRID: [i64; 3] = [1, 3, 4];
+const ODD_GRID_TOKENS: u32 = 3;
+
+fn odd_grid(config: &str) -> PluginResult<Vec<Tensor>> {
+    let config: serde_json::Value = serde_json::from_str(config)
+        .map_err(|e| PluginError::unsupported(format!("processor config: {e}")))?;
+    let field = |name: &str, default: u64| config[name].as_u64().unwrap_or(default) as usize;
+    let patch_len = 3 * field("temporal_patch_size", 2) * field("patch_size", 14).pow(2);
+    let patches = (ODD_GRID[0] * ODD_GRID[1] * ODD_GRID[2]) as usize;
+    Ok(vec![
+        Tensor::from_f32(
+            "pixel_values",
+            &[patches, patch_len],
+            &vec![0.0; patches * patch_len],
+        )?,
+        Tensor::from_i64("image_grid_thw", &[1, 3], &ODD_GRID)?,
+    ])
 }
 
 fn spin() -> ! {
