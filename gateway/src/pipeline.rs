@@ -16,9 +16,10 @@ use serde_json::{Value, json};
 use crate::budget::{self, BudgetError};
 
 /// The plugin for `media`: the one that lists its MIME type (a directory plugin before a built-in),
-/// else the first whose probe accepts it. Only plugins that serve the model's processor are
-/// considered ([`serves_processor`]): a directory plugin for another model family must not take
-/// this model's images. Containers are shared between modalities (an MP4 may hold only audio and is
+/// else the first whose probe accepts it. Plugins that serve the model's processor come first
+/// ([`serves_processor`]): a directory plugin for another model family must not take this model's
+/// images; when none does, the choice is made among all, so the chosen plugin's error says what it
+/// does not support. Containers are shared between modalities (an MP4 may hold only audio and is
 /// still sniffed as video/mp4), so:
 /// - when the client said what the item is (`modality`, from an `audio_url` part say), only plugins of
 ///   that modality are considered, and the probe rule finds the one the client meant;
@@ -31,9 +32,19 @@ pub fn choose_plugin<'r>(
     processor_config: &str,
 ) -> Option<&'r Arc<LoadedPlugin>> {
     let processors = processor_types(processor_config);
+    choose_among(registry, media, modality, &processors)
+        .or_else(|| choose_among(registry, media, modality, &[]))
+}
+
+fn choose_among<'r>(
+    registry: &'r PluginRegistry,
+    media: &Media,
+    modality: Option<&str>,
+    processors: &[String],
+) -> Option<&'r Arc<LoadedPlugin>> {
     let serves = |d: &Descriptor| {
         modality.is_none_or(|m| d.modalities.iter().any(|x| x == m))
-            && serves_processor(d, &processors)
+            && serves_processor(d, processors)
     };
     let listed = media
         .mime_type
