@@ -171,9 +171,10 @@ pub async fn prepare(
                 None
             }
             Err(e) if model.on_encode_error == EncodeErrorPolicy::Drop => {
-                tracing::warn!(item = index, error = %format!("{e:#}"), "the plugin's output cannot be encoded; dropping the item");
+                let reason = format!("{e:#}");
+                tracing::warn!(item = index, error = %reason, "the plugin's output cannot be encoded; dropping the item");
                 dropped.push(index);
-                Some(format!("{e:#}"))
+                Some(reason)
             }
             Err(e) => {
                 return Err(ApiError::new(
@@ -201,10 +202,12 @@ pub async fn prepare(
         report.push(account);
     }
     // Dropped items leave the conversation: their placeholders must not reach the prompt.
-    let ids = if dropped.is_empty() {
-        ids
+    let (messages, ids) = if dropped.is_empty() {
+        (messages, ids)
     } else {
-        prompt_ids(runtime, &without_media(&messages, |i| dropped.contains(&i)))?
+        let kept = without_media(&messages, |i| dropped.contains(&i));
+        let ids = prompt_ids(runtime, &kept)?;
+        (kept, ids)
     };
     let prompt = expand_placeholders(&ids, &media).map_err(|e| internal(format!("{e:#}")))?;
     let max_tokens = max_tokens.unwrap_or_else(|| context.saturating_sub(prompt.len()).max(1));
@@ -227,7 +230,7 @@ pub async fn prepare(
             max_tokens,
             stop,
         },
-        messages: without_media(&messages, |i| dropped.contains(&i)),
+        messages,
         media: report,
         stream: request.stream,
         include_usage: request.stream_options.is_some_and(|o| o.include_usage),
@@ -525,7 +528,7 @@ impl<'m> Generation<'m> {
     /// The drop policy: the same conversation with its media parts removed.
     fn rerun_without_media(&mut self, reason: &str) -> Result<(), ApiError> {
         for account in &mut self.media {
-            if account.get("dropped") != Some(&json!(true)) {
+            if account["dropped"] != true {
                 mark_dropped(account, reason);
             }
         }

@@ -1,9 +1,10 @@
 //! Kept-alive connections to upstream servers, one pool per HTTP worker thread.
 //!
-//! The HTTP workers are single-threaded runtimes, so a connection taken here is driven by the
-//! reactor that registered it, and taking or returning one is a thread-local push or pop: no lock,
-//! and no task watching each idle connection (what a shared pool needs, and what costs a spawn and
-//! a wake-up per request). A connection the server closed while it sat here is found out when it is
+//! Taking or returning a connection is a thread-local pop or push: no lock, and no task watching
+//! each idle connection (what pingora's shared pool does, at a spawn and a wake-up per request).
+//! With `http_work_stealing = false` each worker is a single-threaded runtime, so a connection stays
+//! with the reactor that registered it; with work stealing the runtime's one reactor serves every
+//! worker and the pools are only split per thread. A connection the server closed while it sat here is found out when it is
 //! taken (a read that does not block sees the end of the stream); one older than the idle timeout is
 //! dropped then too.
 

@@ -165,6 +165,12 @@ impl UpstreamPool {
         body: Bytes,
         key: &[u8],
     ) -> Forwarded {
+        let Some(wire) = request_wire(downstream.req_header(), &body) else {
+            return Forwarded::Failed(bad_gateway(
+                &self.model,
+                "the request target cannot be forwarded",
+            ));
+        };
         // Few servers per pool: a list is the cheapest set.
         let mut tried = Vec::new();
         let mut last_error = String::from("no server is healthy");
@@ -184,12 +190,6 @@ impl UpstreamPool {
                     tried.push(server);
                     continue;
                 }
-            };
-            let Some(wire) = request_wire(downstream.req_header(), &body) else {
-                return Forwarded::Failed(bad_gateway(
-                    &self.model,
-                    "the request target cannot be forwarded",
-                ));
             };
             let written = async {
                 stream.write_all(&wire).await?;
@@ -259,9 +259,7 @@ impl UpstreamPool {
             ),
         ))
     }
-}
 
-impl UpstreamPool {
     /// A kept-alive connection to `server`, or a new one; and whether it was kept alive.
     async fn connect(&self, server: SocketAddr) -> pingora::Result<(Stream, bool)> {
         if let Some(stream) = idle::take(server) {
