@@ -2,7 +2,7 @@
 //!
 //! The cases, images and goldens are made by `tests/fixtures/image/generate.py` with the pinned
 //! transformers and Pillow. Every case runs through the real host: probe, plan within the case's
-//! budget, preprocess. Token counts, grids and shapes must be exact; `pixel_values` within 0.05.
+//! budget, preprocess. Token counts, grids and shapes must be exact, and so must the pixels (up to the goldens' f16).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -15,14 +15,10 @@ use safetensors::SafeTensors;
 use serde::Deserialize;
 
 /// Largest allowed |plugin − HF| on any `pixel_values` element (normalised units; one 8-bit level
-/// is about 0.015 here). The goldens are stored as f16, which adds at most 0.001.
-const TOLERANCE: f32 = 0.05;
-/// JPEGs are decoded by zune-jpeg, whose integer IDCT rounds differently from libjpeg-turbo's
-/// ISLOW IDCT that Pillow uses: a sample is off by one in about 1 % of YCbCr values, which the
-/// colour conversion turns into up to 4 levels of RGB (0.059 here) on these deliberately harsh
-/// high-frequency test images. Everything after decoding is bit-exact (see the non-JPEG cases).
-/// Until the plugin decodes JPEG with libjpeg-turbo's exact arithmetic, JPEG cases get this bound.
-const JPEG_TOLERANCE: f32 = 0.065;
+/// is about 0.015 here). The plugin reproduces Pillow's decoders and resampling to the bit, so only
+/// the goldens' f16 storage separates the two (at most 0.001): one level off anywhere fails. The
+/// issue's bound is 0.05; holding exactness catches any drift long before it gets there.
+const TOLERANCE: f32 = 0.002;
 
 #[derive(Debug, Deserialize)]
 struct Fixtures {
@@ -165,13 +161,8 @@ fn image_plugin_matches_hf_processors() {
                 return Ok(());
             };
             println!("{:<40} max |diff| {diff:.4}", case.name);
-            let tolerance = if case.image.ends_with(".jpg") {
-                JPEG_TOLERANCE
-            } else {
-                TOLERANCE
-            };
-            if diff.is_nan() || diff > tolerance {
-                return Err(format!("max |diff| {diff} > {tolerance}"));
+            if diff.is_nan() || diff > TOLERANCE {
+                return Err(format!("max |diff| {diff} > {TOLERANCE}"));
             }
             Ok(())
         },
