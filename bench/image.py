@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Image preprocessing throughput, one core each, all measured in this run:
 
-  - the built-in image plugin through the host (wasm, fresh sandbox per call: probe + plan + preprocess)
-  - the same plugin code built natively
+  - the built-in image plugin through the host (wasm, fresh sandbox per call: probe + plan + preprocess,
+    then its u8 samples mapped to the encoder's f32 values as the gateway does)
+  - the same plugin code built natively (plugin code only: no u8 -> f32 mapping; the resize kernels
+    are the portable loops there, the wasm build has explicit SIMD ones)
   - HF transformers' PIL-backend ("slow") Qwen2-VL processor: PIL decode + processor
   - HF transformers' torchvision-backend ("fast") Qwen2-VL processor: PIL decode + processor
 

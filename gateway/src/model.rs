@@ -332,7 +332,8 @@ impl ModelRuntime {
                         m = vision.merge
                     );
                 }
-                let pixel_values = f32s(find(pixels_name)?)?;
+                find(pixels_name)?;
+                let pixel_values = mmgate_host::f32_values(tensors, pixels_name)?;
                 let patches = grid
                     .t
                     .checked_mul(grid.h)

@@ -1,5 +1,5 @@
 //! A built-in plugin through the host, timed on one core: probe + plan + preprocess, each in a fresh
-//! store as the gateway runs them.
+//! store as the gateway runs them, and u8 samples mapped to the encoder's floats.
 //!
 //!     cargo bench -p mmgate-host --bench plugin_preprocess -- MODALITY FILE CONFIG.json ITERATIONS
 //!
@@ -39,9 +39,16 @@ fn main() {
         let info = plugin.probe(&media).unwrap();
         let plan = plugin.plan(&info, budget, &config).unwrap();
         let tensors = plugin.preprocess(&media, &plan, &config).unwrap();
-        (plan.tokens, tensors)
+        // Samples sent as u8 with a table are turned into the floats the encoder (and HF) use,
+        // as the gateway does: that work is part of preprocessing.
+        let floats: Vec<Vec<f32>> = tensors
+            .iter()
+            .filter(|t| t.dtype == mmgate_host::Dtype::U8)
+            .map(|t| mmgate_host::f32_values(&tensors, &t.name).unwrap())
+            .collect();
+        (plan.tokens, tensors, floats)
     };
-    let (tokens, _) = run();
+    let (tokens, _, _) = run();
     let frames = (modality == "video").then(|| frames_decoded(&media.data, &config, plugin));
     let mut samples: Vec<f64> = (0..iterations)
         .map(|_| {

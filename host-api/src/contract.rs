@@ -146,6 +146,104 @@ impl Tensor {
     }
 }
 
+/// Suffix of the companion tensor that gives a `u8` tensor its values (see [`f32_values`]).
+pub const TABLE_SUFFIX: &str = "_table";
+
+/// The f32 values of the tensor `name` in a plugin's output: the tensor itself when it is f32, or,
+/// when the plugin sent raw 8-bit samples (a quarter of the bytes through the sandbox and in
+/// memory), those samples mapped through its companion `<name>_table`, f32 `[C, 256]`. Each row
+/// (the last dimension) is C equal runs, one per channel, and sample v in channel c's run stands
+/// for `table[c][v]` — the layout of Qwen2-VL's `pixel_values` rows, whose table is HF's
+/// rescale-and-normalise evaluated exactly, byte by byte.
+pub fn f32_values(tensors: &[Tensor], name: &str) -> Result<Vec<f32>, CallError> {
+    let contract = |m: String| CallError::Contract(format!("tensor {name:?}: {m}"));
+    let find = |n: &str| tensors.iter().find(|t| t.name == n);
+    let tensor = find(name).ok_or_else(|| contract("missing".into()))?;
+    tensor.validate()?;
+    match tensor.dtype {
+        Dtype::F32 => Ok(tensor
+            .data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()),
+        Dtype::U8 => {
+            let table_name = format!("{name}{TABLE_SUFFIX}");
+            let table = find(&table_name)
+                .ok_or_else(|| contract(format!("u8 samples need a {table_name} tensor")))?;
+            table.validate()?;
+            let [channels, 256] = table.shape[..] else {
+                return Err(contract(format!(
+                    "{table_name} is {:?}, not [channels, 256]",
+                    table.shape
+                )));
+            };
+            let channels = usize::try_from(channels).unwrap_or(usize::MAX);
+            let row = tensor
+                .shape
+                .last()
+                .and_then(|&d| usize::try_from(d).ok())
+                .unwrap_or(0);
+            if table.dtype != Dtype::F32
+                || channels == 0
+                || row == 0
+                || !row.is_multiple_of(channels)
+            {
+                return Err(contract(format!(
+                    "{table_name} ({} {:?}) does not split rows of {row} into channels",
+                    table.dtype.name(),
+                    table.shape
+                )));
+            }
+            let table: Vec<f32> = table
+                .data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let run = row / channels;
+            let mut values = Vec::with_capacity(tensor.data.len());
+            for samples in tensor.data.chunks_exact(row) {
+                for (channel, run_samples) in samples.chunks_exact(run).enumerate() {
+                    let map = &table[channel * 256..(channel + 1) * 256];
+                    values.extend(run_samples.iter().map(|&v| map[usize::from(v)]));
+                }
+            }
+            Ok(values)
+        }
+        other => Err(contract(format!("is {}, expected f32 or u8", other.name()))),
+    }
+}
+
+/// The tensors as the model's own processor would give them: every `u8` tensor that has a
+/// `<name>_table` companion replaced by its f32 values (see [`f32_values`]), the tables dropped.
+pub fn with_f32_values(tensors: &[Tensor]) -> Result<Vec<Tensor>, CallError> {
+    let tabled = |name: &str| {
+        tensors
+            .iter()
+            .any(|t| t.name == name && t.dtype == Dtype::U8)
+            && tensors
+                .iter()
+                .any(|t| t.name == format!("{name}{TABLE_SUFFIX}"))
+    };
+    let mut out = Vec::with_capacity(tensors.len());
+    for tensor in tensors {
+        if tensor.name.strip_suffix(TABLE_SUFFIX).is_some_and(&tabled) {
+            continue;
+        }
+        if tensor.dtype == Dtype::U8 && tabled(&tensor.name) {
+            let values = f32_values(tensors, &tensor.name)?;
+            out.push(Tensor {
+                name: tensor.name.clone(),
+                dtype: Dtype::F32,
+                shape: tensor.shape.clone(),
+                data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            });
+        } else {
+            out.push(tensor.clone());
+        }
+    }
+    Ok(out)
+}
+
 impl PluginError {
     /// The message a client sees: what kind of failure, and the plugin's words.
     /// (The generated `Display` prints the Rust debug form.)
@@ -166,6 +264,59 @@ impl PluginError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tensor(name: &str, dtype: Dtype, shape: &[u64], data: Vec<u8>) -> Tensor {
+        Tensor {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            data,
+        }
+    }
+
+    #[test]
+    fn u8_samples_take_their_values_from_the_table_channel_by_channel() {
+        // Two rows of 2 channels x 2 samples; channel c maps v to 1000c + v.
+        let table: Vec<u8> = (0..2)
+            .flat_map(|c| (0..256).map(move |v| (1000 * c + v) as f32))
+            .flat_map(f32::to_le_bytes)
+            .collect();
+        let tensors = vec![
+            tensor("x", Dtype::U8, &[2, 4], vec![1, 2, 3, 4, 5, 6, 7, 8]),
+            tensor("x_table", Dtype::F32, &[2, 256], table),
+            tensor("grid", Dtype::I64, &[1], 7i64.to_le_bytes().to_vec()),
+        ];
+        let expected = [1.0, 2.0, 1003.0, 1004.0, 5.0, 6.0, 1007.0, 1008.0];
+        assert_eq!(f32_values(&tensors, "x").unwrap(), expected);
+        let hf = with_f32_values(&tensors).unwrap();
+        let names: Vec<&str> = hf.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["x", "grid"]);
+        assert_eq!((hf[0].dtype, &hf[0].shape), (Dtype::F32, &vec![2, 4]));
+        assert_eq!(f32_values(&hf, "x").unwrap(), expected);
+        assert_eq!(
+            (&hf[1].name, &hf[1].data),
+            (&tensors[2].name, &tensors[2].data)
+        );
+    }
+
+    #[test]
+    fn u8_samples_without_a_fitting_table_are_a_contract_error() {
+        let samples = tensor("x", Dtype::U8, &[1, 3], vec![1, 2, 3]);
+        let no_table = [samples.clone()];
+        assert!(matches!(
+            f32_values(&no_table, "x"),
+            Err(CallError::Contract(_))
+        ));
+        // Rows of 3 do not split into 2 channels.
+        let table = tensor("x_table", Dtype::F32, &[2, 256], vec![0; 2 * 256 * 4]);
+        assert!(matches!(
+            f32_values(&[samples.clone(), table], "x"),
+            Err(CallError::Contract(_))
+        ));
+        let short = tensor("x_table", Dtype::F32, &[3, 256], vec![0; 10]);
+        assert!(f32_values(&[samples, short], "x").is_err());
+        assert!(matches!(f32_values(&[], "x"), Err(CallError::Contract(_))));
+    }
 
     #[test]
     fn version_compatibility_follows_component_semver() {

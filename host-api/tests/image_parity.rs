@@ -114,6 +114,7 @@ fn run(plugin: &LoadedPlugin, case: &Case) -> Option<f32> {
     .unwrap();
     let golden = SafeTensors::deserialize(&golden_bytes).unwrap();
 
+    let tensors = mmgate_host::with_f32_values(&tensors).unwrap();
     let pixel_values = tensors.iter().find(|t| t.name == "pixel_values").unwrap();
     let (shape, expected) = golden_f32(&golden, "pixel_values");
     assert_eq!(Some(&shape), case.pixel_values_shape.as_ref());

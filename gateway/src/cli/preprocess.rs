@@ -97,7 +97,10 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
         .map_err(reason)?
         .pop()
         .context("the plugin returned no result")?;
-    let (plan, tensors) = (&processed.plan, &processed.tensors);
+    let plan = &processed.plan;
+    // What HF's processor gives: samples a plugin sent as u8 with a table become floats again.
+    let tensors = &mmgate_host::with_f32_values(&processed.tensors)
+        .map_err(|e| anyhow!("the plugin's output is malformed: {e}"))?;
 
     let metadata = HashMap::from([
         ("format".to_owned(), "pt".to_owned()),

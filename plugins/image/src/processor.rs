@@ -363,15 +363,15 @@ impl Processor {
                     ));
                 }
                 let resized = image.resize(choices.width, choices.height, *filter);
-                let table = normalize.table_le_bytes();
-                let values = qwen2vl_patches(&resized, *patch, *merge, *temporal, |c, v| {
-                    table[c][usize::from(v)]
-                })
-                .into_flattened();
+                // Raw samples plus the exact normalisation table (the host maps them back to HF's
+                // floats): a quarter of the bytes of f32 through the sandbox and in memory.
+                let samples = qwen2vl_patches(&resized, *patch, *merge, *temporal, |_, v| v);
                 let (gh, gw) = (choices.height / patch, choices.width / patch);
                 let row = 3 * temporal * patch * patch;
+                let table: Vec<f32> = normalize.table().into_iter().flatten().collect();
                 Ok(vec![
-                    Tensor::from_f32_bytes("pixel_values", &[gh * gw, row], values)?,
+                    Tensor::from_u8("pixel_values", &[gh * gw, row], samples)?,
+                    Tensor::from_f32("pixel_values_table", &[3, 256], &table)?,
                     Tensor::from_i64("image_grid_thw", &[1, 3], &[1, gh as i64, gw as i64])?,
                 ])
             }
