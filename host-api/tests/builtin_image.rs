@@ -92,12 +92,20 @@ fn qwen2_vl_plan_and_tensors_agree() {
     assert_eq!(plan.tokens, 6);
     assert!(!plan.reduced);
     let tensors = plugin.preprocess(&media, &plan, QWEN2_VL).unwrap();
+    let names: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["pixel_values", "pixel_values_table", "image_grid_thw"]
+    );
+    // The samples travel as u8 and become the encoder's floats through the table.
     let pixel_values = &tensors[0];
-    assert_eq!(pixel_values.name, "pixel_values");
-    assert_eq!(pixel_values.dtype, Dtype::F32);
+    assert_eq!(pixel_values.dtype, Dtype::U8);
     // grid 1 x 4 x 6 patches of 3·2·14·14 values; tokens = patches / 4.
     assert_eq!(pixel_values.shape, vec![24, 1176]);
-    let grid = &tensors[1];
+    let floats = mmgate_host::f32_values(&tensors, "pixel_values").unwrap();
+    assert_eq!(floats.len(), 24 * 1176);
+    assert!(floats.iter().all(|v| v.is_finite() && v.abs() < 3.0));
+    let grid = &tensors[2];
     assert_eq!(grid.name, "image_grid_thw");
     let thw: Vec<i64> = grid
         .data
@@ -194,7 +202,7 @@ fn hostile_image_files_get_typed_errors() {
         }
     }
 
-    // Headers intact, pixel data cut off: the probe passes, decoding refuses them. (For JPEG the
+    // Headers intact, pixel data cut off: the probe passes, decoding refuses them. (For JPEG a
     // decoder alone would fill the missing part with grey; Pillow refuses it, and so does the plugin.)
     let mut truncated_bmp = bmp(64, 64);
     truncated_bmp.truncate(200);
@@ -230,7 +238,7 @@ fn decompression_bombs_stop_at_the_memory_cap() {
         preprocess_qwen2_vl(&plugin, &media(bmp(30, 20)))
             .unwrap()
             .len(),
-        2
+        3
     );
 }
 

@@ -174,7 +174,7 @@ const MAX_JPEG_SCANS: usize = 1000;
 
 /// JPEGs are decoded as libjpeg-turbo (Pillow's decoder) does, to the bit: its accurate integer
 /// IDCT, "fancy" (triangle) chroma upsampling and fixed-point YCbCr tables, and Pillow's plain
-/// inversion for Adobe CMYK. Other decoders differ by a few levels in a quarter of the pixels, which
+/// inversion for Adobe CMYK. Other decoders differ by a few levels in a quarter of the samples, which
 /// the model would see as noise the reference never had.
 fn decode_jpeg(data: &[u8], header: &Header) -> PluginResult<RgbImage> {
     use libjpeg_turbo_rs::{DecodeLimits, Decoder, JpegError, PixelFormat};
@@ -215,7 +215,7 @@ fn decode_jpeg(data: &[u8], header: &Header) -> PluginResult<RgbImage> {
     })
 }
 
-/// The JPEG decoder fills a truncated scan with grey rather than failing; Pillow refuses such files
+/// JPEG decoders fill a truncated scan with grey (libjpeg only warns); Pillow refuses such files
 /// ("image file is truncated"), and so does this: the entropy-coded data must be followed by an
 /// end-of-image marker. (Inside the scan, 0xFF bytes are stuffed, so 0xFF 0xD9 can only be a marker;
 /// an EXIF thumbnail's own EOI comes before the first start-of-scan and does not count.)
