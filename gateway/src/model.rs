@@ -332,7 +332,7 @@ impl ModelRuntime {
                         m = vision.merge
                     );
                 }
-                find(pixels_name)?;
+                find(pixels_name)?; // for its explanation when the tensor is missing
                 let pixel_values = mmgate_host::f32_values(tensors, pixels_name)?;
                 let patches = grid
                     .t
@@ -401,10 +401,7 @@ fn f32s(t: &Tensor) -> anyhow::Result<Vec<f32>> {
     if t.dtype != Dtype::F32 {
         bail!("{} is {:?}, expected f32", t.name, t.dtype);
     }
-    Ok(t.data
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect())
+    Ok(mmgate_host::le_f32s(&t.data))
 }
 
 fn i64s(t: &Tensor) -> anyhow::Result<Vec<i64>> {

@@ -161,11 +161,7 @@ pub fn f32_values(tensors: &[Tensor], name: &str) -> Result<Vec<f32>, CallError>
     let tensor = find(name).ok_or_else(|| contract("missing".into()))?;
     tensor.validate()?;
     match tensor.dtype {
-        Dtype::F32 => Ok(tensor
-            .data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect()),
+        Dtype::F32 => Ok(le_f32s(&tensor.data)),
         Dtype::U8 => {
             let table_name = format!("{name}{TABLE_SUFFIX}");
             let table = find(&table_name)
@@ -194,11 +190,7 @@ pub fn f32_values(tensors: &[Tensor], name: &str) -> Result<Vec<f32>, CallError>
                     table.shape
                 )));
             }
-            let table: Vec<f32> = table
-                .data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
+            let table = le_f32s(&table.data);
             let run = row / channels;
             let mut values = Vec::with_capacity(tensor.data.len());
             for samples in tensor.data.chunks_exact(row) {
@@ -211,6 +203,14 @@ pub fn f32_values(tensors: &[Tensor], name: &str) -> Result<Vec<f32>, CallError>
         }
         other => Err(contract(format!("is {}, expected f32 or u8", other.name()))),
     }
+}
+
+/// Little-endian f32 bytes as values (a trailing partial value, which a validated tensor never has,
+/// is ignored).
+pub fn le_f32s(data: &[u8]) -> Vec<f32> {
+    data.chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
 }
 
 /// The tensors as the model's own processor would give them: every `u8` tensor that has a

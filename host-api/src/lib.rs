@@ -25,7 +25,7 @@ pub mod video;
 
 pub use contract::{
     Budget, CONTRACT_VERSION, Descriptor, Dtype, Media, MediaInfo, PluginError, TABLE_SUFFIX,
-    Tensor, TokenPlan, Version, f32_values, with_f32_values,
+    Tensor, TokenPlan, Version, f32_values, le_f32s, with_f32_values,
 };
 pub use error::{CallError, LoadError};
 pub use manifest::Manifest;
