@@ -7,12 +7,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, anyhow, bail};
-use mmgate_host::{Dtype, Tensor};
+use mmgate_host::{ByteSamples, Dtype, Tensor};
 use mmgate_inference::CpuBackend;
 use mmgate_inference::demo::{self, DemoFamily};
 use mmgate_inference::engine::{
     BatchObserver, DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig,
-    FeatureStore, MediaItem, PositionScheme,
+    FeatureStore, MediaItem, PixelSource, PixelValues, PositionScheme,
 };
 use mmgate_inference::models::config::ConfigFile;
 use mmgate_inference::models::qwen2_audio::AudioEncoderConfig;
@@ -332,8 +332,13 @@ impl ModelRuntime {
                         m = vision.merge
                     );
                 }
-                find(pixels_name)?; // for its explanation when the tensor is missing
-                let pixel_values = mmgate_host::f32_values(tensors, pixels_name)?;
+                // 8-bit samples stay bytes until the encoder packs its batch.
+                let pixel_values = match ByteSamples::from_tensors(tensors, pixels_name) {
+                    Ok(Some(samples)) => PixelValues::Source(Arc::new(PluginSamples(samples))),
+                    Ok(None) => PixelValues::F32(f32s(find(pixels_name)?)?),
+                    // Its explanation when the tensor is missing.
+                    Err(e) => return Err(find(pixels_name).err().unwrap_or_else(|| e.into())),
+                };
                 let patches = grid
                     .t
                     .checked_mul(grid.h)
@@ -394,6 +399,33 @@ impl ModelRuntime {
             processor_config: self.processor_config.clone(),
             time_interval,
         })
+    }
+}
+
+/// A plugin's 8-bit samples as the encoder's pixel source: expanded through their table when the
+/// encoder packs a batch.
+#[derive(Debug)]
+struct PluginSamples(ByteSamples);
+
+impl PixelSource for PluginSamples {
+    fn value_count(&self) -> usize {
+        self.0.len()
+    }
+
+    fn bytes(&self) -> usize {
+        self.0.bytes()
+    }
+
+    fn feed_content(&self, feed: &mut dyn FnMut(&[u8])) {
+        let (samples, table) = self.0.parts();
+        feed(samples);
+        for v in table {
+            feed(&v.to_le_bytes());
+        }
+    }
+
+    fn extend_f32(&self, out: &mut Vec<f32>) {
+        self.0.map_into(out);
     }
 }
 

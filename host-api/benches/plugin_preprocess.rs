@@ -1,10 +1,13 @@
 //! A built-in plugin through the host, timed on one core: probe + plan + preprocess, each in a fresh
-//! store as the gateway runs them, and u8 samples mapped to the encoder's floats.
+//! store as the gateway runs them. Separately: expanding 8-bit samples to their f32 values, which
+//! the encoder does when it packs a batch (it is not preprocessing, but it is printed so that a
+//! comparison with processors that emit floats can count it).
 //!
 //!     cargo bench -p mmgate-host --bench plugin_preprocess -- MODALITY FILE CONFIG.json ITERATIONS
 //!
-//! Prints one JSON line: {"file", "wasm_ms_median", "tokens"}. The scripts in `bench/` run it beside
-//! the same code built natively (`plugins/native-bench`) and HF's processors, and print the ratios.
+//! Prints one JSON line: {"file", "wasm_ms_median", "expand_ms_median", "tokens"}. The scripts in
+//! `bench/` run it beside the same code built natively (`plugins/native-bench`) and HF's processors,
+//! and print the ratios.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -39,16 +42,22 @@ fn main() {
         let info = plugin.probe(&media).unwrap();
         let plan = plugin.plan(&info, budget, &config).unwrap();
         let tensors = plugin.preprocess(&media, &plan, &config).unwrap();
-        // Samples sent as u8 with a table are turned into the floats the encoder (and HF) use,
-        // as the gateway does: that work is part of preprocessing.
-        let floats: Vec<Vec<f32>> = tensors
-            .iter()
-            .filter(|t| t.dtype == mmgate_host::Dtype::U8)
-            .map(|t| mmgate_host::f32_values(&tensors, &t.name).unwrap())
-            .collect();
-        (plan.tokens, tensors, floats)
+        (plan.tokens, tensors)
     };
-    let (tokens, _, _) = run();
+    let (tokens, tensors) = run();
+    // What the encoder does with 8-bit samples when it packs them into its batch.
+    let expand = || {
+        let mut values = Vec::new();
+        for t in &tensors {
+            if let Some(samples) = mmgate_host::ByteSamples::from_tensors(&tensors, &t.name)
+                .ok()
+                .flatten()
+            {
+                samples.map_into(&mut values);
+            }
+        }
+        values
+    };
     let frames = (modality == "video").then(|| frames_decoded(&media.data, &config, plugin));
     let mut samples: Vec<f64> = (0..iterations)
         .map(|_| {
@@ -58,14 +67,23 @@ fn main() {
         })
         .collect();
     samples.sort_by(f64::total_cmp);
+    let mut expand_samples: Vec<f64> = (0..iterations)
+        .map(|_| {
+            let start = Instant::now();
+            std::hint::black_box(expand());
+            start.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    expand_samples.sort_by(f64::total_cmp);
     let frames = frames
         .map(|(sampled, decoded)| {
             format!(", \"frames_sampled\": {sampled}, \"frames_decoded\": {decoded}")
         })
         .unwrap_or_default();
     println!(
-        "{{\"file\": {file:?}, \"wasm_ms_median\": {:.3}, \"tokens\": {tokens}{frames}}}",
-        samples[samples.len() / 2]
+        "{{\"file\": {file:?}, \"wasm_ms_median\": {:.3}, \"expand_ms_median\": {:.3}, \"tokens\": {tokens}{frames}}}",
+        samples[samples.len() / 2],
+        expand_samples[expand_samples.len() / 2]
     );
 }
 

@@ -149,59 +149,111 @@ impl Tensor {
 /// Suffix of the companion tensor that gives a `u8` tensor its values (see [`f32_values`]).
 pub const TABLE_SUFFIX: &str = "_table";
 
-/// The f32 values of the tensor `name` in a plugin's output: the tensor itself when it is f32, or,
-/// when the plugin sent raw 8-bit samples (a quarter of the bytes through the sandbox and in
-/// memory), those samples mapped through its companion `<name>_table`, f32 `[C, 256]`. Each row
-/// (the last dimension) is C equal runs, one per channel, and sample v in channel c's run stands
-/// for `table[c][v]` — the layout of Qwen2-VL's `pixel_values` rows, whose table is HF's
-/// rescale-and-normalise evaluated exactly, byte by byte.
+/// The f32 values of the tensor `name` in a plugin's output: the tensor itself when it is f32, or
+/// its [`ByteSamples`] mapped to their values when the plugin sent 8-bit samples.
 pub fn f32_values(tensors: &[Tensor], name: &str) -> Result<Vec<f32>, CallError> {
-    let contract = |m: String| CallError::Contract(format!("tensor {name:?}: {m}"));
-    let find = |n: &str| tensors.iter().find(|t| t.name == n);
-    let tensor = find(name).ok_or_else(|| contract("missing".into()))?;
-    tensor.validate()?;
-    match tensor.dtype {
-        Dtype::F32 => Ok(le_f32s(&tensor.data)),
-        Dtype::U8 => {
-            let table_name = format!("{name}{TABLE_SUFFIX}");
-            let table = find(&table_name)
-                .ok_or_else(|| contract(format!("u8 samples need a {table_name} tensor")))?;
-            table.validate()?;
-            let [channels, 256] = table.shape[..] else {
-                return Err(contract(format!(
-                    "{table_name} is {:?}, not [channels, 256]",
-                    table.shape
-                )));
-            };
-            let channels = usize::try_from(channels).unwrap_or(usize::MAX);
-            let row = tensor
-                .shape
-                .last()
-                .and_then(|&d| usize::try_from(d).ok())
-                .unwrap_or(0);
-            if table.dtype != Dtype::F32
-                || channels == 0
-                || row == 0
-                || !row.is_multiple_of(channels)
-            {
-                return Err(contract(format!(
-                    "{table_name} ({} {:?}) does not split rows of {row} into channels",
-                    table.dtype.name(),
-                    table.shape
-                )));
-            }
-            let table = le_f32s(&table.data);
-            let run = row / channels;
-            let mut values = Vec::with_capacity(tensor.data.len());
-            for samples in tensor.data.chunks_exact(row) {
-                for (channel, run_samples) in samples.chunks_exact(run).enumerate() {
-                    let map = &table[channel * 256..(channel + 1) * 256];
-                    values.extend(run_samples.iter().map(|&v| map[usize::from(v)]));
-                }
-            }
+    match ByteSamples::from_tensors(tensors, name)? {
+        Some(samples) => {
+            let mut values = Vec::with_capacity(samples.len());
+            samples.map_into(&mut values);
             Ok(values)
         }
-        other => Err(contract(format!("is {}, expected f32 or u8", other.name()))),
+        None => Ok(le_f32s(&tensor(tensors, name)?.data)),
+    }
+}
+
+fn tensor<'a>(tensors: &'a [Tensor], name: &str) -> Result<&'a Tensor, CallError> {
+    tensors
+        .iter()
+        .find(|t| t.name == name)
+        .ok_or_else(|| CallError::Contract(format!("tensor {name:?}: missing")))
+}
+
+/// Raw 8-bit samples a plugin sent in place of f32 values (a quarter of the bytes through the
+/// sandbox and in memory), with what they stand for: the companion `<name>_table`, f32 `[C, 256]`.
+/// Each row (the tensor's last dimension) is C equal runs, one per channel, and sample v in channel
+/// c's run stands for `table[c][v]` — the layout of Qwen2-VL's `pixel_values` rows, whose table is
+/// HF's rescale-and-normalise evaluated exactly, byte by byte.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ByteSamples {
+    samples: Vec<u8>,
+    /// `[C * 256]` values.
+    table: Vec<f32>,
+    /// Samples per channel run.
+    run: usize,
+    channels: usize,
+}
+
+impl ByteSamples {
+    /// The samples of tensor `name` and its table, checked against each other; `None` when the
+    /// tensor is f32 (its values are its own).
+    pub fn from_tensors(tensors: &[Tensor], name: &str) -> Result<Option<ByteSamples>, CallError> {
+        let contract = |m: String| CallError::Contract(format!("tensor {name:?}: {m}"));
+        let samples = tensor(tensors, name)?;
+        samples.validate()?;
+        match samples.dtype {
+            Dtype::F32 => return Ok(None),
+            Dtype::U8 => {}
+            other => return Err(contract(format!("is {}, expected f32 or u8", other.name()))),
+        }
+        let table_name = format!("{name}{TABLE_SUFFIX}");
+        let table = tensor(tensors, &table_name)
+            .map_err(|_| contract(format!("u8 samples need a {table_name} tensor")))?;
+        table.validate()?;
+        let [channels, 256] = table.shape[..] else {
+            return Err(contract(format!(
+                "{table_name} is {:?}, not [channels, 256]",
+                table.shape
+            )));
+        };
+        let channels = usize::try_from(channels).unwrap_or(usize::MAX);
+        let row = samples
+            .shape
+            .last()
+            .and_then(|&d| usize::try_from(d).ok())
+            .unwrap_or(0);
+        if table.dtype != Dtype::F32 || channels == 0 || row == 0 || !row.is_multiple_of(channels) {
+            return Err(contract(format!(
+                "{table_name} ({} {:?}) does not split rows of {row} into channels",
+                table.dtype.name(),
+                table.shape
+            )));
+        }
+        Ok(Some(ByteSamples {
+            samples: samples.data.clone(),
+            table: le_f32s(&table.data),
+            run: row / channels,
+            channels,
+        }))
+    }
+
+    /// How many values the samples stand for (one each).
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// Bytes held: the samples and the table.
+    pub fn bytes(&self) -> usize {
+        self.samples.len() + 4 * self.table.len()
+    }
+
+    /// The samples and the table's values, in order: all that the values depend on.
+    pub fn parts(&self) -> (&[u8], &[f32]) {
+        (&self.samples, &self.table)
+    }
+
+    /// Appends the values the samples stand for.
+    pub fn map_into(&self, out: &mut Vec<f32>) {
+        out.reserve(self.samples.len());
+        for (i, run) in self.samples.chunks_exact(self.run).enumerate() {
+            let channel = i % self.channels;
+            let map = &self.table[channel * 256..(channel + 1) * 256];
+            out.extend(run.iter().map(|&v| map[usize::from(v)]));
+        }
     }
 }
 

@@ -24,8 +24,8 @@ pub mod sandbox;
 pub mod video;
 
 pub use contract::{
-    Budget, CONTRACT_VERSION, Descriptor, Dtype, Media, MediaInfo, PluginError, TABLE_SUFFIX,
-    Tensor, TokenPlan, Version, f32_values, le_f32s, with_f32_values,
+    Budget, ByteSamples, CONTRACT_VERSION, Descriptor, Dtype, Media, MediaInfo, PluginError,
+    TABLE_SUFFIX, Tensor, TokenPlan, Version, f32_values, le_f32s, with_f32_values,
 };
 pub use error::{CallError, LoadError};
 pub use manifest::Manifest;

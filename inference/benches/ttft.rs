@@ -83,7 +83,7 @@ fn main() -> Result<()> {
     // Keep the encoder device busy: 8 frames (4 temporal patches) of 448x448 per job, always queued.
     let grid = Grid { t: 4, h: 32, w: 32 };
     let job = Arc::new(EncodeInput::Vision {
-        pixel_values: vec![0.1; grid.patches() * 1176],
+        pixel_values: vec![0.1; grid.patches() * 1176].into(),
         grid,
     });
     let running = Arc::new(AtomicBool::new(true));

@@ -67,10 +67,13 @@ fn setup(cache_budget: usize) -> Setup {
 
 fn image(seed: u32, grid: Grid) -> Arc<EncodeInput> {
     let n = grid.patches() * 1176;
-    let pixel_values = (0..n)
+    let pixel_values: Vec<f32> = (0..n)
         .map(|i| ((i as u32 ^ seed) as f32 * 0.001).sin())
         .collect();
-    Arc::new(EncodeInput::Vision { pixel_values, grid })
+    Arc::new(EncodeInput::Vision {
+        pixel_values: pixel_values.into(),
+        grid,
+    })
 }
 
 /// A chat prompt with `images` expanded to their token counts.
@@ -134,8 +137,9 @@ fn solo_greedy(s: &Setup, ids: &[u32], images: &[Arc<EncodeInput>], n: usize) ->
         let EncodeInput::Vision { pixel_values, grid } = img.as_ref() else {
             unreachable!()
         };
-        let px =
-            Tensor::from_host(m.vision.device(), pixel_values, &[grid.patches(), 1176]).unwrap();
+        let mut values = Vec::new();
+        pixel_values.extend_f32(&mut values);
+        let px = Tensor::from_host(m.vision.device(), &values, &[grid.patches(), 1176]).unwrap();
         features.push(m.vision.encode(&px, &[*grid]).unwrap());
         spans.push(MediaSpan {
             token: m.config.image_token_id,
@@ -310,7 +314,7 @@ fn nothing_leaks_across_finished_cancelled_and_failed_requests() {
                 &s,
                 ids,
                 vec![Arc::new(EncodeInput::Vision {
-                    pixel_values: vec![0.0; 7],
+                    pixel_values: vec![0.0; 7].into(),
                     grid: g,
                 })],
                 4,

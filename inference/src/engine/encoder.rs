@@ -1,6 +1,8 @@
 //! What an encoder device runs: the [`Encoder`] trait over the preprocessed media of one modality,
 //! implemented by the vision tower and the audio encoder, and the inputs they take.
 
+use std::sync::Arc;
+
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::models::qwen2_audio::AudioEncoder;
@@ -9,15 +11,94 @@ use crate::rope::Grid;
 use crate::tensor::Tensor;
 
 /// The preprocessed tensors of one media item, as the plugins produce them.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub enum EncodeInput {
     /// Qwen2-VL `pixel_values` `[patches, C·T·P·P]` (an image or a video) and its grid.
-    Vision { pixel_values: Vec<f32>, grid: Grid },
+    Vision {
+        pixel_values: PixelValues,
+        grid: Grid,
+    },
     /// Whisper `input_features` `[chunks, mel, 3000]` and the valid frames of each chunk.
     Audio {
         features: Vec<f32>,
         valid_frames: Vec<usize>,
     },
+}
+
+/// Pixel values as an encoder takes them: the f32 values, or a compact source of them that the
+/// encoder expands only when it packs its batch (8-bit samples and their normalisation table: a
+/// quarter of the memory while an item waits, and normalising becomes the encoder's work).
+#[derive(Debug, Clone)]
+pub enum PixelValues {
+    F32(Vec<f32>),
+    Source(Arc<dyn PixelSource>),
+}
+
+/// What a compact form of pixel values offers the encoder.
+pub trait PixelSource: std::fmt::Debug + Send + Sync {
+    /// How many values [`PixelSource::extend_f32`] appends.
+    fn value_count(&self) -> usize;
+    /// Bytes held.
+    fn bytes(&self) -> usize;
+    /// Passes everything the values are computed from to `feed`, in order (for content hashing).
+    fn feed_content(&self, feed: &mut dyn FnMut(&[u8]));
+    /// Appends the values.
+    fn extend_f32(&self, out: &mut Vec<f32>);
+}
+
+impl PixelValues {
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(values) => values.len(),
+            Self::Source(source) => source.value_count(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Self::F32(values) => 4 * values.len(),
+            Self::Source(source) => source.bytes(),
+        }
+    }
+
+    fn hash_into(&self, h: &mut blake3::Hasher) {
+        match self {
+            Self::F32(values) => {
+                h.update(b"f32");
+                hash_f32s(h, values);
+            }
+            Self::Source(source) => {
+                h.update(b"source");
+                source.feed_content(&mut |bytes| {
+                    h.update(bytes);
+                });
+            }
+        }
+    }
+
+    /// Appends the values (expanding a compact source).
+    pub fn extend_f32(&self, out: &mut Vec<f32>) {
+        match self {
+            Self::F32(values) => out.extend_from_slice(values),
+            Self::Source(source) => source.extend_f32(out),
+        }
+    }
+}
+
+impl From<Vec<f32>> for PixelValues {
+    fn from(values: Vec<f32>) -> Self {
+        Self::F32(values)
+    }
+}
+
+fn hash_f32s(h: &mut blake3::Hasher, values: &[f32]) {
+    for f in values {
+        h.update(&f.to_le_bytes());
+    }
 }
 
 /// Which encoder an input needs.
@@ -45,23 +126,23 @@ impl EncodeInput {
         }
     }
 
-    /// Bytes of input data (what a content hash covers).
+    /// Bytes of input data held (what a content hash covers).
     pub fn bytes(&self) -> usize {
-        4 * match self {
-            Self::Vision { pixel_values, .. } => pixel_values.len(),
-            Self::Audio { features, .. } => features.len(),
+        match self {
+            Self::Vision { pixel_values, .. } => pixel_values.bytes(),
+            Self::Audio { features, .. } => 4 * features.len(),
         }
     }
 
     /// Feeds the input's exact content into a hasher.
     pub fn hash_into(&self, h: &mut blake3::Hasher) {
-        let floats = match self {
+        match self {
             Self::Vision { pixel_values, grid } => {
                 h.update(b"vision");
                 for d in [grid.t, grid.h, grid.w] {
                     h.update(&(d as u64).to_le_bytes());
                 }
-                pixel_values
+                pixel_values.hash_into(h);
             }
             Self::Audio {
                 features,
@@ -71,11 +152,8 @@ impl EncodeInput {
                 for v in valid_frames {
                     h.update(&(*v as u64).to_le_bytes());
                 }
-                features
+                hash_f32s(h, features);
             }
-        };
-        for f in floats {
-            h.update(&f.to_le_bytes());
         }
     }
 }
@@ -128,7 +206,7 @@ impl<B: Backend> Encoder for VisionTower<B> {
                         return Err(wrong_kind(EncoderKind::Vision));
                     };
                     grids.push(*grid);
-                    pixels.extend_from_slice(pixel_values);
+                    pixel_values.extend_f32(&mut pixels);
                 }
                 let c = self.config();
                 let patches: usize = grids.iter().map(Grid::patches).sum();

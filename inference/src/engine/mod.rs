@@ -23,7 +23,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
-pub use encoder::{EncodeInput, Encoder, EncoderKind};
+pub use encoder::{EncodeInput, Encoder, EncoderKind, PixelSource, PixelValues};
 pub use pool::{BatchObserver, BatchReport, DeviceSpec, EncoderPool};
 pub use store::{FeatureState, FeatureStore, StoreStats};
 

@@ -47,7 +47,7 @@ impl Plugin for ImagePlugin {
         let processor = Processor::from_config(&config)?;
         let choices: Choices = plan.choices()?;
         let image = decode::decode_rgb(&media.data)?;
-        processor.preprocess(&image, &choices)
+        processor.preprocess(image, &choices)
     }
 }
 

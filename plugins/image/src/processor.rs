@@ -1,7 +1,7 @@
 //! The image processors: reading HF `preprocessor_config.json`, planning tokens, producing tensors.
 
 use mmgate_plugin_sdk::imageops::{
-    CLIP_MEAN, CLIP_STD, Filter, Normalize, RgbImage, qwen2vl_patches,
+    CLIP_MEAN, CLIP_STD, Filter, Normalize, RgbImage, qwen2vl_patch_bytes,
 };
 use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
@@ -343,7 +343,7 @@ impl Processor {
         }
     }
 
-    pub fn preprocess(&self, image: &RgbImage, choices: &Choices) -> PluginResult<Vec<Tensor>> {
+    pub fn preprocess(&self, image: RgbImage, choices: &Choices) -> PluginResult<Vec<Tensor>> {
         match self {
             Processor::Qwen2Vl {
                 patch,
@@ -362,10 +362,10 @@ impl Processor {
                         "planned size is not a multiple of the patch factor",
                     ));
                 }
-                let resized = image.resize(choices.width, choices.height, *filter);
+                let resized = image.into_resized(choices.width, choices.height, *filter);
                 // Raw samples plus the exact normalisation table (the host maps them back to HF's
                 // floats): a quarter of the bytes of f32 through the sandbox and in memory.
-                let samples = qwen2vl_patches(&resized, *patch, *merge, *temporal, |_, v| v);
+                let samples = qwen2vl_patch_bytes(&resized, *patch, *merge, *temporal);
                 let (gh, gw) = (choices.height / patch, choices.width / patch);
                 let row = 3 * temporal * patch * patch;
                 let table: Vec<f32> = normalize.table().into_iter().flatten().collect();
@@ -378,7 +378,7 @@ impl Processor {
             Processor::Fixed {
                 filter, normalize, ..
             } => {
-                let mut resized = image.resize(choices.width, choices.height, *filter);
+                let mut resized = image.into_resized(choices.width, choices.height, *filter);
                 if let Some([cw, ch]) = choices.crop {
                     // HF's center_crop: top = (h - ch) // 2, left = (w - cw) // 2, padding with zeros
                     // when the crop is larger than the image.

@@ -261,9 +261,71 @@ mod kernels {
                 *a = i32x4_add(*a, i32x4_mul(v, k));
             }
         }
-        let packed = narrow(acc[0], acc[1], acc[2], acc[3]);
-        out[..8].copy_from_slice(&u64x2_extract_lane::<0>(packed).to_le_bytes());
-        out[8..BLOCK].copy_from_slice(&u64x2_extract_lane::<1>(packed).to_le_bytes());
+        store16(narrow(acc[0], acc[1], acc[2], acc[3]), out);
+    }
+
+    /// Splits packed RGB `row` into its three channel rows, 16 pixels (three loads, six shuffles)
+    /// at a time.
+    pub fn deinterleave_rgb(row: &[u8], planar: &mut [Vec<u8>; 3]) {
+        let [r, g, b] = planar;
+        let pixels = row.len() / 3;
+        let whole = pixels - pixels % BLOCK;
+        for x in (0..whole).step_by(BLOCK) {
+            let at = 3 * x;
+            let (p0, p1, p2) = (
+                load16(&row[at..]),
+                load16(&row[at + 16..]),
+                load16(&row[at + 32..]),
+            );
+            let red = i8x16_shuffle::<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 17, 20, 23, 26, 29>(
+                i8x16_shuffle::<0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 0, 0, 0, 0, 0>(p0, p1),
+                p2,
+            );
+            let green = i8x16_shuffle::<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 18, 21, 24, 27, 30>(
+                i8x16_shuffle::<1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 0, 0, 0, 0, 0>(p0, p1),
+                p2,
+            );
+            let blue = i8x16_shuffle::<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 19, 22, 25, 28, 31>(
+                i8x16_shuffle::<2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 0, 0, 0, 0, 0, 0>(p0, p1),
+                p2,
+            );
+            store16(red, &mut r[x..x + BLOCK]);
+            store16(green, &mut g[x..x + BLOCK]);
+            store16(blue, &mut b[x..x + BLOCK]);
+        }
+        for (x, px) in row.chunks_exact(3).enumerate().skip(whole) {
+            (r[x], g[x], b[x]) = (px[0], px[1], px[2]);
+        }
+    }
+
+    /// `dst[..len] = run[..len]`, with one 16-byte move when that may spill past `len` (wasm's
+    /// `memory.copy` is a call out of the sandbox: too dear for runs of 14 bytes), else with two
+    /// overlapping 8-byte ones for 8 <= len <= 16.
+    #[inline]
+    pub fn copy_run(run: &[u8], len: usize, dst: &mut [u8], may_spill: bool) {
+        if len <= BLOCK && run.len() >= BLOCK && dst.len() >= BLOCK && may_spill {
+            store16(load16(run), dst);
+        } else if (8..=BLOCK).contains(&len) {
+            let tail = len - 8;
+            let (head, end) = (load8(&run[..8]), load8(&run[tail..len]));
+            dst[..8].copy_from_slice(&head);
+            dst[tail..len].copy_from_slice(&end);
+        } else {
+            dst[..len].copy_from_slice(&run[..len]);
+        }
+    }
+
+    #[inline]
+    fn load8(bytes: &[u8]) -> [u8; 8] {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&bytes[..8]);
+        word
+    }
+
+    #[inline]
+    fn store16(v: v128, out: &mut [u8]) {
+        out[..8].copy_from_slice(&u64x2_extract_lane::<0>(v).to_le_bytes());
+        out[8..16].copy_from_slice(&u64x2_extract_lane::<1>(v).to_le_bytes());
     }
 }
 
@@ -296,6 +358,18 @@ mod kernels {
             *o = clip8(a);
         }
     }
+
+    #[inline]
+    pub fn copy_run(run: &[u8], len: usize, dst: &mut [u8], _may_spill: bool) {
+        dst[..len].copy_from_slice(&run[..len]);
+    }
+
+    pub fn deinterleave_rgb(row: &[u8], planar: &mut [Vec<u8>; 3]) {
+        let [r, g, b] = planar;
+        for (((px, r), g), b) in row.chunks_exact(3).zip(r).zip(g).zip(b) {
+            (*r, *g, *b) = (px[0], px[1], px[2]);
+        }
+    }
 }
 
 impl RgbImage {
@@ -311,6 +385,16 @@ impl RgbImage {
             image = resample_vertical(&image, height, filter);
         }
         image
+    }
+
+    /// [`RgbImage::resize`] that hands the image back as it is, without a copy, when the size does
+    /// not change.
+    pub fn into_resized(self, width: usize, height: usize, filter: Filter) -> RgbImage {
+        if (width, height) == (self.width, self.height) {
+            self
+        } else {
+            self.resize(width, height, filter)
+        }
     }
 
     /// The `width` x `height` window whose top-left corner is (`left`, `top`); parts outside the
@@ -375,17 +459,24 @@ impl Normalize {
 }
 
 /// Qwen2-VL's patch layout of one image repeated over `temporal` frames (HF: `np.tile` of a single
-/// image to `temporal_patch_size` frames). See [`qwen2vl_frame_patches`].
-pub fn qwen2vl_patches<T: Copy>(
+/// image to `temporal_patch_size` frames), as raw bytes. See [`qwen2vl_frame_patches`].
+pub fn qwen2vl_patch_bytes(
     image: &RgbImage,
     patch: usize,
     merge: usize,
     temporal: usize,
-    map: impl Fn(usize, u8) -> T,
-) -> Vec<T> {
+) -> Vec<u8> {
     let frames = vec![image; temporal];
     let mut out = Vec::new();
-    qwen2vl_frame_patches(&frames, patch, merge, map, &mut out);
+    patch_walk(
+        &frames,
+        patch,
+        merge,
+        &mut out,
+        |dst, _, run, more_follow| {
+            kernels::copy_run(run, patch, dst, more_follow);
+        },
+    );
     out
 }
 
@@ -395,43 +486,83 @@ pub fn qwen2vl_patches<T: Copy>(
 /// (0,3,6,4,7,2,1,5,8), i.e. per patch: channel, then frame, then the patch's pixels.
 ///
 /// Frames must have dimensions divisible by `patch * merge`. Values are written through `map`, so the
-/// same walk emits normalised floats or raw bytes. A frame repeated (the same reference twice, as an
-/// image's temporal copies are) is copied rather than mapped again.
-pub fn qwen2vl_frame_patches<T: Copy>(
+/// same walk emits normalised floats or raw bytes ([`qwen2vl_patch_bytes`] is the faster way to the
+/// latter). A frame repeated (the same reference twice, as an image's temporal copies are) is read
+/// once and written twice.
+pub fn qwen2vl_frame_patches<T: Copy + Default>(
     frames: &[&RgbImage],
     patch: usize,
     merge: usize,
     map: impl Fn(usize, u8) -> T,
     out: &mut Vec<T>,
 ) {
+    patch_walk(frames, patch, merge, out, |dst, c, run, _| {
+        for (d, &v) in dst[..patch].iter_mut().zip(run) {
+            *d = map(c, v);
+        }
+    });
+}
+
+/// The walk behind the patch layouts: sizes `out`, then calls `write_run(dst, channel, run,
+/// more_follow)` for every `patch`-long run of one channel of one image row, `dst` being `out` from
+/// where the run goes to the end of its patch row and `run` the channel's samples from the run's
+/// first to the end of the image row. `more_follow` says that the next `patch` values of `dst` past
+/// the run are written later (by the next image row), so a writer may spill into them.
+fn patch_walk<T: Copy + Default>(
+    frames: &[&RgbImage],
+    patch: usize,
+    merge: usize,
+    out: &mut Vec<T>,
+    mut write_run: impl FnMut(&mut [T], usize, &[u8], bool),
+) {
     let Some(first_frame) = frames.first() else {
         return;
     };
     let (width, height) = (first_frame.width, first_frame.height);
     let (gh, gw) = (height / patch, width / patch);
-    out.reserve(gh * gw * CHANNELS * frames.len() * patch * patch);
-    for bh in 0..gh / merge {
-        for bw in 0..gw / merge {
-            for mh in 0..merge {
-                for mw in 0..merge {
-                    let py = (bh * merge + mh) * patch;
-                    let px = (bw * merge + mw) * patch;
-                    for c in 0..CHANNELS {
-                        for (t, frame) in frames.iter().enumerate() {
-                            let start = out.len();
-                            if t > 0 && std::ptr::eq(*frame, frames[t - 1]) {
-                                let previous = start - patch * patch;
-                                out.extend_from_within(previous..start);
-                                continue;
-                            }
-                            for y in 0..patch {
-                                let base = ((py + y) * width + px) * CHANNELS;
-                                let row = &frame.data[base..base + patch * CHANNELS];
-                                out.extend(
-                                    row.iter().skip(c).step_by(CHANNELS).map(|&v| map(c, v)),
-                                );
-                            }
-                        }
+    let plane = patch * patch;
+    let row_len = CHANNELS * frames.len() * plane;
+    let base = out.len();
+    let added = gh * gw * row_len;
+    if base == 0 {
+        // `vec!` of a zero value asks the allocator for zeroed memory, which fresh pages already
+        // are: no pass writing zeros that are about to be overwritten.
+        *out = vec![T::default(); added];
+    } else {
+        out.resize(base + added, T::default());
+    }
+    let patches = &mut out[base..];
+    // Image row by image row: the row is split into its three channel rows once (sequential reads,
+    // SIMD in the wasm build), then each patch's runs go where the layout puts them. A patch row's
+    // output (`gw` patches) stays in cache while its `patch` image rows are written.
+    let mut planar = [vec![0u8; width], vec![0u8; width], vec![0u8; width]];
+    for (t, frame) in frames.iter().enumerate() {
+        if t > 0 && std::ptr::eq(*frame, frames[t - 1]) {
+            continue;
+        }
+        // This frame fills its own slot and those of the copies of it that follow.
+        let copies = frames[t + 1..]
+            .iter()
+            .take_while(|f| std::ptr::eq(**f, *frame))
+            .count();
+        let slots = t..=t + copies;
+        for y in 0..gh * patch {
+            let (grid_y, y_in_patch) = (y / patch, y % patch);
+            let more_follow = y_in_patch + 1 < patch;
+            let row = &frame.data[y * width * CHANNELS..(y + 1) * width * CHANNELS];
+            kernels::deinterleave_rgb(row, &mut planar);
+            // Patches are ordered by merge block (row-major), then within the block.
+            let block_row = (grid_y / merge) * (gw / merge) * merge * merge;
+            let row_in_block = (grid_y % merge) * merge;
+            for grid_x in 0..gw {
+                let index =
+                    block_row + (grid_x / merge) * merge * merge + row_in_block + grid_x % merge;
+                let dst = &mut patches[index * row_len..(index + 1) * row_len];
+                for (c, channel) in planar.iter().enumerate() {
+                    let run = &channel[grid_x * patch..];
+                    for slot in slots.clone() {
+                        let at = (c * frames.len() + slot) * plane + y_in_patch * patch;
+                        write_run(&mut dst[at..], c, run, more_follow);
                     }
                 }
             }
@@ -563,6 +694,61 @@ mod tests {
                     "{sum}"
                 );
             }
+        }
+    }
+
+    /// The layout against HF's reshape/transpose written out index by index, on frames wide
+    /// enough for the SIMD path and with a remainder, a repeated frame and two distinct ones.
+    #[test]
+    fn patch_layout_is_hf_transpose() {
+        let (patch, merge) = (2, 2);
+        let frame = |seed: u8, width: usize, height: usize| RgbImage {
+            width,
+            height,
+            data: (0..width * height * CHANNELS)
+                .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+                .collect(),
+        };
+        for (width, height) in [(4, 4), (20, 8), (36, 12)] {
+            let (a, b) = (frame(0, width, height), frame(7, width, height));
+            for frames in [vec![&a, &a], vec![&a, &b], vec![&b]] {
+                let mut out = vec![1.5f32];
+                qwen2vl_frame_patches(
+                    &frames,
+                    patch,
+                    merge,
+                    |c, v| f32::from(v) + c as f32,
+                    &mut out,
+                );
+                let (gh, gw, tp) = (height / patch, width / patch, frames.len());
+                let mut expected = vec![1.5f32];
+                for bh in 0..gh / merge {
+                    for bw in 0..gw / merge {
+                        for mh in 0..merge {
+                            for mw in 0..merge {
+                                for c in 0..CHANNELS {
+                                    for frame in &frames {
+                                        for y in 0..patch {
+                                            for x in 0..patch {
+                                                let py = (bh * merge + mh) * patch + y;
+                                                let px = (bw * merge + mw) * patch + x;
+                                                let v =
+                                                    frame.data[(py * width + px) * CHANNELS + c];
+                                                expected.push(f32::from(v) + c as f32);
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                assert_eq!(out.len(), 1 + gh * gw * CHANNELS * tp * patch * patch);
+                assert_eq!(out, expected, "{width}x{height}, {tp} frames");
+            }
+            let mut bytes = Vec::new();
+            qwen2vl_frame_patches(&[&a, &a], patch, merge, |_, v| v, &mut bytes);
+            assert_eq!(qwen2vl_patch_bytes(&a, patch, merge, 2), bytes);
         }
     }
 
