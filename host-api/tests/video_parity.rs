@@ -166,7 +166,8 @@ fn matches_qwen_vl_utils_and_transformers() {
                 .data()
                 .chunks_exact(2)
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32());
-            let worst = f32s(pixels)
+            let worst = mmgate_host::f32_values(&tensors, "pixel_values_videos")
+                .unwrap()
                 .iter()
                 .zip(expected)
                 .map(|(a, b)| (a - b).abs())

@@ -210,7 +210,8 @@ pub fn contact_sheet(
     let [t, gh, gw] = <[i64; 3]>::try_from(grid.as_slice())
         .map_err(|_| anyhow!("video_grid_thw is not [t, h, w]"))?
         .map(|d| d.max(0) as usize);
-    let pixels = values(find("pixel_values_videos")?, Dtype::F32, f32::from_le_bytes)?;
+    find("pixel_values_videos")?; // for its explanation when missing
+    let pixels = mmgate_host::f32_values(tensors, "pixel_values_videos")?;
     let indices = values(find("frame_indices")?, Dtype::I64, i64::from_le_bytes)?;
     let times = values(find("frame_timestamps")?, Dtype::F32, f32::from_le_bytes)?;
     let row_len = 3 * TEMPORAL * PATCH * PATCH;

@@ -466,55 +466,20 @@ pub fn qwen2vl_patch_bytes(
     merge: usize,
     temporal: usize,
 ) -> Vec<u8> {
-    let frames = vec![image; temporal];
     let mut out = Vec::new();
-    patch_walk(
-        &frames,
-        patch,
-        merge,
-        &mut out,
-        |dst, _, run, more_follow| {
-            kernels::copy_run(run, patch, dst, more_follow);
-        },
-    );
+    qwen2vl_frame_patches(&vec![image; temporal], patch, merge, &mut out);
     out
 }
 
 /// Qwen2-VL's patch layout of one temporal group of frames (a video's `temporal_patch_size`
 /// consecutive frames, all the same size), appended to `out` as rows of
-/// `3 * frames.len() * patch * patch` values: reshape (t, tp, C, gh/m, m, p, gw/m, m, p) → transpose
-/// (0,3,6,4,7,2,1,5,8), i.e. per patch: channel, then frame, then the patch's pixels.
+/// `3 * frames.len() * patch * patch` raw bytes: reshape (t, tp, C, gh/m, m, p, gw/m, m, p) →
+/// transpose (0,3,6,4,7,2,1,5,8), i.e. per patch: channel, then frame, then the patch's pixels.
 ///
-/// Frames must have dimensions divisible by `patch * merge`. Values are written through `map`, so the
-/// same walk emits normalised floats or raw bytes ([`qwen2vl_patch_bytes`] is the faster way to the
-/// latter). A frame repeated (the same reference twice, as an image's temporal copies are) is read
-/// once and written twice.
-pub fn qwen2vl_frame_patches<T: Copy + Default>(
-    frames: &[&RgbImage],
-    patch: usize,
-    merge: usize,
-    map: impl Fn(usize, u8) -> T,
-    out: &mut Vec<T>,
-) {
-    patch_walk(frames, patch, merge, out, |dst, c, run, _| {
-        for (d, &v) in dst[..patch].iter_mut().zip(run) {
-            *d = map(c, v);
-        }
-    });
-}
-
-/// The walk behind the patch layouts: sizes `out`, then calls `write_run(dst, channel, run,
-/// more_follow)` for every `patch`-long run of one channel of one image row, `dst` being `out` from
-/// where the run goes to the end of its patch row and `run` the channel's samples from the run's
-/// first to the end of the image row. `more_follow` says that the next `patch` values of `dst` past
-/// the run are written later (by the next image row), so a writer may spill into them.
-fn patch_walk<T: Copy + Default>(
-    frames: &[&RgbImage],
-    patch: usize,
-    merge: usize,
-    out: &mut Vec<T>,
-    mut write_run: impl FnMut(&mut [T], usize, &[u8], bool),
-) {
+/// Frames must have dimensions divisible by `patch * merge`. A frame repeated (the same reference
+/// twice, as an image's temporal copies are) is read once and written twice. Give `out` the
+/// capacity of all the groups it will take (an empty one is allocated zeroed, which is cheapest).
+pub fn qwen2vl_frame_patches(frames: &[&RgbImage], patch: usize, merge: usize, out: &mut Vec<u8>) {
     let Some(first_frame) = frames.first() else {
         return;
     };
@@ -524,17 +489,16 @@ fn patch_walk<T: Copy + Default>(
     let row_len = CHANNELS * frames.len() * plane;
     let base = out.len();
     let added = gh * gw * row_len;
-    if base == 0 {
-        // `vec!` of a zero value asks the allocator for zeroed memory, which fresh pages already
-        // are: no pass writing zeros that are about to be overwritten.
-        *out = vec![T::default(); added];
+    if out.capacity() == 0 {
+        // `vec!` of zeros asks the allocator for zeroed memory, which fresh pages already are.
+        *out = vec![0; added];
     } else {
-        out.resize(base + added, T::default());
+        out.resize(base + added, 0);
     }
     let patches = &mut out[base..];
     // Image row by image row: the row is split into its three channel rows once (sequential reads,
-    // SIMD in the wasm build), then each patch's runs go where the layout puts them. A patch row's
-    // output (`gw` patches) stays in cache while its `patch` image rows are written.
+    // SIMD in the wasm build), then each patch's `patch`-long runs go where the layout puts them.
+    // A patch row's output (`gw` patches) stays in cache while its `patch` image rows are written.
     let mut planar = [vec![0u8; width], vec![0u8; width], vec![0u8; width]];
     for (t, frame) in frames.iter().enumerate() {
         if t > 0 && std::ptr::eq(*frame, frames[t - 1]) {
@@ -548,7 +512,7 @@ fn patch_walk<T: Copy + Default>(
         let slots = t..=t + copies;
         for y in 0..gh * patch {
             let (grid_y, y_in_patch) = (y / patch, y % patch);
-            let more_follow = y_in_patch + 1 < patch;
+            let may_spill = y_in_patch + 1 < patch;
             let row = &frame.data[y * width * CHANNELS..(y + 1) * width * CHANNELS];
             kernels::deinterleave_rgb(row, &mut planar);
             // Patches are ordered by merge block (row-major), then within the block.
@@ -562,7 +526,9 @@ fn patch_walk<T: Copy + Default>(
                     let run = &channel[grid_x * patch..];
                     for slot in slots.clone() {
                         let at = (c * frames.len() + slot) * plane + y_in_patch * patch;
-                        write_run(&mut dst[at..], c, run, more_follow);
+                        // Spilling past the run is fine while the next image row will
+                        // overwrite it: each run is moved in one wide store.
+                        kernels::copy_run(run, patch, &mut dst[at..], may_spill);
                     }
                 }
             }
@@ -701,7 +667,7 @@ mod tests {
     /// enough for the SIMD path and with a remainder, a repeated frame and two distinct ones.
     #[test]
     fn patch_layout_is_hf_transpose() {
-        let (patch, merge) = (2, 2);
+        let merge = 2;
         let frame = |seed: u8, width: usize, height: usize| RgbImage {
             width,
             height,
@@ -709,19 +675,14 @@ mod tests {
                 .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
                 .collect(),
         };
-        for (width, height) in [(4, 4), (20, 8), (36, 12)] {
+        for (patch, width, height) in [(2, 4, 4), (2, 20, 8), (2, 36, 12), (14, 56, 28), (4, 72, 8)]
+        {
             let (a, b) = (frame(0, width, height), frame(7, width, height));
             for frames in [vec![&a, &a], vec![&a, &b], vec![&b]] {
-                let mut out = vec![1.5f32];
-                qwen2vl_frame_patches(
-                    &frames,
-                    patch,
-                    merge,
-                    |c, v| f32::from(v) + c as f32,
-                    &mut out,
-                );
+                let mut out = vec![9u8];
+                qwen2vl_frame_patches(&frames, patch, merge, &mut out);
                 let (gh, gw, tp) = (height / patch, width / patch, frames.len());
-                let mut expected = vec![1.5f32];
+                let mut expected = vec![9u8];
                 for bh in 0..gh / merge {
                     for bw in 0..gw / merge {
                         for mh in 0..merge {
@@ -732,9 +693,9 @@ mod tests {
                                             for x in 0..patch {
                                                 let py = (bh * merge + mh) * patch + y;
                                                 let px = (bw * merge + mw) * patch + x;
-                                                let v =
-                                                    frame.data[(py * width + px) * CHANNELS + c];
-                                                expected.push(f32::from(v) + c as f32);
+                                                expected.push(
+                                                    frame.data[(py * width + px) * CHANNELS + c],
+                                                );
                                             }
                                         }
                                     }
@@ -744,11 +705,14 @@ mod tests {
                     }
                 }
                 assert_eq!(out.len(), 1 + gh * gw * CHANNELS * tp * patch * patch);
-                assert_eq!(out, expected, "{width}x{height}, {tp} frames");
+                assert_eq!(
+                    out, expected,
+                    "{width}x{height}, patch {patch}, {tp} frames"
+                );
             }
-            let mut bytes = Vec::new();
-            qwen2vl_frame_patches(&[&a, &a], patch, merge, |_, v| v, &mut bytes);
-            assert_eq!(qwen2vl_patch_bytes(&a, patch, merge, 2), bytes);
+            let mut twice = Vec::new();
+            qwen2vl_frame_patches(&[&a, &a], patch, merge, &mut twice);
+            assert_eq!(qwen2vl_patch_bytes(&a, patch, merge, 2), twice);
         }
     }
 

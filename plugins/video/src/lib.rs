@@ -204,13 +204,15 @@ impl Plugin for VideoPlugin {
         {
             return Err(PluginError::internal("the plan has no whole frame pairs"));
         }
-        let table = config.normalize.table();
+        let table: Vec<f32> = config.normalize.table().into_iter().flatten().collect();
         let (patch, merge) = (config.patch, config.merge);
         let (height, width) = (choices.height, choices.width);
         let rows =
             (choices.frame_indices.len() / config.temporal) * (height / patch) * (width / patch);
         let row_len = 3 * config.temporal * patch * patch;
-        let mut pixels: Vec<f32> = Vec::with_capacity(rows * row_len);
+        // Raw samples plus the exact normalisation table, as the image plugin sends them: a quarter
+        // of the bytes of f32 in the sandbox (whose memory is capped) and in the gateway.
+        let mut pixels: Vec<u8> = Vec::with_capacity(rows * row_len);
         let mut timestamps = Vec::with_capacity(choices.frame_indices.len());
         for group in choices.frame_indices.chunks(config.temporal) {
             // A pair is decoded and resized once per distinct index: keyframe padding repeats the
@@ -235,13 +237,7 @@ impl Plugin for VideoPlugin {
                 resized.push(resize_like_torchvision(&decoded, width, height));
             }
             let refs: Vec<&RgbImage> = slots.iter().map(|&s| &resized[s]).collect();
-            qwen2vl_frame_patches(
-                &refs,
-                patch,
-                merge,
-                |c, v| table[c][v as usize],
-                &mut pixels,
-            );
+            qwen2vl_frame_patches(&refs, patch, merge, &mut pixels);
         }
         let grid = [
             (choices.frame_indices.len() / config.temporal) as i64,
@@ -251,7 +247,8 @@ impl Plugin for VideoPlugin {
         let indices: Vec<i64> = choices.frame_indices.iter().map(|&i| i as i64).collect();
         let second_per_grid = config.temporal as f32 / choices.sample_fps as f32;
         Ok(vec![
-            Tensor::from_f32("pixel_values_videos", &[rows, row_len], &pixels)?,
+            Tensor::from_u8("pixel_values_videos", &[rows, row_len], pixels)?,
+            Tensor::from_f32("pixel_values_videos_table", &[3, 256], &table)?,
             Tensor::from_i64("video_grid_thw", &[1, 3], &grid)?,
             Tensor::from_i64("frame_indices", &[indices.len()], &indices)?,
             Tensor::from_f32("frame_timestamps", &[timestamps.len()], &timestamps)?,
