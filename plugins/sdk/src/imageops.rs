@@ -193,11 +193,12 @@ fn resample_vertical(src: &RgbImage, out_height: usize, filter: Filter) -> RgbIm
     }
 }
 
-/// The inner loops of the two passes: Pillow's i32 sums of u8 × fixed-point weight products,
-/// rounded and clamped. Built for wasm with SIMD, each sum runs four (horizontal: R, G, B and a
-/// pad byte) or sixteen (vertical: adjacent bytes of a row) lanes at a time; elsewhere they are
-/// plain loops. The compiler does not vectorise these by itself for wasm (it leaves them scalar),
-/// so the SIMD is written out. Both compute exactly the same sums.
+/// The inner loops of the two resize passes (Pillow's i32 sums of u8 × fixed-point weight products,
+/// rounded and clamped) and of the patch layout (splitting RGB rows into channels, moving runs).
+/// Built for wasm with SIMD, each sum runs four (horizontal: R, G, B and a pad byte) or sixteen
+/// (vertical: adjacent bytes of a row) lanes at a time; elsewhere they are plain loops. The compiler
+/// does not vectorise these by itself for wasm (it leaves them scalar), so the SIMD is written out.
+/// Both compute exactly the same results.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 mod kernels {
     use super::{PRECISION_BITS, ROUNDING};
