@@ -332,12 +332,11 @@ impl ModelRuntime {
                         m = vision.merge
                     );
                 }
+                let pixels = find(pixels_name)?; // for its explanation when the tensor is missing
                 // 8-bit samples stay bytes until the encoder packs its batch.
-                let pixel_values = match ByteSamples::from_tensors(tensors, pixels_name) {
-                    Ok(Some(samples)) => PixelValues::Source(Arc::new(PluginSamples(samples))),
-                    Ok(None) => PixelValues::F32(f32s(find(pixels_name)?)?),
-                    // Its explanation when the tensor is missing.
-                    Err(e) => return Err(find(pixels_name).err().unwrap_or_else(|| e.into())),
+                let pixel_values = match ByteSamples::from_tensors(tensors, pixels_name)? {
+                    Some(samples) => PixelValues::Source(Arc::new(PluginSamples(samples))),
+                    None => PixelValues::F32(f32s(pixels)?),
                 };
                 let patches = grid
                     .t

@@ -48,33 +48,15 @@ fn main() {
     // What the encoder does with 8-bit samples when it packs them into its batch.
     let expand = || {
         let mut values = Vec::new();
-        for t in &tensors {
-            if let Some(samples) = mmgate_host::ByteSamples::from_tensors(&tensors, &t.name)
-                .ok()
-                .flatten()
-            {
-                samples.map_into(&mut values);
-            }
+        for t in tensors.iter().filter(|t| t.dtype == mmgate_host::Dtype::U8) {
+            let samples = mmgate_host::ByteSamples::from_tensors(&tensors, &t.name).unwrap();
+            samples.unwrap().map_into(&mut values);
         }
         values
     };
     let frames = (modality == "video").then(|| frames_decoded(&media.data, &config, plugin));
-    let mut samples: Vec<f64> = (0..iterations)
-        .map(|_| {
-            let start = Instant::now();
-            std::hint::black_box(run());
-            start.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    samples.sort_by(f64::total_cmp);
-    let mut expand_samples: Vec<f64> = (0..iterations)
-        .map(|_| {
-            let start = Instant::now();
-            std::hint::black_box(expand());
-            start.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    expand_samples.sort_by(f64::total_cmp);
+    let preprocess_ms = median_ms(iterations, run);
+    let expand_ms = median_ms(iterations, expand);
     let frames = frames
         .map(|(sampled, decoded)| {
             format!(", \"frames_sampled\": {sampled}, \"frames_decoded\": {decoded}")
@@ -82,9 +64,21 @@ fn main() {
         .unwrap_or_default();
     println!(
         "{{\"file\": {file:?}, \"wasm_ms_median\": {:.3}, \"expand_ms_median\": {:.3}, \"tokens\": {tokens}{frames}}}",
-        samples[samples.len() / 2],
-        expand_samples[expand_samples.len() / 2]
+        preprocess_ms, expand_ms
     );
+}
+
+/// The median wall time of `iterations` calls of `f`, in milliseconds.
+fn median_ms<T>(iterations: usize, f: impl Fn() -> T) -> f64 {
+    let mut samples: Vec<f64> = (0..iterations)
+        .map(|_| {
+            let start = Instant::now();
+            std::hint::black_box(f());
+            start.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
 }
 
 /// For a video: the frames the plan sampled, and how many the host's decoder decoded to get them
