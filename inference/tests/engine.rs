@@ -6,12 +6,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use mmgate_inference::demo::{self, DemoFamily};
 use mmgate_inference::engine::{
-    DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig, Event, Failure,
-    FeatureStore, FinishReason, GenerateRequest, MediaItem, PositionScheme, RequestHandle, Usage,
+    BatchObserver, DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig, Event,
+    Failure, FeatureStore, FinishReason, GenerateRequest, MediaItem, PositionScheme, RequestHandle,
+    Usage,
 };
 use mmgate_inference::models::Qwen2Vl;
 use mmgate_inference::rope::{Grid, MediaSpan, mrope_positions};
@@ -23,6 +25,8 @@ type Model = Qwen2Vl<CpuBackend, CpuBackend>;
 
 struct Setup {
     engine: Engine,
+    /// Items the encoder devices have encoded.
+    encoded: Arc<AtomicUsize>,
     reference: Model,
     text: Arc<TextProcessor>,
     _dir: tempfile::TempDir,
@@ -44,7 +48,12 @@ fn setup(cache_budget: usize) -> Setup {
         });
         llm.get_or_insert(m.llm);
     }
-    let pool = Arc::new(EncoderPool::new(specs, 4).unwrap());
+    let encoded = Arc::new(AtomicUsize::new(0));
+    let counter = encoded.clone();
+    let observer: BatchObserver = Arc::new(move |batch| {
+        counter.fetch_add(batch.items, Ordering::Relaxed);
+    });
+    let pool = Arc::new(EncoderPool::with_observer(specs, 4, Some(observer)).unwrap());
     let store = Arc::new(FeatureStore::new(cache_budget));
     let text = Arc::new(TextProcessor::load(&model_dir).unwrap());
     let config = EngineConfig {
@@ -59,6 +68,7 @@ fn setup(cache_budget: usize) -> Setup {
     let reference = Qwen2Vl::load(&model_dir, &ref_dev, &ref_dev).unwrap();
     Setup {
         engine,
+        encoded,
         reference,
         text,
         _dir: dir,
@@ -106,8 +116,11 @@ fn request(
         .into_iter()
         .map(|input| {
             let tokens = match input.as_ref() {
-                EncodeInput::Vision { grid, .. } => grid.tokens(2),
-                EncodeInput::Audio { .. } => unreachable!(),
+                EncodeInput::Vision { grid, .. }
+                | EncodeInput::Embeddings {
+                    grid: Some(grid), ..
+                } => grid.tokens(2),
+                _ => unreachable!(),
             };
             MediaItem {
                 input,
@@ -255,6 +268,48 @@ fn batched_requests_match_their_solo_greedy_runs() {
             .unwrap(),
     );
     assert_eq!(end.unwrap().1.cached_media, 1);
+    wait_idle(&s.engine);
+}
+
+/// Embeddings an encoder made elsewhere (what an mmgate in front sends) are merged as they are:
+/// the same tokens as the image itself, and no encoder device is used for them.
+#[test]
+fn precomputed_embeddings_generate_what_their_image_does() {
+    let s = setup(0);
+    let grid = Grid { t: 1, h: 4, w: 6 };
+    let img = image(11, grid);
+    let EncodeInput::Vision { pixel_values, .. } = img.as_ref() else {
+        unreachable!()
+    };
+    let mut values = Vec::new();
+    pixel_values.extend_f32(&mut values);
+    let m = &s.reference;
+    let px = Tensor::from_host(m.vision.device(), &values, &[grid.patches(), 1176]).unwrap();
+    let features = m.vision.encode(&px, &[grid]).unwrap().to_host().unwrap();
+    let embeds = Arc::new(EncodeInput::Embeddings {
+        embeddings: Arc::new(features),
+        grid: Some(grid),
+    });
+    let ids = prompt(&s, "what is this", &[grid]);
+    let expected = solo_greedy(&s, &ids, &[img], 6);
+
+    let encoded_before = s.encoded.load(Ordering::Relaxed);
+    let h = s
+        .engine
+        .submit(request(&s, ids.clone(), vec![embeds], 6))
+        .unwrap();
+    let (got, _, outcome) = collect(h);
+    assert!(outcome.is_ok(), "{outcome:?}");
+    assert_eq!(got, expected);
+    assert_eq!(s.encoded.load(Ordering::Relaxed), encoded_before);
+
+    // Embeddings of the wrong size fail that request alone.
+    let short = Arc::new(EncodeInput::Embeddings {
+        embeddings: Arc::new(vec![0.0; 8]),
+        grid: Some(grid),
+    });
+    let h = s.engine.submit(request(&s, ids, vec![short], 6)).unwrap();
+    assert!(collect(h).2.is_err());
     wait_idle(&s.engine);
 }
 

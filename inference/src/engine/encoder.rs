@@ -23,6 +23,13 @@ pub enum EncodeInput {
         features: Vec<f32>,
         valid_frames: Vec<usize>,
     },
+    /// What an encoder of this model already made elsewhere (another mmgate that encoded the
+    /// media, a client's `image_embeds`): `[tokens, hidden]` embeddings, merged without encoding;
+    /// `grid` places a vision item's tokens for M-RoPE.
+    Embeddings {
+        embeddings: Arc<Vec<f32>>,
+        grid: Option<Grid>,
+    },
 }
 
 /// Pixel values as an encoder takes them: the f32 values, or a compact source of them that the
@@ -119,10 +126,12 @@ impl EncoderKind {
 }
 
 impl EncodeInput {
-    pub fn kind(&self) -> EncoderKind {
+    /// The encoder it needs; `None` for embeddings, which need none.
+    pub fn kind(&self) -> Option<EncoderKind> {
         match self {
-            Self::Vision { .. } => EncoderKind::Vision,
-            Self::Audio { .. } => EncoderKind::Audio,
+            Self::Vision { .. } => Some(EncoderKind::Vision),
+            Self::Audio { .. } => Some(EncoderKind::Audio),
+            Self::Embeddings { .. } => None,
         }
     }
 
@@ -131,6 +140,7 @@ impl EncodeInput {
         match self {
             Self::Vision { pixel_values, .. } => pixel_values.bytes(),
             Self::Audio { features, .. } => 4 * features.len(),
+            Self::Embeddings { embeddings, .. } => 4 * embeddings.len(),
         }
     }
 
@@ -153,6 +163,15 @@ impl EncodeInput {
                     h.update(&(*v as u64).to_le_bytes());
                 }
                 hash_f32s(h, features);
+            }
+            Self::Embeddings { embeddings, grid } => {
+                h.update(b"embeddings");
+                if let Some(grid) = grid {
+                    for d in [grid.t, grid.h, grid.w] {
+                        h.update(&(d as u64).to_le_bytes());
+                    }
+                }
+                hash_f32s(h, embeddings);
             }
         }
     }

@@ -686,6 +686,16 @@ fn media_spans(media: &[MediaItem], rows: &[Range<usize>]) -> Result<Vec<MediaSp
                 grid: *grid,
                 time_interval: media[i].time_interval,
             }),
+            EncodeInput::Embeddings {
+                grid: Some(grid), ..
+            } => Ok(MediaSpan {
+                token: media[i].placeholder,
+                grid: *grid,
+                time_interval: media[i].time_interval,
+            }),
+            EncodeInput::Embeddings { grid: None, .. } => Err(Error::Input(
+                "embeddings without their grid in an M-RoPE (vision) model".into(),
+            )),
             EncodeInput::Audio { .. } => {
                 Err(Error::Input("audio in an M-RoPE (vision) model".into()))
             }

@@ -107,13 +107,18 @@ impl EncoderPool {
     }
 
     /// Queues `input` on the least-loaded device able to encode it; `done` runs on that device's
-    /// thread when it finishes.
+    /// thread when it finishes. Embeddings need no encoder: `done` runs at once, here.
     pub fn submit(
         &self,
         input: Arc<EncodeInput>,
         done: impl FnOnce(EncodeResult) + Send + 'static,
     ) -> Result<()> {
-        let kind = input.kind();
+        let Some(kind) = input.kind() else {
+            if let EncodeInput::Embeddings { embeddings, .. } = input.as_ref() {
+                done(Ok(embeddings.clone()));
+            }
+            return Ok(());
+        };
         let device = self
             .devices
             .iter()
@@ -181,12 +186,16 @@ impl Worker {
                     Err(_) => return,
                 },
             };
-            let kind = first.input.kind();
+            let Some(kind) = first.input.kind() else {
+                // `submit` answers embeddings itself; none is ever queued.
+                (first.done)(Err("embeddings reached an encoder queue".into()));
+                continue;
+            };
             let mut batch = vec![first];
             // Take what else is queued of the same kind; others wait their turn in order.
             let mut rest = VecDeque::new();
             while let Some(job) = backlog.pop_front() {
-                if job.input.kind() == kind && batch.len() < max_batch {
+                if job.input.kind() == Some(kind) && batch.len() < max_batch {
                     batch.push(job);
                 } else {
                     rest.push_back(job);
@@ -194,7 +203,7 @@ impl Worker {
             }
             while batch.len() < max_batch {
                 match rx.try_recv() {
-                    Ok(job) if job.input.kind() == kind => batch.push(job),
+                    Ok(job) if job.input.kind() == Some(kind) => batch.push(job),
                     Ok(job) => rest.push_back(job),
                     Err(_) => break,
                 }
