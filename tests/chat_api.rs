@@ -581,6 +581,92 @@ fn an_upstream_pool_balances_passes_streams_through_and_ejects_a_dead_server() {
     assert_eq!(chat_requests_served(&second), before + 4);
 }
 
+/// A model whose LLM runs upstream while its images are encoded here: the front mmgate (given the
+/// model's directory) preprocesses, budgets and encodes the image and sends vLLM-style `image_embeds`;
+/// the upstream (another mmgate) merges them without a plugin or an encoder. The answer is the one
+/// the upstream gives the image itself, token for token.
+#[test]
+fn images_encoded_in_front_and_sent_upstream_as_embeddings_answer_as_the_image_does() {
+    let (back, _d1) = start("");
+    let config = format!(
+        "models = [{{ name = \"demo\", path = \"demo\", upstreams = [\"{}\"] }}]\n",
+        back.addr
+    );
+    let (front, _d2) = start(&config);
+    let (_, models) = get(&front, "/v1/models");
+    assert_eq!(models["data"][0]["served_by"], "upstream");
+    assert_eq!(models["data"][0]["images_encoded_here"], true);
+
+    let png = fixture("image/images/png-rgb-wide.png");
+    let mut request = chat(
+        "demo",
+        json!([
+            {"type": "text", "text": "What is in this picture?"},
+            image_part(&data_url("image/png", &png)),
+        ]),
+    );
+    // Sampled under a seed, many tokens: the draws follow the whole distribution, so embeddings
+    // that differ at all show (greedy tokens of the small demo model can hide a change).
+    request["temperature"] = json!(1.0);
+    request["seed"] = json!(7);
+    request["max_tokens"] = json!(32);
+    let (status, direct) = post(&back, "/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{direct}");
+    let (status, fronted) = post(&front, "/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{fronted}");
+    let text = |body: &Value| body["choices"][0]["message"]["content"].clone();
+    assert_eq!(text(&fronted), text(&direct));
+    assert_eq!(
+        fronted["usage"]["prompt_tokens"],
+        direct["usage"]["prompt_tokens"]
+    );
+    let (direct_item, fronted_item) = (&direct["usage"]["media"][0], &fronted["usage"]["media"][0]);
+    assert_eq!(fronted_item["source"], "image_embeds", "{fronted}");
+    assert!(fronted_item.get("plugin").is_none());
+    assert_eq!(fronted_item["tokens"], direct_item["tokens"]);
+
+    // Streams go through the front the same way.
+    let mut streaming = request.clone();
+    streaming["stream"] = json!(true);
+    let (streamed, _, done) = read_stream(&front, &streaming);
+    assert!(done);
+    assert_eq!(json!(streamed), text(&direct));
+
+    // Text-only requests still go upstream untouched.
+    let (status, body) = post(
+        &front,
+        "/v1/chat/completions",
+        &chat("demo", json!("Hello")),
+    );
+    assert_eq!(status, 200, "{body}");
+
+    // Embeddings that do not fit the model are the client's error, and the server goes on.
+    let b64 = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+    let narrow = b64(&fixture("torch/torch_f32_2x3.pt"));
+    let grid = b64(&fixture("torch/torch_i64_grid.pt"));
+    for (part, says) in [
+        (
+            json!({"type": "image_embeds", "image_embeds": {"image_embeds": narrow, "image_grid_thw": grid}}),
+            "wide",
+        ),
+        (
+            json!({"type": "image_embeds", "image_embeds": narrow}),
+            "image_grid_thw",
+        ),
+        (
+            json!({"type": "image_embeds", "image_embeds": {"image_embeds": "aGk=", "image_grid_thw": grid}}),
+            "torch.save",
+        ),
+    ] {
+        let (status, body) = post(&back, "/v1/chat/completions", &chat("demo", json!([part])));
+        assert_eq!(status, 400, "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{message}");
+    }
+    let (status, body) = post(&back, "/v1/chat/completions", &request);
+    assert_eq!((status, text(&body)), (200, text(&direct)));
+}
+
 /// A plugin directory holding the test plugin, which serves `image` parts sent as
 /// `application/x-mmgate-test` (nothing else takes that type).
 fn testing_plugin_dir(parent: &Path) -> PathBuf {

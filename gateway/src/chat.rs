@@ -8,7 +8,7 @@ use base64::Engine as _;
 use http::StatusCode;
 use mmgate_host::{LoadedPlugin, Media, PluginPool, PluginRegistry};
 use mmgate_inference::engine::{
-    Event, Failure, FinishReason, GenerateRequest, RequestHandle, Usage,
+    Event, Failure, FinishReason, GenerateRequest, MediaItem, RequestHandle, Usage,
 };
 use mmgate_inference::sampling::SamplingParams;
 use mmgate_inference::text::{ChatMessage, ContentPart};
@@ -22,6 +22,7 @@ use crate::media::sniff_mime_type;
 use crate::model::{MediaKind, ModelRuntime, expand_placeholders};
 use crate::openai::{ChatCompletionRequest, Content, MediaSource, Part};
 use crate::pipeline;
+use crate::torchfile;
 
 /// Most stop strings a request may give (OpenAI allows 4).
 const MAX_STOP_STRINGS: usize = 16;
@@ -41,11 +42,19 @@ pub struct ChatServices<'a> {
     pub fetcher: &'a crate::fetch::Fetcher,
 }
 
-/// One media part of the request, resolved to its bytes.
+/// One media part of the request, resolved: bytes for a plugin, or embeddings ready to merge.
 struct Item {
     kind: MediaKind,
-    plugin: Arc<LoadedPlugin>,
-    media: Arc<Media>,
+    input: ItemInput,
+}
+
+enum ItemInput {
+    Plugin {
+        plugin: Arc<LoadedPlugin>,
+        media: Arc<Media>,
+    },
+    /// Encoded elsewhere (an `image_embeds` part): a fixed number of tokens, nothing to run.
+    Embeddings(MediaItem),
 }
 
 /// A request ready for the engine, and what is needed to rerun it without its media.
@@ -138,8 +147,24 @@ pub async fn prepare(
 
     let jobs: Vec<(Arc<LoadedPlugin>, Arc<Media>)> = items
         .iter()
-        .map(|i| (i.plugin.clone(), i.media.clone()))
+        .filter_map(|i| match &i.input {
+            ItemInput::Plugin { plugin, media } => Some((plugin.clone(), media.clone())),
+            ItemInput::Embeddings(_) => None,
+        })
         .collect();
+    // Embeddings cost what they hold; the plugins' items share the rest.
+    let fixed: usize = items
+        .iter()
+        .map(|i| match &i.input {
+            ItemInput::Embeddings(item) => item.tokens,
+            ItemInput::Plugin { .. } => 0,
+        })
+        .sum();
+    let budget = budget.checked_sub(fixed).ok_or_else(|| {
+        context_exceeded(format!(
+            "the request's image_embeds are {fixed} tokens; {budget} are left for media in this model's context of {context} tokens"
+        ))
+    })?;
     let processed = pipeline::process_concurrently(
         services.pool,
         &jobs,
@@ -159,7 +184,24 @@ pub async fn prepare(
     let mut media = Vec::with_capacity(items.len());
     let mut report = Vec::with_capacity(items.len());
     let mut dropped = Vec::new();
-    for (index, (item, processed)) in items.iter().zip(&processed).enumerate() {
+    let mut processed = processed.iter();
+    for (index, item) in items.into_iter().enumerate() {
+        let (plugin, processed) = match item.input {
+            ItemInput::Embeddings(input) => {
+                report.push(json!({
+                    "index": index,
+                    "kind": item.kind.name(),
+                    "source": "image_embeds",
+                    "tokens": input.tokens,
+                }));
+                media.push(input);
+                continue;
+            }
+            ItemInput::Plugin { plugin, .. } => match processed.next() {
+                Some(processed) => (plugin, processed),
+                None => return Err(internal("a media item was not processed")),
+            },
+        };
         // Output the model's encoder cannot take fails to encode: the model's policy decides.
         let unencodable = match runtime.media_item(
             item.kind,
@@ -187,7 +229,7 @@ pub async fn prepare(
         let mut account = serde_json::Map::new();
         account.insert("index".into(), json!(index));
         account.insert("kind".into(), json!(item.kind.name()));
-        for (key, value) in pipeline::report(&item.plugin, processed) {
+        for (key, value) in pipeline::report(&plugin, processed) {
             if !matches!(key.as_str(), "tensors" | "time_ms" | "choices") {
                 account.insert(key, value);
             }
@@ -237,6 +279,13 @@ pub async fn prepare(
     })
 }
 
+impl Prepared {
+    /// The media as the engine takes them (dropped items left out), and every item's account.
+    pub fn into_media(self) -> (Vec<MediaItem>, Vec<Value>) {
+        (self.request.media, self.media)
+    }
+}
+
 fn sampling(
     temperature: Option<f32>,
     top_p: Option<f32>,
@@ -279,6 +328,7 @@ async fn resolve_media(
         ));
     }
     let mut resolved = Vec::with_capacity(sources.len());
+    let mut items = Vec::with_capacity(sources.len());
     let mut image_bytes = 0usize;
     for (index, (kind, source)) in sources.into_iter().enumerate() {
         if let Some(kind) = kind {
@@ -288,6 +338,19 @@ async fn resolve_media(
         }
         let limit = kind.map_or(limits.max_video_bytes, |k| max_bytes(limits, k));
         let (data, declared) = match source {
+            MediaSource::Embeddings { embeddings, grid } => {
+                let kind = kind.unwrap_or(MediaKind::Image);
+                let input = embeddings_item(runtime, kind, &embeddings, grid.as_deref())
+                    .map_err(|e| invalid("messages", format!("media item {index}: {e}")))?;
+                items.push((
+                    index,
+                    Item {
+                        kind,
+                        input: ItemInput::Embeddings(input),
+                    },
+                ));
+                continue;
+            }
             MediaSource::Base64 { data, mime_type } => {
                 // Decoded size from the encoded length, before decoding anything.
                 let decoded = data.len() / 4 * 3;
@@ -354,7 +417,6 @@ async fn resolve_media(
         .await
         .map_err(|e| ApiError::from(&e))?;
 
-    let mut items = Vec::with_capacity(chosen.len());
     for (index, kind, media, plugin) in chosen {
         let what = media
             .mime_type
@@ -415,13 +477,46 @@ async fn resolve_media(
                 ));
             }
         }
-        items.push(Item {
-            kind,
-            plugin,
-            media: Arc::new(media),
-        });
+        items.push((
+            index,
+            Item {
+                kind,
+                input: ItemInput::Plugin {
+                    plugin,
+                    media: Arc::new(media),
+                },
+            },
+        ));
     }
-    Ok(items)
+    items.sort_by_key(|(index, _)| *index);
+    Ok(items.into_iter().map(|(_, item)| item).collect())
+}
+
+/// An `image_embeds` part's tensors (base64 `torch.save` files), checked against the model. The
+/// embeddings can hold no more tokens than the model's context.
+fn embeddings_item(
+    runtime: &ModelRuntime,
+    kind: MediaKind,
+    embeddings: &str,
+    grid: Option<&str>,
+) -> anyhow::Result<MediaItem> {
+    let max_bytes = runtime
+        .context_length
+        .saturating_mul(runtime.hidden_size)
+        .saturating_mul(4);
+    let read = |b64: &str, name: &str, max: usize| -> anyhow::Result<mmgate_host::Tensor> {
+        // Base64 is 4 characters per 3 bytes; a torch file adds a few kB around its storage.
+        if b64.len() / 4 * 3 > max.saturating_add(64 << 10) {
+            anyhow::bail!("{name} is larger than any this model takes ({max} bytes)");
+        }
+        let file = base64::engine::general_purpose::STANDARD
+            .decode(b64.trim())
+            .map_err(|e| anyhow::anyhow!("{name}: the base64 data does not decode: {e}"))?;
+        torchfile::read(&file, name, max).map_err(|e| anyhow::anyhow!("{name}: {e}"))
+    };
+    let embeddings = read(embeddings, "image_embeds", max_bytes)?;
+    let grid = grid.map(|g| read(g, "image_grid_thw", 64)).transpose()?;
+    runtime.embeddings_item(kind, &embeddings, grid.as_ref())
 }
 
 fn max_bytes(limits: &RequestLimits, kind: MediaKind) -> usize {
@@ -467,7 +562,8 @@ impl<'m> Generation<'m> {
         );
         let handle = model
             .runtime
-            .engine
+            .engine()
+            .map_err(|e| internal(e.to_string()))?
             .submit(request)
             .map_err(|e| internal(e.to_string()))?;
         Ok(Self {
@@ -543,7 +639,8 @@ impl<'m> Generation<'m> {
         self.handle = self
             .model
             .runtime
-            .engine
+            .engine()
+            .map_err(|e| internal(e.to_string()))?
             .submit(GenerateRequest {
                 prompt,
                 media: Vec::new(),

@@ -46,13 +46,16 @@ pub struct Config {
     pub files: FilesConfig,
 }
 
-/// One served model: run natively from a model directory, or by a pool of upstream servers.
+/// One served model: run natively from a model directory, or by a pool of upstream servers — with a
+/// model directory too, media are encoded here and sent upstream as embeddings.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// The name clients send as `model`.
     pub name: String,
     /// A Hugging Face model directory, or `demo` / `demo-audio`: served by the native inference core.
+    /// With `upstreams`, only its encoders, tokenizer and processor config are loaded: images are
+    /// encoded here and sent to the upstreams as `image_embeds` (vLLM: `--enable-mm-embeds`).
     pub path: Option<PathBuf>,
     /// `host:port` of OpenAI-compatible servers (vLLM, SGLang, another mmgate) serving this model.
     #[serde(default)]
@@ -197,10 +200,8 @@ impl ModelConfig {
         if name.is_empty() {
             bail!("a model has an empty name");
         }
-        match (&self.path, self.upstreams.is_empty()) {
-            (Some(_), false) => bail!("model {name:?}: give either path or upstreams, not both"),
-            (None, true) => bail!("model {name:?}: give a path (served here) or upstreams"),
-            _ => {}
+        if self.path.is_none() && self.upstreams.is_empty() {
+            bail!("model {name:?}: give a path (served here) or upstreams");
         }
         for upstream in &self.upstreams {
             if upstream.parse::<SocketAddr>().is_err()
@@ -337,10 +338,6 @@ mod tests {
     fn invalid_configs_say_what_is_wrong() {
         for (text, expected) in [
             ("[[models]]\nname = \"m\"\n", "give a path"),
-            (
-                "[[models]]\nname = \"m\"\npath = \"demo\"\nupstreams = [\"a:1\"]\n",
-                "not both",
-            ),
             (
                 "[[models]]\nname = \"m\"\nupstreams = [\"nope\"]\n",
                 "not host:port",

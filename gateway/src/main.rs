@@ -15,6 +15,7 @@ mod openai;
 mod pipeline;
 mod plugins;
 mod server;
+mod torchfile;
 mod upstream;
 
 use std::process::ExitCode;

@@ -15,8 +15,8 @@ use mmgate_inference::engine::{
     FeatureStore, MediaItem, PixelSource, PixelValues, PositionScheme,
 };
 use mmgate_inference::models::config::ConfigFile;
-use mmgate_inference::models::qwen2_audio::AudioEncoderConfig;
-use mmgate_inference::models::qwen2_vl::{self, VisionConfig};
+use mmgate_inference::models::qwen2_audio::{AudioEncoderConfig, Qwen2AudioConfig};
+use mmgate_inference::models::qwen2_vl::{self, Qwen2VlConfig, VisionConfig};
 use mmgate_inference::models::{Qwen2Audio, Qwen2Vl};
 use mmgate_inference::rope::Grid;
 use mmgate_inference::text::{ContentPart, TextProcessor};
@@ -104,12 +104,15 @@ pub struct ModelRuntime {
     pub name: String,
     family: Family,
     pub text: Arc<TextProcessor>,
-    pub engine: Engine,
+    /// `None` when the LLM runs upstream and only the encoders are here.
+    engine: Option<Engine>,
     /// The dedicated encoder devices (shared with the engine).
     pub encoders: Arc<EncoderPool>,
     /// `preprocessor_config.json`, handed to the plugins.
     pub processor_config: String,
     pub context_length: usize,
+    /// The LLM's embedding width: what each media token's embedding holds.
+    pub hidden_size: usize,
 }
 
 /// The names that stand for a generated demo model where a model directory is expected.
@@ -157,9 +160,29 @@ impl ModelRuntime {
         options: &RuntimeOptions,
         observer: Option<BatchObserver>,
     ) -> anyhow::Result<Self> {
+        Self::load_parts(name, dir, options, observer, true)
+    }
+
+    /// Only what encodes media for an upstream that runs the LLM: the encoders, the tokenizer and
+    /// the processor config; no LLM weights are read and there is no engine.
+    pub fn load_encoders(
+        name: &str,
+        dir: &Path,
+        options: &RuntimeOptions,
+        observer: Option<BatchObserver>,
+    ) -> anyhow::Result<Self> {
+        Self::load_parts(name, dir, options, observer, false)
+    }
+
+    fn load_parts(
+        name: &str,
+        dir: &Path,
+        options: &RuntimeOptions,
+        observer: Option<BatchObserver>,
+        with_llm: bool,
+    ) -> anyhow::Result<Self> {
         let threads = &options.threads;
         let config = ConfigFile::read(dir)?;
-        let llm_dev = CpuBackend::new(&format!("{name}-llm"), threads.llm)?;
         let mut encoder_devices = Vec::new();
         for (i, &n) in threads.encoders.iter().enumerate() {
             encoder_devices.push((
@@ -171,54 +194,71 @@ impl ModelRuntime {
             .first()
             .map(|(_, d)| d.clone())
             .ok_or_else(|| anyhow!("a model needs at least one encoder device"))?;
+        let llm_dev = if with_llm {
+            Some(CpuBackend::new(&format!("{name}-llm"), threads.llm)?)
+        } else {
+            None
+        };
         // Each encoder device holds its own copy of the encoder; the LLM comes from the first load,
         // the other devices read only the encoder's weights.
-        let (family, llm, positions, encoders): (_, _, _, Vec<Arc<dyn Encoder>>) =
-            match config.model_type() {
-                Some(t) if qwen2_vl::MODEL_TYPES.contains(&t) => {
-                    let Qwen2Vl {
-                        config,
-                        vision,
-                        llm,
-                    } = Qwen2Vl::<CpuBackend, CpuBackend>::load(dir, &first_encoder, &llm_dev)?;
-                    let mut encoders: Vec<Arc<dyn Encoder>> = vec![Arc::new(vision)];
-                    for (_, dev) in encoder_devices.iter().skip(1) {
-                        encoders.push(Arc::new(Qwen2Vl::<CpuBackend, CpuBackend>::load_vision(
-                            dir, dev,
-                        )?));
+        let mut encoders: Vec<Arc<dyn Encoder>> = Vec::new();
+        let (family, text_config, llm, positions) = match config.model_type() {
+            Some(t) if qwen2_vl::MODEL_TYPES.contains(&t) => {
+                let (config, llm) = match &llm_dev {
+                    Some(llm_dev) => {
+                        let Qwen2Vl {
+                            config,
+                            vision,
+                            llm,
+                        } = Qwen2Vl::<CpuBackend, CpuBackend>::load(dir, &first_encoder, llm_dev)?;
+                        encoders.push(Arc::new(vision));
+                        (config, Some(llm))
                     }
-                    let merge = config.vision.merge;
-                    let family = Family::Vision {
-                        image_token: config.image_token_id,
-                        video_token: config.video_token_id,
-                        vision: Box::new(config.vision),
-                    };
-                    (family, llm, PositionScheme::MRope { merge }, encoders)
+                    None => (Qwen2VlConfig::read(dir)?, None),
+                };
+                for (_, dev) in encoder_devices.iter().skip(encoders.len()) {
+                    encoders.push(Arc::new(Qwen2Vl::<CpuBackend, CpuBackend>::load_vision(
+                        dir, dev,
+                    )?));
                 }
-                Some("qwen2_audio") => {
-                    let Qwen2Audio { config, audio, llm } =
-                        Qwen2Audio::<CpuBackend, CpuBackend>::load(dir, &first_encoder, &llm_dev)?;
-                    let mut encoders: Vec<Arc<dyn Encoder>> = vec![Arc::new(audio)];
-                    for (_, dev) in encoder_devices.iter().skip(1) {
-                        encoders.push(Arc::new(Qwen2Audio::<CpuBackend, CpuBackend>::load_audio(
-                            dir, dev,
-                        )?));
+                let merge = config.vision.merge;
+                let family = Family::Vision {
+                    image_token: config.image_token_id,
+                    video_token: config.video_token_id,
+                    vision: Box::new(config.vision),
+                };
+                (family, config.text, llm, PositionScheme::MRope { merge })
+            }
+            Some("qwen2_audio") => {
+                let (config, llm) = match &llm_dev {
+                    Some(llm_dev) => {
+                        let Qwen2Audio { config, audio, llm } =
+                            Qwen2Audio::<CpuBackend, CpuBackend>::load(
+                                dir,
+                                &first_encoder,
+                                llm_dev,
+                            )?;
+                        encoders.push(Arc::new(audio));
+                        (config, Some(llm))
                     }
-                    (
-                        Family::Audio {
-                            audio_token: config.audio_token_id,
-                            encoder: config.audio,
-                        },
-                        llm,
-                        PositionScheme::Plain,
-                        encoders,
-                    )
+                    None => (Qwen2AudioConfig::read(dir)?, None),
+                };
+                for (_, dev) in encoder_devices.iter().skip(encoders.len()) {
+                    encoders.push(Arc::new(Qwen2Audio::<CpuBackend, CpuBackend>::load_audio(
+                        dir, dev,
+                    )?));
                 }
-                other => bail!(
-                    "{}: model_type {other:?} is not supported (qwen2_vl, qwen2_5_vl, qwen2_audio)",
-                    config.path.display()
-                ),
-            };
+                let family = Family::Audio {
+                    audio_token: config.audio_token_id,
+                    encoder: config.audio,
+                };
+                (family, config.text, llm, PositionScheme::Plain)
+            }
+            other => bail!(
+                "{}: model_type {other:?} is not supported (qwen2_vl, qwen2_5_vl, qwen2_audio)",
+                config.path.display()
+            ),
+        };
         let specs = encoder_devices
             .iter()
             .zip(encoders)
@@ -227,18 +267,29 @@ impl ModelRuntime {
                 encoders: vec![encoder],
             })
             .collect();
-        let context_length = llm.config().max_position_embeddings;
+        let context_length = text_config.max_position_embeddings;
         let text = Arc::new(TextProcessor::load(dir)?);
         let pool = Arc::new(EncoderPool::with_observer(specs, 8, observer)?);
-        let store = Arc::new(FeatureStore::new(options.feature_cache_bytes));
-        let engine_config = EngineConfig {
-            model_name: name.to_owned(),
-            positions,
-            max_running: options.max_running,
-            prefill_chunk: options.prefill_chunk,
-            kv_budget_tokens: context_length.max(1) * 4,
+        let engine = match llm {
+            Some(llm) => {
+                let store = Arc::new(FeatureStore::new(options.feature_cache_bytes));
+                let engine_config = EngineConfig {
+                    model_name: name.to_owned(),
+                    positions,
+                    max_running: options.max_running,
+                    prefill_chunk: options.prefill_chunk,
+                    kv_budget_tokens: context_length.max(1) * 4,
+                };
+                Some(Engine::start(
+                    engine_config,
+                    llm,
+                    text.clone(),
+                    pool.clone(),
+                    store,
+                )?)
+            }
+            None => None,
         };
-        let engine = Engine::start(engine_config, llm, text.clone(), pool.clone(), store)?;
         let processor_path = dir.join("preprocessor_config.json");
         let processor_config = std::fs::read_to_string(&processor_path)
             .with_context(|| format!("cannot read {}", processor_path.display()))?;
@@ -250,6 +301,17 @@ impl ModelRuntime {
             encoders: pool,
             processor_config,
             context_length,
+            hidden_size: text_config.hidden_size,
+        })
+    }
+
+    /// The engine that runs the LLM, unless the model was loaded for its encoders only.
+    pub fn engine(&self) -> anyhow::Result<&Engine> {
+        self.engine.as_ref().ok_or_else(|| {
+            anyhow!(
+                "model {} runs its LLM upstream: it has no engine here",
+                self.name
+            )
         })
     }
 
@@ -397,6 +459,122 @@ impl ModelRuntime {
             tokens: expected,
             processor_config: self.processor_config.clone(),
             time_interval,
+        })
+    }
+}
+
+impl ModelRuntime {
+    /// The engine's input for embeddings an encoder of this model made elsewhere (vLLM's
+    /// `image_embeds`): `[tokens, hidden]` in f32, f16 or bf16, and for a vision model the grid
+    /// that places them (`(3,)` or `(1, 3)` integers).
+    pub fn embeddings_item(
+        &self,
+        kind: MediaKind,
+        embeddings: &Tensor,
+        grid: Option<&Tensor>,
+    ) -> anyhow::Result<MediaItem> {
+        let placeholder = self.placeholder(kind)?;
+        if matches!(self.family, Family::Vision { .. }) && grid.is_none() {
+            bail!(
+                "image_embeds for model {} need image_grid_thw: it places image tokens by their grid",
+                self.name
+            );
+        }
+        let [tokens, hidden] = embeddings.shape[..] else {
+            bail!(
+                "image_embeds has shape {:?}; [tokens, hidden] is expected",
+                embeddings.shape
+            )
+        };
+        let tokens = usize::try_from(tokens)?;
+        if hidden != self.hidden_size as u64 {
+            bail!(
+                "image_embeds are {hidden} wide; model {} embeds tokens in {}",
+                self.name,
+                self.hidden_size
+            );
+        }
+        if tokens == 0 {
+            bail!("image_embeds holds no tokens");
+        }
+        let values: Vec<f32> = match embeddings.dtype {
+            Dtype::F32 => mmgate_host::le_f32s(&embeddings.data),
+            Dtype::F16 => embeddings
+                .data
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::Bf16 => embeddings
+                .data
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => bail!("image_embeds are {}; floats are expected", other.name()),
+        };
+        if values.len() != tokens * self.hidden_size {
+            bail!(
+                "image_embeds holds {} values, not {tokens}x{hidden}",
+                values.len()
+            );
+        }
+        if !values.iter().all(|v| v.is_finite()) {
+            bail!("image_embeds holds values that are not finite");
+        }
+        let grid = match &self.family {
+            Family::Vision { vision, .. } => {
+                let grid = grid.ok_or_else(|| anyhow!("image_grid_thw is missing"))?;
+                let thw = match grid.dtype {
+                    Dtype::I64 => i64s(grid)?,
+                    Dtype::I32 => grid
+                        .data
+                        .chunks_exact(4)
+                        .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+                        .collect(),
+                    other => bail!("image_grid_thw is {}; integers are expected", other.name()),
+                };
+                let [t, h, w] = thw[..] else {
+                    bail!("image_grid_thw has {} values, not 3", thw.len())
+                };
+                let grid = Grid {
+                    t: usize::try_from(t)?,
+                    h: usize::try_from(h)?,
+                    w: usize::try_from(w)?,
+                };
+                let merge = vision.merge;
+                if grid.t == 0 || !grid.h.is_multiple_of(merge) || !grid.w.is_multiple_of(merge) {
+                    bail!(
+                        "image_grid_thw {}x{}x{} is not a grid of the model's {merge}x{merge} merged patches",
+                        grid.t,
+                        grid.h,
+                        grid.w
+                    );
+                }
+                let planned = grid
+                    .t
+                    .checked_mul(grid.h / merge)
+                    .and_then(|n| n.checked_mul(grid.w / merge));
+                if planned != Some(tokens) {
+                    bail!(
+                        "image_grid_thw {}x{}x{} makes {} tokens, but image_embeds holds {tokens}",
+                        grid.t,
+                        grid.h,
+                        grid.w,
+                        planned.map_or_else(|| "too many".into(), |n| n.to_string())
+                    );
+                }
+                Some(grid)
+            }
+            Family::Audio { .. } => None,
+        };
+        Ok(MediaItem {
+            input: Arc::new(EncodeInput::Embeddings {
+                embeddings: Arc::new(values),
+                grid,
+            }),
+            placeholder,
+            tokens,
+            processor_config: self.processor_config.clone(),
+            time_interval: 1.0,
         })
     }
 }

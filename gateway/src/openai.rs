@@ -113,6 +113,26 @@ pub enum Part {
     File {
         file: FileRef,
     },
+    /// vLLM's extension (its `--enable-mm-embeds`): what the model's own vision encoder made of an
+    /// image, as another mmgate in front (or a client) sends it.
+    ImageEmbeds {
+        image_embeds: ImageEmbeds,
+    },
+}
+
+/// An `image_embeds` part's payload: base64 of `torch.save` files.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ImageEmbeds {
+    /// The embeddings alone, `[tokens, hidden]`.
+    Tensor(String),
+    /// The embeddings and what the model needs besides: Qwen2-VL places them by their grid, `(3,)`
+    /// integers `t, h, w` in patches.
+    Fields {
+        image_embeds: String,
+        #[serde(default)]
+        image_grid_thw: Option<String>,
+    },
 }
 
 #[derive(Debug, Deserialize)]
@@ -150,6 +170,11 @@ pub enum MediaSource {
     Url(String),
     /// An upload in the file store.
     File(String),
+    /// Embeddings encoded elsewhere (base64 `torch.save` files): no plugin, no encoder.
+    Embeddings {
+        embeddings: String,
+        grid: Option<String>,
+    },
 }
 
 impl Part {
@@ -173,6 +198,19 @@ impl Part {
                 },
             )),
             Part::File { file } => Some((None, MediaSource::File(file.file_id.clone()))),
+            Part::ImageEmbeds { image_embeds } => {
+                let (embeddings, grid) = match image_embeds {
+                    ImageEmbeds::Tensor(e) => (e.clone(), None),
+                    ImageEmbeds::Fields {
+                        image_embeds,
+                        image_grid_thw,
+                    } => (image_embeds.clone(), image_grid_thw.clone()),
+                };
+                Some((
+                    Some(MediaKind::Image),
+                    MediaSource::Embeddings { embeddings, grid },
+                ))
+            }
         }
     }
 }
@@ -277,6 +315,8 @@ mod tests {
                 {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
                 {"type": "input_audio", "input_audio": {"data": "aGk=", "format": "wav"}},
                 {"type": "file", "file": {"file_id": "file-1"}},
+                {"type": "image_embeds", "image_embeds": "ZW1i"},
+                {"type": "image_embeds", "image_embeds": {"image_embeds": "ZW1i", "image_grid_thw": "Z3JpZA=="}, "uuid": "x"},
             ]}],
             "max_completion_tokens": 5,
         }))
@@ -299,6 +339,14 @@ mod tests {
             (Some(MediaKind::Audio), MediaSource::Base64 { mime_type: Some(m), .. }) if m == "audio/wav"
         ));
         assert!(matches!(&media[3], (None, MediaSource::File(id)) if id == "file-1"));
+        assert!(matches!(
+            &media[4],
+            (Some(MediaKind::Image), MediaSource::Embeddings { embeddings, grid: None }) if embeddings == "ZW1i"
+        ));
+        assert!(matches!(
+            &media[5],
+            (Some(MediaKind::Image), MediaSource::Embeddings { grid: Some(g), .. }) if g == "Z3JpZA=="
+        ));
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! checks), and the HTTP API on pingora.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -23,12 +24,14 @@ use crate::model::{
 use crate::plugins::LivePlugins;
 use crate::upstream::UpstreamPool;
 
-/// Loads a natively served model onto its devices, its encoders reporting to `metrics`.
-fn load_native(model: &ModelConfig, metrics: &Metrics) -> anyhow::Result<NativeModel> {
-    let spec = model
-        .path
-        .as_deref()
-        .context("a native model needs a path")?;
+/// Loads a model onto its devices, its encoders reporting to `metrics`: all of it when it is served
+/// here, only its encoders when its LLM runs upstream.
+fn load_model(
+    model: &ModelConfig,
+    spec: &Path,
+    metrics: &Metrics,
+    encoders_only: bool,
+) -> anyhow::Result<NativeModel> {
     let dir = resolve_model_dir(spec, &default_cache_dir())?;
     let mut threads = DeviceThreads::split_cores();
     if let Some(n) = model.llm_threads {
@@ -44,7 +47,12 @@ fn load_native(model: &ModelConfig, metrics: &Metrics) -> anyhow::Result<NativeM
         feature_cache_bytes: model.feature_cache_bytes,
     };
     let observer = metrics.encode_observer(&model.name);
-    let runtime = ModelRuntime::load(&model.name, &dir, &options, Some(observer))
+    let load = if encoders_only {
+        ModelRuntime::load_encoders
+    } else {
+        ModelRuntime::load
+    };
+    let runtime = load(&model.name, &dir, &options, Some(observer))
         .with_context(|| format!("model {}: loading {}", model.name, dir.display()))?;
     Ok(NativeModel {
         runtime,
@@ -63,12 +71,17 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
     let mut models = BTreeMap::new();
     let mut background: Vec<Box<dyn ServiceWithDependents>> = Vec::new();
     for model in &config.models {
-        let route = if model.upstreams.is_empty() {
-            Route::Native(load_native(model, &metrics)?)
-        } else {
-            let (pool, health_checks) = UpstreamPool::build(model)?;
-            background.push(health_checks);
-            Route::Upstream(pool)
+        let route = match (&model.path, model.upstreams.is_empty()) {
+            (Some(path), true) => Route::Native(load_model(model, path, &metrics, false)?),
+            (path, _) => {
+                let (pool, health_checks) = UpstreamPool::build(model)?;
+                background.push(health_checks);
+                let encoders = match path {
+                    Some(path) => Some(load_model(model, path, &metrics, true)?),
+                    None => None,
+                };
+                Route::Upstream { pool, encoders }
+            }
         };
         models.insert(model.name.clone(), route);
     }

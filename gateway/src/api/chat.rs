@@ -1,10 +1,13 @@
 //! `POST /v1/chat/completions`: routed by model name to the native core (a JSON reply, or an SSE
-//! stream) or to the model's upstream pool (forwarded untouched).
+//! stream) or to the model's upstream pool (forwarded untouched, or with its images encoded here and
+//! sent as embeddings).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
 use http::StatusCode;
+use mmgate_inference::engine::EncodeInput;
 use pingora::protocols::http::ServerSession;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -12,9 +15,11 @@ use serde_json::{Value, json};
 use super::io::{EventStream, read_body, write_error, write_json};
 use super::{Gateway, Route};
 use crate::chat::{self, ChatServices, Generation, NativeModel, Step};
+use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
 use crate::openai::{self, ChatCompletionRequest};
 use crate::upstream::Forwarded;
+use crate::upstream::embeds::{self, Rewrite};
 
 /// Just what routing needs; the rest of the body is left to whoever serves the model.
 #[derive(Deserialize)]
@@ -58,7 +63,14 @@ impl Gateway {
                     format!("the model {:?} does not exist", routing.model),
                 ),
             )),
-            Some(Route::Upstream(pool)) => {
+            Some(Route::Upstream { pool, encoders }) => {
+                let body = match encoders {
+                    Some(model) => self
+                        .encode_for_upstream(model, body)
+                        .await
+                        .map_err(|e| ("upstream", e))?,
+                    None => body,
+                };
                 // Consistent hashing keeps a user (else an identical request) on one server.
                 let key = routing.user.as_deref().map_or(&body[..], str::as_bytes);
                 match pool.forward(session, body.clone(), key).await {
@@ -171,6 +183,98 @@ impl Gateway {
         }
     }
 
+    /// A request for a model whose LLM runs upstream, with its images encoded here: preprocessed
+    /// and budgeted as for a native model, encoded on this model's encoder devices, and sent on with
+    /// `image_embeds` parts in place of the images. Requests without images (or with video or audio,
+    /// which upstream engines take no embeddings of) go as they came.
+    async fn encode_for_upstream(
+        &self,
+        model: &NativeModel,
+        body: Bytes,
+    ) -> Result<Bytes, ApiError> {
+        let mut value: Value = serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
+        if !embeds::encode_here(&value) {
+            return Ok(body);
+        }
+        let request: ChatCompletionRequest =
+            serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
+        drop(body);
+        let services = ChatServices {
+            registry: self.plugins.registry(),
+            pool: &self.pool,
+            limits: &self.limits,
+            files: &self.files,
+            fetcher: &self.fetcher,
+        };
+        let prepared = chat::prepare(model, request, &services).await?;
+        self.metrics.media_prepared(&prepared.media);
+        let (items, accounts) = prepared.into_media();
+
+        // Every item goes to the encoder devices at once; they batch what they can.
+        let mut encoding = Vec::with_capacity(items.len());
+        for item in items {
+            let (done, result) = tokio::sync::oneshot::channel();
+            model
+                .runtime
+                .encoders
+                .submit(item.input.clone(), move |r| {
+                    let _ = done.send(r);
+                })
+                .map_err(|e| encode_failed(&e.to_string()))?;
+            encoding.push((item, result));
+        }
+        let mut encoding = encoding.into_iter();
+        let mut rewrites = Vec::with_capacity(accounts.len());
+        for (index, account) in accounts.iter().enumerate() {
+            if account["dropped"] == true {
+                rewrites.push(Rewrite::Drop);
+                continue;
+            }
+            let Some((item, result)) = encoding.next() else {
+                return Err(encode_failed("a media item was not encoded"));
+            };
+            let grid = match item.input.as_ref() {
+                EncodeInput::Vision { grid, .. }
+                | EncodeInput::Embeddings {
+                    grid: Some(grid), ..
+                } if account["kind"] == "image" => *grid,
+                _ => {
+                    return Err(ApiError::new(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_request",
+                        format!(
+                            "media item {index} is {}: model {} encodes only images for its upstream; send video and audio as video_url, audio_url or input_audio parts",
+                            account["kind"].as_str().unwrap_or("not an image"),
+                            model.runtime.name
+                        ),
+                    ));
+                }
+            };
+            let failure = match result.await {
+                Ok(Ok(features)) => {
+                    rewrites.push(Rewrite::Embeddings {
+                        features,
+                        hidden: model.runtime.hidden_size,
+                        grid,
+                    });
+                    continue;
+                }
+                Ok(Err(message)) => message,
+                Err(_) => "the encoder device stopped".to_owned(),
+            };
+            if model.on_encode_error == EncodeErrorPolicy::Drop {
+                tracing::warn!(item = index, error = %failure, "encoding failed; dropping the media");
+                rewrites.push(Rewrite::Drop);
+            } else {
+                return Err(encode_failed(&format!("media item {index}: {failure}")));
+            }
+        }
+        embeds::rewrite(&mut value, rewrites).map_err(|e| encode_failed(&e.to_string()))?;
+        serde_json::to_vec(&value)
+            .map(Bytes::from)
+            .map_err(|e| encode_failed(&e.to_string()))
+    }
+
     /// `GET /v1/models`
     pub(super) fn models_json(&self) -> Value {
         let data: Vec<Value> = self
@@ -195,8 +299,12 @@ impl Gateway {
                                 .collect::<Vec<_>>()
                         );
                     }
-                    Route::Upstream(pool) => {
+                    Route::Upstream { pool, encoders } => {
                         model["served_by"] = json!("upstream");
+                        if let Some(m) = encoders {
+                            model["images_encoded_here"] = json!(true);
+                            model["context_length"] = json!(m.runtime.context_length);
+                        }
                         model["upstreams"] = pool.health_json();
                     }
                 }
@@ -205,6 +313,14 @@ impl Gateway {
             .collect();
         json!({"object": "list", "data": data})
     }
+}
+
+fn encode_failed(message: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "encode_failed",
+        message.to_owned(),
+    )
 }
 
 fn invalid_json(error: &serde_json::Error) -> ApiError {

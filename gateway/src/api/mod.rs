@@ -32,7 +32,12 @@ use io::{write_error, write_json};
 /// How a model is served.
 pub enum Route {
     Native(NativeModel),
-    Upstream(Arc<UpstreamPool>),
+    /// A pool of upstream servers runs the LLM; with `encoders`, media are encoded here and sent
+    /// upstream as embeddings.
+    Upstream {
+        pool: Arc<UpstreamPool>,
+        encoders: Option<NativeModel>,
+    },
 }
 
 /// What every request handler shares.
@@ -179,8 +184,11 @@ impl Gateway {
         for (name, route) in &self.models {
             match route {
                 Route::Native(model) => {
-                    let engine = model.runtime.engine.stats();
-                    let store = model.runtime.engine.feature_store().stats();
+                    let Ok(engine) = model.runtime.engine() else {
+                        continue;
+                    };
+                    let store = engine.feature_store().stats();
+                    let engine = engine.stats();
                     models.push(ModelGauges {
                         model: name.clone(),
                         running: engine.running,
@@ -198,7 +206,7 @@ impl Gateway {
                             .sum(),
                     });
                 }
-                Route::Upstream(pool) => {
+                Route::Upstream { pool, .. } => {
                     for (addr, healthy) in pool.servers() {
                         upstreams.push((name.clone(), addr, healthy));
                     }

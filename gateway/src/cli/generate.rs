@@ -147,7 +147,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         top_k: 0,
         seed: args.seed,
     };
-    let mut handle = model.engine.submit(GenerateRequest {
+    let mut handle = model.engine()?.submit(GenerateRequest {
         prompt,
         media,
         sampling,

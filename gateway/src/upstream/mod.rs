@@ -9,6 +9,7 @@
 //! itself: header and body leave in one write (pingora's client session flushes the header on its
 //! own, a second send per request), and pingora's HTTP/1 client session reads the answer.
 
+pub mod embeds;
 mod idle;
 
 use std::net::SocketAddr;
