@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http::StatusCode;
+use http::{HeaderValue, StatusCode};
 use mmgate_inference::engine::EncodeInput;
 use pingora::protocols::http::ServerSession;
 use serde::Deserialize;
@@ -20,6 +20,10 @@ use crate::error::ApiError;
 use crate::openai::{self, ChatCompletionRequest};
 use crate::upstream::Forwarded;
 use crate::upstream::embeds::{self, Rewrite};
+
+/// The reply header that carries the media accounts of a request whose images were encoded here
+/// for an upstream model (the reply itself, `usage` included, is the upstream's).
+const MEDIA_HEADER: &str = "x-mmgate-media";
 
 /// Just what routing needs; the rest of the body is left to whoever serves the model.
 #[derive(Deserialize)]
@@ -64,16 +68,17 @@ impl Gateway {
                 ),
             )),
             Some(Route::Upstream { pool, encoders }) => {
-                let body = match encoders {
+                let (body, accounts) = match encoders {
                     Some(model) => self
                         .encode_for_upstream(model, body)
                         .await
                         .map_err(|e| ("upstream", e))?,
-                    None => body,
+                    None => (body, None),
                 };
                 // Consistent hashing keeps a user (else an identical request) on one server.
                 let key = routing.user.as_deref().map_or(&body[..], str::as_bytes);
-                match pool.forward(session, body.clone(), key).await {
+                let extra = accounts.map(|a| (MEDIA_HEADER, a));
+                match pool.forward(session, body.clone(), key, extra).await {
                     Forwarded::Answered => Ok("upstream"),
                     Forwarded::Failed(error) => Err(("upstream", error)),
                 }
@@ -185,16 +190,17 @@ impl Gateway {
 
     /// A request for a model whose LLM runs upstream, with its images encoded here: preprocessed
     /// and budgeted as for a native model, encoded on this model's encoder devices, and sent on with
-    /// `image_embeds` parts in place of the images. Requests without images (or with video or audio,
-    /// which upstream engines take no embeddings of) go as they came.
+    /// `image_embeds` parts in place of the images; and the media accounts (`usage.media` of a
+    /// native model) for the [`MEDIA_HEADER`] of the reply. Requests without images (or with video
+    /// or audio, which upstream engines take no embeddings of) go as they came.
     async fn encode_for_upstream(
         &self,
         model: &NativeModel,
         body: Bytes,
-    ) -> Result<Bytes, ApiError> {
+    ) -> Result<(Bytes, Option<HeaderValue>), ApiError> {
         let mut value: Value = serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
         if !embeds::encode_here(&value) {
-            return Ok(body);
+            return Ok((body, None));
         }
         let request: ChatCompletionRequest =
             serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
@@ -270,9 +276,14 @@ impl Gateway {
             }
         }
         embeds::rewrite(&mut value, rewrites).map_err(|e| encode_failed(&e.to_string()))?;
-        serde_json::to_vec(&value)
+        let body = serde_json::to_vec(&value)
             .map(Bytes::from)
-            .map_err(|e| encode_failed(&e.to_string()))
+            .map_err(|e| encode_failed(&e.to_string()))?;
+        // A header carries visible ASCII only: accounts that hold anything else are left out.
+        let accounts = serde_json::to_string(&accounts)
+            .ok()
+            .and_then(|a| HeaderValue::from_str(&a).ok());
+        Ok((body, accounts))
     }
 
     /// `GET /v1/models`

@@ -158,13 +158,15 @@ impl UpstreamPool {
     }
 
     /// Sends the request (`downstream`'s header with `body`) to a healthy server and streams its
-    /// answer back. A server that cannot be reached is skipped for the next one, as is a kept-alive
-    /// connection the server had closed; once a server has the request, it is not sent again.
+    /// answer back, with `extra` headers added to it. A server that cannot be reached is skipped for
+    /// the next one, as is a kept-alive connection the server had closed; once a server has the
+    /// request, it is not sent again.
     pub async fn forward(
         &self,
         downstream: &mut ServerSession,
         body: Bytes,
         key: &[u8],
+        extra: Option<(&'static str, http::HeaderValue)>,
     ) -> Forwarded {
         let Some(wire) = request_wire(downstream.req_header(), &body) else {
             return Forwarded::Failed(bad_gateway(
@@ -219,7 +221,10 @@ impl UpstreamPool {
             let Some(header) = upstream.resp_header() else {
                 return Forwarded::Failed(bad_gateway(&self.model, "no response header"));
             };
-            let response = downstream_response(header);
+            let mut response = downstream_response(header);
+            if let Some((name, value)) = extra.clone() {
+                let _ = response.insert_header(name, value);
+            }
             if let Err(e) = downstream.write_response_header(Box::new(response)).await {
                 tracing::debug!(error = %e, "client went away before the answer");
                 return Forwarded::Answered;
