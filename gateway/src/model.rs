@@ -374,26 +374,9 @@ impl ModelRuntime {
                 } else {
                     "pixel_values"
                 };
-                let grid = i64s(find(grid_name)?)?;
-                let [t, h, w] = grid[..] else {
-                    bail!("{grid_name} has {} values, not 3", grid.len())
-                };
-                let grid = Grid {
-                    t: usize::try_from(t)?,
-                    h: usize::try_from(h)?,
-                    w: usize::try_from(w)?,
-                };
                 // The grid comes from a plugin: check it against the merge and the patches before
                 // trusting it.
-                if !grid.h.is_multiple_of(vision.merge) || !grid.w.is_multiple_of(vision.merge) {
-                    bail!(
-                        "{grid_name} {}x{}x{} is not a multiple of the model's {m}x{m} patch merge",
-                        grid.t,
-                        grid.h,
-                        grid.w,
-                        m = vision.merge
-                    );
-                }
+                let grid = merged_grid(find(grid_name)?, vision.merge)?;
                 let pixels = find(pixels_name)?; // for its explanation when the tensor is missing
                 // 8-bit samples stay bytes until the encoder packs its batch.
                 let pixel_values = match ByteSamples::from_tensors(tensors, pixels_name)? {
@@ -523,32 +506,8 @@ impl ModelRuntime {
         let grid = match &self.family {
             Family::Vision { vision, .. } => {
                 let grid = grid.ok_or_else(|| anyhow!("image_grid_thw is missing"))?;
-                let thw = match grid.dtype {
-                    Dtype::I64 => i64s(grid)?,
-                    Dtype::I32 => grid
-                        .data
-                        .chunks_exact(4)
-                        .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
-                        .collect(),
-                    other => bail!("image_grid_thw is {}; integers are expected", other.name()),
-                };
-                let [t, h, w] = thw[..] else {
-                    bail!("image_grid_thw has {} values, not 3", thw.len())
-                };
-                let grid = Grid {
-                    t: usize::try_from(t)?,
-                    h: usize::try_from(h)?,
-                    w: usize::try_from(w)?,
-                };
                 let merge = vision.merge;
-                if grid.t == 0 || !grid.h.is_multiple_of(merge) || !grid.w.is_multiple_of(merge) {
-                    bail!(
-                        "image_grid_thw {}x{}x{} is not a grid of the model's {merge}x{merge} merged patches",
-                        grid.t,
-                        grid.h,
-                        grid.w
-                    );
-                }
+                let grid = merged_grid(grid, merge)?;
                 let planned = grid
                     .t
                     .checked_mul(grid.h / merge)
@@ -611,6 +570,37 @@ fn f32s(t: &Tensor) -> anyhow::Result<Vec<f32>> {
         bail!("{} is {:?}, expected f32", t.name, t.dtype);
     }
     Ok(mmgate_host::le_f32s(&t.data))
+}
+
+/// A `*_grid_thw` tensor (`t, h, w` in patches; i64 as HF's processors make it, or i32) checked
+/// against the model's patch merge.
+fn merged_grid(tensor: &Tensor, merge: usize) -> anyhow::Result<Grid> {
+    let name = &tensor.name;
+    let thw = match tensor.dtype {
+        Dtype::I32 => tensor
+            .data
+            .chunks_exact(4)
+            .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+            .collect(),
+        _ => i64s(tensor)?,
+    };
+    let [t, h, w] = thw[..] else {
+        bail!("{name} has {} values, not 3", thw.len())
+    };
+    let grid = Grid {
+        t: usize::try_from(t)?,
+        h: usize::try_from(h)?,
+        w: usize::try_from(w)?,
+    };
+    if grid.t == 0 || !grid.h.is_multiple_of(merge) || !grid.w.is_multiple_of(merge) {
+        bail!(
+            "{name} {}x{}x{} is not a grid of the model's {merge}x{merge} merged patches",
+            grid.t,
+            grid.h,
+            grid.w
+        );
+    }
+    Ok(grid)
 }
 
 fn i64s(t: &Tensor) -> anyhow::Result<Vec<i64>> {

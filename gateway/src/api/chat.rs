@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use super::io::{EventStream, read_body, write_error, write_json};
 use super::{Gateway, Route};
-use crate::chat::{self, ChatServices, Generation, NativeModel, Step};
+use crate::chat::{self, ChatServices, Generation, NativeModel, Prepared, Step};
 use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
 use crate::openai::{self, ChatCompletionRequest};
@@ -95,12 +95,12 @@ impl Gateway {
         }
     }
 
-    async fn native(
+    /// The request's media fetched, preprocessed and budgeted for `model`, and counted in the metrics.
+    async fn prepare(
         &self,
-        session: &mut ServerSession,
         model: &NativeModel,
         request: ChatCompletionRequest,
-    ) -> Result<(), ApiError> {
+    ) -> Result<Prepared, ApiError> {
         let services = ChatServices {
             registry: self.plugins.registry(),
             pool: &self.pool,
@@ -110,6 +110,16 @@ impl Gateway {
         };
         let prepared = chat::prepare(model, request, &services).await?;
         self.metrics.media_prepared(&prepared.media);
+        Ok(prepared)
+    }
+
+    async fn native(
+        &self,
+        session: &mut ServerSession,
+        model: &NativeModel,
+        request: ChatCompletionRequest,
+    ) -> Result<(), ApiError> {
+        let prepared = self.prepare(model, request).await?;
         let (stream, include_usage) = (prepared.stream, prepared.include_usage);
         let mut generation = Generation::start(model, prepared)?;
         let id = completion_id();
@@ -205,15 +215,7 @@ impl Gateway {
         let request: ChatCompletionRequest =
             serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
         drop(body);
-        let services = ChatServices {
-            registry: self.plugins.registry(),
-            pool: &self.pool,
-            limits: &self.limits,
-            files: &self.files,
-            fetcher: &self.fetcher,
-        };
-        let prepared = chat::prepare(model, request, &services).await?;
-        self.metrics.media_prepared(&prepared.media);
+        let prepared = self.prepare(model, request).await?;
         let (items, accounts) = prepared.into_media();
 
         // Every item goes to the encoder devices at once; they batch what they can.

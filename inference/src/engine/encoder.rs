@@ -108,6 +108,12 @@ fn hash_f32s(h: &mut blake3::Hasher, values: &[f32]) {
     }
 }
 
+fn hash_grid(h: &mut blake3::Hasher, grid: &Grid) {
+    for d in [grid.t, grid.h, grid.w] {
+        h.update(&(d as u64).to_le_bytes());
+    }
+}
+
 /// Which encoder an input needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum EncoderKind {
@@ -149,9 +155,7 @@ impl EncodeInput {
         match self {
             Self::Vision { pixel_values, grid } => {
                 h.update(b"vision");
-                for d in [grid.t, grid.h, grid.w] {
-                    h.update(&(d as u64).to_le_bytes());
-                }
+                hash_grid(h, grid);
                 pixel_values.hash_into(h);
             }
             Self::Audio {
@@ -167,9 +171,7 @@ impl EncodeInput {
             Self::Embeddings { embeddings, grid } => {
                 h.update(b"embeddings");
                 if let Some(grid) = grid {
-                    for d in [grid.t, grid.h, grid.w] {
-                        h.update(&(d as u64).to_le_bytes());
-                    }
+                    hash_grid(h, grid);
                 }
                 hash_f32s(h, embeddings);
             }

@@ -681,12 +681,8 @@ fn media_spans(media: &[MediaItem], rows: &[Range<usize>]) -> Result<Vec<MediaSp
     order
         .into_iter()
         .map(|i| match media[i].input.as_ref() {
-            EncodeInput::Vision { grid, .. } => Ok(MediaSpan {
-                token: media[i].placeholder,
-                grid: *grid,
-                time_interval: media[i].time_interval,
-            }),
-            EncodeInput::Embeddings {
+            EncodeInput::Vision { grid, .. }
+            | EncodeInput::Embeddings {
                 grid: Some(grid), ..
             } => Ok(MediaSpan {
                 token: media[i].placeholder,
