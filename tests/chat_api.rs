@@ -581,6 +581,134 @@ fn an_upstream_pool_balances_passes_streams_through_and_ejects_a_dead_server() {
     assert_eq!(chat_requests_served(&second), before + 4);
 }
 
+/// A test CA and a server certificate it signed for `localhost`, written into `dir`:
+/// (ca.pem's text, cert.pem, key.pem).
+fn test_ca(dir: &Path) -> (String, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "mmgate test CA");
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    let (cert_path, key_path) = (dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&cert_path, cert.pem()).unwrap();
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+    (ca.pem(), cert_path, key_path)
+}
+
+/// An upstream reached over HTTPS: a real mmgate serving TLS with a certificate from a private CA
+/// and an API key of its own. The front verifies the certificate against the configured CA and the
+/// server's name (a wrong name, or the system's roots alone, fail the handshake and the health check
+/// ejects the server), sends the upstream's key in place of the client's, and never passes on a key
+/// meant for itself. Answers and streams come through as the upstream gives them.
+#[test]
+fn an_https_upstream_is_verified_and_gets_its_own_key_never_the_gateways() {
+    let certs = tempfile::tempdir().unwrap();
+    let (ca_pem, cert, key) = test_ca(certs.path());
+    let ca = certs.path().join("ca.pem");
+    let back_config = format!(
+        "api_keys = [\"sk-upstream\"]\n[tls]\ncert = {:?}\nkey = {:?}\n",
+        cert.to_str().unwrap(),
+        key.to_str().unwrap()
+    );
+    let back_dir = tempfile::tempdir().unwrap();
+    let back_path = back_dir.path().join("mmgate.toml");
+    std::fs::write(&back_path, back_config).unwrap();
+    let back = Server::start_tls_with_env(
+        &["--config", back_path.to_str().unwrap()],
+        &[("XDG_CACHE_HOME", cache_dir().to_str().unwrap())],
+        &ca_pem,
+    );
+    let port = back.addr.rsplit(':').next().unwrap();
+    let check = "health_check = { path = \"/health\", interval_ms = 200 }";
+    let ca = ca.to_str().unwrap();
+    let front_config = format!(
+        "api_keys = [\"sk-front\"]\nmodels = [\n\
+         {{ name = \"demo\", upstreams = [\"https://localhost:{port}\"], upstream_api_key = \"sk-upstream\", upstream_ca_file = {ca:?}, {check} }},\n\
+         {{ name = \"no-upstream-key\", upstreams = [\"https://localhost:{port}\"], upstream_ca_file = {ca:?}, {check} }},\n\
+         {{ name = \"wrong-name\", upstreams = [\"https://127.0.0.1:{port}\"], upstream_ca_file = {ca:?}, {check} }},\n\
+         {{ name = \"system-roots\", upstreams = [\"https://localhost:{port}\"], {check} }},\n]\n"
+    );
+    let (front, _d) = start(&front_config);
+    let send = |model: &str, stream: bool| {
+        let mut body = chat(model, json!("Hello"));
+        body["stream"] = json!(stream);
+        let response = client()
+            .post(format!("http://{}/v1/chat/completions", front.addr))
+            .bearer_auth("sk-front")
+            .json(&body)
+            .send()
+            .unwrap();
+        (response.status().as_u16(), response.text().unwrap())
+    };
+
+    // The answer over TLS is the upstream's own (asked directly, with its key).
+    let direct = reqwest::blocking::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(ca_pem.as_bytes()).unwrap())
+        .build()
+        .unwrap()
+        .post(format!("https://localhost:{port}/v1/chat/completions"))
+        .bearer_auth("sk-upstream")
+        .json(&chat("demo", json!("Hello")))
+        .send()
+        .unwrap();
+    assert_eq!(direct.status().as_u16(), 200);
+    let direct: Value = direct.json().unwrap();
+    let (status, body) = send("demo", false);
+    assert_eq!(status, 200, "{body}");
+    let proxied: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        proxied["choices"][0]["message"],
+        direct["choices"][0]["message"]
+    );
+    let (status, body) = send("demo", true);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+
+    // The client's key was for this gateway: the upstream gets none and refuses.
+    let (status, body) = send("no-upstream-key", false);
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("missing_api_key"), "{body}");
+
+    // Certificates that do not verify: no request reaches the upstream, and the checks eject it.
+    for model in ["wrong-name", "system-roots"] {
+        let (status, body) = send(model, false);
+        assert_eq!(status, 502, "{model}: {body}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let models: Value = client()
+                .get(format!("http://{}/v1/models", front.addr))
+                .bearer_auth("sk-front")
+                .send()
+                .unwrap()
+                .json()
+                .unwrap();
+            let entry = models["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|m| m["id"] == model)
+                .unwrap()
+                .clone();
+            if entry["upstreams"][0]["healthy"] == false {
+                break;
+            }
+            assert!(Instant::now() < deadline, "never ejected: {entry}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    // The verified model is still in rotation and serving.
+    let (status, body) = send("demo", false);
+    assert_eq!(status, 200, "{body}");
+}
+
 /// A model whose LLM runs upstream while its images are encoded here: the front mmgate (given the
 /// model's directory) preprocesses, budgets and encodes the image and sends vLLM-style `image_embeds`;
 /// the upstream (another mmgate) merges them without a plugin or an encoder. The answer is the one

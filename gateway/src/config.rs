@@ -38,6 +38,9 @@ pub struct Config {
     pub models: Vec<ModelConfig>,
     /// Bearer tokens accepted on `/v1/*`; empty (the default) leaves the API open.
     pub api_keys: Vec<String>,
+    /// Serve HTTPS on `listen` with this certificate and key (PEM files, relative to the config
+    /// file); absent, plain HTTP.
+    pub tls: Option<TlsConfig>,
     /// What one request may carry.
     pub limits: RequestLimits,
     /// Fetching http(s) media URLs.
@@ -57,9 +60,18 @@ pub struct ModelConfig {
     /// With `upstreams`, only its encoders, tokenizer and processor config are loaded: images are
     /// encoded here and sent to the upstreams as `image_embeds` (vLLM: `--enable-mm-embeds`).
     pub path: Option<PathBuf>,
-    /// `host:port` of OpenAI-compatible servers (vLLM, SGLang, another mmgate) serving this model.
+    /// OpenAI-compatible servers (vLLM, SGLang, another mmgate) serving this model:
+    /// `host:port` or `http://host:port` (plain HTTP), `https://host[:port]` (TLS, the host name
+    /// checked against the server's certificate). Host names are resolved at start.
     #[serde(default)]
-    pub upstreams: Vec<String>,
+    pub upstreams: Vec<UpstreamAddr>,
+    /// Sent to the upstreams as `Authorization: Bearer <key>`. Without it the client's own
+    /// `Authorization` goes through, unless this gateway checked it (`api_keys`): a key for this
+    /// gateway is never passed on.
+    pub upstream_api_key: Option<String>,
+    /// PEM certificates trusted for `https://` upstreams instead of the system's roots (a private
+    /// CA). Relative to the config file.
+    pub upstream_ca_file: Option<PathBuf>,
     #[serde(default)]
     pub balance: Balance,
     #[serde(default)]
@@ -82,6 +94,95 @@ pub struct ModelConfig {
     /// or its plugin's tensors do not fit the model (corrupt media are the client's error either way).
     #[serde(default)]
     pub on_encode_error: EncodeErrorPolicy,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// The certificate chain, leaf first.
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// One upstream server as configured: its scheme, host and port.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub struct UpstreamAddr {
+    /// `https://`: the connection is TLS.
+    pub tls: bool,
+    /// A host name (the TLS server name and the `Host` header) or an IP address.
+    pub host: String,
+    pub port: u16,
+}
+
+impl UpstreamAddr {
+    /// `host:port` as the `Host` header carries it (IPv6 in brackets).
+    pub fn authority(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl std::fmt::Display for UpstreamAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let scheme = if self.tls { "https" } else { "http" };
+        write!(f, "{scheme}://{}", self.authority())
+    }
+}
+
+impl TryFrom<String> for UpstreamAddr {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        let bad = |why: &str| format!("upstream {text:?} {why}");
+        let (tls, rest) = if let Some(rest) = text.strip_prefix("https://") {
+            (true, rest)
+        } else if let Some(rest) = text.strip_prefix("http://") {
+            (false, rest)
+        } else if text.contains("://") {
+            return Err(bad("has a scheme other than http:// or https://"));
+        } else {
+            (false, text.as_str())
+        };
+        // The server is all there is: requests keep the client's path.
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
+        if rest.contains(['/', '?', '#', '@']) {
+            return Err(bad("has more than a host and a port"));
+        }
+        let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+            let (host, after) = v6
+                .split_once(']')
+                .ok_or_else(|| bad("opens an IPv6 bracket it does not close"))?;
+            (host, after.strip_prefix(':'))
+        } else {
+            match rest.rsplit_once(':') {
+                Some((host, port)) => (host, Some(port)),
+                None => (rest, None),
+            }
+        };
+        let port = match port {
+            Some(port) => port
+                .parse::<u16>()
+                .ok()
+                .filter(|&p| p != 0)
+                .ok_or_else(|| bad("has no valid port"))?,
+            // A bare host:port form needs its port; a URL defaults to its scheme's.
+            None if !text.contains("://") => return Err(bad("is not host:port")),
+            None if tls => 443,
+            None => 80,
+        };
+        if host.is_empty() || host.contains(char::is_whitespace) {
+            return Err(bad("has no host"));
+        }
+        Ok(UpstreamAddr {
+            tls,
+            host: host.to_owned(),
+            port,
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -184,6 +285,8 @@ impl ModelConfig {
             name: name.to_owned(),
             path: Some(path.to_owned()),
             upstreams: Vec::new(),
+            upstream_api_key: None,
+            upstream_ca_file: None,
             balance: Balance::default(),
             health_check: HealthCheck::default(),
             llm_threads: None,
@@ -203,14 +306,14 @@ impl ModelConfig {
         if self.path.is_none() && self.upstreams.is_empty() {
             bail!("model {name:?}: give a path (served here) or upstreams");
         }
-        for upstream in &self.upstreams {
-            if upstream.parse::<SocketAddr>().is_err()
-                && upstream
-                    .rsplit_once(':')
-                    .is_none_or(|(_, p)| p.parse::<u16>().is_err())
-            {
-                bail!("model {name:?}: upstream {upstream:?} is not host:port");
-            }
+        if self.upstream_api_key.as_ref().is_some_and(|key| {
+            key.is_empty() || key.bytes().any(|b| b.is_ascii_control() || b == b' ')
+        }) {
+            bail!("model {name:?}: upstream_api_key must be a non-empty token without spaces");
+        }
+        if let Some(ca) = &self.upstream_ca_file {
+            crate::upstream::tls::check_ca_file(ca)
+                .with_context(|| format!("model {name:?}: upstream_ca_file"))?;
         }
         if self.llm_threads == Some(0) || self.encoder_devices.iter().any(|d| d.threads == 0) {
             bail!("model {name:?}: a device needs at least one thread");
@@ -238,6 +341,7 @@ impl Default for Config {
             sandbox: SandboxLimits::default(),
             models: demo_models(),
             api_keys: Vec::new(),
+            tls: None,
             limits: RequestLimits::default(),
             fetch: FetchConfig::default(),
             files: FilesConfig::default(),
@@ -258,8 +362,15 @@ impl Config {
             {
                 config.plugin_dir = Some(base.join(dir));
             }
-            // So are model directories (the demo names are not paths).
+            if let Some(tls) = &mut config.tls {
+                tls.cert = base.join(&tls.cert);
+                tls.key = base.join(&tls.key);
+            }
+            // So are model directories (the demo names are not paths) and CA files.
             for model in &mut config.models {
+                if let Some(ca) = &mut model.upstream_ca_file {
+                    *ca = base.join(&*ca);
+                }
                 if let Some(dir) = &model.path
                     && dir.is_relative()
                     && !crate::model::is_demo_model(dir)
@@ -306,6 +417,9 @@ impl Config {
         if self.api_keys.iter().any(String::is_empty) {
             bail!("api_keys holds an empty key");
         }
+        if let Some(tls) = &self.tls {
+            crate::upstream::tls::check_server_files(&tls.cert, &tls.key).context("tls")?;
+        }
         Ok(())
     }
 }
@@ -343,6 +457,26 @@ mod tests {
                 "not host:port",
             ),
             (
+                "[[models]]\nname = \"m\"\nupstreams = [\"ftp://h:1\"]\n",
+                "scheme other than",
+            ),
+            (
+                "[[models]]\nname = \"m\"\nupstreams = [\"https://h/v1\"]\n",
+                "more than a host and a port",
+            ),
+            (
+                "[[models]]\nname = \"m\"\nupstreams = [\"h:1\"]\nupstream_ca_file = \"/nonexistent/ca.pem\"\n",
+                "upstream_ca_file",
+            ),
+            (
+                "[[models]]\nname = \"m\"\nupstreams = [\"h:1\"]\nupstream_api_key = \"a b\"\n",
+                "upstream_api_key",
+            ),
+            (
+                "[tls]\ncert = \"/nonexistent/cert.pem\"\nkey = \"/nonexistent/key.pem\"\n",
+                "tls",
+            ),
+            (
                 "[[models]]\nname = \"m\"\npath = \"demo\"\n[[models]]\nname = \"m\"\npath = \"demo\"\n",
                 "configured twice",
             ),
@@ -355,6 +489,43 @@ mod tests {
                 .map(|e| format!("{e:#}"))
                 .unwrap_or_default();
             assert!(error.contains(expected), "{text:?}: {error}");
+        }
+    }
+
+    #[test]
+    fn upstreams_are_host_port_or_http_and_https_urls() {
+        let parse = |text: &str| UpstreamAddr::try_from(text.to_owned());
+        let addr = |tls, host: &str, port| UpstreamAddr {
+            tls,
+            host: host.into(),
+            port,
+        };
+        assert_eq!(parse("10.0.0.1:8000"), Ok(addr(false, "10.0.0.1", 8000)));
+        assert_eq!(parse("vllm:8000"), Ok(addr(false, "vllm", 8000)));
+        assert_eq!(parse("http://vllm"), Ok(addr(false, "vllm", 80)));
+        assert_eq!(
+            parse("https://api.example.com/"),
+            Ok(addr(true, "api.example.com", 443))
+        );
+        assert_eq!(parse("https://[::1]:8443"), Ok(addr(true, "::1", 8443)));
+        assert_eq!(
+            parse("[::1]:8000").map(|a| a.authority()),
+            Ok("[::1]:8000".into())
+        );
+        assert_eq!(
+            parse("https://h:8443").map(|a| a.to_string()),
+            Ok("https://h:8443".into())
+        );
+        for bad in [
+            "vllm",
+            "h:0",
+            "h:99999",
+            "https://",
+            "https://:443",
+            "http://u@h:1",
+            "[::1",
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} was taken");
         }
     }
 

@@ -74,7 +74,8 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
         let route = match (&model.path, model.upstreams.is_empty()) {
             (Some(path), true) => Route::Native(load_model(model, path, &metrics, false)?),
             (path, _) => {
-                let (pool, health_checks) = UpstreamPool::build(model)?;
+                let (pool, health_checks) =
+                    UpstreamPool::build(model, !config.api_keys.is_empty())?;
                 background.push(health_checks);
                 let encoders = match path {
                     Some(path) => Some(load_model(model, path, &metrics, true)?),
@@ -98,6 +99,7 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
     };
     tracing::info!(
         listen = %config.listen,
+        tls = config.tls.is_some(),
         plugins = gateway.plugins.registry().len(),
         models = ?gateway.models.keys().collect::<Vec<_>>(),
         "mmgate is serving"
@@ -114,7 +116,24 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
     let mut service = ListeningService::new("mmgate http".to_owned(), App(Arc::new(gateway)));
-    service.add_tcp(&config.listen.to_string());
+    match &config.tls {
+        Some(tls) => {
+            let path = |p: &std::path::Path| {
+                p.to_str()
+                    .map(str::to_owned)
+                    .with_context(|| format!("{} is not a UTF-8 path", p.display()))
+            };
+            service
+                .add_tls(
+                    &config.listen.to_string(),
+                    &path(&tls.cert)?,
+                    &path(&tls.key)?,
+                )
+                .map_err(|e| anyhow::anyhow!("{e}"))
+                .context("serving TLS")?;
+        }
+        None => service.add_tcp(&config.listen.to_string()),
+    }
     server.add_service(service);
     for service in background {
         server.add_boxed_service(service);

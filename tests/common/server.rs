@@ -34,6 +34,27 @@ impl Server {
 
     /// The same, with extra environment variables.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
+        Server::start_until(args, env, answers_health)
+    }
+
+    /// The same for a server whose config makes it serve HTTPS: ready once `GET /health` answers
+    /// 200 over TLS, with `ca_pem` trusted and the server called `localhost`.
+    pub fn start_tls_with_env(args: &[&str], env: &[(&str, &str)], ca_pem: &str) -> Server {
+        let client = reqwest::blocking::Client::builder()
+            .add_root_certificate(reqwest::Certificate::from_pem(ca_pem.as_bytes()).unwrap())
+            .timeout(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        Server::start_until(args, env, |addr| {
+            let port = addr.rsplit(':').next().unwrap_or_default();
+            client
+                .get(format!("https://localhost:{port}/health"))
+                .send()
+                .is_ok_and(|r| r.status() == 200)
+        })
+    }
+
+    fn start_until(args: &[&str], env: &[(&str, &str)], ready: impl Fn(&str) -> bool) -> Server {
         let addr = format!("127.0.0.1:{}", free_port());
         let child = super::mmgate_command()
             .envs(env.iter().copied())
@@ -47,7 +68,7 @@ impl Server {
         let mut server = Server { child, addr };
         // Start-up compiles the built-in plugins; give it generous time, but notice if it died.
         let deadline = Instant::now() + Duration::from_secs(120);
-        while !answers_health(&server.addr) {
+        while !ready(&server.addr) {
             if let Some(status) = server.child.try_wait().unwrap() {
                 panic!("mmgate serve exited during start-up: {status}");
             }

@@ -1,5 +1,5 @@
 //! `POST /v1/chat/completions`: routed by model name to the native core (a JSON reply, or an SSE
-//! stream) or to the model's upstream pool (forwarded untouched, or with its images encoded here and
+//! stream) or to the model's upstream pool (forwarded as it came, or with its images encoded here and
 //! sent as embeddings).
 
 use std::sync::atomic::{AtomicU64, Ordering};

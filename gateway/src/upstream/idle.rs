@@ -28,12 +28,16 @@ struct Idle {
     since: Instant,
 }
 
+/// A server address and the configured upstream the connection was made for (its TLS name and
+/// trust differ from another's at the same address).
+pub type Key = (SocketAddr, usize);
+
 thread_local! {
-    static IDLE: RefCell<HashMap<SocketAddr, Vec<Idle>>> = RefCell::new(HashMap::new());
+    static IDLE: RefCell<HashMap<Key, Vec<Idle>>> = RefCell::new(HashMap::new());
 }
 
 /// The most recently used idle connection to `server` that is still open, if any.
-pub fn take(server: SocketAddr) -> Option<Stream> {
+pub fn take(server: Key) -> Option<Stream> {
     IDLE.with_borrow_mut(|idle| {
         let connections = idle.get_mut(&server)?;
         while let Some(mut connection) = connections.pop() {
@@ -51,7 +55,7 @@ pub fn take(server: SocketAddr) -> Option<Stream> {
 }
 
 /// Keeps `stream`, whose last response was read completely, for the next request to `server`.
-pub fn put(server: SocketAddr, stream: Stream) {
+pub fn put(server: Key, stream: Stream) {
     IDLE.with_borrow_mut(|idle| {
         let connections = idle.entry(server).or_default();
         if connections.len() < MAX_IDLE_PER_SERVER {
@@ -87,8 +91,9 @@ mod tests {
     #[tokio::test]
     async fn an_open_connection_is_reused_and_one_the_server_closed_is_not() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let server = listener.local_addr().unwrap();
-        let client = TokioTcpStream::connect(server).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = (addr, 0);
+        let client = TokioTcpStream::connect(addr).await.unwrap();
         let (accepted, _) = listener.accept().await.unwrap();
         assert!(take(server).is_none(), "nothing kept yet");
 

@@ -1,8 +1,9 @@
 //! Upstream pools: a model served by other OpenAI-compatible servers (vLLM, SGLang, another
 //! mmgate). Pingora's load balancer picks a healthy server (round robin or consistent hashing) and
 //! its health checks eject dead ones in the background; connections are kept alive between
-//! requests ([`idle`]). A request goes out as it came (less the hop-by-hop headers), and the answer
-//! (SSE streams included) is passed back chunk by chunk as it arrives.
+//! requests ([`idle`]), over TLS for `https://` servers. A request goes out as it came (less the
+//! hop-by-hop headers; `Host` names the server and `Authorization` follows the pool's key policy),
+//! and the answer (SSE streams included) is passed back chunk by chunk as it arrives.
 //!
 //! The request body is read before a server is chosen (the model name is in it), so forwarding is
 //! done here rather than by pingora's proxy service, which cannot replay a body it did not read
@@ -10,20 +11,24 @@
 //! own, a second send per request), and pingora's HTTP/1 client session reads the answer.
 
 pub mod embeds;
+mod health;
 mod idle;
+pub mod tls;
 
-use std::net::SocketAddr;
+use std::collections::BTreeSet;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use bytes::Bytes;
 use http::StatusCode;
-use pingora::connectors::TransportConnector;
+use pingora::connectors::{ConnectorOptions, TransportConnector};
 use pingora::http::{RequestHeader, ResponseHeader};
-use pingora::lb::health_check::{HttpHealthCheck, TcpHealthCheck};
+use pingora::lb::discovery::Static;
 use pingora::lb::selection::{BackendIter, BackendSelection, Consistent, RoundRobin};
-use pingora::lb::{Backend, LoadBalancer};
+use pingora::lb::{Backend, Backends, LoadBalancer};
 use pingora::protocols::Stream;
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::http::v1::client::HttpSession as UpstreamSession;
@@ -33,7 +38,7 @@ use pingora::upstreams::peer::HttpPeer;
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 
-use crate::config::{Balance, HealthCheck, ModelConfig};
+use crate::config::{Balance, ModelConfig, UpstreamAddr};
 use crate::error::ApiError;
 
 /// Headers that describe one connection, not the message: never forwarded.
@@ -48,8 +53,93 @@ const HOP_BY_HOP: [&str; 8] = [
     "upgrade",
 ];
 
-/// How long connecting to an upstream server may take before the next one is tried.
+/// How long connecting to an upstream server (TLS handshake included) may take before the next
+/// one is tried.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One configured upstream server, as its connections are made.
+pub struct Target {
+    /// Tells its idle connections apart from those made for another configured server at the same
+    /// address (another TLS server name, another CA): those are never handed to it.
+    id: usize,
+    addr: UpstreamAddr,
+    /// The `Host` header its requests carry.
+    authority: String,
+}
+
+impl Target {
+    fn new(addr: UpstreamAddr) -> Target {
+        static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
+        Target {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            authority: addr.authority(),
+            addr,
+        }
+    }
+
+    /// A connection to this server at `socket` (one of the addresses its host resolved to). For
+    /// TLS the host is the server name sent and checked against the certificate (an IP address
+    /// too: pingora skips verification when no name is given).
+    fn peer(&self, socket: SocketAddr) -> HttpPeer {
+        let sni = if self.addr.tls {
+            self.addr.host.clone()
+        } else {
+            String::new()
+        };
+        let mut peer = HttpPeer::new(socket, self.addr.tls, sni);
+        peer.options.connection_timeout = Some(CONNECT_TIMEOUT);
+        peer
+    }
+}
+
+/// The resolved addresses of a pool's servers, each with the server it belongs to. Few per pool:
+/// a list is the cheapest map.
+pub struct Targets(Vec<(SocketAddr, Arc<Target>)>);
+
+impl Targets {
+    /// Resolves each configured server; an address two of them share is refused (the balancer
+    /// could not tell them apart).
+    fn resolve(model: &ModelConfig) -> anyhow::Result<Targets> {
+        let mut resolved: Vec<(SocketAddr, Arc<Target>)> = Vec::new();
+        for addr in &model.upstreams {
+            let sockets: Vec<SocketAddr> = (addr.host.as_str(), addr.port)
+                .to_socket_addrs()
+                .with_context(|| format!("resolving {addr}"))?
+                .collect();
+            if sockets.is_empty() {
+                bail!("{addr} resolves to no address");
+            }
+            let target = Arc::new(Target::new(addr.clone()));
+            for socket in sockets {
+                if let Some((_, other)) = resolved.iter().find(|(s, _)| *s == socket) {
+                    bail!(
+                        "{addr} and {} both resolve to {socket}: list the server once",
+                        other.addr
+                    );
+                }
+                resolved.push((socket, target.clone()));
+            }
+        }
+        Ok(Targets(resolved))
+    }
+
+    fn get(&self, socket: &SocketAddr) -> Option<&Arc<Target>> {
+        self.0.iter().find(|(s, _)| s == socket).map(|(_, t)| t)
+    }
+
+    fn backends(&self) -> Backends {
+        let set: BTreeSet<Backend> = self
+            .0
+            .iter()
+            .map(|&(socket, _)| Backend {
+                addr: pingora::protocols::l4::socket::SocketAddr::Inet(socket),
+                weight: 1,
+                ext: http::Extensions::new(),
+            })
+            .collect();
+        Backends::new(Static::new(set))
+    }
+}
 
 enum Balancer {
     RoundRobin(Arc<LoadBalancer<RoundRobin>>),
@@ -74,8 +164,8 @@ impl Balancer {
         }
     }
 
-    fn servers(&self) -> Vec<(String, bool)> {
-        fn list<S>(lb: &LoadBalancer<S>) -> Vec<(String, bool)>
+    fn servers(&self) -> Vec<(SocketAddr, bool)> {
+        fn list<S>(lb: &LoadBalancer<S>) -> Vec<(SocketAddr, bool)>
         where
             S: BackendSelection + 'static,
             S::Iter: BackendIter,
@@ -83,7 +173,7 @@ impl Balancer {
             lb.backends()
                 .get_backend()
                 .iter()
-                .map(|b| (b.addr.to_string(), lb.backends().ready(b)))
+                .filter_map(|b| Some((*b.addr.as_inet()?, lb.backends().ready(b))))
                 .collect()
         }
         match self {
@@ -93,11 +183,23 @@ impl Balancer {
     }
 }
 
+/// What the upstreams get as `Authorization`.
+#[derive(Clone)]
+enum UpstreamAuth {
+    /// The client's header, as it came.
+    PassThrough,
+    /// None: the client's header held this gateway's key.
+    Strip,
+    /// The configured upstream key, in place of the client's.
+    Key(http::HeaderValue),
+}
+
 pub struct UpstreamPool {
     pub model: String,
     balancer: Balancer,
-    connector: TransportConnector,
-    servers: usize,
+    targets: Arc<Targets>,
+    connector: Arc<TransportConnector>,
+    auth: UpstreamAuth,
 }
 
 /// The outcome of forwarding.
@@ -110,25 +212,53 @@ pub enum Forwarded {
 
 impl UpstreamPool {
     /// The pool of `model` and the background service running its health checks (to be added to
-    /// the pingora server).
+    /// the pingora server). `gateway_keys`: whether this gateway checks clients' API keys (then a
+    /// client's `Authorization` is never passed on).
     pub fn build(
         model: &ModelConfig,
+        gateway_keys: bool,
     ) -> anyhow::Result<(Arc<UpstreamPool>, Box<dyn ServiceWithDependents>)> {
+        let targets = Arc::new(
+            Targets::resolve(model)
+                .with_context(|| format!("model {}: its upstreams", model.name))?,
+        );
+        let mut options = ConnectorOptions::new(0);
+        options.ca_file = match &model.upstream_ca_file {
+            Some(path) => Some(
+                path.to_str()
+                    .with_context(|| format!("{} is not a UTF-8 path", path.display()))?
+                    .to_owned(),
+            ),
+            None => None,
+        };
+        let connector = Arc::new(TransportConnector::new(Some(options)));
+        let auth = match &model.upstream_api_key {
+            Some(key) => UpstreamAuth::Key(
+                http::HeaderValue::from_str(&format!("Bearer {key}"))
+                    .with_context(|| format!("model {}: upstream_api_key", model.name))?,
+            ),
+            None if gateway_keys => UpstreamAuth::Strip,
+            None => UpstreamAuth::PassThrough,
+        };
+        let check = health::ServerCheck::new(
+            &model.health_check,
+            targets.clone(),
+            connector.clone(),
+            auth.key(),
+        );
         let name = format!("health checks of {}", model.name);
         let interval = Duration::from_millis(model.health_check.interval_ms);
         let (balancer, service): (Balancer, Box<dyn ServiceWithDependents>) = match model.balance {
             Balance::RoundRobin => {
-                let mut lb = LoadBalancer::<RoundRobin>::try_from_iter(&model.upstreams)
-                    .with_context(|| format!("model {}: resolving its upstreams", model.name))?;
-                lb.set_health_check(health_check(&model.health_check));
+                let mut lb = LoadBalancer::<RoundRobin>::from_backends(targets.backends());
+                lb.set_health_check(Box::new(check));
                 lb.health_check_frequency = Some(interval);
                 let service = background_service(&name, lb);
                 (Balancer::RoundRobin(service.task()), Box::new(service))
             }
             Balance::ConsistentHash => {
-                let mut lb = LoadBalancer::<Consistent>::try_from_iter(&model.upstreams)
-                    .with_context(|| format!("model {}: resolving its upstreams", model.name))?;
-                lb.set_health_check(health_check(&model.health_check));
+                let mut lb = LoadBalancer::<Consistent>::from_backends(targets.backends());
+                lb.set_health_check(Box::new(check));
                 lb.health_check_frequency = Some(interval);
                 let service = background_service(&name, lb);
                 (Balancer::Consistent(service.task()), Box::new(service))
@@ -137,8 +267,9 @@ impl UpstreamPool {
         let pool = UpstreamPool {
             model: model.name.clone(),
             balancer,
-            connector: TransportConnector::new(None),
-            servers: model.upstreams.len().max(1),
+            targets,
+            connector,
+            auth,
         };
         Ok((Arc::new(pool), service))
     }
@@ -148,13 +279,20 @@ impl UpstreamPool {
         self.balancer
             .servers()
             .into_iter()
-            .map(|(addr, healthy)| json!({"address": addr, "healthy": healthy}))
+            .map(|(socket, healthy)| {
+                let server = self.targets.get(&socket).map(|t| t.addr.to_string());
+                json!({"server": server, "address": socket.to_string(), "healthy": healthy})
+            })
             .collect()
     }
 
-    /// Whether any server is in rotation.
+    /// Each server's address and whether it is in rotation.
     pub fn servers(&self) -> Vec<(String, bool)> {
-        self.balancer.servers()
+        self.balancer
+            .servers()
+            .into_iter()
+            .map(|(socket, healthy)| (socket.to_string(), healthy))
+            .collect()
     }
 
     /// Sends the request (`downstream`'s header with `body`) to a healthy server and streams its
@@ -168,24 +306,34 @@ impl UpstreamPool {
         key: &[u8],
         extra: Option<(&'static str, http::HeaderValue)>,
     ) -> Forwarded {
-        let Some(wire) = request_wire(downstream.req_header(), &body) else {
+        if !valid_target(downstream.req_header().raw_path()) {
             return Forwarded::Failed(bad_gateway(
                 &self.model,
                 "the request target cannot be forwarded",
             ));
-        };
+        }
         // Few servers per pool: a list is the cheapest set.
         let mut tried = Vec::new();
         let mut last_error = String::from("no server is healthy");
-        for _ in 0..self.servers * 2 {
+        for _ in 0..self.targets.0.len() * 2 {
             let Some(backend) = self.balancer.select(key, &tried) else {
                 break;
             };
-            let Some(&server) = backend.addr.as_inet() else {
-                // Configured upstreams are resolved host:port addresses.
+            let Some((server, target)) = backend
+                .addr
+                .as_inet()
+                .and_then(|s| Some((*s, self.targets.get(s)?.clone())))
+            else {
+                // Every backend is one of the pool's resolved addresses.
                 continue;
             };
-            let (mut stream, reused) = match self.connect(server).await {
+            let wire = request_wire(
+                downstream.req_header(),
+                &body,
+                &target.authority,
+                &self.auth,
+            );
+            let (mut stream, reused) = match self.connect(server, &target).await {
                 Ok(connection) => connection,
                 Err(e) => {
                     tracing::warn!(model = %self.model, upstream = %server, error = %e, "upstream unreachable; trying the next");
@@ -251,7 +399,7 @@ impl UpstreamPool {
             if upstream.is_body_done() {
                 upstream.respect_keepalive();
                 if let Some(stream) = upstream.reuse().await {
-                    idle::put(server, stream);
+                    idle::put((server, target.id), stream);
                 }
             }
             return Forwarded::Answered;
@@ -266,64 +414,78 @@ impl UpstreamPool {
         ))
     }
 
-    /// A kept-alive connection to `server`, or a new one; and whether it was kept alive.
-    async fn connect(&self, server: SocketAddr) -> pingora::Result<(Stream, bool)> {
-        if let Some(stream) = idle::take(server) {
+    /// A kept-alive connection to `target` at `server`, or a new one; and whether it was kept
+    /// alive.
+    async fn connect(
+        &self,
+        server: SocketAddr,
+        target: &Target,
+    ) -> pingora::Result<(Stream, bool)> {
+        if let Some(stream) = idle::take((server, target.id)) {
             return Ok((stream, true));
         }
-        let mut peer = HttpPeer::new(server, false, String::new());
-        peer.options.connection_timeout = Some(CONNECT_TIMEOUT);
-        Ok((self.connector.new_stream(&peer).await?, false))
+        let stream = self.connector.new_stream(&target.peer(server)).await?;
+        Ok((stream, false))
     }
 }
 
-fn health_check(
-    config: &HealthCheck,
-) -> Box<dyn pingora::lb::health_check::HealthCheck + Send + Sync> {
-    if config.path.is_empty() {
-        let mut check = TcpHealthCheck::new();
-        check.consecutive_failure = config.failures.max(1);
-        check.consecutive_success = config.successes.max(1);
-        return check;
+impl UpstreamAuth {
+    /// The `Authorization` value this gateway sends of its own, if any.
+    fn key(&self) -> Option<http::HeaderValue> {
+        match self {
+            UpstreamAuth::Key(value) => Some(value.clone()),
+            UpstreamAuth::PassThrough | UpstreamAuth::Strip => None,
+        }
     }
-    let mut check = HttpHealthCheck::new("localhost", false);
-    if let Ok(mut request) = RequestHeader::build("GET", config.path.as_bytes(), None) {
-        let _ = request.append_header("Host", "localhost");
-        check.req = request;
-    }
-    check.consecutive_failure = config.failures.max(1);
-    check.consecutive_success = config.successes.max(1);
-    Box::new(check)
+}
+
+/// Whether a request target can go on the wire as it is (pingora's parser does not let such a
+/// one in; this does not trust that).
+fn valid_target(target: &[u8]) -> bool {
+    !target.iter().any(|b| matches!(b, b' ' | b'\r' | b'\n' | 0))
 }
 
 /// The request as the upstream gets it, in one buffer: the client's request line and headers less
-/// the hop-by-hop ones, the body's real length, then the body. `None` for a request target that
-/// cannot go on the wire (pingora's parser does not let one in; this does not trust that).
-fn request_wire(downstream: &RequestHeader, body: &[u8]) -> Option<Vec<u8>> {
-    let target = downstream.raw_path();
-    if target.iter().any(|b| matches!(b, b' ' | b'\r' | b'\n' | 0)) {
-        return None;
-    }
+/// the hop-by-hop ones, `Host` naming the upstream (as a reverse proxy sends it: a virtual-hosted
+/// or TLS server routes on it), `Authorization` as `auth` says, the body's real length, then the
+/// body.
+fn request_wire(
+    downstream: &RequestHeader,
+    body: &[u8],
+    authority: &str,
+    auth: &UpstreamAuth,
+) -> Vec<u8> {
     let mut wire = Vec::with_capacity(512 + body.len());
     wire.extend_from_slice(downstream.method.as_str().as_bytes());
     wire.push(b' ');
-    wire.extend_from_slice(target);
-    wire.extend_from_slice(b" HTTP/1.1\r\n");
+    wire.extend_from_slice(downstream.raw_path());
+    wire.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    wire.extend_from_slice(authority.as_bytes());
+    wire.extend_from_slice(b"\r\n");
+    let mut header = |name: &[u8], value: &[u8]| {
+        wire.extend_from_slice(name);
+        wire.extend_from_slice(b": ");
+        wire.extend_from_slice(value);
+        wire.extend_from_slice(b"\r\n");
+    };
+    if let UpstreamAuth::Key(value) = auth {
+        header(b"authorization", value.as_bytes());
+    }
     for (name, value) in &downstream.headers {
-        if name == http::header::CONTENT_LENGTH
+        let replaced = name == http::header::HOST
+            || (name == http::header::AUTHORIZATION && !matches!(auth, UpstreamAuth::PassThrough));
+        if replaced
+            || name == http::header::CONTENT_LENGTH
             || name == http::header::TRANSFER_ENCODING
             || HOP_BY_HOP.contains(&name.as_str())
         {
             continue;
         }
-        wire.extend_from_slice(name.as_str().as_bytes());
-        wire.extend_from_slice(b": ");
-        wire.extend_from_slice(value.as_bytes());
-        wire.extend_from_slice(b"\r\n");
+        header(name.as_str().as_bytes(), value.as_bytes());
     }
     wire.extend_from_slice(format!("content-length: {}\r\n\r\n", body.len()).as_bytes());
     wire.extend_from_slice(body);
-    Some(wire)
+    wire
 }
 
 /// The upstream's response header for the client, hop-by-hop headers dropped.
@@ -347,10 +509,11 @@ fn bad_gateway(model: &str, detail: &str) -> ApiError {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
+    use pingora::upstreams::peer::Peer;
+
     use super::*;
 
-    #[test]
-    fn the_forwarded_request_drops_hop_by_hop_headers_and_carries_the_real_length() {
+    fn client_request() -> RequestHeader {
         let mut request = RequestHeader::build("POST", b"/v1/chat/completions?x=1", None).unwrap();
         for (name, value) in [
             ("Host", "gateway"),
@@ -359,26 +522,93 @@ mod tests {
             ("Transfer-Encoding", "chunked"),
             ("Content-Length", "999"),
             ("Content-Type", "application/json"),
-            ("Authorization", "Bearer sk"),
+            ("Authorization", "Bearer sk-client"),
         ] {
             request.append_header(name, value).unwrap();
         }
-        let wire = request_wire(&request, b"{}").unwrap();
+        request
+    }
+
+    /// (request line, sorted header lines, body) of a wire request.
+    fn split(wire: Vec<u8>) -> (String, Vec<String>, String) {
         let text = String::from_utf8(wire).unwrap();
         let (head, body) = text.split_once("\r\n\r\n").unwrap();
-        let mut lines = head.split("\r\n");
-        assert_eq!(lines.next(), Some("POST /v1/chat/completions?x=1 HTTP/1.1"));
-        let mut headers: Vec<&str> = lines.collect();
+        let mut lines = head.split("\r\n").map(str::to_owned);
+        let first = lines.next().unwrap();
+        let mut headers: Vec<String> = lines.collect();
         headers.sort_unstable();
+        (first, headers, body.to_owned())
+    }
+
+    #[test]
+    fn the_forwarded_request_names_the_upstream_drops_hop_by_hop_headers_and_carries_the_real_length()
+     {
+        let wire = request_wire(
+            &client_request(),
+            b"{}",
+            "vllm:8000",
+            &UpstreamAuth::PassThrough,
+        );
+        let (first, headers, body) = split(wire);
+        assert_eq!(first, "POST /v1/chat/completions?x=1 HTTP/1.1");
         assert_eq!(
             headers,
             [
-                "authorization: Bearer sk",
+                "authorization: Bearer sk-client",
                 "content-length: 2",
                 "content-type: application/json",
-                "host: gateway",
+                "host: vllm:8000",
             ]
         );
         assert_eq!(body, "{}");
+    }
+
+    #[test]
+    fn the_client_key_is_replaced_by_the_upstream_key_or_dropped_when_it_was_this_gateways() {
+        let key = UpstreamAuth::Key(http::HeaderValue::from_static("Bearer sk-upstream"));
+        let (_, headers, _) = split(request_wire(&client_request(), b"", "h:1", &key));
+        let auth: Vec<_> = headers
+            .iter()
+            .filter(|h| h.starts_with("authorization"))
+            .collect();
+        assert_eq!(auth, ["authorization: Bearer sk-upstream"]);
+
+        let (_, headers, _) = split(request_wire(
+            &client_request(),
+            b"",
+            "h:1",
+            &UpstreamAuth::Strip,
+        ));
+        assert!(
+            !headers.iter().any(|h| h.starts_with("authorization")),
+            "{headers:?}"
+        );
+    }
+
+    #[test]
+    fn a_target_that_cannot_go_on_the_wire_is_refused() {
+        assert!(valid_target(b"/v1/chat/completions?a=b"));
+        for bad in [&b"/a b"[..], b"/a\r\nx: y", b"/a\n", b"/a\0"] {
+            assert!(!valid_target(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_tls_peer_always_names_its_server_so_the_certificate_is_checked() {
+        let socket: SocketAddr = "127.0.0.1:8443".parse().unwrap();
+        let named =
+            Target::new(UpstreamAddr::try_from("https://localhost:8443".to_owned()).unwrap());
+        let peer = named.peer(socket);
+        assert!(peer.is_tls());
+        assert_eq!(peer.sni(), "localhost");
+        let by_ip =
+            Target::new(UpstreamAddr::try_from("https://127.0.0.1:8443".to_owned()).unwrap());
+        assert_eq!(by_ip.peer(socket).sni(), "127.0.0.1");
+        let plain = Target::new(UpstreamAddr::try_from("127.0.0.1:8000".to_owned()).unwrap());
+        assert!(!plain.peer(socket).is_tls());
+        assert_ne!(
+            named.id, by_ip.id,
+            "two configured servers never share idle connections"
+        );
     }
 }
