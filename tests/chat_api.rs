@@ -581,6 +581,145 @@ fn an_upstream_pool_balances_passes_streams_through_and_ejects_a_dead_server() {
     assert_eq!(chat_requests_served(&second), before + 4);
 }
 
+/// Media a request to an upstream model points at are fetched and read by the front, through its
+/// SSRF guard and limits, and go upstream as data URLs: the upstream (with fetching off) answers an
+/// image URL and an upload exactly as it answers the image itself; a URL the front's guard refuses
+/// never reaches the upstream; an upload that is not media is refused.
+#[test]
+fn urls_and_uploads_for_an_upstream_model_are_fetched_here_and_sent_as_data() {
+    let png = fixture("image/images/png-rgb-wide.png");
+    let wav = fixture("audio/clips/speech-16k-s16.wav");
+    let mut routes = HashMap::new();
+    routes.insert(
+        "/cat.png".to_owned(),
+        Answer::Body {
+            content_type: "image/png".into(),
+            data: png.clone(),
+        },
+    );
+    routes.insert(
+        "/speech.wav".to_owned(),
+        Answer::Body {
+            content_type: "audio/wav".into(),
+            data: wav.clone(),
+        },
+    );
+    let files = FilesServer::start(routes);
+    // The upstream fetches nothing itself.
+    let (back, _d1) = start("[fetch]\nenabled = false\n");
+    let (front, _d2) = start(&format!(
+        "models = [{{ name = \"demo\", upstreams = [\"{0}\"] }}, {{ name = \"demo-audio\", upstreams = [\"{0}\"] }}]\n\
+         [fetch]\nallow = [\"127.0.0.1/32\"]\n",
+        back.addr
+    ));
+    let (guarded, _d3) = start(&format!(
+        "models = [{{ name = \"demo\", upstreams = [\"{}\"] }}]\n",
+        back.addr
+    ));
+    let ask = |server: &Server, model: &str, part: Value| {
+        post(
+            server,
+            "/v1/chat/completions",
+            &chat(
+                model,
+                json!([part, {"type": "text", "text": "What is it?"}]),
+            ),
+        )
+    };
+
+    // The usage of a request, less the one figure that is a timing.
+    let usage = |body: &Value| {
+        let mut usage = body["usage"].clone();
+        for item in usage["media"].as_array_mut().unwrap() {
+            item.as_object_mut().unwrap().remove("plugin_ms");
+        }
+        usage
+    };
+    let (status, direct) = ask(&back, "demo", image_part(&data_url("image/png", &png)));
+    assert_eq!(status, 200, "{direct}");
+    let upload = |server: &Server, name: &str, bytes: Vec<u8>| -> String {
+        let form = reqwest::blocking::multipart::Form::new()
+            .text("purpose", "vision")
+            .part(
+                "file",
+                reqwest::blocking::multipart::Part::bytes(bytes).file_name(name.to_owned()),
+            );
+        let uploaded: Value = client()
+            .post(format!("http://{}/v1/files", server.addr))
+            .multipart(form)
+            .send()
+            .unwrap()
+            .json()
+            .unwrap();
+        uploaded["id"].as_str().unwrap().to_owned()
+    };
+    let png_id = upload(&front, "cat.png", png.clone());
+    for part in [
+        image_part(&format!("{}/cat.png", files.base)),
+        json!({"type": "file", "file": {"file_id": png_id}}),
+    ] {
+        let (status, body) = ask(&front, "demo", part.clone());
+        assert_eq!(status, 200, "{part}: {body}");
+        assert_eq!(usage(&body), usage(&direct), "{part}");
+        assert_eq!(
+            body["choices"][0]["message"],
+            direct["choices"][0]["message"]
+        );
+    }
+    // Audio too: an audio_url and an uploaded clip, against the clip sent as input_audio.
+    let input_audio = json!({"type": "input_audio", "input_audio": {
+        "data": base64::engine::general_purpose::STANDARD.encode(&wav), "format": "wav"}});
+    let (status, direct) = ask(&back, "demo-audio", input_audio);
+    assert_eq!(status, 200, "{direct}");
+    let wav_id = upload(&front, "speech.wav", wav.clone());
+    for part in [
+        json!({"type": "audio_url", "audio_url": {"url": format!("{}/speech.wav", files.base)}}),
+        json!({"type": "file", "file": {"file_id": wav_id}}),
+    ] {
+        let (status, body) = ask(&front, "demo-audio", part.clone());
+        assert_eq!(status, 200, "{part}: {body}");
+        assert_eq!(usage(&body), usage(&direct), "{part}");
+    }
+
+    // The front's SSRF guard (loopback is not allow-listed there) stands before the upstream.
+    let before = chat_requests_served(&back);
+    let (status, body) = ask(
+        &guarded,
+        "demo",
+        image_part(&format!("{}/cat.png", files.base)),
+    );
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (400, Some("media_url_forbidden")),
+        "{body}"
+    );
+    let (status, body) = ask(
+        &guarded,
+        "demo",
+        json!({"type": "file", "file": {"file_id": "file-nope"}}),
+    );
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (404, Some("file_not_found"))
+    );
+    let text_id = upload(&guarded, "notes.txt", b"plain text, not media".to_vec());
+    let (status, body) = ask(
+        &guarded,
+        "demo",
+        json!({"type": "file", "file": {"file_id": text_id}}),
+    );
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (415, Some("unsupported_media")),
+        "{body}"
+    );
+    assert_eq!(
+        chat_requests_served(&back),
+        before,
+        "a refused request went upstream"
+    );
+}
+
 /// A test CA and a server certificate it signed for `localhost`, written into `dir`:
 /// (ca.pem's text, cert.pem, key.pem).
 fn test_ca(dir: &Path) -> (String, PathBuf, PathBuf) {

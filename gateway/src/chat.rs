@@ -20,7 +20,7 @@ use crate::error::ApiError;
 use crate::files::FileStore;
 use crate::media::sniff_mime_type;
 use crate::model::{MediaKind, ModelRuntime, expand_placeholders};
-use crate::openai::{ChatCompletionRequest, Content, MediaSource, Part};
+use crate::openai::{ByteSource, ChatCompletionRequest, Content, MediaSource, Part};
 use crate::pipeline;
 use crate::torchfile;
 
@@ -315,28 +315,16 @@ async fn resolve_media(
     sources: Vec<(Option<MediaKind>, MediaSource)>,
     services: &ChatServices<'_>,
 ) -> Result<Vec<Item>, ApiError> {
-    let limits = services.limits;
-    if sources.len() > limits.max_media_items {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "too_many_media_items",
-            format!(
-                "the request has {} media items; at most {} are allowed",
-                sources.len(),
-                limits.max_media_items
-            ),
-        ));
-    }
+    let mut tally = MediaTally::new(services.limits, sources.len())?;
     let mut resolved = Vec::with_capacity(sources.len());
     let mut items = Vec::with_capacity(sources.len());
-    let mut image_bytes = 0usize;
     for (index, (kind, source)) in sources.into_iter().enumerate() {
         if let Some(kind) = kind {
             runtime
                 .placeholder(kind)
                 .map_err(|e| invalid("messages", format!("media item {index}: {e}")))?;
         }
-        let limit = kind.map_or(limits.max_video_bytes, |k| max_bytes(limits, k));
+        let limit = tally.limit(kind);
         let (data, declared) = match source {
             MediaSource::Embeddings { embeddings, grid } => {
                 let kind = kind.unwrap_or(MediaKind::Image);
@@ -351,41 +339,7 @@ async fn resolve_media(
                 ));
                 continue;
             }
-            MediaSource::Base64 { data, mime_type } => {
-                // Decoded size from the encoded length, before decoding anything.
-                let decoded = data.len() / 4 * 3;
-                if decoded > limit {
-                    return Err(too_large(index, decoded, limit));
-                }
-                let bytes = base64::engine::general_purpose::STANDARD
-                    .decode(data.trim())
-                    .map_err(|e| {
-                        ApiError::new(
-                            StatusCode::BAD_REQUEST,
-                            "invalid_media_url",
-                            format!("media item {index}: the base64 data does not decode: {e}"),
-                        )
-                    })?;
-                (bytes, mime_type)
-            }
-            MediaSource::Url(url) => {
-                let fetched = services.fetcher.fetch(&url, limit).await.map_err(|e| {
-                    let mut api = ApiError::from(&e);
-                    api.message = format!("media item {index}: {}", api.message);
-                    api
-                })?;
-                (fetched.data, fetched.mime_type)
-            }
-            MediaSource::File(id) => {
-                let file = services.files.get(&id).ok_or_else(|| {
-                    ApiError::new(
-                        StatusCode::NOT_FOUND,
-                        "file_not_found",
-                        format!("media item {index}: no uploaded file {id:?}"),
-                    )
-                })?;
-                (file.data.to_vec(), file.mime_type.clone())
-            }
+            MediaSource::Bytes(source) => source_bytes(index, source, limit, services).await?,
         };
         if data.len() > limit {
             return Err(too_large(index, data.len(), limit));
@@ -457,26 +411,7 @@ async fn resolve_media(
                     )
                 })?,
         };
-        if media.data.len() > max_bytes(services.limits, kind) {
-            return Err(too_large(
-                index,
-                media.data.len(),
-                max_bytes(services.limits, kind),
-            ));
-        }
-        if kind == MediaKind::Image {
-            image_bytes += media.data.len();
-            if image_bytes > services.limits.max_total_image_bytes {
-                return Err(ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "media_too_large",
-                    format!(
-                        "the request's images are over {} bytes together",
-                        services.limits.max_total_image_bytes
-                    ),
-                ));
-            }
-        }
+        tally.add(index, kind, media.data.len())?;
         items.push((
             index,
             Item {
@@ -490,6 +425,58 @@ async fn resolve_media(
     }
     items.sort_by_key(|(index, _)| *index);
     Ok(items.into_iter().map(|(_, item)| item).collect())
+}
+
+/// The bytes of media item `index` and the MIME type its source declared: base64 decoded, a URL
+/// fetched (through the SSRF guard), an upload read. At most `limit` bytes, checked before anything
+/// is decoded or fetched.
+pub async fn source_bytes(
+    index: usize,
+    source: ByteSource,
+    limit: usize,
+    services: &ChatServices<'_>,
+) -> Result<(Vec<u8>, Option<String>), ApiError> {
+    let (data, declared) = match source {
+        ByteSource::Base64 { data, mime_type } => {
+            // Decoded size from the encoded length, before decoding anything.
+            let decoded = data.len() / 4 * 3;
+            if decoded > limit {
+                return Err(too_large(index, decoded, limit));
+            }
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(data.trim())
+                .map_err(|e| {
+                    ApiError::new(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_media_url",
+                        format!("media item {index}: the base64 data does not decode: {e}"),
+                    )
+                })?;
+            (bytes, mime_type)
+        }
+        ByteSource::Url(url) => {
+            let fetched = services.fetcher.fetch(&url, limit).await.map_err(|e| {
+                let mut api = ApiError::from(&e);
+                api.message = format!("media item {index}: {}", api.message);
+                api
+            })?;
+            (fetched.data, fetched.mime_type)
+        }
+        ByteSource::File(id) => {
+            let file = services.files.get(&id).ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "file_not_found",
+                    format!("media item {index}: no uploaded file {id:?}"),
+                )
+            })?;
+            (file.data.to_vec(), file.mime_type.clone())
+        }
+    };
+    if data.len() > limit {
+        return Err(too_large(index, data.len(), limit));
+    }
+    Ok((data, declared))
 }
 
 /// An `image_embeds` part's tensors (base64 `torch.save` files), checked against the model. The
@@ -519,11 +506,62 @@ fn embeddings_item(
     runtime.embeddings_item(kind, &embeddings, grid.as_ref())
 }
 
-fn max_bytes(limits: &RequestLimits, kind: MediaKind) -> usize {
-    match kind {
-        MediaKind::Image => limits.max_image_bytes,
-        MediaKind::Video => limits.max_video_bytes,
-        MediaKind::Audio => limits.max_audio_bytes,
+/// A request's media measured against its limits as they are resolved (the same checks on every
+/// route): how many items, each one's bytes by kind, and all images' bytes together.
+pub struct MediaTally<'a> {
+    limits: &'a RequestLimits,
+    image_bytes: usize,
+}
+
+impl<'a> MediaTally<'a> {
+    /// For a request of `items` media items: refused when they are too many.
+    pub fn new(limits: &'a RequestLimits, items: usize) -> Result<Self, ApiError> {
+        if items > limits.max_media_items {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "too_many_media_items",
+                format!(
+                    "the request has {items} media items; at most {} are allowed",
+                    limits.max_media_items
+                ),
+            ));
+        }
+        Ok(MediaTally {
+            limits,
+            image_bytes: 0,
+        })
+    }
+
+    /// The most bytes an item of `kind` may have; an item of unknown kind (an upload, until its
+    /// bytes say what it is) gets the largest, and is checked again once known.
+    pub fn limit(&self, kind: Option<MediaKind>) -> usize {
+        match kind {
+            Some(MediaKind::Image) => self.limits.max_image_bytes,
+            Some(MediaKind::Audio) => self.limits.max_audio_bytes,
+            Some(MediaKind::Video) | None => self.limits.max_video_bytes,
+        }
+    }
+
+    /// Item `index`, of `kind` and `bytes` long.
+    pub fn add(&mut self, index: usize, kind: MediaKind, bytes: usize) -> Result<(), ApiError> {
+        let limit = self.limit(Some(kind));
+        if bytes > limit {
+            return Err(too_large(index, bytes, limit));
+        }
+        if kind == MediaKind::Image {
+            self.image_bytes += bytes;
+            if self.image_bytes > self.limits.max_total_image_bytes {
+                return Err(ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "media_too_large",
+                    format!(
+                        "the request's images are over {} bytes together",
+                        self.limits.max_total_image_bytes
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 

@@ -158,9 +158,21 @@ pub struct FileRef {
     pub file_id: String,
 }
 
-/// Where a media part's bytes are.
+/// What a media part carries.
 #[derive(Debug)]
 pub enum MediaSource {
+    /// Media bytes, wherever they are.
+    Bytes(ByteSource),
+    /// Embeddings encoded elsewhere (base64 `torch.save` files): no plugin, no encoder.
+    Embeddings {
+        embeddings: String,
+        grid: Option<String>,
+    },
+}
+
+/// Where a media part's bytes are.
+#[derive(Debug)]
+pub enum ByteSource {
     /// Base64 bytes and the MIME type the client declared.
     Base64 {
         data: String,
@@ -170,18 +182,14 @@ pub enum MediaSource {
     Url(String),
     /// An upload in the file store.
     File(String),
-    /// Embeddings encoded elsewhere (base64 `torch.save` files): no plugin, no encoder.
-    Embeddings {
-        embeddings: String,
-        grid: Option<String>,
-    },
 }
 
 impl Part {
     /// A media part's kind and source; `None` for text. A `file` part's kind is known only once its
     /// bytes are (it is whatever the upload is).
     pub fn media(&self) -> Option<(Option<MediaKind>, MediaSource)> {
-        let url = |kind, r: &UrlRef| Some((Some(kind), MediaSource::from_url(&r.url)));
+        let url =
+            |kind, r: &UrlRef| Some((Some(kind), MediaSource::Bytes(ByteSource::from_url(&r.url))));
         match self {
             Part::Text { .. } => None,
             Part::ImageUrl { image_url } => url(MediaKind::Image, image_url),
@@ -189,15 +197,18 @@ impl Part {
             Part::AudioUrl { audio_url } => url(MediaKind::Audio, audio_url),
             Part::InputAudio { input_audio } => Some((
                 Some(MediaKind::Audio),
-                MediaSource::Base64 {
+                MediaSource::Bytes(ByteSource::Base64 {
                     data: input_audio.data.clone(),
                     mime_type: input_audio
                         .format
                         .as_deref()
                         .map(|f| format!("audio/{}", f.to_ascii_lowercase())),
-                },
+                }),
             )),
-            Part::File { file } => Some((None, MediaSource::File(file.file_id.clone()))),
+            Part::File { file } => Some((
+                None,
+                MediaSource::Bytes(ByteSource::File(file.file_id.clone())),
+            )),
             Part::ImageEmbeds { image_embeds } => {
                 let (embeddings, grid) = match image_embeds {
                     ImageEmbeds::Tensor(e) => (e.clone(), None),
@@ -215,26 +226,26 @@ impl Part {
     }
 }
 
-impl MediaSource {
+impl ByteSource {
     /// A data URL (`data:<mime>;base64,<payload>`) keeps its payload undecoded; anything else is
     /// a URL to fetch (its scheme is checked when it is fetched).
-    fn from_url(url: &str) -> MediaSource {
+    pub fn from_url(url: &str) -> ByteSource {
         let data_url = url.strip_prefix("data:").and_then(|rest| {
             let (header, payload) = rest.split_once(',')?;
             let mime = header.strip_suffix(";base64")?;
-            Some(MediaSource::Base64 {
+            Some(ByteSource::Base64 {
                 data: payload.to_owned(),
                 mime_type: (!mime.is_empty()).then(|| mime.to_ascii_lowercase()),
             })
         });
         match data_url {
             Some(source) => source,
-            None if url.starts_with("data:") => MediaSource::Base64 {
+            None if url.starts_with("data:") => ByteSource::Base64 {
                 // Not base64: decoding says so with a clear error.
                 data: String::from("!"),
                 mime_type: None,
             },
-            None => MediaSource::Url(url.to_owned()),
+            None => ByteSource::Url(url.to_owned()),
         }
     }
 }
@@ -328,17 +339,19 @@ mod tests {
         let media: Vec<_> = parts.iter().filter_map(Part::media).collect();
         assert!(matches!(
             &media[0],
-            (Some(MediaKind::Image), MediaSource::Base64 { data, mime_type: Some(m) })
+            (Some(MediaKind::Image), MediaSource::Bytes(ByteSource::Base64 { data, mime_type: Some(m) }))
                 if data == "aGk=" && m == "image/png"
         ));
         assert!(
-            matches!(&media[1], (Some(MediaKind::Video), MediaSource::Url(u)) if u.starts_with("https"))
+            matches!(&media[1], (Some(MediaKind::Video), MediaSource::Bytes(ByteSource::Url(u))) if u.starts_with("https"))
         );
         assert!(matches!(
             &media[2],
-            (Some(MediaKind::Audio), MediaSource::Base64 { mime_type: Some(m), .. }) if m == "audio/wav"
+            (Some(MediaKind::Audio), MediaSource::Bytes(ByteSource::Base64 { mime_type: Some(m), .. })) if m == "audio/wav"
         ));
-        assert!(matches!(&media[3], (None, MediaSource::File(id)) if id == "file-1"));
+        assert!(
+            matches!(&media[3], (None, MediaSource::Bytes(ByteSource::File(id))) if id == "file-1")
+        );
         assert!(matches!(
             &media[4],
             (Some(MediaKind::Image), MediaSource::Embeddings { embeddings, grid: None }) if embeddings == "ZW1i"

@@ -18,8 +18,8 @@ use crate::chat::{self, ChatServices, Generation, NativeModel, Prepared, Step};
 use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
 use crate::openai::{self, ChatCompletionRequest};
-use crate::upstream::Forwarded;
 use crate::upstream::embeds::{self, Rewrite};
+use crate::upstream::{Forwarded, inline};
 
 /// The reply header that carries the media accounts of a request whose images were encoded here
 /// for an upstream model (the reply itself, `usage` included, is the upstream's).
@@ -68,13 +68,10 @@ impl Gateway {
                 ),
             )),
             Some(Route::Upstream { pool, encoders }) => {
-                let (body, accounts) = match encoders {
-                    Some(model) => self
-                        .encode_for_upstream(model, body)
-                        .await
-                        .map_err(|e| ("upstream", e))?,
-                    None => (body, None),
-                };
+                let (body, accounts) = self
+                    .for_upstream(encoders.as_ref(), body)
+                    .await
+                    .map_err(|e| ("upstream", e))?;
                 // Consistent hashing keeps a user (else an identical request) on one server.
                 let key = routing.user.as_deref().map_or(&body[..], str::as_bytes);
                 let extra = accounts.map(|a| (MEDIA_HEADER, a));
@@ -95,20 +92,50 @@ impl Gateway {
         }
     }
 
+    fn services(&self) -> ChatServices<'_> {
+        ChatServices {
+            registry: self.plugins.registry(),
+            pool: &self.pool,
+            limits: &self.limits,
+            files: &self.files,
+            fetcher: &self.fetcher,
+        }
+    }
+
+    /// The request as an upstream model's server gets it, and the media accounts for the
+    /// [`MEDIA_HEADER`] when its images were encoded here (`encoders`: the model's, if it encodes
+    /// here). Otherwise its URLs and uploads are fetched and read here and sent as data URLs
+    /// ([`inline`]); a request with neither goes as it came, unparsed.
+    async fn for_upstream(
+        &self,
+        encoders: Option<&NativeModel>,
+        body: Bytes,
+    ) -> Result<(Bytes, Option<HeaderValue>), ApiError> {
+        if encoders.is_none() && !inline::may_point_elsewhere(&body) {
+            return Ok((body, None));
+        }
+        let mut value: Value = serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
+        if let Some(model) = encoders
+            && embeds::encode_here(&value)
+        {
+            return self.encode_for_upstream(model, value, body).await;
+        }
+        if !inline::inline_media(&mut value, &self.services()).await? {
+            return Ok((body, None));
+        }
+        let body = serde_json::to_vec(&value)
+            .map(Bytes::from)
+            .map_err(|e| encode_failed(&e.to_string()))?;
+        Ok((body, None))
+    }
+
     /// The request's media fetched, preprocessed and budgeted for `model`, and counted in the metrics.
     async fn prepare(
         &self,
         model: &NativeModel,
         request: ChatCompletionRequest,
     ) -> Result<Prepared, ApiError> {
-        let services = ChatServices {
-            registry: self.plugins.registry(),
-            pool: &self.pool,
-            limits: &self.limits,
-            files: &self.files,
-            fetcher: &self.fetcher,
-        };
-        let prepared = chat::prepare(model, request, &services).await?;
+        let prepared = chat::prepare(model, request, &self.services()).await?;
         self.metrics.media_prepared(&prepared.media);
         Ok(prepared)
     }
@@ -198,20 +225,16 @@ impl Gateway {
         }
     }
 
-    /// A request for a model whose LLM runs upstream, with its images encoded here: preprocessed
-    /// and budgeted as for a native model, encoded on this model's encoder devices, and sent on with
-    /// `image_embeds` parts in place of the images; and the media accounts (`usage.media` of a
-    /// native model) for the [`MEDIA_HEADER`] of the reply. Requests without images (or with video
-    /// or audio, which upstream engines take no embeddings of) go as they came.
+    /// A request (`value`, parsed from `body`) for a model whose LLM runs upstream, with its images
+    /// encoded here: preprocessed and budgeted as for a native model, encoded on this model's
+    /// encoder devices, and sent on with `image_embeds` parts in place of the images; and the media
+    /// accounts (`usage.media` of a native model) for the [`MEDIA_HEADER`] of the reply.
     async fn encode_for_upstream(
         &self,
         model: &NativeModel,
+        mut value: Value,
         body: Bytes,
     ) -> Result<(Bytes, Option<HeaderValue>), ApiError> {
-        let mut value: Value = serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
-        if !embeds::encode_here(&value) {
-            return Ok((body, None));
-        }
         let request: ChatCompletionRequest =
             serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
         drop(body);

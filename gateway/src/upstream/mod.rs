@@ -13,6 +13,7 @@
 pub mod embeds;
 mod health;
 mod idle;
+pub mod inline;
 pub mod tls;
 
 use std::collections::BTreeSet;

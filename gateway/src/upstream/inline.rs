@@ -1,0 +1,223 @@
+//! The media a forwarded request points at, made part of it. An upstream model's server gets every
+//! http(s) URL fetched here and every upload read here, as data URLs: this gateway's SSRF guard, byte
+//! limits and file store apply whichever route serves the model. Left as they were, an upstream
+//! engine would fetch the URLs itself from inside the network (past the guard), and would know
+//! nothing of this gateway's uploads.
+
+use base64::Engine as _;
+use memchr::memmem;
+use serde_json::{Value, json};
+
+use crate::chat::{ChatServices, MediaTally, source_bytes};
+use crate::error::ApiError;
+use crate::media::sniff_mime_type;
+use crate::model::MediaKind;
+use crate::openai::ByteSource;
+
+/// Whether the body may hold a part whose bytes are elsewhere: a cheap scan that lets the common
+/// requests (text, data URLs) go on without being parsed. `://` is in every URL but data URLs
+/// (base64 has no colon), `file_id` in every upload reference; a false alarm only costs a parse.
+pub fn may_point_elsewhere(body: &[u8]) -> bool {
+    memmem::find(body, b"://").is_some() || memmem::find(body, b"file_id").is_some()
+}
+
+/// A media part as found in the request.
+enum Found {
+    /// Its bytes are in the request already (base64, about `bytes` decoded).
+    Inline { kind: MediaKind, bytes: usize },
+    /// Embeddings: no media bytes; the upstream checks them.
+    Embeddings,
+    /// A URL or an upload: fetched or read here. An upload's kind is what its bytes are.
+    Elsewhere {
+        kind: Option<MediaKind>,
+        source: ByteSource,
+    },
+}
+
+/// Replaces the body's URL and upload parts with data URLs of their bytes, counting every media part
+/// against the request limits as a native model's request would be. Whether anything changed.
+pub async fn inline_media(body: &mut Value, services: &ChatServices<'_>) -> Result<bool, ApiError> {
+    let mut found = Vec::new();
+    let messages = body.get("messages").and_then(Value::as_array);
+    for (m, message) in messages.into_iter().flatten().enumerate() {
+        let parts = message.get("content").and_then(Value::as_array);
+        for (p, part) in parts.into_iter().flatten().enumerate() {
+            if let Some(media) = media_part(part) {
+                found.push((m, p, media));
+            }
+        }
+    }
+    let mut tally = MediaTally::new(services.limits, found.len())?;
+    let mut changed = false;
+    for (index, (m, p, media)) in found.into_iter().enumerate() {
+        let (kind, source) = match media {
+            Found::Inline { kind, bytes } => {
+                tally.add(index, kind, bytes)?;
+                continue;
+            }
+            Found::Embeddings => continue,
+            Found::Elsewhere { kind, source } => (kind, source),
+        };
+        let (data, declared) = source_bytes(index, source, tally.limit(kind), services).await?;
+        let mime = sniff_mime_type(&data).map(str::to_owned).or(declared);
+        let kind = match kind {
+            Some(kind) => kind,
+            None => kind_of(mime.as_deref()).ok_or_else(|| {
+                ApiError::new(
+                    http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "unsupported_media",
+                    format!(
+                        "media item {index}: the upload is {}, not an image, a video or audio",
+                        mime.as_deref().unwrap_or("of unknown type")
+                    ),
+                )
+            })?,
+        };
+        tally.add(index, kind, data.len())?;
+        let url = format!(
+            "data:{};base64,{}",
+            mime.as_deref().unwrap_or("application/octet-stream"),
+            base64::engine::general_purpose::STANDARD.encode(&data)
+        );
+        let part = &mut body["messages"][m]["content"][p];
+        let field = part_field(kind);
+        match part.get_mut(field).and_then(Value::as_object_mut) {
+            // A URL part keeps its other fields (`detail`).
+            Some(object) => {
+                object.insert("url".into(), Value::String(url));
+            }
+            // An upload (or a URL given as a bare string) becomes its kind's URL part.
+            None => *part = json!({"type": field, field: {"url": url}}),
+        }
+        changed = true;
+    }
+    Ok(changed)
+}
+
+/// What a part carries, if it is media.
+fn media_part(part: &Value) -> Option<Found> {
+    let kind = match part.get("type")?.as_str()? {
+        "image_url" => MediaKind::Image,
+        "video_url" => MediaKind::Video,
+        "audio_url" => MediaKind::Audio,
+        "input_audio" => {
+            let data = part["input_audio"]["data"].as_str().unwrap_or_default();
+            return Some(Found::Inline {
+                kind: MediaKind::Audio,
+                bytes: data.len() / 4 * 3,
+            });
+        }
+        "file" => {
+            let id = part["file"]["file_id"].as_str().unwrap_or_default();
+            return Some(Found::Elsewhere {
+                kind: None,
+                source: ByteSource::File(id.to_owned()),
+            });
+        }
+        "image_embeds" => return Some(Found::Embeddings),
+        // Text, and types this gateway does not know: the upstream's to judge.
+        _ => return None,
+    };
+    let value = &part[part_field(kind)];
+    let url = value.as_str().or_else(|| value["url"].as_str())?;
+    Some(match url.strip_prefix("data:") {
+        Some(data) => Found::Inline {
+            kind,
+            bytes: data.split_once(',').map_or(0, |(_, b64)| b64.len() / 4 * 3),
+        },
+        None => Found::Elsewhere {
+            kind: Some(kind),
+            source: ByteSource::Url(url.to_owned()),
+        },
+    })
+}
+
+/// The part type (and its field) that carries a URL of `kind`: OpenAI's `image_url`, vLLM's
+/// `video_url` and `audio_url`.
+fn part_field(kind: MediaKind) -> &'static str {
+    match kind {
+        MediaKind::Image => "image_url",
+        MediaKind::Video => "video_url",
+        MediaKind::Audio => "audio_url",
+    }
+}
+
+fn kind_of(mime: Option<&str>) -> Option<MediaKind> {
+    let (family, _) = mime?.split_once('/')?;
+    match family {
+        "image" => Some(MediaKind::Image),
+        "video" => Some(MediaKind::Video),
+        "audio" => Some(MediaKind::Audio),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn only_bodies_with_urls_or_uploads_are_parsed() {
+        assert!(!may_point_elsewhere(br#"{"messages":[{"content":"hi"}]}"#));
+        assert!(!may_point_elsewhere(
+            br#"{"messages":[{"content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBO"}}]}]}"#
+        ));
+        assert!(may_point_elsewhere(
+            br#"{"url":"https://example.com/a.png"}"#
+        ));
+        assert!(may_point_elsewhere(br#"{"file":{"file_id":"file-1"}}"#));
+    }
+
+    #[test]
+    fn parts_say_where_their_bytes_are() {
+        let found = |part: Value| media_part(&part);
+        assert!(matches!(
+            found(json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}})),
+            Some(Found::Inline {
+                kind: MediaKind::Image,
+                bytes: 3
+            })
+        ));
+        assert!(matches!(
+            found(json!({"type": "video_url", "video_url": {"url": "http://h/v.mp4"}})),
+            Some(Found::Elsewhere { kind: Some(MediaKind::Video), source: ByteSource::Url(u) }) if u == "http://h/v.mp4"
+        ));
+        assert!(matches!(
+            found(json!({"type": "image_url", "image_url": "https://h/a.png"})),
+            Some(Found::Elsewhere {
+                kind: Some(MediaKind::Image),
+                ..
+            })
+        ));
+        assert!(matches!(
+            found(json!({"type": "file", "file": {"file_id": "file-1"}})),
+            Some(Found::Elsewhere { kind: None, source: ByteSource::File(id) }) if id == "file-1"
+        ));
+        assert!(matches!(
+            found(
+                json!({"type": "input_audio", "input_audio": {"data": "AAAAAAAA", "format": "wav"}})
+            ),
+            Some(Found::Inline {
+                kind: MediaKind::Audio,
+                bytes: 6
+            })
+        ));
+        assert!(matches!(
+            found(json!({"type": "image_embeds", "image_embeds": "x"})),
+            Some(Found::Embeddings)
+        ));
+        assert!(found(json!({"type": "text", "text": "https://example.com"})).is_none());
+        assert!(found(json!({"type": "future_part"})).is_none());
+    }
+
+    #[test]
+    fn an_upload_is_the_kind_its_mime_type_says() {
+        assert_eq!(kind_of(Some("image/png")), Some(MediaKind::Image));
+        assert_eq!(kind_of(Some("video/mp4")), Some(MediaKind::Video));
+        assert_eq!(kind_of(Some("audio/x-wav")), Some(MediaKind::Audio));
+        assert_eq!(kind_of(Some("application/pdf")), None);
+        assert_eq!(kind_of(None), None);
+    }
+}
