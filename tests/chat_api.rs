@@ -863,6 +863,19 @@ fn images_encoded_in_front_and_sent_upstream_as_embeddings_answer_as_the_image_d
     let (_, models) = get(&front, "/v1/models");
     assert_eq!(models["data"][0]["served_by"], "upstream");
     assert_eq!(models["data"][0]["images_encoded_here"], true);
+    // Its encoder devices' queue is a gauge like a native model's.
+    let metrics = client()
+        .get(format!("http://{}/metrics", front.addr))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("mmgate_encoder_queue{model=\"demo\"} ")),
+        "{metrics}"
+    );
 
     let png = fixture("image/images/png-rgb-wide.png");
     let mut request = chat(

@@ -59,12 +59,14 @@ pub struct ModelGauges {
     pub kv_bytes: usize,
     pub feature_pinned_bytes: usize,
     pub feature_cached_bytes: usize,
-    pub encoder_queue: usize,
 }
 
 /// Everything sampled at scrape time.
 pub struct Snapshot {
     pub models: Vec<ModelGauges>,
+    /// Encode jobs queued or running per model with encoder devices here: native models, and
+    /// upstream ones whose images are encoded here.
+    pub encoder_queues: Vec<(String, usize)>,
     pub upstreams: Vec<(String, String, bool)>,
     pub plugin_queue: usize,
     pub file_bytes: usize,
@@ -306,10 +308,14 @@ impl Metrics {
             set(&self.engine_running, m.running);
             set(&self.engine_queued, m.queued);
             set(&self.waiting_for_encoder, m.waiting_for_encoder);
-            set(&self.encoder_queue, m.encoder_queue);
             set(&self.kv_bytes, m.kv_bytes);
             set(&self.feature_pinned, m.feature_pinned_bytes);
             set(&self.feature_cached, m.feature_cached_bytes);
+        }
+        for (model, queued) in snapshot.encoder_queues {
+            self.encoder_queue
+                .get_or_create(&ModelLabels { model })
+                .set(i64::try_from(queued).unwrap_or(i64::MAX));
         }
         for (model, upstream, healthy) in snapshot.upstreams {
             self.upstream_healthy

@@ -181,7 +181,16 @@ impl Gateway {
     fn snapshot(&self) -> Snapshot {
         let mut models = Vec::new();
         let mut upstreams = Vec::new();
+        let mut encoder_queues = Vec::new();
         for (name, route) in &self.models {
+            let encoders = match route {
+                Route::Native(model) => Some(model),
+                Route::Upstream { encoders, .. } => encoders.as_ref(),
+            };
+            if let Some(model) = encoders {
+                let loads = model.runtime.encoders.loads();
+                encoder_queues.push((name.clone(), loads.iter().map(|l| l.queued).sum()));
+            }
             match route {
                 Route::Native(model) => {
                     let Ok(engine) = model.runtime.engine() else {
@@ -197,13 +206,6 @@ impl Gateway {
                         kv_bytes: engine.kv_bytes,
                         feature_pinned_bytes: store.pinned_bytes,
                         feature_cached_bytes: store.cached_bytes,
-                        encoder_queue: model
-                            .runtime
-                            .encoders
-                            .loads()
-                            .iter()
-                            .map(|l| l.queued)
-                            .sum(),
                     });
                 }
                 Route::Upstream { pool, .. } => {
@@ -215,6 +217,7 @@ impl Gateway {
         }
         Snapshot {
             models,
+            encoder_queues,
             upstreams,
             plugin_queue: self.pool.queued(),
             file_bytes: self.files.bytes(),
