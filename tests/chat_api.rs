@@ -702,6 +702,16 @@ fn urls_and_uploads_for_an_upstream_model_are_fetched_here_and_sent_as_data() {
         (status, body["error"]["code"].as_str()),
         (404, Some("file_not_found"))
     );
+    let (status, body) = ask(
+        &guarded,
+        "demo",
+        json!({"type": "image_embeds", "image_embeds": "UEsDBA=="}),
+    );
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (400, Some("image_embeds_not_accepted")),
+        "{body}"
+    );
     let text_id = upload(&guarded, "notes.txt", b"plain text, not media".to_vec());
     let (status, body) = ask(
         &guarded,
@@ -854,7 +864,9 @@ fn an_https_upstream_is_verified_and_gets_its_own_key_never_the_gateways() {
 /// the upstream gives the image itself, token for token.
 #[test]
 fn images_encoded_in_front_and_sent_upstream_as_embeddings_answer_as_the_image_does() {
-    let (back, _d1) = start("");
+    // The upstream takes embeddings from its front (clients' are refused by default).
+    let (back, _d1) =
+        start("models = [{ name = \"demo\", path = \"demo\", accept_image_embeds = true }]\n");
     let config = format!(
         "models = [{{ name = \"demo\", path = \"demo\", upstreams = [\"{}\"] }}]\n",
         back.addr
@@ -959,6 +971,15 @@ fn images_encoded_in_front_and_sent_upstream_as_embeddings_answer_as_the_image_d
     }
     let (status, body) = post(&back, "/v1/chat/completions", &request);
     assert_eq!((status, text(&body)), (200, text(&direct)));
+
+    // The front does not take a client's embeddings: that is the upstream's setting, not its own.
+    let part = json!({"type": "image_embeds", "image_embeds": {"image_embeds": narrow, "image_grid_thw": grid}});
+    let (status, body) = post(&front, "/v1/chat/completions", &chat("demo", json!([part])));
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (400, Some("image_embeds_not_accepted")),
+        "{body}"
+    );
 }
 
 /// A plugin directory holding the test plugin, which serves `image` parts sent as

@@ -31,6 +31,8 @@ const MAX_STOP_STRINGS: usize = 16;
 pub struct NativeModel {
     pub runtime: ModelRuntime,
     pub on_encode_error: EncodeErrorPolicy,
+    /// Whether clients may send `image_embeds` parts.
+    pub accept_image_embeds: bool,
 }
 
 /// What a chat request needs besides its model.
@@ -98,6 +100,9 @@ pub async fn prepare(
             Some(Content::Text(text)) => content.push(ContentPart::Text(text)),
             Some(Content::Parts(parts)) => {
                 for part in parts {
+                    if matches!(part, Part::ImageEmbeds { .. }) && !model.accept_image_embeds {
+                        return Err(embeds_refused(&runtime.name));
+                    }
                     match (part.media(), part) {
                         (Some((kind, source)), _) => {
                             sources.push((kind, source));
@@ -762,6 +767,19 @@ fn internal(message: impl Into<String>) -> ApiError {
 
 fn context_exceeded(message: impl Into<String>) -> ApiError {
     ApiError::new(StatusCode::BAD_REQUEST, "context_length_exceeded", message)
+}
+
+/// The answer to an `image_embeds` part for a model that does not take them.
+pub fn embeds_refused(model: &str) -> ApiError {
+    let mut error = ApiError::new(
+        StatusCode::BAD_REQUEST,
+        "image_embeds_not_accepted",
+        format!(
+            "model {model} does not take image_embeds parts: send the image itself (its operator can allow embeddings with accept_image_embeds = true)"
+        ),
+    );
+    error.param = Some("messages");
+    error
 }
 
 fn too_large(index: usize, bytes: usize, limit: usize) -> ApiError {

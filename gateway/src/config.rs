@@ -94,6 +94,12 @@ pub struct ModelConfig {
     /// or its plugin's tensors do not fit the model (corrupt media are the client's error either way).
     #[serde(default)]
     pub on_encode_error: EncodeErrorPolicy,
+    /// Whether clients may send `image_embeds` parts (embeddings made elsewhere, merged with no
+    /// vision encoder) for this model. Off by default, as vLLM's `--enable-mm-embeds` is: such
+    /// vectors steer the model past what any image could; turn it on for a trusted front (another
+    /// mmgate encoding images for this one).
+    #[serde(default)]
+    pub accept_image_embeds: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -295,6 +301,7 @@ impl ModelConfig {
             prefill_chunk: default_prefill_chunk(),
             feature_cache_bytes: default_feature_cache_bytes(),
             on_encode_error: EncodeErrorPolicy::default(),
+            accept_image_embeds: false,
         }
     }
 

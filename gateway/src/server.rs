@@ -57,6 +57,7 @@ fn load_model(
     Ok(NativeModel {
         runtime,
         on_encode_error: model.on_encode_error,
+        accept_image_embeds: model.accept_image_embeds,
     })
 }
 

@@ -19,7 +19,7 @@ use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
 use crate::openai::{self, ChatCompletionRequest};
 use crate::upstream::embeds::{self, Rewrite};
-use crate::upstream::{Forwarded, inline};
+use crate::upstream::{Forwarded, UpstreamPool, inline};
 
 /// The reply header that carries the media accounts of a request whose images were encoded here
 /// for an upstream model (the reply itself, `usage` included, is the upstream's).
@@ -69,7 +69,7 @@ impl Gateway {
             )),
             Some(Route::Upstream { pool, encoders }) => {
                 let (body, accounts) = self
-                    .for_upstream(encoders.as_ref(), body)
+                    .for_upstream(pool, encoders.as_ref(), body)
                     .await
                     .map_err(|e| ("upstream", e))?;
                 // Consistent hashing keeps a user (else an identical request) on one server.
@@ -108,10 +108,11 @@ impl Gateway {
     /// ([`inline`]); a request with neither goes as it came, unparsed.
     async fn for_upstream(
         &self,
+        pool: &UpstreamPool,
         encoders: Option<&NativeModel>,
         body: Bytes,
     ) -> Result<(Bytes, Option<HeaderValue>), ApiError> {
-        if encoders.is_none() && !inline::may_point_elsewhere(&body) {
+        if encoders.is_none() && !inline::needs_a_look(&body, pool.accept_image_embeds) {
             return Ok((body, None));
         }
         let mut value: Value = serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
@@ -120,7 +121,7 @@ impl Gateway {
         {
             return self.encode_for_upstream(model, value, body).await;
         }
-        if !inline::inline_media(&mut value, &self.services()).await? {
+        if !inline::inline_media(&mut value, pool, &self.services()).await? {
             return Ok((body, None));
         }
         let body = serde_json::to_vec(&value)

@@ -8,17 +8,21 @@ use base64::Engine as _;
 use memchr::memmem;
 use serde_json::{Value, json};
 
-use crate::chat::{ChatServices, MediaTally, source_bytes};
+use super::UpstreamPool;
+use crate::chat::{ChatServices, MediaTally, embeds_refused, source_bytes};
 use crate::error::ApiError;
 use crate::media::sniff_mime_type;
 use crate::model::MediaKind;
 use crate::openai::ByteSource;
 
-/// Whether the body may hold a part whose bytes are elsewhere: a cheap scan that lets the common
-/// requests (text, data URLs) go on without being parsed. `://` is in every URL but data URLs
-/// (base64 has no colon), `file_id` in every upload reference; a false alarm only costs a parse.
-pub fn may_point_elsewhere(body: &[u8]) -> bool {
-    memmem::find(body, b"://").is_some() || memmem::find(body, b"file_id").is_some()
+/// Whether the body needs a look: it may hold a part whose bytes are elsewhere, or (when the model
+/// takes none) `image_embeds`. A cheap scan that lets the common requests (text, data URLs) go on
+/// without being parsed: `://` is in every URL but data URLs (base64 has no colon), `file_id` in
+/// every upload reference; a false alarm only costs a parse.
+pub fn needs_a_look(body: &[u8], accept_image_embeds: bool) -> bool {
+    memmem::find(body, b"://").is_some()
+        || memmem::find(body, b"file_id").is_some()
+        || (!accept_image_embeds && memmem::find(body, b"image_embeds").is_some())
 }
 
 /// A media part as found in the request.
@@ -35,8 +39,13 @@ enum Found {
 }
 
 /// Replaces the body's URL and upload parts with data URLs of their bytes, counting every media part
-/// against the request limits as a native model's request would be. Whether anything changed.
-pub async fn inline_media(body: &mut Value, services: &ChatServices<'_>) -> Result<bool, ApiError> {
+/// against the request limits as a native model's request would be; `image_embeds` parts are
+/// refused unless `pool` accepts them. Whether anything changed.
+pub async fn inline_media(
+    body: &mut Value,
+    pool: &UpstreamPool,
+    services: &ChatServices<'_>,
+) -> Result<bool, ApiError> {
     let mut found = Vec::new();
     let messages = body.get("messages").and_then(Value::as_array);
     for (m, message) in messages.into_iter().flatten().enumerate() {
@@ -55,7 +64,8 @@ pub async fn inline_media(body: &mut Value, services: &ChatServices<'_>) -> Resu
                 tally.add(index, kind, bytes)?;
                 continue;
             }
-            Found::Embeddings => continue,
+            Found::Embeddings if pool.accept_image_embeds => continue,
+            Found::Embeddings => return Err(embeds_refused(&pool.model)),
             Found::Elsewhere { kind, source } => (kind, source),
         };
         let (data, declared) = source_bytes(index, source, tally.limit(kind), services).await?;
@@ -159,15 +169,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_bodies_with_urls_or_uploads_are_parsed() {
-        assert!(!may_point_elsewhere(br#"{"messages":[{"content":"hi"}]}"#));
-        assert!(!may_point_elsewhere(
-            br#"{"messages":[{"content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBO"}}]}]}"#
-        ));
-        assert!(may_point_elsewhere(
-            br#"{"url":"https://example.com/a.png"}"#
-        ));
-        assert!(may_point_elsewhere(br#"{"file":{"file_id":"file-1"}}"#));
+    fn only_bodies_with_urls_uploads_or_refused_embeddings_are_parsed() {
+        for accept in [false, true] {
+            assert!(!needs_a_look(br#"{"messages":[{"content":"hi"}]}"#, accept));
+            assert!(!needs_a_look(
+                br#"{"messages":[{"content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBO"}}]}]}"#,
+                accept
+            ));
+            assert!(needs_a_look(
+                br#"{"url":"https://example.com/a.png"}"#,
+                accept
+            ));
+            assert!(needs_a_look(br#"{"file":{"file_id":"file-1"}}"#, accept));
+        }
+        let embeds = br#"{"type":"image_embeds","image_embeds":"UEsDBA"}"#;
+        assert!(needs_a_look(embeds, false));
+        assert!(!needs_a_look(embeds, true));
     }
 
     #[test]

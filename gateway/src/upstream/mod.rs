@@ -197,6 +197,8 @@ enum UpstreamAuth {
 
 pub struct UpstreamPool {
     pub model: String,
+    /// Whether clients may send `image_embeds` parts for the model.
+    pub accept_image_embeds: bool,
     balancer: Balancer,
     targets: Arc<Targets>,
     connector: Arc<TransportConnector>,
@@ -267,6 +269,7 @@ impl UpstreamPool {
         };
         let pool = UpstreamPool {
             model: model.name.clone(),
+            accept_image_embeds: model.accept_image_embeds,
             balancer,
             targets,
             connector,
