@@ -117,25 +117,43 @@ fn demo_dir(prefix: &str) -> String {
         .unwrap()
 }
 
-#[test]
-fn images_and_audio_by_data_url_upload_and_http_url_cost_what_their_plugins_planned() {
+/// A PNG and a WAV fixture, and the test media server's routes serving them as `/cat.png` and
+/// `/speech.wav`.
+fn media_routes() -> (Vec<u8>, Vec<u8>, HashMap<String, Answer>) {
     let png = fixture("image/images/png-rgb-wide.png");
     let wav = fixture("audio/clips/speech-16k-s16.wav");
     let mut routes = HashMap::new();
-    routes.insert(
-        "/cat.png".to_owned(),
-        Answer::Body {
-            content_type: "image/png".into(),
-            data: png.clone(),
-        },
-    );
-    routes.insert(
-        "/speech.wav".to_owned(),
-        Answer::Body {
-            content_type: "audio/wav".into(),
-            data: wav.clone(),
-        },
-    );
+    for (path, content_type, data) in [
+        ("/cat.png", "image/png", &png),
+        ("/speech.wav", "audio/wav", &wav),
+    ] {
+        let data = data.clone();
+        let content_type = content_type.into();
+        routes.insert(path.to_owned(), Answer::Body { content_type, data });
+    }
+    (png, wav, routes)
+}
+
+/// `POST /v1/files` of `bytes` named `name`; the store's answer.
+fn upload(server: &Server, name: &str, bytes: Vec<u8>) -> Value {
+    let form = reqwest::blocking::multipart::Form::new()
+        .text("purpose", "vision")
+        .part(
+            "file",
+            reqwest::blocking::multipart::Part::bytes(bytes).file_name(name.to_owned()),
+        );
+    client()
+        .post(format!("http://{}/v1/files", server.addr))
+        .multipart(form)
+        .send()
+        .unwrap()
+        .json()
+        .unwrap()
+}
+
+#[test]
+fn images_and_audio_by_data_url_upload_and_http_url_cost_what_their_plugins_planned() {
+    let (png, wav, mut routes) = media_routes();
     routes.insert("/moved.png".to_owned(), Answer::Redirect("/cat.png".into()));
     let files = FilesServer::start(routes);
     let (server, _dir) = start("[fetch]\nallow = [\"127.0.0.1/32\"]\n");
@@ -168,19 +186,7 @@ fn images_and_audio_by_data_url_upload_and_http_url_cost_what_their_plugins_plan
     assert!(usages.windows(2).all(|w| w[0] == w[1]), "{usages:?}");
 
     // An upload, referenced by file id.
-    let form = reqwest::blocking::multipart::Form::new()
-        .text("purpose", "vision")
-        .part(
-            "file",
-            reqwest::blocking::multipart::Part::bytes(png.clone()).file_name("cat.png"),
-        );
-    let uploaded: Value = client()
-        .post(format!("http://{}/v1/files", server.addr))
-        .multipart(form)
-        .send()
-        .unwrap()
-        .json()
-        .unwrap();
+    let uploaded = upload(&server, "cat.png", png.clone());
     let id = uploaded["id"].as_str().unwrap().to_owned();
     assert_eq!(uploaded["bytes"].as_u64(), Some(png.len() as u64));
     let by_file = chat(
@@ -587,23 +593,7 @@ fn an_upstream_pool_balances_passes_streams_through_and_ejects_a_dead_server() {
 /// never reaches the upstream; an upload that is not media is refused.
 #[test]
 fn urls_and_uploads_for_an_upstream_model_are_fetched_here_and_sent_as_data() {
-    let png = fixture("image/images/png-rgb-wide.png");
-    let wav = fixture("audio/clips/speech-16k-s16.wav");
-    let mut routes = HashMap::new();
-    routes.insert(
-        "/cat.png".to_owned(),
-        Answer::Body {
-            content_type: "image/png".into(),
-            data: png.clone(),
-        },
-    );
-    routes.insert(
-        "/speech.wav".to_owned(),
-        Answer::Body {
-            content_type: "audio/wav".into(),
-            data: wav.clone(),
-        },
-    );
+    let (png, wav, routes) = media_routes();
     let files = FilesServer::start(routes);
     // The upstream fetches nothing itself.
     let (back, _d1) = start("[fetch]\nenabled = false\n");
@@ -638,20 +628,10 @@ fn urls_and_uploads_for_an_upstream_model_are_fetched_here_and_sent_as_data() {
     let (status, direct) = ask(&back, "demo", image_part(&data_url("image/png", &png)));
     assert_eq!(status, 200, "{direct}");
     let upload = |server: &Server, name: &str, bytes: Vec<u8>| -> String {
-        let form = reqwest::blocking::multipart::Form::new()
-            .text("purpose", "vision")
-            .part(
-                "file",
-                reqwest::blocking::multipart::Part::bytes(bytes).file_name(name.to_owned()),
-            );
-        let uploaded: Value = client()
-            .post(format!("http://{}/v1/files", server.addr))
-            .multipart(form)
-            .send()
+        upload(server, name, bytes)["id"]
+            .as_str()
             .unwrap()
-            .json()
-            .unwrap();
-        uploaded["id"].as_str().unwrap().to_owned()
+            .to_owned()
     };
     let png_id = upload(&front, "cat.png", png.clone());
     for part in [

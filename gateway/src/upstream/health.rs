@@ -52,7 +52,7 @@ impl ServerCheck {
     async fn get(
         &self,
         target: &Target,
-        stream: pingora::protocols::Stream,
+        mut stream: pingora::protocols::Stream,
         path: &str,
     ) -> Result<()> {
         let mut request = format!(
@@ -66,7 +66,6 @@ impl ServerCheck {
             request.extend_from_slice(b"\r\n");
         }
         request.extend_from_slice(b"\r\n");
-        let mut stream = stream;
         let answer = async {
             stream
                 .write_all(&request)

@@ -89,7 +89,10 @@ pub async fn inline_media(
             mime.as_deref().unwrap_or("application/octet-stream"),
             base64::engine::general_purpose::STANDARD.encode(&data)
         );
-        let part = &mut body["messages"][m]["content"][p];
+        // Where the walk above found it: nothing has moved since.
+        let Some(part) = body.pointer_mut(&format!("/messages/{m}/content/{p}")) else {
+            continue;
+        };
         let field = part_field(kind);
         match part.get_mut(field).and_then(Value::as_object_mut) {
             // A URL part keeps its other fields (`detail`).
