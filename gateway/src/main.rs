@@ -8,6 +8,7 @@ mod config;
 mod error;
 mod fetch;
 mod files;
+mod http1;
 mod media;
 mod metrics;
 mod model;

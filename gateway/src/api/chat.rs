@@ -92,6 +92,23 @@ impl Gateway {
         }
     }
 
+    /// The pool a chat completion (`body`) can be relayed to as it came, and the key that picks a
+    /// server: a model served upstream and not encoding here, a request with no media to fetch or
+    /// check. `None` for everything else (including bodies that are not JSON: those get their
+    /// error from [`Gateway::chat_completions`]).
+    pub(super) fn passthrough_pool(&self, body: &[u8]) -> Option<(&UpstreamPool, Option<String>)> {
+        let routing: RoutingFields = serde_json::from_slice(body).ok()?;
+        match self.models.get(&routing.model)? {
+            Route::Upstream {
+                pool,
+                encoders: None,
+            } if !inline::needs_a_look(body, pool.accept_image_embeds) => {
+                Some((pool, routing.user))
+            }
+            _ => None,
+        }
+    }
+
     fn services(&self) -> ChatServices<'_> {
         ChatServices {
             registry: self.plugins.registry(),

@@ -3,6 +3,7 @@
 //! as they arrive.
 
 mod chat;
+mod connection;
 mod files;
 mod io;
 mod preprocess;
@@ -11,12 +12,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use async_trait::async_trait;
 use http::StatusCode;
 use mmgate_host::{CONTRACT_VERSION, PluginPool};
-use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
 use pingora::protocols::http::ServerSession;
-use pingora::server::ShutdownWatch;
 use serde_json::{Value, json};
 
 use crate::chat::NativeModel;
@@ -27,6 +25,7 @@ use crate::files::FileStore;
 use crate::metrics::{Metrics, ModelGauges, Snapshot};
 use crate::plugins::{LivePlugins, ReloadGuard};
 use crate::upstream::UpstreamPool;
+pub use connection::App;
 use io::{write_error, write_json};
 
 /// How a model is served.
@@ -128,14 +127,21 @@ impl Gateway {
 
     /// With `api_keys` configured, `/v1/*` needs `Authorization: Bearer <one of them>`.
     fn authenticate(&self, session: &ServerSession) -> Result<(), ApiError> {
-        if self.api_keys.is_empty() {
-            return Ok(());
-        }
-        let presented = session
+        let authorization = session
             .req_header()
             .headers
             .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
+            .map(http::HeaderValue::as_bytes);
+        self.check_key(authorization)
+    }
+
+    /// Whether an `Authorization` header value (if any) lets a request in.
+    fn check_key(&self, authorization: Option<&[u8]>) -> Result<(), ApiError> {
+        if self.api_keys.is_empty() {
+            return Ok(());
+        }
+        let presented = authorization
+            .and_then(|v| std::str::from_utf8(v).ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim);
         match presented {
@@ -229,38 +235,6 @@ impl Gateway {
 fn constant_time_eq(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// The application pingora runs for each connection: one request after another while the client
-/// keeps the connection alive.
-pub struct App(pub Arc<Gateway>);
-
-#[async_trait]
-impl HttpServerApp for App {
-    async fn process_new_http(
-        self: &Arc<Self>,
-        mut session: ServerSession,
-        shutdown: &ShutdownWatch,
-    ) -> Option<ReusedHttpStream> {
-        match session.read_request().await {
-            Ok(true) => {}
-            Ok(false) => return None,
-            Err(e) => {
-                tracing::debug!(error = %e, "reading a request");
-                return None;
-            }
-        }
-        session.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
-        self.0.handle(&mut session).await;
-        let persistent = HttpPersistentSettings::for_session(&session);
-        match session.finish().await {
-            Ok(stream) => stream.map(|s| ReusedHttpStream::from_reusable_stream(s, persistent)),
-            Err(e) => {
-                tracing::debug!(error = %e, "finishing a request");
-                None
-            }
-        }
-    }
 }
 
 #[cfg(test)]

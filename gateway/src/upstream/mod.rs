@@ -14,7 +14,10 @@ pub mod embeds;
 mod health;
 mod idle;
 pub mod inline;
+mod relay;
 pub mod tls;
+
+pub use relay::Relayed;
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -41,18 +44,7 @@ use tokio::io::AsyncWriteExt;
 
 use crate::config::{Balance, ModelConfig, UpstreamAddr};
 use crate::error::ApiError;
-
-/// Headers that describe one connection, not the message: never forwarded.
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "upgrade",
-];
+use crate::http1::HOP_BY_HOP;
 
 /// How long connecting to an upstream server (TLS handshake included) may take before the next
 /// one is tried.
@@ -319,17 +311,9 @@ impl UpstreamPool {
         // Few servers per pool: a list is the cheapest set.
         let mut tried = Vec::new();
         let mut last_error = String::from("no server is healthy");
-        for _ in 0..self.targets.0.len() * 2 {
-            let Some(backend) = self.balancer.select(key, &tried) else {
+        for _ in 0..self.attempts() {
+            let Some((server, target)) = self.next_server(key, &tried) else {
                 break;
-            };
-            let Some((server, target)) = backend
-                .addr
-                .as_inet()
-                .and_then(|s| Some((*s, self.targets.get(s)?.clone())))
-            else {
-                // Every backend is one of the pool's resolved addresses.
-                continue;
             };
             let wire = request_wire(
                 downstream.req_header(),
@@ -408,14 +392,32 @@ impl UpstreamPool {
             }
             return Forwarded::Answered;
         }
-        Forwarded::Failed(ApiError::new(
+        Forwarded::Failed(self.unavailable(&last_error))
+    }
+
+    /// How many tries a request gets: each server once, and once more after a kept-alive
+    /// connection it had closed.
+    fn attempts(&self) -> usize {
+        self.targets.0.len() * 2
+    }
+
+    /// The next healthy server to try (`key` for consistent hashing), not one of `tried`.
+    fn next_server(&self, key: &[u8], tried: &[SocketAddr]) -> Option<(SocketAddr, Arc<Target>)> {
+        let backend = self.balancer.select(key, tried)?;
+        // Every backend is one of the pool's resolved addresses.
+        let server = *backend.addr.as_inet()?;
+        Some((server, self.targets.get(&server)?.clone()))
+    }
+
+    fn unavailable(&self, last_error: &str) -> ApiError {
+        ApiError::new(
             StatusCode::BAD_GATEWAY,
             "upstream_unavailable",
             format!(
                 "no upstream of model {} could take the request ({last_error})",
                 self.model
             ),
-        ))
+        )
     }
 
     /// A kept-alive connection to `target` at `server`, or a new one; and whether it was kept

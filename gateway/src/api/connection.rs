@@ -1,0 +1,208 @@
+//! Each client connection (HTTP/1.1, over TCP or TLS): one request after another while the client
+//! keeps it open.
+//!
+//! A plain chat completion for an upstream model (text, data URLs) is relayed as bytes: the
+//! passthrough lane ([`crate::http1`], [`crate::upstream::UpstreamPool::relay`]). It is most of an
+//! inference proxy's traffic, and pingora's session types (a header map built and serialised again
+//! on each side) cost more than the rest of such a request. Every other request, or one the lane
+//! cannot be sure of, is served by pingora's HTTP/1 session, which starts from the bytes the lane
+//! has read; the lane takes the connection back after it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::BytesMut;
+use pingora::apps::ServerApp;
+use pingora::protocols::Stream;
+use pingora::protocols::http::ServerSession;
+use pingora::server::ShutdownWatch;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::Gateway;
+use crate::error::ApiError;
+use crate::http1::{self, Request};
+use crate::upstream::Relayed;
+
+/// How long a kept-alive connection may sit idle, and a request take to arrive (as pingora's
+/// session waits).
+const READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A head the lane has not recognised within this many bytes goes to pingora (which allows more).
+const MAX_LANE_HEAD: usize = 16 * 1024;
+
+/// What reads from the client ask room for.
+const READ_SIZE: usize = 8 * 1024;
+
+/// The application pingora runs for each connection.
+pub struct App(pub Arc<Gateway>);
+
+/// What the lane did with the request at the start of a connection's buffer.
+enum Lane {
+    /// Answered; the connection stays open when `keep_alive`.
+    Served { keep_alive: bool },
+    /// Not the lane's: pingora serves it from the buffered bytes.
+    Pingora,
+    /// The client closed the connection, went quiet, or failed.
+    Closed,
+}
+
+#[async_trait]
+impl ServerApp for App {
+    async fn process_new(
+        self: &Arc<Self>,
+        mut stream: Stream,
+        shutdown: &ShutdownWatch,
+    ) -> Option<Stream> {
+        let mut buf = BytesMut::new();
+        loop {
+            match self.0.passthrough(&mut stream, &mut buf).await {
+                Lane::Served { keep_alive: true } if !*shutdown.borrow() => {}
+                Lane::Served { .. } | Lane::Closed => return None,
+                Lane::Pingora => {
+                    (stream, buf) = self.0.serve_one(stream, buf, shutdown).await?;
+                }
+            }
+        }
+    }
+}
+
+impl Gateway {
+    /// Relays the request at the start of `buf` (reading more of it from `stream` as needed) if it
+    /// is the lane's.
+    async fn passthrough(&self, stream: &mut Stream, buf: &mut BytesMut) -> Lane {
+        let passable = loop {
+            match http1::parse_request(buf, self.limits.max_body_bytes) {
+                Request::Passable(passable) => break passable,
+                Request::Other => return Lane::Pingora,
+                Request::Partial if buf.len() > MAX_LANE_HEAD => return Lane::Pingora,
+                Request::Partial => {}
+            }
+            if !read_more(stream, buf).await {
+                return Lane::Closed;
+            }
+        };
+        let started = Instant::now();
+        let authorization = passable.authorization.clone().map(|r| &buf[r]);
+        if self.check_key(authorization).is_err() {
+            // Refused in pingora's session, as every other unauthenticated request is.
+            return Lane::Pingora;
+        }
+        while buf.len() < passable.len() {
+            if !read_more(stream, buf).await {
+                return Lane::Closed;
+            }
+        }
+        let Some((pool, user)) = self.passthrough_pool(&buf[passable.head_len..passable.len()])
+        else {
+            return Lane::Pingora;
+        };
+        let request = buf.split_to(passable.len());
+        let body = &request[passable.head_len..];
+        // Consistent hashing keeps a user (else an identical request) on one server.
+        let key = user.as_deref().map_or(body, str::as_bytes);
+        let (status, keep_alive) = match pool.relay(stream, &request, &passable, key).await {
+            Relayed::Answered { status, keep_alive } => (status, keep_alive),
+            Relayed::Failed(error) => {
+                let written = async {
+                    stream.write_all(&error_response(&error)).await?;
+                    stream.flush().await
+                }
+                .await;
+                (error.status, written.is_ok())
+            }
+        };
+        self.metrics.request_done(
+            "/v1/chat/completions",
+            "upstream",
+            status,
+            started.elapsed(),
+        );
+        Lane::Served { keep_alive }
+    }
+
+    /// Serves the request at the start of `buf` (and of what follows on `stream`) in a pingora
+    /// session; the connection and what was read past the request come back if it stays open.
+    async fn serve_one(
+        &self,
+        stream: Stream,
+        buf: BytesMut,
+        shutdown: &ShutdownWatch,
+    ) -> Option<(Stream, BytesMut)> {
+        let mut session = ServerSession::new_http1(stream);
+        if !buf.is_empty() {
+            session.set_pipelined_prefix(buf);
+        }
+        // Pipelined requests are served in turn (bytes read past this request come back below).
+        session.set_pipelining_enabled(true);
+        match session.read_request().await {
+            Ok(true) => {}
+            Ok(false) => return None,
+            Err(e) => {
+                tracing::debug!(error = %e, "reading a request");
+                return None;
+            }
+        }
+        session.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
+        self.handle(&mut session).await;
+        match session.finish().await {
+            Ok(Some(reusable)) => {
+                let (stream, prefix) = reusable.into_parts();
+                Some((stream, prefix.unwrap_or_default()))
+            }
+            Ok(None) => None,
+            Err(e) => {
+                tracing::debug!(error = %e, "finishing a request");
+                None
+            }
+        }
+    }
+}
+
+/// Reads more of a request into `buf`; false when the client closed, failed or went quiet.
+async fn read_more(stream: &mut Stream, buf: &mut BytesMut) -> bool {
+    buf.reserve(READ_SIZE);
+    match tokio::time::timeout(READ_TIMEOUT, stream.read_buf(buf)).await {
+        Ok(Ok(n)) => n > 0,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "reading a request");
+            false
+        }
+        Err(_) => false,
+    }
+}
+
+/// An error answer as the lane writes it: the JSON body every route answers errors with.
+fn error_response(error: &ApiError) -> Vec<u8> {
+    let body = error.body();
+    let status = error.status;
+    let mut wire = format!(
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or(""),
+        body.len()
+    )
+    .into_bytes();
+    wire.extend_from_slice(&body);
+    wire
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use http::StatusCode;
+
+    use super::*;
+
+    #[test]
+    fn a_lane_error_is_a_complete_json_response() {
+        let error = ApiError::new(StatusCode::BAD_GATEWAY, "upstream_failed", "gone");
+        let wire = String::from_utf8(error_response(&error)).unwrap();
+        let (head, body) = wire.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 502 Bad Gateway\r\n"), "{head}");
+        assert!(head.contains(&format!("content-length: {}", body.len())));
+        let body: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(body["error"]["code"], "upstream_failed");
+    }
+}

@@ -1,0 +1,572 @@
+//! HTTP/1.1 on the wire, for the passthrough lane: recognising a client request that can be
+//! forwarded as bytes, and finding where an upstream's response begins and ends so it can be relayed
+//! as bytes. Parsing only (no I/O), so every case is tested here.
+//!
+//! The lane exists for speed: building pingora's header maps for a request and its response, and
+//! serialising them again, costs more than the rest of a passthrough together. Anything out of the
+//! ordinary (other paths and methods, chunked or `Expect` requests, HTTP/1.0, `Connection: close`)
+//! is left to pingora's full HTTP/1 implementation.
+
+use std::ops::Range;
+
+/// Headers that describe one connection, not the message: never forwarded, either way.
+pub const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+/// Headers parsed per message; a message with more goes to pingora (which takes more).
+const MAX_HEADERS: usize = 64;
+
+/// What the start of a client's buffer holds.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Request {
+    /// Not a whole request head yet.
+    Partial,
+    /// A chat completion the lane can forward; its body may not all be read yet.
+    Passable(Passable),
+    /// Anything else: pingora serves it.
+    Other,
+}
+
+/// A `POST /v1/chat/completions` with a plain `Content-Length` body, as the upstream gets it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Passable {
+    /// Bytes of the request line and headers, the blank line included.
+    pub head_len: usize,
+    pub body_len: usize,
+    /// The request target (path and query) within the buffer.
+    pub target: Range<usize>,
+    /// The client's `Authorization` value within the buffer.
+    pub authorization: Option<Range<usize>>,
+    /// The client's other headers as they are forwarded (`name: value\r\n` each): less `Host`,
+    /// `Content-Length` and the hop-by-hop ones.
+    pub forwarded_headers: Vec<u8>,
+}
+
+impl Passable {
+    /// The whole request's length: head and body.
+    pub fn len(&self) -> usize {
+        self.head_len + self.body_len
+    }
+}
+
+/// Looks at the request at the start of `buf`. `max_body`: a larger body is pingora's to refuse.
+pub fn parse_request(buf: &[u8], max_body: usize) -> Request {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut request = httparse::Request::new(&mut headers);
+    let head_len = match request.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Request::Partial,
+        Err(_) => return Request::Other,
+    };
+    let (Some("POST"), Some(target), Some(1)) = (request.method, request.path, request.version)
+    else {
+        return Request::Other;
+    };
+    let path = target.split_once('?').map_or(target, |(path, _)| path);
+    if path != "/v1/chat/completions" {
+        return Request::Other;
+    }
+    let mut body_len = None;
+    let mut authorization = None;
+    let mut forwarded_headers = Vec::with_capacity(256);
+    for header in request.headers.iter() {
+        let name = header.name;
+        if name.eq_ignore_ascii_case("content-length") {
+            match (body_len, content_length(header.value)) {
+                (None, Some(n)) if n <= max_body => body_len = Some(n),
+                _ => return Request::Other,
+            }
+        } else if name.eq_ignore_ascii_case("transfer-encoding")
+            || name.eq_ignore_ascii_case("expect")
+            || name.eq_ignore_ascii_case("upgrade")
+            || (name.eq_ignore_ascii_case("connection") && !keep_alive_only(header.value))
+        {
+            return Request::Other;
+        } else if name.eq_ignore_ascii_case("authorization") {
+            authorization = Some(range_in(buf, header.value));
+        } else if !name.eq_ignore_ascii_case("host")
+            && !HOP_BY_HOP.iter().any(|h| name.eq_ignore_ascii_case(h))
+        {
+            forwarded_headers.extend_from_slice(name.as_bytes());
+            forwarded_headers.extend_from_slice(b": ");
+            forwarded_headers.extend_from_slice(header.value);
+            forwarded_headers.extend_from_slice(b"\r\n");
+        }
+    }
+    let Some(body_len) = body_len else {
+        return Request::Other;
+    };
+    Request::Passable(Passable {
+        head_len,
+        body_len,
+        target: range_in(buf, target.as_bytes()),
+        authorization,
+        forwarded_headers,
+    })
+}
+
+/// `part`'s place in `buf` (httparse hands out slices of the buffer it parsed).
+fn range_in(buf: &[u8], part: &[u8]) -> Range<usize> {
+    let start = part.as_ptr() as usize - buf.as_ptr() as usize;
+    start..start + part.len()
+}
+
+/// A `Content-Length` value: digits only (no sign, no list), as RFC 9110 has it.
+fn content_length(value: &[u8]) -> Option<usize> {
+    if value.is_empty() || value.len() > 15 || !value.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(value).ok()?.parse().ok()
+}
+
+/// Whether a `Connection` header asks for nothing but keeping the connection open.
+fn keep_alive_only(value: &[u8]) -> bool {
+    value
+        .split(|&b| b == b',')
+        .all(|token| token.trim_ascii().eq_ignore_ascii_case(b"keep-alive"))
+}
+
+/// An upstream's response head, rewritten for the client.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ResponseHead {
+    /// Bytes of the upstream's status line and headers, the blank line included.
+    pub head_len: usize,
+    pub status: u16,
+    /// How the body that follows ends.
+    pub framing: Framing,
+    /// Whether the upstream connection may take another request after this response.
+    pub reusable: bool,
+    /// The head the client gets: the status line and the headers less the hop-by-hop ones (a body
+    /// that ends when the connection does adds `connection: close`).
+    pub client_head: Vec<u8>,
+}
+
+/// Why an upstream's response cannot be relayed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ResponseError {
+    #[error("the upstream's response head is not HTTP/1: {0}")]
+    Head(String),
+    #[error("the upstream's response has an invalid Content-Length")]
+    Length,
+    #[error("the upstream's chunked body is malformed")]
+    Chunk,
+}
+
+/// Looks at the response at the start of `buf`: `None` until its head is complete. Informational
+/// (1xx) heads come back as they are; the caller skips them.
+pub fn parse_response(buf: &[u8]) -> Result<Option<ResponseHead>, ResponseError> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut response = httparse::Response::new(&mut headers);
+    let head_len = match response.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(ResponseError::Head(e.to_string())),
+    };
+    let (Some(version), Some(status)) = (response.version, response.code) else {
+        return Err(ResponseError::Head("no status".to_owned()));
+    };
+    let mut client_head = Vec::with_capacity(head_len + 32);
+    client_head.extend_from_slice(b"HTTP/1.1 ");
+    client_head.extend_from_slice(status.to_string().as_bytes());
+    client_head.push(b' ');
+    client_head.extend_from_slice(response.reason.unwrap_or("").as_bytes());
+    client_head.extend_from_slice(b"\r\n");
+
+    let mut length = None;
+    let mut chunked = false;
+    let mut transfer_encoded = false;
+    let mut close = version == 0;
+    for header in response.headers.iter() {
+        let name = header.name;
+        if name.eq_ignore_ascii_case("content-length") {
+            let n = content_length(header.value).ok_or(ResponseError::Length)?;
+            if length.is_some_and(|m| m != n) {
+                return Err(ResponseError::Length);
+            }
+            length = Some(n);
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            transfer_encoded = true;
+            // Only the last coding decides the framing (RFC 9112 6.3).
+            chunked = header
+                .value
+                .rsplit(|&b| b == b',')
+                .next()
+                .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        } else if name.eq_ignore_ascii_case("connection") {
+            let value = header.value;
+            if value
+                .split(|&b| b == b',')
+                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"))
+            {
+                close = true;
+            } else if version == 0
+                && value
+                    .split(|&b| b == b',')
+                    .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"keep-alive"))
+            {
+                close = false;
+            }
+        }
+        if HOP_BY_HOP.iter().any(|h| name.eq_ignore_ascii_case(h)) {
+            continue;
+        }
+        client_head.extend_from_slice(name.as_bytes());
+        client_head.extend_from_slice(b": ");
+        client_head.extend_from_slice(header.value);
+        client_head.extend_from_slice(b"\r\n");
+    }
+    let framing = if (100..200).contains(&status) || status == 204 || status == 304 {
+        Framing::Empty
+    } else if transfer_encoded {
+        if chunked {
+            Framing::Chunked(Chunked::default())
+        } else {
+            Framing::Close
+        }
+    } else if let Some(n) = length {
+        Framing::Length(n)
+    } else {
+        Framing::Close
+    };
+    if framing == Framing::Close {
+        client_head.extend_from_slice(b"connection: close\r\n");
+    }
+    client_head.extend_from_slice(b"\r\n");
+    Ok(Some(ResponseHead {
+        head_len,
+        status,
+        reusable: !close && framing != Framing::Close,
+        framing,
+        client_head,
+    }))
+}
+
+/// Where a response body ends.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Framing {
+    /// No body (1xx, 204, 304).
+    Empty,
+    /// This many bytes still to come.
+    Length(usize),
+    Chunked(Chunked),
+    /// Until the upstream closes the connection.
+    Close,
+}
+
+/// How much of a buffer belongs to the body.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Bytes at the start of the buffer that are body (framing included, for chunked bodies).
+    pub body: usize,
+    /// Whether the body ended within them.
+    pub done: bool,
+}
+
+impl Framing {
+    /// Takes the next bytes of the body from the start of `buf`.
+    pub fn advance(&mut self, buf: &[u8]) -> Result<Progress, ResponseError> {
+        match self {
+            Framing::Empty => Ok(Progress {
+                body: 0,
+                done: true,
+            }),
+            Framing::Length(left) => {
+                let body = (*left).min(buf.len());
+                *left -= body;
+                Ok(Progress {
+                    body,
+                    done: *left == 0,
+                })
+            }
+            Framing::Chunked(chunked) => chunked.advance(buf),
+            Framing::Close => Ok(Progress {
+                body: buf.len(),
+                done: false,
+            }),
+        }
+    }
+}
+
+/// Where a chunked body is (RFC 9112 7.1): followed byte by byte, never decoded, so the client
+/// gets the chunks as they came.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Chunked {
+    state: ChunkState,
+}
+
+#[derive(Debug, Default, PartialEq, Eq, Clone, Copy)]
+enum ChunkState {
+    /// In a chunk's size (this much so far).
+    #[default]
+    SizeStart,
+    Size(u64),
+    /// After the size: an extension, up to the line's end.
+    Extension(u64),
+    SizeLf(u64),
+    Data(u64),
+    DataCr,
+    DataLf,
+    /// At the start of a trailer line (or the final blank line).
+    TrailerStart,
+    Trailer,
+    FinalLf,
+    Done,
+}
+
+impl Chunked {
+    fn advance(&mut self, buf: &[u8]) -> Result<Progress, ResponseError> {
+        use ChunkState::*;
+        let mut i = 0;
+        while i < buf.len() && self.state != Done {
+            let byte = buf[i];
+            self.state = match self.state {
+                SizeStart | Size(_) => {
+                    let size = match self.state {
+                        Size(n) => n,
+                        _ => 0,
+                    };
+                    match byte {
+                        b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F' => {
+                            let digit = u64::from((byte as char).to_digit(16).unwrap_or(0));
+                            if size >> 56 != 0 {
+                                return Err(ResponseError::Chunk);
+                            }
+                            Size(size * 16 + digit)
+                        }
+                        _ if self.state == SizeStart => return Err(ResponseError::Chunk),
+                        b';' | b' ' | b'\t' => Extension(size),
+                        b'\r' => SizeLf(size),
+                        b'\n' => Self::after_size(size),
+                        _ => return Err(ResponseError::Chunk),
+                    }
+                }
+                Extension(size) => match byte {
+                    b'\r' => SizeLf(size),
+                    b'\n' => Self::after_size(size),
+                    _ => Extension(size),
+                },
+                SizeLf(size) if byte == b'\n' => Self::after_size(size),
+                Data(left) => {
+                    let take = usize::try_from(left)
+                        .unwrap_or(usize::MAX)
+                        .min(buf.len() - i);
+                    i += take;
+                    let left = left - take as u64;
+                    self.state = if left == 0 { DataCr } else { Data(left) };
+                    continue;
+                }
+                DataCr if byte == b'\r' => DataLf,
+                DataCr | DataLf if byte == b'\n' => SizeStart,
+                TrailerStart => match byte {
+                    b'\r' => FinalLf,
+                    b'\n' => Done,
+                    _ => Trailer,
+                },
+                Trailer if byte == b'\n' => TrailerStart,
+                Trailer => Trailer,
+                FinalLf if byte == b'\n' => Done,
+                SizeLf(_) | DataCr | DataLf | FinalLf | Done => return Err(ResponseError::Chunk),
+            };
+            i += 1;
+        }
+        Ok(Progress {
+            body: i,
+            done: self.state == Done,
+        })
+    }
+
+    fn after_size(size: u64) -> ChunkState {
+        if size == 0 {
+            ChunkState::TrailerStart
+        } else {
+            ChunkState::Data(size)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    const CHAT: &[u8] = b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nConnection: keep-alive\r\nAuthorization: Bearer sk-1\r\nContent-Length: 2\r\n\r\n{}";
+
+    fn passable(buf: &[u8]) -> Passable {
+        match parse_request(buf, 1 << 20) {
+            Request::Passable(p) => p,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_plain_chat_request_is_passable_with_its_target_key_and_forwarded_headers() {
+        let p = passable(CHAT);
+        assert_eq!(&CHAT[p.target.clone()], b"/v1/chat/completions?x=1");
+        assert_eq!(&CHAT[p.authorization.clone().unwrap()], b"Bearer sk-1");
+        assert_eq!(p.forwarded_headers, b"Content-Type: application/json\r\n");
+        assert_eq!((p.body_len, p.len()), (2, CHAT.len()));
+        // A head cut anywhere is partial, never misread.
+        for cut in 0..p.head_len {
+            assert_eq!(
+                parse_request(&CHAT[..cut], 1 << 20),
+                Request::Partial,
+                "{cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn anything_unusual_is_left_to_pingora() {
+        let swap = |from: &str, to: &str| {
+            String::from_utf8(CHAT.to_vec())
+                .unwrap()
+                .replacen(from, to, 1)
+        };
+        for request in [
+            swap("POST", "GET"),
+            swap("/v1/chat/completions", "/v1/files"),
+            swap("/v1/chat/completions?x=1", "/v1/chat/completions/x"),
+            swap("HTTP/1.1", "HTTP/1.0"),
+            swap("Connection: keep-alive", "Connection: close"),
+            swap("Connection: keep-alive", "Connection: upgrade"),
+            swap("Connection: keep-alive", "Expect: 100-continue"),
+            swap("Connection: keep-alive", "Transfer-Encoding: chunked"),
+            swap("Connection: keep-alive", "Content-Length: 3"),
+            swap("Content-Length: 2", "Content-Length: +2"),
+            swap("Content-Length: 2", "Content-Length: 2, 2"),
+            swap("Content-Length: 2", "X-Length: 2"),
+            swap("Host: gw", "Bad Header: x"),
+        ] {
+            assert_eq!(
+                parse_request(request.as_bytes(), 1 << 20),
+                Request::Other,
+                "{request}"
+            );
+        }
+        assert_eq!(
+            parse_request(CHAT, 1),
+            Request::Other,
+            "over the body limit"
+        );
+    }
+
+    fn head(text: &str) -> ResponseHead {
+        parse_response(text.as_bytes()).unwrap().unwrap()
+    }
+
+    #[test]
+    fn response_framing_follows_rfc_9112() {
+        let r = head(
+            "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: keep-alive\r\nX-A: 1\r\n\r\nhello",
+        );
+        assert_eq!(
+            (r.status, &r.framing, r.reusable),
+            (200, &Framing::Length(5), true)
+        );
+        assert_eq!(
+            String::from_utf8(r.client_head).unwrap(),
+            "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\n\r\n"
+        );
+        let r = head(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\nContent-Length: 9\r\n\r\n",
+        );
+        assert_eq!(r.framing, Framing::Chunked(Chunked::default()), "TE wins");
+        let r = head("HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n");
+        assert_eq!((&r.framing, r.reusable), (&Framing::Close, false));
+        let r = head("HTTP/1.1 200 OK\r\n\r\n");
+        assert_eq!((&r.framing, r.reusable), (&Framing::Close, false));
+        assert!(
+            String::from_utf8(r.client_head)
+                .unwrap()
+                .ends_with("connection: close\r\n\r\n")
+        );
+        let r = head("HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n");
+        assert_eq!((&r.framing, r.reusable), (&Framing::Length(0), false));
+        let r = head("HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\n");
+        assert!(!r.reusable, "HTTP/1.0 closes unless it says keep-alive");
+        let r = head("HTTP/1.0 200 OK\r\nConnection: Keep-Alive\r\nContent-Length: 1\r\n\r\n");
+        assert!(r.reusable);
+        for status in ["100 Continue", "204 No Content", "304 Not Modified"] {
+            let r = head(&format!("HTTP/1.1 {status}\r\nContent-Length: 9\r\n\r\n"));
+            assert_eq!(r.framing, Framing::Empty, "{status}");
+        }
+        for bad in [
+            "HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+        ] {
+            assert_eq!(parse_response(bad.as_bytes()), Err(ResponseError::Length));
+        }
+        assert!(parse_response(b"SSH-2.0-x\r\n\r\n").is_err());
+        assert_eq!(parse_response(b"HTTP/1.1 200 OK\r\nContent-Le"), Ok(None));
+    }
+
+    /// Feeds `body` to a chunked framing in pieces of `step` bytes: (body bytes, done).
+    fn follow(body: &[u8], step: usize) -> Result<(usize, bool), ResponseError> {
+        let mut framing = Framing::Chunked(Chunked::default());
+        let mut taken = 0;
+        for piece in body.chunks(step) {
+            let progress = framing.advance(piece)?;
+            taken += progress.body;
+            if progress.done {
+                return Ok((taken, true));
+            }
+            assert_eq!(progress.body, piece.len());
+        }
+        Ok((taken, false))
+    }
+
+    #[test]
+    fn a_chunked_body_ends_where_its_last_chunk_and_trailers_do_however_it_is_split() {
+        let body: &[u8] =
+            b"5;ext=1\r\nhello\r\n1A\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nX-T: 1\r\n\r\n";
+        for step in 1..=body.len() {
+            let mut with_next = body.to_vec();
+            with_next.extend_from_slice(b"HTTP/1.1 200 OK");
+            assert_eq!(follow(&with_next, step), Ok((body.len(), true)), "{step}");
+            assert_eq!(
+                follow(&body[..body.len() - 1], step),
+                Ok((body.len() - 1, false))
+            );
+        }
+        assert_eq!(follow(b"0\r\n\r\n", 1), Ok((5, true)));
+        assert_eq!(follow(b"0\n\n", 2), Ok((3, true)), "bare LFs are taken");
+        for bad in [
+            &b"x\r\n"[..],
+            b"5\r\nhelloX",
+            b"\r\n",
+            b"ffffffffffffffffff\r\n",
+        ] {
+            assert_eq!(follow(bad, 1), Err(ResponseError::Chunk), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_length_framed_body_takes_exactly_its_length() {
+        let mut framing = Framing::Length(5);
+        assert_eq!(
+            framing.advance(b"abc").unwrap(),
+            Progress {
+                body: 3,
+                done: false
+            }
+        );
+        assert_eq!(
+            framing.advance(b"deHTTP").unwrap(),
+            Progress {
+                body: 2,
+                done: true
+            }
+        );
+        assert!(Framing::Empty.advance(b"x").unwrap().done);
+        assert!(!Framing::Close.advance(b"x").unwrap().done);
+    }
+}

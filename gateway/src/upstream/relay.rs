@@ -1,0 +1,246 @@
+//! The passthrough lane's forwarding: a plain chat completion goes to a pool server as the bytes
+//! the client sent (its head rewritten as [`super::forward`] does), and the server's response comes
+//! back as the bytes it sent, its head less the hop-by-hop headers, its body (SSE streams included)
+//! relayed read by read. No header maps are built on either side: [`crate::http1`] finds where the
+//! head and the body end.
+
+use bytes::{Buf, BytesMut};
+use http::StatusCode;
+use pingora::protocols::Stream;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::{Target, UpstreamAuth, UpstreamPool, bad_gateway, idle};
+use crate::error::ApiError;
+use crate::http1::{self, Framing, Passable, ResponseHead};
+
+/// A response head larger than this is refused (pingora's own limit for a head is about as large).
+const MAX_RESPONSE_HEAD: usize = 64 * 1024;
+
+/// What reads from an upstream connection ask room for.
+const READ_SIZE: usize = 16 * 1024;
+
+/// The outcome of relaying.
+pub enum Relayed {
+    /// The upstream's answer, with this status, went to the client (completely, unless
+    /// `keep_alive` is false: then the client connection is done either way).
+    Answered {
+        status: StatusCode,
+        keep_alive: bool,
+    },
+    /// Nothing was sent to the client yet: answer with this error.
+    Failed(ApiError),
+}
+
+#[derive(Debug, thiserror::Error)]
+enum HeadError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Response(#[from] http1::ResponseError),
+    #[error("the connection closed before a response")]
+    Closed,
+    #[error("the response head is over {MAX_RESPONSE_HEAD} bytes")]
+    TooLarge,
+}
+
+impl UpstreamPool {
+    /// Sends `request` (the client's bytes, `passable` says what they hold) to a healthy server and
+    /// relays its answer to `client`. Servers are tried as [`UpstreamPool::forward`] tries them: one
+    /// that cannot be reached is skipped for the next, as is a kept-alive connection the server had
+    /// closed; once a server has answered anything, the request is not sent again.
+    pub async fn relay(
+        &self,
+        client: &mut Stream,
+        request: &[u8],
+        passable: &Passable,
+        key: &[u8],
+    ) -> Relayed {
+        let mut tried = Vec::new();
+        let mut last_error = String::from("no server is healthy");
+        for _ in 0..self.attempts() {
+            let Some((server, target)) = self.next_server(key, &tried) else {
+                break;
+            };
+            let (mut upstream, reused) = match self.connect(server, &target).await {
+                Ok(connection) => connection,
+                Err(e) => {
+                    tracing::warn!(model = %self.model, upstream = %server, error = %e, "upstream unreachable; trying the next");
+                    last_error = format!("{server}: {e}");
+                    tried.push(server);
+                    continue;
+                }
+            };
+            let wire = wire(request, passable, &target, &self.auth);
+            let mut buf = BytesMut::with_capacity(READ_SIZE);
+            let head = async {
+                upstream.write_all(&wire).await?;
+                upstream.flush().await?;
+                read_head(&mut upstream, &mut buf).await
+            }
+            .await;
+            match head {
+                Ok(head) => {
+                    return relay_answer(client, upstream, buf, head, (server, target.id)).await;
+                }
+                Err(e) => {
+                    last_error = format!("{server}: {e}");
+                    if reused && buf.is_empty() {
+                        // The server closed a kept-alive connection: the request never reached it.
+                        tracing::debug!(upstream = %server, error = %e, "stale upstream connection; retrying");
+                        continue;
+                    }
+                    tracing::warn!(model = %self.model, upstream = %server, error = %e, "upstream failed");
+                    return Relayed::Failed(bad_gateway(&self.model, &last_error));
+                }
+            }
+        }
+        Relayed::Failed(self.unavailable(&last_error))
+    }
+}
+
+/// The request as `target` gets it: the client's request line and forwarded headers, `Host`
+/// naming the server, `Authorization` as `auth` says, and the body.
+fn wire(request: &[u8], passable: &Passable, target: &Target, auth: &UpstreamAuth) -> Vec<u8> {
+    let body = &request[passable.head_len..passable.len()];
+    let mut wire = Vec::with_capacity(passable.head_len + 64 + body.len());
+    wire.extend_from_slice(b"POST ");
+    wire.extend_from_slice(&request[passable.target.clone()]);
+    wire.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    wire.extend_from_slice(target.authority.as_bytes());
+    wire.extend_from_slice(b"\r\n");
+    let authorization = match auth {
+        UpstreamAuth::Key(value) => Some(value.as_bytes()),
+        UpstreamAuth::PassThrough => passable.authorization.clone().map(|r| &request[r]),
+        UpstreamAuth::Strip => None,
+    };
+    if let Some(value) = authorization {
+        wire.extend_from_slice(b"authorization: ");
+        wire.extend_from_slice(value);
+        wire.extend_from_slice(b"\r\n");
+    }
+    wire.extend_from_slice(&passable.forwarded_headers);
+    wire.extend_from_slice(b"content-length: ");
+    wire.extend_from_slice(body.len().to_string().as_bytes());
+    wire.extend_from_slice(b"\r\n\r\n");
+    wire.extend_from_slice(body);
+    wire
+}
+
+/// Reads until `buf` starts with a final (non-1xx) response head; informational ones are dropped.
+async fn read_head(upstream: &mut Stream, buf: &mut BytesMut) -> Result<ResponseHead, HeadError> {
+    loop {
+        match http1::parse_response(buf)? {
+            Some(head) if (100..200).contains(&head.status) => buf.advance(head.head_len),
+            Some(head) => return Ok(head),
+            None if buf.len() > MAX_RESPONSE_HEAD => return Err(HeadError::TooLarge),
+            None => {
+                buf.reserve(READ_SIZE);
+                if upstream.read_buf(buf).await? == 0 {
+                    return Err(HeadError::Closed);
+                }
+            }
+        }
+    }
+}
+
+/// Relays the answer whose head `buf` starts with, then keeps the upstream connection for the
+/// next request when it can take one.
+async fn relay_answer(
+    client: &mut Stream,
+    mut upstream: Stream,
+    mut buf: BytesMut,
+    head: ResponseHead,
+    idle_key: idle::Key,
+) -> Relayed {
+    let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let (server, _) = idle_key;
+    let cut_short = |why: &dyn std::fmt::Display| {
+        tracing::warn!(upstream = %server, error = %why, "upstream failed mid-answer");
+        Relayed::Answered {
+            status,
+            keep_alive: false,
+        }
+    };
+    buf.advance(head.head_len);
+    let mut framing = head.framing;
+    // The head and what came with it leave in one write.
+    let mut out = head.client_head;
+    let mut progress = match framing.advance(&buf) {
+        Ok(progress) => progress,
+        Err(e) => return cut_short(&e),
+    };
+    out.extend_from_slice(&buf[..progress.body]);
+    let mut overread = buf.len() > progress.body;
+    if let Err(e) = write(client, &out).await {
+        return client_gone(status, &e);
+    }
+    while !progress.done {
+        buf.clear();
+        buf.reserve(READ_SIZE);
+        match upstream.read_buf(&mut buf).await {
+            Ok(0) if framing == Framing::Close => break,
+            Ok(0) => return cut_short(&"the connection closed mid-body"),
+            Ok(_) => {}
+            Err(e) => return cut_short(&e),
+        }
+        progress = match framing.advance(&buf) {
+            Ok(progress) => progress,
+            Err(e) => return cut_short(&e),
+        };
+        overread |= buf.len() > progress.body;
+        if let Err(e) = write(client, &buf[..progress.body]).await {
+            return client_gone(status, &e);
+        }
+    }
+    // Bytes past the body would be read as the next response's: such a connection is not kept.
+    if head.reusable && !overread {
+        idle::put(idle_key, upstream);
+    }
+    Relayed::Answered {
+        status,
+        keep_alive: framing != Framing::Close,
+    }
+}
+
+async fn write(client: &mut Stream, bytes: &[u8]) -> std::io::Result<()> {
+    client.write_all(bytes).await?;
+    client.flush().await
+}
+
+/// The client left: the upstream connection is dropped with its unread answer, not reused.
+fn client_gone(status: StatusCode, error: &std::io::Error) -> Relayed {
+    tracing::debug!(error = %error, "client went away mid-answer");
+    Relayed::Answered {
+        status,
+        keep_alive: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::config::UpstreamAddr;
+    use crate::http1::Request;
+
+    #[test]
+    fn the_relayed_request_names_the_server_and_carries_the_key_the_pool_says() {
+        let request = b"POST /v1/chat/completions?a=1 HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer sk-client\r\nConnection: keep-alive\r\nX-Trace: 7\r\nContent-Length: 2\r\n\r\n{}";
+        let Request::Passable(passable) = http1::parse_request(request, 1024) else {
+            panic!("passable");
+        };
+        let target = Target::new(UpstreamAddr::try_from("vllm:8000".to_owned()).unwrap());
+        let text = |auth| String::from_utf8(wire(request, &passable, &target, &auth)).unwrap();
+        assert_eq!(
+            text(UpstreamAuth::PassThrough),
+            "POST /v1/chat/completions?a=1 HTTP/1.1\r\nhost: vllm:8000\r\nauthorization: Bearer sk-client\r\nX-Trace: 7\r\ncontent-length: 2\r\n\r\n{}"
+        );
+        assert_eq!(
+            text(UpstreamAuth::Strip),
+            "POST /v1/chat/completions?a=1 HTTP/1.1\r\nhost: vllm:8000\r\nX-Trace: 7\r\ncontent-length: 2\r\n\r\n{}"
+        );
+        let key = UpstreamAuth::Key(http::HeaderValue::from_static("Bearer sk-up"));
+        assert!(text(key).contains("\r\nauthorization: Bearer sk-up\r\n"));
+    }
+}

@@ -1,0 +1,432 @@
+//! The passthrough lane on the wire: plain chat completions for an upstream model are relayed as
+//! bytes, everything else is served by pingora's HTTP/1 session, and one client connection moves
+//! between the two in order (pipelined requests included). The upstream's response framings
+//! (Content-Length, chunked with extensions and trailers, close-delimited, a 100 Continue first, a
+//! body cut short, not HTTP at all) reach the client as the upstream sent them, or as a clear error.
+//! The upstreams are a real mmgate and a scripted HTTP/1.1 server that answers each case exactly.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::server::Server;
+use serde_json::{Value, json};
+
+fn start(config: &str) -> (Server, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mmgate.toml");
+    std::fs::write(&path, config).unwrap();
+    let cache = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("passthrough-cache");
+    let server = Server::start_with_env(
+        &["--config", path.to_str().unwrap()],
+        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
+    );
+    (server, dir)
+}
+
+fn connect(server: &Server) -> BufReader<TcpStream> {
+    let stream = TcpStream::connect(&server.addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    BufReader::new(stream)
+}
+
+fn chat_request(model: &str, extra_headers: &str) -> String {
+    let body = json!({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "seed": 1})
+        .to_string();
+    format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n{extra_headers}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// One response: status, lower-cased headers, and the body as it was framed on the wire (chunked
+/// bodies are returned with their framing, close-delimited ones read to the end).
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    raw_body: Vec<u8>,
+}
+
+impl Response {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> Value {
+        let body = if self.header("transfer-encoding") == Some("chunked") {
+            dechunk(&self.raw_body)
+        } else {
+            self.raw_body.clone()
+        };
+        serde_json::from_slice(&body)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&body)))
+    }
+}
+
+fn read_response(reader: &mut BufReader<TcpStream>) -> Response {
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    let status = line
+        .split(' ')
+        .nth(1)
+        .unwrap_or_else(|| panic!("not a status line: {line:?}"))
+        .parse()
+        .unwrap();
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        reader.read_line(&mut line).unwrap();
+        let line = line.trim_end();
+        if line.is_empty() {
+            break;
+        }
+        let (name, value) = line.split_once(':').unwrap();
+        headers.push((name.to_ascii_lowercase(), value.trim().to_owned()));
+    }
+    let mut response = Response {
+        status,
+        headers,
+        raw_body: Vec::new(),
+    };
+    if let Some(length) = response.header("content-length") {
+        let mut body = vec![0; length.parse().unwrap()];
+        reader.read_exact(&mut body).unwrap();
+        response.raw_body = body;
+    } else if response.header("transfer-encoding") == Some("chunked") {
+        response.raw_body = read_chunked_raw(reader);
+    } else {
+        reader.read_to_end(&mut response.raw_body).unwrap();
+    }
+    response
+}
+
+/// A chunked body as it came, up to and including the blank line after the last chunk.
+fn read_chunked_raw(reader: &mut BufReader<TcpStream>) -> Vec<u8> {
+    let mut raw = Vec::new();
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        raw.extend_from_slice(line.as_bytes());
+        let size = usize::from_str_radix(line.trim_end().split(';').next().unwrap(), 16).unwrap();
+        if size == 0 {
+            loop {
+                let mut trailer = String::new();
+                reader.read_line(&mut trailer).unwrap();
+                raw.extend_from_slice(trailer.as_bytes());
+                if trailer == "\r\n" {
+                    return raw;
+                }
+            }
+        }
+        let mut data = vec![0; size + 2];
+        reader.read_exact(&mut data).unwrap();
+        raw.extend_from_slice(&data);
+    }
+}
+
+fn dechunk(raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut rest = raw;
+    loop {
+        let end = rest.windows(2).position(|w| w == b"\r\n").unwrap();
+        let size_text = std::str::from_utf8(&rest[..end]).unwrap();
+        let size = usize::from_str_radix(size_text.split(';').next().unwrap(), 16).unwrap();
+        rest = &rest[end + 2..];
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&rest[..size]);
+        rest = &rest[size + 2..];
+    }
+}
+
+fn send(client: &mut BufReader<TcpStream>, text: &str) {
+    client.get_mut().write_all(text.as_bytes()).unwrap();
+}
+
+fn assert_completion(response: &Response) {
+    assert_eq!(response.status, 200);
+    let body = response.json();
+    assert_eq!(body["object"], "chat.completion", "{body}");
+    assert_eq!(body["model"], "demo");
+}
+
+/// GETs, lane chats, pipelined chats (two lane requests, then a lane request and a GET, in one
+/// write each), a chunked request body (pingora's) and a `Connection: close` chat, all on one
+/// connection, answered in order.
+#[test]
+fn one_connection_moves_between_the_lane_and_pingora_in_order() {
+    let (back, _d1) = start("");
+    let (front, _d2) = start(&format!(
+        "models = [{{ name = \"demo\", upstreams = [\"{}\"] }}]\n",
+        back.addr
+    ));
+    let mut client = connect(&front);
+    let get = |path: &str| format!("GET {path} HTTP/1.1\r\nHost: gw\r\n\r\n");
+
+    send(&mut client, &get("/v1/models"));
+    let models = read_response(&mut client);
+    assert_eq!(models.status, 200);
+    assert_eq!(models.json()["data"][0]["id"], "demo");
+
+    send(&mut client, &chat_request("demo", ""));
+    let first = read_response(&mut client);
+    assert_completion(&first);
+
+    send(
+        &mut client,
+        &format!("{}{}", chat_request("demo", ""), chat_request("demo", "")),
+    );
+    for _ in 0..2 {
+        let again = read_response(&mut client);
+        assert_completion(&again);
+        assert_eq!(
+            again.json()["choices"],
+            first.json()["choices"],
+            "same seed"
+        );
+    }
+
+    send(
+        &mut client,
+        &format!("{}{}", chat_request("demo", ""), get("/health")),
+    );
+    assert_completion(&read_response(&mut client));
+    let health = read_response(&mut client);
+    assert_eq!(
+        (health.status, health.json()["status"].clone()),
+        (200, json!("ok"))
+    );
+
+    // A chunked request body is pingora's to read; it forwards it all the same.
+    let body = json!({"model": "demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "seed": 1})
+        .to_string();
+    let (a, b) = body.split_at(10);
+    send(
+        &mut client,
+        &format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{a}\r\n{:x}\r\n{b}\r\n0\r\n\r\n",
+            a.len(),
+            b.len()
+        ),
+    );
+    let chunked = read_response(&mut client);
+    assert_completion(&chunked);
+    assert_eq!(chunked.json()["choices"], first.json()["choices"]);
+
+    // Malformed JSON for the lane's path: the lane leaves it to the full route, which says why.
+    send(
+        &mut client,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 5\r\n\r\n{oops",
+    );
+    let bad = read_response(&mut client);
+    assert_eq!(bad.status, 400);
+    assert_eq!(bad.json()["error"]["code"], "invalid_request");
+
+    send(&mut client, &chat_request("demo", "Connection: close\r\n"));
+    assert_completion(&read_response(&mut client));
+    let mut rest = Vec::new();
+    client.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "the connection closed after the answer");
+}
+
+/// What the scripted upstream saw of one request.
+#[derive(Clone, Debug)]
+struct Seen {
+    connection: usize,
+    case: String,
+    head: String,
+}
+
+/// An HTTP/1.1 server answering each request as its `x-case` header says (keeping connections
+/// alive where the case allows), recording what it got.
+fn scripted_upstream() -> (String, Arc<Mutex<Vec<Seen>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        let connections = AtomicUsize::new(0);
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { continue };
+            let connection = connections.fetch_add(1, Ordering::Relaxed);
+            let log = log.clone();
+            std::thread::spawn(move || serve_scripted(stream, connection, &log));
+        }
+    });
+    (addr, seen)
+}
+
+const CHUNKS: [&str; 3] = [
+    "7;ext=1\r\ndata: 1\r\n",
+    "9\r\n\ndata: 2\n\r\n",
+    "0\r\nx-trailer: t\r\n\r\n",
+];
+const JSON_BODY: &str = r#"{"object":"chat.completion","model":"demo","choices":[]}"#;
+
+fn serve_scripted(stream: TcpStream, connection: usize, log: &Mutex<Vec<Seen>>) {
+    let mut reader = BufReader::new(stream);
+    loop {
+        let mut head = String::new();
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            head.push_str(&line);
+            if line == "\r\n" {
+                break;
+            }
+        }
+        let header = |name: &str| {
+            head.lines()
+                .find_map(|l| {
+                    let (n, v) = l.split_once(':')?;
+                    n.eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+                })
+                .unwrap_or_default()
+        };
+        let mut body = vec![0; header("content-length").parse().unwrap_or(0)];
+        reader.read_exact(&mut body).unwrap();
+        let case = header("x-case");
+        log.lock().unwrap().push(Seen {
+            connection,
+            case: case.clone(),
+            head: head.clone(),
+        });
+        let out = reader.get_mut();
+        let keep_open = match case.as_str() {
+            "length" => {
+                write!(
+                    out,
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nKeep-Alive: timeout=5\r\nContent-Length: {}\r\n\r\n{JSON_BODY}",
+                    JSON_BODY.len()
+                )
+                .unwrap();
+                true
+            }
+            "chunked" => {
+                write!(out, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n").unwrap();
+                for chunk in CHUNKS {
+                    // Split across writes, and within a chunk.
+                    let (a, b) = chunk.split_at(chunk.len() / 2);
+                    for part in [a, b] {
+                        out.write_all(part.as_bytes()).unwrap();
+                        out.flush().unwrap();
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
+                true
+            }
+            "continue" => {
+                write!(out, "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: {}\r\n\r\n{JSON_BODY}", JSON_BODY.len()).unwrap();
+                true
+            }
+            "close" => {
+                write!(
+                    out,
+                    "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{JSON_BODY}"
+                )
+                .unwrap();
+                false
+            }
+            "cut" => {
+                write!(
+                    out,
+                    "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{JSON_BODY}"
+                )
+                .unwrap();
+                false
+            }
+            _ => {
+                write!(out, "SSH-2.0-not-http\r\n\r\n").unwrap();
+                false
+            }
+        };
+        out.flush().unwrap();
+        if !keep_open {
+            return;
+        }
+    }
+}
+
+#[test]
+fn upstream_response_framings_reach_the_client_as_they_were_sent() {
+    let (upstream, seen) = scripted_upstream();
+    // One HTTP thread: kept-alive upstream connections are per thread, so reuse is deterministic.
+    let (front, _d) = start(&format!(
+        "http_threads = 1\nmodels = [{{ name = \"demo\", upstreams = [\"{upstream}\"], health_check = {{ path = \"\", interval_ms = 3600000 }} }}]\n"
+    ));
+    let case = |name: &str| format!("X-Case: {name}\r\nAuthorization: Bearer sk-client\r\n");
+    let mut client = connect(&front);
+
+    // Content-Length, three times on one client connection: one upstream connection carries all.
+    for _ in 0..3 {
+        send(&mut client, &chat_request("demo", &case("length")));
+        let response = read_response(&mut client);
+        assert_eq!(response.status, 200);
+        assert_eq!(response.raw_body, JSON_BODY.as_bytes());
+        assert_eq!(response.header("keep-alive"), None, "hop-by-hop dropped");
+    }
+    // Chunked, extensions and trailers included, byte for byte.
+    send(&mut client, &chat_request("demo", &case("chunked")));
+    let response = read_response(&mut client);
+    assert_eq!(response.header("content-type"), Some("text/event-stream"));
+    assert_eq!(response.raw_body, CHUNKS.concat().as_bytes());
+    // A 100 Continue is the gateway's to drop; the final answer follows.
+    send(&mut client, &chat_request("demo", &case("continue")));
+    let response = read_response(&mut client);
+    assert_eq!(response.status, 201);
+    assert_eq!(response.raw_body, JSON_BODY.as_bytes());
+    // A body that ends when the upstream closes ends the client's connection the same way.
+    send(&mut client, &chat_request("demo", &case("close")));
+    let response = read_response(&mut client);
+    assert_eq!(response.header("connection"), Some("close"));
+    assert_eq!(response.raw_body, JSON_BODY.as_bytes());
+
+    {
+        let seen = seen.lock().unwrap();
+        let lengths: Vec<&Seen> = seen.iter().filter(|s| s.case == "length").collect();
+        assert_eq!(lengths.len(), 3);
+        assert!(
+            lengths
+                .iter()
+                .all(|s| s.connection == lengths[0].connection),
+            "{seen:?}"
+        );
+        let head = lengths[0].head.to_ascii_lowercase();
+        assert!(head.starts_with("post /v1/chat/completions http/1.1\r\n"));
+        assert!(head.contains(&format!("host: {upstream}\r\n")), "{head}");
+        assert!(head.contains("authorization: bearer sk-client\r\n"));
+        assert!(!head.contains("host: gw"));
+    }
+
+    // A body cut short: the client gets what came and the connection closes (there is no way to
+    // say more on it); a response that is not HTTP is a 502; the gateway goes on serving.
+    let mut client = connect(&front);
+    send(&mut client, &chat_request("demo", &case("cut")));
+    let mut cut = Vec::new();
+    client.read_to_end(&mut cut).unwrap();
+    let cut = String::from_utf8(cut).unwrap();
+    assert!(cut.starts_with("HTTP/1.1 200 OK\r\n"), "{cut}");
+    assert!(cut.ends_with(JSON_BODY), "{cut}");
+
+    let mut client = connect(&front);
+    send(&mut client, &chat_request("demo", &case("garbage")));
+    let response = read_response(&mut client);
+    assert_eq!(response.status, 502);
+    assert_eq!(response.json()["error"]["code"], "upstream_failed");
+    send(&mut client, &chat_request("demo", &case("length")));
+    assert_eq!(read_response(&mut client).raw_body, JSON_BODY.as_bytes());
+}
