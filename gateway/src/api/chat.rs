@@ -2,6 +2,7 @@
 //! stream) or to the model's upstream pool (forwarded as it came, or with its images encoded here and
 //! sent as embeddings).
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -27,10 +28,12 @@ const MEDIA_HEADER: &str = "x-mmgate-media";
 
 /// Just what routing needs; the rest of the body is left to whoever serves the model.
 #[derive(Deserialize)]
-struct RoutingFields {
-    model: String,
-    #[serde(default)]
-    user: Option<String>,
+struct RoutingFields<'a> {
+    /// Borrowed from the body unless it has escapes.
+    #[serde(borrow)]
+    model: Cow<'a, str>,
+    #[serde(default, borrow)]
+    user: Option<Cow<'a, str>>,
 }
 
 impl Gateway {
@@ -38,7 +41,7 @@ impl Gateway {
         let started = Instant::now();
         let outcome = self.chat_inner(session).await;
         let (route, status) = match &outcome {
-            Ok(route) => (*route, StatusCode::OK),
+            Ok(answered) => *answered,
             Err((route, error)) => (*route, error.status),
         };
         if let Err((_, error)) = outcome {
@@ -48,17 +51,18 @@ impl Gateway {
             .request_done("/v1/chat/completions", route, status, started.elapsed());
     }
 
-    /// The route taken ("native", "upstream", or "none"), or the error to answer with.
+    /// The route taken ("native", "upstream", or "none") and the status answered, or the error to
+    /// answer with.
     async fn chat_inner(
         &self,
         session: &mut ServerSession,
-    ) -> Result<&'static str, (&'static str, ApiError)> {
+    ) -> Result<(&'static str, StatusCode), (&'static str, ApiError)> {
         let body = read_body(session, self.limits.max_body_bytes)
             .await
             .map_err(|e| ("none", e))?;
         let routing: RoutingFields =
             serde_json::from_slice(&body).map_err(|e| ("none", invalid_json(&e)))?;
-        match self.models.get(&routing.model) {
+        match self.models.get(routing.model.as_ref()) {
             None => Err((
                 "none",
                 ApiError::new(
@@ -69,14 +73,14 @@ impl Gateway {
             )),
             Some(Route::Upstream { pool, encoders }) => {
                 let (body, accounts) = self
-                    .for_upstream(pool, encoders.as_ref(), body)
+                    .for_upstream(pool, encoders.as_ref(), body.clone())
                     .await
                     .map_err(|e| ("upstream", e))?;
                 // Consistent hashing keeps a user (else an identical request) on one server.
                 let key = routing.user.as_deref().map_or(&body[..], str::as_bytes);
                 let extra = accounts.map(|a| (MEDIA_HEADER, a));
                 match pool.forward(session, body.clone(), key, extra).await {
-                    Forwarded::Answered => Ok("upstream"),
+                    Forwarded::Answered(status) => Ok(("upstream", status)),
                     Forwarded::Failed(error) => Err(("upstream", error)),
                 }
             }
@@ -86,7 +90,7 @@ impl Gateway {
                 drop(body);
                 self.native(session, model, request)
                     .await
-                    .map(|()| "native")
+                    .map(|()| ("native", StatusCode::OK))
                     .map_err(|e| ("native", e))
             }
         }
@@ -98,12 +102,12 @@ impl Gateway {
     /// error from [`Gateway::chat_completions`]).
     pub(super) fn passthrough_pool(&self, body: &[u8]) -> Option<(&UpstreamPool, Option<String>)> {
         let routing: RoutingFields = serde_json::from_slice(body).ok()?;
-        match self.models.get(&routing.model)? {
+        match self.models.get(routing.model.as_ref())? {
             Route::Upstream {
                 pool,
                 encoders: None,
             } if !inline::needs_a_look(body, pool.accept_image_embeds) => {
-                Some((pool, routing.user))
+                Some((pool, routing.user.map(Cow::into_owned)))
             }
             _ => None,
         }

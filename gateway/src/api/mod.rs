@@ -115,9 +115,11 @@ impl Gateway {
         // Labels come from the routes, never from the client's path: ids and unknown paths would
         // make a new series each, without bound.
         let label = match path.as_str() {
-            "/health" | "/v1/models" | "/v1/plugins" | "/v1/preprocess" | "/v1/files" => {
-                path.as_str()
-            }
+            "/health" => "/health",
+            "/v1/models" => "/v1/models",
+            "/v1/plugins" => "/v1/plugins",
+            "/v1/preprocess" => "/v1/preprocess",
+            "/v1/files" => "/v1/files",
             p if p.starts_with("/v1/files/") => "/v1/files/{id}",
             _ => "other",
         };

@@ -4,6 +4,8 @@
 //! engine would fetch the URLs itself from inside the network (past the guard), and would know
 //! nothing of this gateway's uploads.
 
+use std::sync::LazyLock;
+
 use base64::Engine as _;
 use memchr::memmem;
 use serde_json::{Value, json};
@@ -20,9 +22,13 @@ use crate::openai::ByteSource;
 /// without being parsed: `://` is in every URL but data URLs (base64 has no colon), `file_id` in
 /// every upload reference; a false alarm only costs a parse.
 pub fn needs_a_look(body: &[u8], accept_image_embeds: bool) -> bool {
-    memmem::find(body, b"://").is_some()
-        || memmem::find(body, b"file_id").is_some()
-        || (!accept_image_embeds && memmem::find(body, b"image_embeds").is_some())
+    // Built once: building a searcher costs more than running it over a typical body.
+    static FINDERS: LazyLock<[memmem::Finder<'static>; 3]> =
+        LazyLock::new(|| [b"://".as_slice(), b"file_id", b"image_embeds"].map(memmem::Finder::new));
+    let [url, upload, embeds] = &*FINDERS;
+    url.find(body).is_some()
+        || upload.find(body).is_some()
+        || (!accept_image_embeds && embeds.find(body).is_some())
 }
 
 /// A media part as found in the request.

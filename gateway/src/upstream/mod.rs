@@ -199,8 +199,9 @@ pub struct UpstreamPool {
 
 /// The outcome of forwarding.
 pub enum Forwarded {
-    /// The upstream's answer went to the client (completely, or until one side failed).
-    Answered,
+    /// The upstream's answer, with this status, went to the client (completely, or until one side
+    /// failed).
+    Answered(StatusCode),
     /// Nothing was sent to the client yet: answer with this error.
     Failed(ApiError),
 }
@@ -357,13 +358,14 @@ impl UpstreamPool {
             let Some(header) = upstream.resp_header() else {
                 return Forwarded::Failed(bad_gateway(&self.model, "no response header"));
             };
+            let status = header.status;
             let mut response = downstream_response(header);
             if let Some((name, value)) = extra.clone() {
                 let _ = response.insert_header(name, value);
             }
             if let Err(e) = downstream.write_response_header(Box::new(response)).await {
                 tracing::debug!(error = %e, "client went away before the answer");
-                return Forwarded::Answered;
+                return Forwarded::Answered(status);
             }
             loop {
                 match upstream.read_body_bytes().await {
@@ -371,13 +373,13 @@ impl UpstreamPool {
                         if let Err(e) = downstream.write_response_body(chunk, false).await {
                             // The client left: the upstream connection is dropped, not reused.
                             tracing::debug!(error = %e, "client went away mid-answer");
-                            return Forwarded::Answered;
+                            return Forwarded::Answered(status);
                         }
                     }
                     Ok(None) => break,
                     Err(e) => {
                         tracing::warn!(upstream = %server, error = %e, "upstream failed mid-answer");
-                        return Forwarded::Answered;
+                        return Forwarded::Answered(status);
                     }
                 }
             }
@@ -390,7 +392,7 @@ impl UpstreamPool {
                     idle::put((server, target.id), stream);
                 }
             }
-            return Forwarded::Answered;
+            return Forwarded::Answered(status);
         }
         Forwarded::Failed(self.unavailable(&last_error))
     }
