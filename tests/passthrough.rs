@@ -208,6 +208,13 @@ fn one_connection_moves_between_the_lane_and_pingora_in_order() {
         (health.status, health.json()["status"].clone()),
         (200, json!("ok"))
     );
+    // And the other way round: what pingora read past its request comes back to the lane.
+    send(
+        &mut client,
+        &format!("{}{}", get("/health"), chat_request("demo", "")),
+    );
+    assert_eq!(read_response(&mut client).status, 200);
+    assert_completion(&read_response(&mut client));
 
     // A chunked request body is pingora's to read; it forwards it all the same.
     let body = json!({"model": "demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "seed": 1})

@@ -91,6 +91,10 @@ pub fn parse_request(buf: &[u8], max_body: usize) -> Request {
         {
             return Request::Other;
         } else if name.eq_ignore_ascii_case("authorization") {
+            if authorization.is_some() {
+                // Which of two keys counts is pingora's to decide, as for every other route.
+                return Request::Other;
+            }
             authorization = Some(range_in(buf, header.value));
         } else if !name.eq_ignore_ascii_case("host")
             && !HOP_BY_HOP.iter().any(|h| name.eq_ignore_ascii_case(h))
@@ -147,6 +151,19 @@ pub struct ResponseHead {
     /// The head the client gets: the status line and the headers less the hop-by-hop ones (a body
     /// that ends when the connection does adds `connection: close`).
     pub client_head: Vec<u8>,
+}
+
+impl ResponseHead {
+    /// Makes the client's head say the connection ends after this response (`connection: close`),
+    /// as a server shutting down says it.
+    pub fn announce_close(&mut self) {
+        // A close-delimited body says so already.
+        if self.framing != Framing::Close {
+            self.client_head.truncate(self.client_head.len() - 2);
+            self.client_head
+                .extend_from_slice(b"connection: close\r\n\r\n");
+        }
+    }
 }
 
 /// Why an upstream's response cannot be relayed.
@@ -445,6 +462,7 @@ mod tests {
             swap("Content-Length: 2", "Content-Length: 2, 2"),
             swap("Content-Length: 2", "X-Length: 2"),
             swap("Host: gw", "Bad Header: x"),
+            swap("Host: gw", "Authorization: Bearer sk-2"),
         ] {
             assert_eq!(
                 parse_request(request.as_bytes(), 1 << 20),
@@ -488,6 +506,12 @@ mod tests {
             String::from_utf8(r.client_head)
                 .unwrap()
                 .ends_with("connection: close\r\n\r\n")
+        );
+        let mut r = head("HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n");
+        r.announce_close();
+        assert_eq!(
+            String::from_utf8(r.client_head).unwrap(),
+            "HTTP/1.1 200 OK\r\nContent-Length: 0\r\nconnection: close\r\n\r\n"
         );
         let r = head("HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n");
         assert_eq!((&r.framing, r.reusable), (&Framing::Length(0), false));

@@ -56,8 +56,8 @@ impl ServerApp for App {
     ) -> Option<Stream> {
         let mut buf = BytesMut::new();
         loop {
-            match self.0.passthrough(&mut stream, &mut buf).await {
-                Lane::Served { keep_alive: true } if !*shutdown.borrow() => {}
+            match self.0.passthrough(&mut stream, &mut buf, shutdown).await {
+                Lane::Served { keep_alive: true } => {}
                 Lane::Served { .. } | Lane::Closed => return None,
                 Lane::Pingora => {
                     (stream, buf) = self.0.serve_one(stream, buf, shutdown).await?;
@@ -69,8 +69,13 @@ impl ServerApp for App {
 
 impl Gateway {
     /// Relays the request at the start of `buf` (reading more of it from `stream` as needed) if it
-    /// is the lane's.
-    async fn passthrough(&self, stream: &mut Stream, buf: &mut BytesMut) -> Lane {
+    /// is the lane's. Once the server is shutting down, the answer closes the connection.
+    async fn passthrough(
+        &self,
+        stream: &mut Stream,
+        buf: &mut BytesMut,
+        shutdown: &ShutdownWatch,
+    ) -> Lane {
         let passable = loop {
             match http1::parse_request(buf, self.limits.max_body_bytes) {
                 Request::Passable(passable) => break passable,
@@ -101,15 +106,17 @@ impl Gateway {
         let body = &request[passable.head_len..];
         // Consistent hashing keeps a user (else an identical request) on one server.
         let key = user.as_deref().map_or(body, str::as_bytes);
-        let (status, keep_alive) = match pool.relay(stream, &request, &passable, key).await {
+        let closing = *shutdown.borrow();
+        let relayed = pool.relay(stream, &request, &passable, key, closing).await;
+        let (status, keep_alive) = match relayed {
             Relayed::Answered { status, keep_alive } => (status, keep_alive),
             Relayed::Failed(error) => {
                 let written = async {
-                    stream.write_all(&error_response(&error)).await?;
+                    stream.write_all(&error_response(&error, closing)).await?;
                     stream.flush().await
                 }
                 .await;
-                (error.status, written.is_ok())
+                (error.status, written.is_ok() && !closing)
             }
         };
         self.metrics.request_done(
@@ -173,14 +180,15 @@ async fn read_more(stream: &mut Stream, buf: &mut BytesMut) -> bool {
 }
 
 /// An error answer as the lane writes it: the JSON body every route answers errors with.
-fn error_response(error: &ApiError) -> Vec<u8> {
+fn error_response(error: &ApiError, closing: bool) -> Vec<u8> {
     let body = error.body();
     let status = error.status;
     let mut wire = format!(
-        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}\r\n",
         status.as_u16(),
         status.canonical_reason().unwrap_or(""),
-        body.len()
+        body.len(),
+        if closing { "connection: close\r\n" } else { "" },
     )
     .into_bytes();
     wire.extend_from_slice(&body);
@@ -198,7 +206,12 @@ mod tests {
     #[test]
     fn a_lane_error_is_a_complete_json_response() {
         let error = ApiError::new(StatusCode::BAD_GATEWAY, "upstream_failed", "gone");
-        let wire = String::from_utf8(error_response(&error)).unwrap();
+        assert!(
+            String::from_utf8(error_response(&error, true))
+                .unwrap()
+                .contains("\r\nconnection: close\r\n\r\n")
+        );
+        let wire = String::from_utf8(error_response(&error, false)).unwrap();
         let (head, body) = wire.split_once("\r\n\r\n").unwrap();
         assert!(head.starts_with("HTTP/1.1 502 Bad Gateway\r\n"), "{head}");
         assert!(head.contains(&format!("content-length: {}", body.len())));

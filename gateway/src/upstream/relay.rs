@@ -45,7 +45,7 @@ enum HeadError {
 
 impl UpstreamPool {
     /// Sends `request` (the client's bytes, `passable` says what they hold) to a healthy server and
-    /// relays its answer to `client`. Servers are tried as [`UpstreamPool::forward`] tries them: one
+    /// relays its answer to `client` (saying the connection closes after it when `closing`). Servers are tried as [`UpstreamPool::forward`] tries them: one
     /// that cannot be reached is skipped for the next, as is a kept-alive connection the server had
     /// closed; once a server has answered anything, the request is not sent again.
     pub async fn relay(
@@ -54,6 +54,7 @@ impl UpstreamPool {
         request: &[u8],
         passable: &Passable,
         key: &[u8],
+        closing: bool,
     ) -> Relayed {
         let mut tried = Vec::new();
         let mut last_error = String::from("no server is healthy");
@@ -80,7 +81,8 @@ impl UpstreamPool {
             .await;
             match head {
                 Ok(head) => {
-                    return relay_answer(client, upstream, buf, head, (server, target.id)).await;
+                    let idle_key = (server, target.id);
+                    return relay_answer(client, upstream, buf, head, idle_key, closing).await;
                 }
                 Err(e) => {
                     last_error = format!("{server}: {e}");
@@ -149,8 +151,9 @@ async fn relay_answer(
     client: &mut Stream,
     mut upstream: Stream,
     mut buf: BytesMut,
-    head: ResponseHead,
+    mut head: ResponseHead,
     idle_key: idle::Key,
+    closing: bool,
 ) -> Relayed {
     let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let (server, _) = idle_key;
@@ -161,6 +164,9 @@ async fn relay_answer(
             keep_alive: false,
         }
     };
+    if closing {
+        head.announce_close();
+    }
     buf.advance(head.head_len);
     let mut framing = head.framing;
     // The head and what came with it leave in one write.
@@ -198,7 +204,7 @@ async fn relay_answer(
     }
     Relayed::Answered {
         status,
-        keep_alive: framing != Framing::Close,
+        keep_alive: !closing && framing != Framing::Close,
     }
 }
 
