@@ -7,8 +7,10 @@
 //!
 //! The request body is read before a server is chosen (the model name is in it), so forwarding is
 //! done here rather than by pingora's proxy service, which cannot replay a body it did not read
-//! itself: header and body leave in one write (pingora's client session flushes the header on its
-//! own, a second send per request), and pingora's HTTP/1 client session reads the answer.
+//! itself. Plain requests are relayed as bytes ([`relay`]: the passthrough lane); the others
+//! ([`UpstreamPool::forward`]: rewritten bodies, requests pingora's session read) leave with header
+//! and body in one write (pingora's client session flushes the header on its own, a second send per
+//! request), and pingora's HTTP/1 client session reads the answer.
 
 pub mod embeds;
 mod health;
