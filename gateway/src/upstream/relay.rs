@@ -1,8 +1,8 @@
 //! The passthrough lane's forwarding: a plain chat completion goes to a pool server as the bytes
-//! the client sent (its head rewritten as [`UpstreamPool::forward`] does), and the server's response comes
-//! back as the bytes it sent, its head less the hop-by-hop headers, its body (SSE streams included)
-//! relayed read by read. No header maps are built on either side: [`crate::http1`] finds where the
-//! head and the body end.
+//! the client sent (its head rewritten as [`UpstreamPool::forward`] does), and the server's
+//! response comes back as the bytes it sent, its head less the hop-by-hop headers, its body (SSE
+//! streams included) relayed read by read. No header maps are built on either side:
+//! [`crate::http1`] finds where the head and the body end.
 
 use bytes::{Buf, BytesMut};
 use http::StatusCode;
