@@ -295,9 +295,7 @@ impl UpstreamPool {
     }
 
     /// Sends the request (`downstream`'s header with `body`) to a healthy server and streams its
-    /// answer back, with `extra` headers added to it. A server that cannot be reached is skipped for
-    /// the next one, as is a kept-alive connection the server had closed; once a server has the
-    /// request, it is not sent again.
+    /// answer back, with `extra` headers added to it; servers are tried as [`Attempts`] says.
     pub async fn forward(
         &self,
         downstream: &mut ServerSession,
@@ -311,28 +309,20 @@ impl UpstreamPool {
                 "the request target cannot be forwarded",
             ));
         }
-        // Few servers per pool: a list is the cheapest set.
-        let mut tried = Vec::new();
-        let mut last_error = String::from("no server is healthy");
-        for _ in 0..self.attempts() {
-            let Some((server, target)) = self.next_server(key, &tried) else {
-                break;
-            };
+        let mut attempts = Attempts::new(self, key);
+        while let Some(Connection {
+            server,
+            target,
+            mut stream,
+            reused,
+        }) = attempts.connect().await
+        {
             let wire = request_wire(
                 downstream.req_header(),
                 &body,
                 &target.authority,
                 &self.auth,
             );
-            let (mut stream, reused) = match self.connect(server, &target).await {
-                Ok(connection) => connection,
-                Err(e) => {
-                    tracing::warn!(model = %self.model, upstream = %server, error = %e, "upstream unreachable; trying the next");
-                    last_error = format!("{server}: {e}");
-                    tried.push(server);
-                    continue;
-                }
-            };
             let written = async {
                 stream.write_all(&wire).await?;
                 stream.flush().await
@@ -348,14 +338,10 @@ impl UpstreamPool {
                 Err(e) => Err(e.to_string()),
             };
             if let Err(e) = sent {
-                last_error = format!("{server}: {e}");
-                if reused {
-                    // The server closed a kept-alive connection: the request never reached it.
-                    tracing::debug!(upstream = %server, error = %e, "stale upstream connection; retrying");
-                    continue;
+                match attempts.failed(server, &e, reused) {
+                    None => continue,
+                    Some(error) => return Forwarded::Failed(error),
                 }
-                tracing::warn!(model = %self.model, upstream = %server, error = %e, "upstream failed");
-                return Forwarded::Failed(bad_gateway(&self.model, &last_error));
             }
             let Some(header) = upstream.resp_header() else {
                 return Forwarded::Failed(bad_gateway(&self.model, "no response header"));
@@ -396,32 +382,7 @@ impl UpstreamPool {
             }
             return Forwarded::Answered(status);
         }
-        Forwarded::Failed(self.unavailable(&last_error))
-    }
-
-    /// How many tries a request gets: each server once, and once more after a kept-alive
-    /// connection it had closed.
-    fn attempts(&self) -> usize {
-        self.targets.0.len() * 2
-    }
-
-    /// The next healthy server to try (`key` for consistent hashing), not one of `tried`.
-    fn next_server(&self, key: &[u8], tried: &[SocketAddr]) -> Option<(SocketAddr, Arc<Target>)> {
-        let backend = self.balancer.select(key, tried)?;
-        // Every backend is one of the pool's resolved addresses.
-        let server = *backend.addr.as_inet()?;
-        Some((server, self.targets.get(&server)?.clone()))
-    }
-
-    fn unavailable(&self, last_error: &str) -> ApiError {
-        ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "upstream_unavailable",
-            format!(
-                "no upstream of model {} could take the request ({last_error})",
-                self.model
-            ),
-        )
+        Forwarded::Failed(attempts.exhausted())
     }
 
     /// A kept-alive connection to `target` at `server`, or a new one; and whether it was kept
@@ -436,6 +397,103 @@ impl UpstreamPool {
         }
         let stream = self.connector.new_stream(&target.peer(server)).await?;
         Ok((stream, false))
+    }
+}
+
+/// A connection to one of a pool's servers, for one request.
+struct Connection {
+    server: SocketAddr,
+    target: Arc<Target>,
+    stream: Stream,
+    /// Whether it was kept alive from an earlier request (the server may have closed it since).
+    reused: bool,
+}
+
+/// One request's way through a pool's servers, shared by [`UpstreamPool::forward`] and
+/// [`UpstreamPool::relay`]: a server that cannot be reached is skipped for the next, as is a
+/// kept-alive connection the server had closed; once a server has the request, it is not sent
+/// again.
+struct Attempts<'p> {
+    pool: &'p UpstreamPool,
+    /// What consistent hashing picks a server by.
+    key: &'p [u8],
+    /// Few servers per pool: a list is the cheapest set.
+    tried: Vec<SocketAddr>,
+    /// Each server once, and once more after a kept-alive connection it had closed.
+    left: usize,
+    last_error: String,
+}
+
+impl<'p> Attempts<'p> {
+    fn new(pool: &'p UpstreamPool, key: &'p [u8]) -> Attempts<'p> {
+        Attempts {
+            pool,
+            key,
+            tried: Vec::new(),
+            left: pool.targets.0.len() * 2,
+            last_error: String::from("no server is healthy"),
+        }
+    }
+
+    /// A connection to the next healthy server that takes one; `None` when none is left.
+    async fn connect(&mut self) -> Option<Connection> {
+        while self.left > 0 {
+            self.left -= 1;
+            let backend = self.pool.balancer.select(self.key, &self.tried)?;
+            // Every backend is one of the pool's resolved addresses.
+            let Some(server) = backend.addr.as_inet().copied() else {
+                continue;
+            };
+            let Some(target) = self.pool.targets.get(&server).cloned() else {
+                continue;
+            };
+            match self.pool.connect(server, &target).await {
+                Ok((stream, reused)) => {
+                    return Some(Connection {
+                        server,
+                        target,
+                        stream,
+                        reused,
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(model = %self.pool.model, upstream = %server, error = %e, "upstream unreachable; trying the next");
+                    self.last_error = format!("{server}: {e}");
+                    self.tried.push(server);
+                }
+            }
+        }
+        None
+    }
+
+    /// `server` failed before answering: `None` to try again when the connection was a
+    /// kept-alive one the server had closed (`stale`: the request never reached it), else the
+    /// error to answer with.
+    fn failed(
+        &mut self,
+        server: SocketAddr,
+        error: &dyn std::fmt::Display,
+        stale: bool,
+    ) -> Option<ApiError> {
+        self.last_error = format!("{server}: {error}");
+        if stale {
+            tracing::debug!(upstream = %server, error = %error, "stale upstream connection; retrying");
+            return None;
+        }
+        tracing::warn!(model = %self.pool.model, upstream = %server, error = %error, "upstream failed");
+        Some(bad_gateway(&self.pool.model, &self.last_error))
+    }
+
+    /// The error once no server could take the request.
+    fn exhausted(self) -> ApiError {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_unavailable",
+            format!(
+                "no upstream of model {} could take the request ({})",
+                self.pool.model, self.last_error
+            ),
+        )
     }
 }
 

@@ -9,7 +9,7 @@ use http::StatusCode;
 use pingora::protocols::Stream;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::{Target, UpstreamAuth, UpstreamPool, bad_gateway, idle};
+use super::{Attempts, Connection, Target, UpstreamAuth, UpstreamPool, idle};
 use crate::error::ApiError;
 use crate::http1::{self, Framing, Passable, ResponseHead};
 
@@ -45,9 +45,8 @@ enum HeadError {
 
 impl UpstreamPool {
     /// Sends `request` (the client's bytes, `passable` says what they hold) to a healthy server and
-    /// relays its answer to `client` (saying the connection closes after it when `closing`). Servers are tried as [`UpstreamPool::forward`] tries them: one
-    /// that cannot be reached is skipped for the next, as is a kept-alive connection the server had
-    /// closed; once a server has answered anything, the request is not sent again.
+    /// relays its answer to `client` (saying the connection closes after it when `closing`).
+    /// Servers are tried as [`UpstreamPool::forward`] tries them ([`Attempts`]).
     pub async fn relay(
         &self,
         client: &mut Stream,
@@ -56,21 +55,14 @@ impl UpstreamPool {
         key: &[u8],
         closing: bool,
     ) -> Relayed {
-        let mut tried = Vec::new();
-        let mut last_error = String::from("no server is healthy");
-        for _ in 0..self.attempts() {
-            let Some((server, target)) = self.next_server(key, &tried) else {
-                break;
-            };
-            let (mut upstream, reused) = match self.connect(server, &target).await {
-                Ok(connection) => connection,
-                Err(e) => {
-                    tracing::warn!(model = %self.model, upstream = %server, error = %e, "upstream unreachable; trying the next");
-                    last_error = format!("{server}: {e}");
-                    tried.push(server);
-                    continue;
-                }
-            };
+        let mut attempts = Attempts::new(self, key);
+        while let Some(Connection {
+            server,
+            target,
+            stream: mut upstream,
+            reused,
+        }) = attempts.connect().await
+        {
             let wire = wire(request, passable, &target, &self.auth);
             let mut buf = BytesMut::with_capacity(READ_SIZE);
             let head = async {
@@ -84,19 +76,14 @@ impl UpstreamPool {
                     let idle_key = (server, target.id);
                     return relay_answer(client, upstream, buf, head, idle_key, closing).await;
                 }
-                Err(e) => {
-                    last_error = format!("{server}: {e}");
-                    if reused && buf.is_empty() {
-                        // The server closed a kept-alive connection: the request never reached it.
-                        tracing::debug!(upstream = %server, error = %e, "stale upstream connection; retrying");
-                        continue;
-                    }
-                    tracing::warn!(model = %self.model, upstream = %server, error = %e, "upstream failed");
-                    return Relayed::Failed(bad_gateway(&self.model, &last_error));
-                }
+                // Only a connection that answered nothing can have been stale.
+                Err(e) => match attempts.failed(server, &e, reused && buf.is_empty()) {
+                    None => continue,
+                    Some(error) => return Relayed::Failed(error),
+                },
             }
         }
-        Relayed::Failed(self.unavailable(&last_error))
+        Relayed::Failed(attempts.exhausted())
     }
 }
 
