@@ -1,7 +1,7 @@
 //! The image processors: reading HF `preprocessor_config.json`, planning tokens, producing tensors.
 
 use mmgate_plugin_sdk::imageops::{
-    CLIP_MEAN, CLIP_STD, Filter, Normalize, RgbImage, qwen2vl_patch_bytes,
+    CLIP_MEAN, CLIP_STD, Filter, Normalize, RgbImage, qwen2vl_resized_patch_bytes,
 };
 use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
@@ -362,10 +362,14 @@ impl Processor {
                         "planned size is not a multiple of the patch factor",
                     ));
                 }
-                let resized = image.into_resized(choices.width, choices.height, *filter);
                 // Raw samples plus the exact normalisation table (the host maps them back to HF's
                 // floats): a quarter of the bytes of f32 through the sandbox and in memory.
-                let samples = qwen2vl_patch_bytes(&resized, *patch, *merge, *temporal);
+                let samples = qwen2vl_resized_patch_bytes(
+                    &image,
+                    (choices.width, choices.height),
+                    *filter,
+                    (*patch, *merge, *temporal),
+                );
                 let (gh, gw) = (choices.height / patch, choices.width / patch);
                 let row = 3 * temporal * patch * patch;
                 let table: Vec<f32> = normalize.table().into_iter().flatten().collect();

@@ -1,0 +1,127 @@
+//! Image operations shared by image-like plugins, on packed RGB8 buffers (row-major, 3 bytes a pixel):
+//! Pillow's resize ([`resample`]), torchvision's ([`resize_like_torchvision`]), Qwen2-VL's patch
+//! layout ([`patches`]), cropping and normalisation.
+
+mod kernels;
+pub mod patches;
+pub mod resample;
+mod torchvision;
+
+pub use patches::{qwen2vl_frame_patches, qwen2vl_patch_bytes, qwen2vl_resized_patch_bytes};
+pub use resample::{Filter, Resized};
+pub use torchvision::resize_like_torchvision;
+
+/// Bytes per RGB pixel.
+const CHANNELS: usize = 3;
+
+/// A packed RGB8 image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RgbImage {
+    pub width: usize,
+    pub height: usize,
+    /// `width * height * 3` bytes.
+    pub data: Vec<u8>,
+}
+
+impl RgbImage {
+    /// Resize like Pillow's `Image.resize((width, height), filter)` on an RGB image (which, like
+    /// this, returns a copy when the size does not change).
+    pub fn resize(&self, width: usize, height: usize, filter: Filter) -> RgbImage {
+        let mut data = Vec::with_capacity(width * height * CHANNELS);
+        let mut rows = Resized::new(self, width, height, filter);
+        while let Some(row) = rows.next_row() {
+            data.extend_from_slice(row);
+        }
+        RgbImage {
+            width,
+            height,
+            data,
+        }
+    }
+
+    /// [`RgbImage::resize`] that hands the image back as it is, without a copy, when the size does
+    /// not change.
+    pub fn into_resized(self, width: usize, height: usize, filter: Filter) -> RgbImage {
+        if (width, height) == (self.width, self.height) {
+            self
+        } else {
+            self.resize(width, height, filter)
+        }
+    }
+
+    /// The `width` x `height` window whose top-left corner is (`left`, `top`); parts outside the
+    /// image are black, as Pillow's `crop` does.
+    pub fn crop(&self, left: isize, top: isize, width: usize, height: usize) -> RgbImage {
+        let mut data = vec![0u8; width * height * CHANNELS];
+        for y in 0..height {
+            let sy = top + y as isize;
+            if sy < 0 || sy as usize >= self.height {
+                continue;
+            }
+            for x in 0..width {
+                let sx = left + x as isize;
+                if sx < 0 || sx as usize >= self.width {
+                    continue;
+                }
+                let s = (sy as usize * self.width + sx as usize) * CHANNELS;
+                let d = (y * width + x) * CHANNELS;
+                data[d..d + CHANNELS].copy_from_slice(&self.data[s..s + CHANNELS]);
+            }
+        }
+        RgbImage {
+            width,
+            height,
+            data,
+        }
+    }
+}
+
+/// OpenAI CLIP's normalisation (HF's OPENAI_CLIP_MEAN / OPENAI_CLIP_STD), Qwen2-VL's too.
+pub const CLIP_MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
+// Written exactly as HF's OPENAI_CLIP_STD so the two can be compared by eye.
+#[allow(clippy::excessive_precision)]
+pub const CLIP_STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_11];
+
+/// Per-channel `(x * rescale - mean) / std`, done as HF does it: rescale in f64 then cast to f32,
+/// normalise in f32.
+#[derive(Debug, Clone, Copy)]
+pub struct Normalize {
+    pub rescale: f64,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+}
+
+impl Normalize {
+    /// A lookup table per channel: 256 entries, so normalising is one load per byte.
+    pub fn table(&self) -> [[f32; 256]; 3] {
+        let mut table = [[0f32; 256]; 3];
+        for (c, channel) in table.iter_mut().enumerate() {
+            for (v, out) in channel.iter_mut().enumerate() {
+                let rescaled = (v as f64 * self.rescale) as f32;
+                *out = (rescaled - self.mean[c]) / self.std[c];
+            }
+        }
+        table
+    }
+
+    /// [`Normalize::table`] as little-endian bytes, for writing f32 tensors without a second copy.
+    pub fn table_le_bytes(&self) -> [[[u8; 4]; 256]; 3] {
+        self.table().map(|channel| channel.map(f32::to_le_bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_image_stays_constant() {
+        let image = RgbImage {
+            width: 50,
+            height: 30,
+            data: [10u8, 200, 77].repeat(50 * 30),
+        };
+        let resized = image.resize(17, 61, Filter::Bicubic);
+        assert!(resized.data.chunks_exact(3).all(|p| p == [10, 200, 77]));
+    }
+}

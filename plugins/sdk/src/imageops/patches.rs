@@ -1,0 +1,249 @@
+//! Qwen2-VL's patch layout, as raw bytes: HF reshapes a temporal group of frames to
+//! (t, tp, C, gh/m, m, p, gw/m, m, p) and transposes it (0,3,6,4,7,2,1,5,8), i.e. the patches are
+//! ordered by merge block (row-major), then within the block, and each patch row holds its channels,
+//! then its frames, then the patch's pixels.
+//!
+//! Patches are written in that order, appended one whole patch row at a time: a band of `merge`
+//! patch rows of image rows is split into channel planes once (sequential reads, SIMD in the wasm
+//! build), each patch row is gathered from the planes into a small scratch row, then appended. The
+//! output is written once, front to back, and never zero-filled first (a zeroed buffer costs a full
+//! extra pass in wasm, whose allocator clears even fresh memory).
+
+use super::resample::{Filter, Resized};
+use super::{CHANNELS, RgbImage, kernels};
+
+/// Qwen2-VL's patch layout of one image repeated over `temporal` frames (HF: `np.tile` of a single
+/// image to `temporal_patch_size` frames). See [`qwen2vl_frame_patches`].
+pub fn qwen2vl_patch_bytes(
+    image: &RgbImage,
+    patch: usize,
+    merge: usize,
+    temporal: usize,
+) -> Vec<u8> {
+    let mut out = Vec::new();
+    qwen2vl_frame_patches(&vec![image; temporal], patch, merge, &mut out);
+    out
+}
+
+/// [`qwen2vl_patch_bytes`] of `image` resized (as [`RgbImage::resize`]) to `width` x `height`,
+/// streamed: each band of resized rows is laid out as soon as it is complete, so the resized image
+/// is never held whole.
+pub fn qwen2vl_resized_patch_bytes(
+    image: &RgbImage,
+    (width, height): (usize, usize),
+    filter: Filter,
+    (patch, merge, temporal): (usize, usize, usize),
+) -> Vec<u8> {
+    if (width, height) == (image.width, image.height) {
+        return qwen2vl_patch_bytes(image, patch, merge, temporal);
+    }
+    let mut writer = PatchWriter::new(width, patch, merge, temporal);
+    let mut out = Vec::with_capacity(writer.bytes_for(height));
+    let band_len = writer.band_rows() * width * CHANNELS;
+    let mut band = Vec::with_capacity(band_len);
+    let mut rows = Resized::new(image, width, height, filter);
+    for _ in 0..height / writer.band_rows() {
+        band.clear();
+        for _ in 0..writer.band_rows() {
+            if let Some(row) = rows.next_row() {
+                band.extend_from_slice(row);
+            }
+        }
+        writer.write_band(&vec![band.as_slice(); temporal], &mut out);
+    }
+    out
+}
+
+/// Qwen2-VL's patch layout of one temporal group of frames (a video's `temporal_patch_size`
+/// consecutive frames, all the same size), appended to `out` as rows of
+/// `3 * frames.len() * patch * patch` raw bytes.
+///
+/// Frames must have dimensions divisible by `patch * merge`. A frame repeated (the same reference
+/// twice, as an image's temporal copies are) is read once and written twice. Give `out` the
+/// capacity of all the groups it will take, so it is allocated once.
+pub fn qwen2vl_frame_patches(frames: &[&RgbImage], patch: usize, merge: usize, out: &mut Vec<u8>) {
+    let Some(first) = frames.first() else {
+        return;
+    };
+    let mut writer = PatchWriter::new(first.width, patch, merge, frames.len());
+    out.reserve(writer.bytes_for(first.height));
+    let band_len = writer.band_rows() * first.width * CHANNELS;
+    for band in 0..first.height / writer.band_rows() {
+        let bands: Vec<&[u8]> = frames
+            .iter()
+            .map(|f| &f.data[band * band_len..(band + 1) * band_len])
+            .collect();
+        writer.write_band(&bands, out);
+    }
+}
+
+/// Lays out bands of `merge * patch` image rows (one band per temporal slot) as patch rows.
+struct PatchWriter {
+    width: usize,
+    patch: usize,
+    merge: usize,
+    temporal: usize,
+    /// Per distinct frame of the band: its channel planes, `[3][merge * patch][width]`.
+    planes: Vec<Vec<u8>>,
+    /// One patch row being gathered, plus room for a wide store past its end.
+    scratch: Vec<u8>,
+}
+
+impl PatchWriter {
+    fn new(width: usize, patch: usize, merge: usize, temporal: usize) -> Self {
+        let row_len = CHANNELS * temporal * patch * patch;
+        PatchWriter {
+            width,
+            patch,
+            merge,
+            temporal,
+            planes: Vec::new(),
+            scratch: vec![0; row_len + kernels::BLOCK],
+        }
+    }
+
+    fn band_rows(&self) -> usize {
+        self.merge * self.patch
+    }
+
+    fn row_len(&self) -> usize {
+        CHANNELS * self.temporal * self.patch * self.patch
+    }
+
+    /// Bytes of the patches of a `height`-row image.
+    fn bytes_for(&self, height: usize) -> usize {
+        let grid = (height / self.band_rows() * self.merge) * (self.width / self.patch);
+        grid * self.row_len()
+    }
+
+    /// Appends the patch rows of one band; `bands[t]` is temporal slot t's rows (the same slice
+    /// again for a repeated frame).
+    fn write_band(&mut self, bands: &[&[u8]], out: &mut Vec<u8>) {
+        let (width, patch, merge) = (self.width, self.patch, self.merge);
+        let rows = self.band_rows();
+        let plane_len = rows * width;
+        // Which planes each slot reads: a slot repeating the one before shares its planes.
+        let mut plane_of = Vec::with_capacity(bands.len());
+        let mut distinct = 0;
+        for (t, band) in bands.iter().enumerate() {
+            if t > 0 && std::ptr::eq(*band, bands[t - 1]) {
+                plane_of.push(distinct - 1);
+                continue;
+            }
+            if self.planes.len() <= distinct {
+                self.planes.push(vec![0; CHANNELS * plane_len]);
+            }
+            let (r, rest) = self.planes[distinct].split_at_mut(plane_len);
+            let (g, b) = rest.split_at_mut(plane_len);
+            for (y, row) in band.chunks_exact(width * CHANNELS).enumerate() {
+                let at = y * width..(y + 1) * width;
+                kernels::deinterleave_rgb(
+                    row,
+                    [&mut r[at.clone()], &mut g[at.clone()], &mut b[at]],
+                );
+            }
+            plane_of.push(distinct);
+            distinct += 1;
+        }
+        let row_len = self.row_len();
+        for block in 0..width / (patch * merge) {
+            for in_row in 0..merge {
+                for in_col in 0..merge {
+                    let x = (block * merge + in_col) * patch;
+                    let mut at = 0;
+                    for c in 0..CHANNELS {
+                        for &frame in &plane_of {
+                            let plane = &self.planes[frame][c * plane_len..(c + 1) * plane_len];
+                            for y in in_row * patch..(in_row + 1) * patch {
+                                let run = &plane[y * width + x..];
+                                // The scratch row has room past its end, so a run may always
+                                // be moved with one wide store that spills into the next one.
+                                kernels::copy_run(run, patch, &mut self.scratch[at..], true);
+                                at += patch;
+                            }
+                        }
+                    }
+                    out.extend_from_slice(&self.scratch[..row_len]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The layout against HF's reshape/transpose written out index by index, on frames wide
+    /// enough for the SIMD path and with a remainder, a repeated frame and two distinct ones.
+    #[test]
+    fn patch_layout_is_hf_transpose() {
+        let merge = 2;
+        let frame = |seed: u8, width: usize, height: usize| RgbImage {
+            width,
+            height,
+            data: (0..width * height * CHANNELS)
+                .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+                .collect(),
+        };
+        for (patch, width, height) in [(2, 4, 4), (2, 20, 8), (2, 36, 12), (14, 56, 28), (4, 72, 8)]
+        {
+            let (a, b) = (frame(0, width, height), frame(7, width, height));
+            for frames in [vec![&a, &a], vec![&a, &b], vec![&b]] {
+                let mut out = vec![9u8];
+                qwen2vl_frame_patches(&frames, patch, merge, &mut out);
+                let (gh, gw, tp) = (height / patch, width / patch, frames.len());
+                let mut expected = vec![9u8];
+                for bh in 0..gh / merge {
+                    for bw in 0..gw / merge {
+                        for mh in 0..merge {
+                            for mw in 0..merge {
+                                for c in 0..CHANNELS {
+                                    for frame in &frames {
+                                        for y in 0..patch {
+                                            for x in 0..patch {
+                                                let py = (bh * merge + mh) * patch + y;
+                                                let px = (bw * merge + mw) * patch + x;
+                                                expected.push(
+                                                    frame.data[(py * width + px) * CHANNELS + c],
+                                                );
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                assert_eq!(out.len(), 1 + gh * gw * CHANNELS * tp * patch * patch);
+                assert_eq!(
+                    out, expected,
+                    "{width}x{height}, patch {patch}, {tp} frames"
+                );
+            }
+            let mut twice = Vec::new();
+            qwen2vl_frame_patches(&[&a, &a], patch, merge, &mut twice);
+            assert_eq!(qwen2vl_patch_bytes(&a, patch, merge, 2), twice);
+        }
+    }
+
+    /// Streaming the resize into the layout is the layout of the resized image.
+    #[test]
+    fn streamed_patches_are_patches_of_the_resized_image() {
+        let src = RgbImage {
+            width: 70,
+            height: 45,
+            data: (0..70 * 45 * CHANNELS)
+                .map(|i| ((i * 31) % 253) as u8)
+                .collect(),
+        };
+        for (width, height) in [(56, 28), (112, 84), (70, 56), (28, 28)] {
+            let resized = src.resize(width, height, Filter::Bicubic);
+            assert_eq!(
+                qwen2vl_resized_patch_bytes(&src, (width, height), Filter::Bicubic, (7, 2, 2)),
+                qwen2vl_patch_bytes(&resized, 7, 2, 2),
+                "{width}x{height}"
+            );
+        }
+    }
+}

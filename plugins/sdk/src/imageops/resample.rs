@@ -1,0 +1,350 @@
+//! Pillow's `Image.resize(..., BICUBIC | BILINEAR)` on 8-bit RGB, because that is what HF
+//! processors run: a separable convolution (horizontal pass, then vertical) whose support widens with
+//! the downscale factor (so downsampling is antialiased), Keys' cubic with a = -0.5 or the triangle
+//! filter, weights normalised per output pixel then turned into 22-bit fixed point, and each pass
+//! rounded and clamped back to u8.
+//!
+//! [`Resized`] streams the result row by row: each output row is made from the few source rows
+//! under its vertical filter, horizontally resampled once each into a ring of rows. Pillow resamples
+//! the whole image horizontally first; row by row gives the same bytes without holding either pass's
+//! full-size image (for a photo, megabytes written once and read once).
+
+use super::{CHANNELS, RgbImage, kernels};
+
+/// Pillow's fixed-point precision for 8-bit resampling (32 - 8 - 2).
+pub(super) const PRECISION_BITS: u32 = 22;
+
+/// A resampling filter, as Pillow defines it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Filter {
+    /// `Image.BILINEAR` (2): the triangle filter, support 1.
+    Bilinear,
+    /// `Image.BICUBIC` (3): Keys' cubic with a = -0.5, support 2.
+    Bicubic,
+}
+
+impl Filter {
+    /// The filter for a PIL resample code (as HF configs store it), if it is one this crate has.
+    pub fn from_pil_code(code: u32) -> Option<Filter> {
+        match code {
+            2 => Some(Filter::Bilinear),
+            3 => Some(Filter::Bicubic),
+            _ => None,
+        }
+    }
+
+    /// Support radius at scale 1.
+    fn support(self) -> f64 {
+        match self {
+            Filter::Bilinear => 1.0,
+            Filter::Bicubic => 2.0,
+        }
+    }
+
+    fn weight(self, x: f64) -> f64 {
+        match self {
+            Filter::Bilinear => {
+                let x = x.abs();
+                if x < 1.0 { 1.0 - x } else { 0.0 }
+            }
+            Filter::Bicubic => bicubic(x),
+        }
+    }
+}
+
+pub(super) fn bicubic(x: f64) -> f64 {
+    const A: f64 = -0.5;
+    let x = x.abs();
+    if x < 1.0 {
+        ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+    } else if x < 2.0 {
+        (((x - 5.0) * x + 8.0) * x - 4.0) * A
+    } else {
+        0.0
+    }
+}
+
+/// For each output index along one axis: the first input index, how many taps it has, and the
+/// fixed-point weights.
+struct AxisWeights {
+    starts: Vec<usize>,
+    counts: Vec<usize>,
+    /// `ksize` weights per output index (zero-padded past its count).
+    weights: Vec<i32>,
+    ksize: usize,
+}
+
+impl AxisWeights {
+    /// The first input index and the weights of output index `i`.
+    #[inline]
+    fn taps(&self, i: usize) -> (usize, &[i32]) {
+        let row = i * self.ksize;
+        (self.starts[i], &self.weights[row..row + self.counts[i]])
+    }
+}
+
+fn axis_weights(in_size: usize, out_size: usize, filter: Filter) -> AxisWeights {
+    let scale = in_size as f64 / out_size as f64;
+    let filter_scale = scale.max(1.0);
+    let support = filter.support() * filter_scale;
+    // Pillow multiplies by the reciprocal; dividing instead can differ in the last bit.
+    let inverse_scale = 1.0 / filter_scale;
+    let ksize = support.ceil() as usize * 2 + 1;
+    let mut starts = Vec::with_capacity(out_size);
+    let mut counts = Vec::with_capacity(out_size);
+    let mut weights = vec![0i32; out_size * ksize];
+    let mut row = vec![0f64; ksize];
+    for (xx, kk) in weights.chunks_exact_mut(ksize).enumerate() {
+        let center = (xx as f64 + 0.5) * scale;
+        // Pillow truncates towards zero here; both values are >= -0.5 + 0.5 so `as` matches.
+        let xmin = ((center - support + 0.5).max(0.0)) as usize;
+        let xmax = (((center + support + 0.5) as usize).min(in_size))
+            .saturating_sub(xmin)
+            .min(ksize);
+        let mut total = 0.0;
+        for (x, w) in row.iter_mut().enumerate().take(xmax) {
+            *w = filter.weight((x as f64 + xmin as f64 - center + 0.5) * inverse_scale);
+            total += *w;
+        }
+        for (x, k) in kk.iter_mut().enumerate().take(xmax) {
+            let w = if total != 0.0 { row[x] / total } else { 0.0 };
+            let fixed = w * f64::from(1u32 << PRECISION_BITS);
+            *k = if fixed < 0.0 {
+                (fixed - 0.5) as i32
+            } else {
+                (fixed + 0.5) as i32
+            };
+        }
+        starts.push(xmin);
+        counts.push(xmax);
+    }
+    AxisWeights {
+        starts,
+        counts,
+        weights,
+        ksize,
+    }
+}
+
+// Accumulators are i32 as in Pillow: with weights normalised to 2^22, |sum| < 2^31 for u8 input.
+#[inline]
+pub(super) fn clip8(acc: i32) -> u8 {
+    (acc >> PRECISION_BITS).clamp(0, 255) as u8
+}
+
+pub(super) const ROUNDING: i32 = 1 << (PRECISION_BITS - 1);
+
+/// The rows of `src` resized to `width` x `height`, one at a time (see the module docs).
+pub struct Resized<'a> {
+    src: &'a RgbImage,
+    width: usize,
+    height: usize,
+    horizontal: Option<AxisWeights>,
+    vertical: Option<AxisWeights>,
+    /// Horizontally resampled source rows: source row `r` lives in slot `r % ring_rows`. A vertical
+    /// window is at most `ring_rows` consecutive rows, so the rows it needs never share a slot.
+    ring: Vec<u8>,
+    ring_rows: usize,
+    /// Source rows below this have been resampled into the ring (or are never needed again).
+    resampled_to: usize,
+    /// A source row padded to 4 bytes a pixel, so a horizontal tap is one 4-lane multiply-add.
+    padded: Vec<[u8; 4]>,
+    /// The output row handed out last.
+    row: Vec<u8>,
+    next: usize,
+}
+
+impl<'a> Resized<'a> {
+    pub fn new(src: &'a RgbImage, width: usize, height: usize, filter: Filter) -> Self {
+        let horizontal = (width != src.width).then(|| axis_weights(src.width, width, filter));
+        let vertical = (height != src.height).then(|| axis_weights(src.height, height, filter));
+        let ring_rows = match (&horizontal, &vertical) {
+            (Some(_), Some(v)) => v.ksize,
+            _ => 0,
+        };
+        Resized {
+            src,
+            width,
+            height,
+            ring: vec![0; ring_rows * width * CHANNELS],
+            ring_rows,
+            resampled_to: 0,
+            padded: vec![[0; 4]; if horizontal.is_some() { src.width } else { 0 }],
+            row: vec![0; width * CHANNELS],
+            next: 0,
+            horizontal,
+            vertical,
+        }
+    }
+
+    /// The next output row (`width * 3` bytes), or `None` after the last.
+    pub fn next_row(&mut self) -> Option<&[u8]> {
+        let y = self.next;
+        if y >= self.height {
+            return None;
+        }
+        self.next += 1;
+        let Resized {
+            src,
+            width,
+            horizontal,
+            vertical,
+            ring,
+            ring_rows,
+            resampled_to,
+            padded,
+            row,
+            ..
+        } = self;
+        let src_row =
+            |r: usize| &src.data[r * src.width * CHANNELS..(r + 1) * src.width * CHANNELS];
+        let out_len = *width * CHANNELS;
+        let Some(vertical) = vertical else {
+            return Some(match horizontal {
+                Some(horizontal) => {
+                    horizontal_row(src_row(y), horizontal, padded, row);
+                    row
+                }
+                None => src_row(y),
+            });
+        };
+        let (start, kk) = vertical.taps(y);
+        let window = start..start + kk.len();
+        let rows: Vec<&[u8]> = match horizontal {
+            Some(horizontal) => {
+                for r in window.start.max(*resampled_to)..window.end {
+                    let slot = r % *ring_rows;
+                    let dst = &mut ring[slot * out_len..(slot + 1) * out_len];
+                    horizontal_row(src_row(r), horizontal, padded, dst);
+                }
+                *resampled_to = (*resampled_to).max(window.end);
+                window
+                    .map(|r| &ring[(r % *ring_rows) * out_len..][..out_len])
+                    .collect()
+            }
+            None => window.map(src_row).collect(),
+        };
+        vertical_row(&rows, kk, row);
+        Some(row)
+    }
+}
+
+/// One source row resampled horizontally into `out`.
+fn horizontal_row(src: &[u8], axis: &AxisWeights, padded: &mut [[u8; 4]], out: &mut [u8]) {
+    for (p, s) in padded.iter_mut().zip(src.chunks_exact(CHANNELS)) {
+        p[..CHANNELS].copy_from_slice(s);
+    }
+    for (xx, out) in out.chunks_exact_mut(CHANNELS).enumerate() {
+        let (start, kk) = axis.taps(xx);
+        let pixel = kernels::horizontal(&padded[start..], kk);
+        out.copy_from_slice(&pixel[..CHANNELS]);
+    }
+}
+
+/// One output row of the vertical pass: `out` = Σ_j kk[j] · rows[j], bytewise.
+fn vertical_row(rows: &[&[u8]], kk: &[i32], out: &mut [u8]) {
+    // Column blocks with their sums in registers: each tap row is read once per block and no
+    // accumulator row goes through memory.
+    let x = out.len() - out.len() % kernels::BLOCK;
+    let (whole, tail) = out.split_at_mut(x);
+    for (block, out) in whole.chunks_exact_mut(kernels::BLOCK).enumerate() {
+        kernels::vertical(rows, block * kernels::BLOCK, kk, out);
+    }
+    for (i, o) in tail.iter_mut().enumerate() {
+        let mut acc = ROUNDING;
+        for (&k, row) in kk.iter().zip(rows) {
+            acc += i32::from(row[x + i]) * k;
+        }
+        *o = clip8(acc);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pillow's order written out plainly: the whole image horizontally, then vertically, each
+    /// output byte one scalar sum.
+    fn two_pass(src: &RgbImage, width: usize, height: usize, filter: Filter) -> Vec<u8> {
+        let h = axis_weights(src.width, width, filter);
+        let mut mid = Vec::new();
+        for y in 0..src.height {
+            for x in 0..width {
+                let (start, kk) = h.taps(x);
+                for c in 0..CHANNELS {
+                    let acc = kk.iter().enumerate().fold(ROUNDING, |acc, (j, &k)| {
+                        acc + i32::from(src.data[(y * src.width + start + j) * CHANNELS + c]) * k
+                    });
+                    mid.push(if width == src.width {
+                        src.data[(y * src.width + x) * CHANNELS + c]
+                    } else {
+                        clip8(acc)
+                    });
+                }
+            }
+        }
+        if height == src.height {
+            return mid;
+        }
+        let v = axis_weights(src.height, height, filter);
+        let row = width * CHANNELS;
+        let mut out = Vec::new();
+        for y in 0..height {
+            let (start, kk) = v.taps(y);
+            for i in 0..row {
+                let acc = kk.iter().enumerate().fold(ROUNDING, |acc, (j, &k)| {
+                    acc + i32::from(mid[(start + j) * row + i]) * k
+                });
+                out.push(clip8(acc));
+            }
+        }
+        out
+    }
+
+    /// Row by row through the ring gives the bytes of the two full passes: up and down, one axis
+    /// or both, steep downscales whose windows are wide, rows narrower than a SIMD block.
+    #[test]
+    fn streamed_rows_are_the_two_passes() {
+        let image = |width: usize, height: usize| RgbImage {
+            width,
+            height,
+            data: (0..width * height * CHANNELS)
+                .map(|i| ((i * 7919) % 251) as u8)
+                .collect(),
+        };
+        for ((w, h), (ow, oh)) in [
+            ((40, 30), (56, 28)),
+            ((40, 30), (40, 17)),
+            ((40, 30), (13, 30)),
+            ((97, 61), (23, 9)),
+            ((5, 200), (3, 11)),
+            ((64, 48), (64, 48)),
+            ((3, 3), (17, 29)),
+        ] {
+            let src = image(w, h);
+            for filter in [Filter::Bicubic, Filter::Bilinear] {
+                let resized = src.resize(ow, oh, filter);
+                assert_eq!((resized.width, resized.height), (ow, oh));
+                assert!(
+                    resized.data == two_pass(&src, ow, oh, filter),
+                    "{w}x{h} -> {ow}x{oh} {filter:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn weights_sum_to_one_in_fixed_point() {
+        for (input, output) in [(100, 37), (37, 100), (1000, 28), (3, 3)] {
+            let axis = axis_weights(input, output, Filter::Bicubic);
+            for i in 0..output {
+                let (_, kk) = axis.taps(i);
+                let sum: i64 = kk.iter().map(|&k| i64::from(k)).sum();
+                assert!(
+                    (sum - (1 << PRECISION_BITS)).abs() <= axis.ksize as i64,
+                    "{sum}"
+                );
+            }
+        }
+    }
+}
