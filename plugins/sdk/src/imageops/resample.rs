@@ -141,10 +141,10 @@ pub struct Resized<'a> {
     height: usize,
     horizontal: Option<AxisWeights>,
     vertical: Option<AxisWeights>,
-    /// Horizontally resampled source rows: source row `r` lives in slot `r % ring_rows`. A vertical
-    /// window is at most `ring_rows` consecutive rows, so the rows it needs never share a slot.
+    /// Horizontally resampled source rows (when both passes run): source row `r` lives in slot
+    /// `r % ksize` of the vertical weights. A vertical window is at most `ksize` consecutive rows,
+    /// so the rows it needs never share a slot.
     ring: Vec<u8>,
-    ring_rows: usize,
     /// Source rows below this have been resampled into the ring (or are never needed again).
     resampled_to: usize,
     /// A source row padded to 4 bytes a pixel, so a horizontal tap is one 4-lane multiply-add.
@@ -167,7 +167,6 @@ impl<'a> Resized<'a> {
             width,
             height,
             ring: vec![0; ring_rows * width * CHANNELS],
-            ring_rows,
             resampled_to: 0,
             padded: vec![[0; 4]; if horizontal.is_some() { src.width } else { 0 }],
             row: vec![0; width * CHANNELS],
@@ -190,7 +189,6 @@ impl<'a> Resized<'a> {
             horizontal,
             vertical,
             ring,
-            ring_rows,
             resampled_to,
             padded,
             row,
@@ -213,13 +211,13 @@ impl<'a> Resized<'a> {
         let rows: Vec<&[u8]> = match horizontal {
             Some(horizontal) => {
                 for r in window.start.max(*resampled_to)..window.end {
-                    let slot = r % *ring_rows;
+                    let slot = r % vertical.ksize;
                     let dst = &mut ring[slot * out_len..(slot + 1) * out_len];
                     horizontal_row(src_row(r), horizontal, padded, dst);
                 }
                 *resampled_to = (*resampled_to).max(window.end);
                 window
-                    .map(|r| &ring[(r % *ring_rows) * out_len..][..out_len])
+                    .map(|r| &ring[(r % vertical.ksize) * out_len..][..out_len])
                     .collect()
             }
             None => window.map(src_row).collect(),
