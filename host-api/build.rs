@@ -66,6 +66,7 @@ fn run() -> Result<(), String> {
     );
     println!("cargo:rerun-if-env-changed=MMGATE_PLUGINS_PROFILE");
 
+    check_wasm_target()?;
     let target_dir = plugin_target_dir(&out_dir)?;
     let profile = env::var("MMGATE_PLUGINS_PROFILE").unwrap_or_else(|_| "release".into());
     build_plugins(&plugins, &target_dir, &profile)?;
@@ -106,6 +107,33 @@ fn write_builtin_table(out_dir: &Path, names: &[&str], artifacts: &Path) -> Resu
         artifacts.display()
     );
     Ok(())
+}
+
+/// Fails with the command that fixes it when the compiler has no standard library for the wasm target
+/// (rustup adds a toolchain file's targets only when it installs the toolchain itself).
+fn check_wasm_target() -> Result<(), String> {
+    let rustc = env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let output = Command::new(&rustc)
+        .args(["--print", "sysroot"])
+        .output()
+        .map_err(|e| format!("cannot run {rustc}: {e}"))?;
+    let sysroot = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    let target_lib = Path::new(&sysroot)
+        .join("lib")
+        .join("rustlib")
+        .join(WASM_TARGET)
+        .join("lib");
+    if !output.status.success() || target_lib.is_dir() {
+        // A sysroot that cannot be read is left for the build itself to report.
+        return Ok(());
+    }
+    let toolchain = env::var("RUSTUP_TOOLCHAIN").unwrap_or_else(|_| "<your toolchain>".into());
+    Err(format!(
+        "the {WASM_TARGET} target is not installed for Rust {toolchain} (no {}). Run \
+         `rustup target add {WASM_TARGET} --toolchain {toolchain}`, or `./dev serve` / `./dev test`, \
+         which add whatever rust-toolchain.toml names",
+        target_lib.display()
+    ))
 }
 
 /// `<target>/<profile>/wasm-plugins`: beside the host build, shared by every build script run of this
