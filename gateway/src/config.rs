@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use mmgate_host::SandboxLimits;
+use mmgate_host::{CompileCache, SandboxLimits};
 use serde::Deserialize;
 
 use crate::fetch::FetchConfig;
@@ -30,6 +30,8 @@ pub struct Config {
     pub http_work_stealing: bool,
     /// On SIGTERM, how long requests in flight get to finish before the gateway exits.
     pub shutdown_grace_seconds: u64,
+    /// The threads plugin calls run on, and where compiled plugins are kept.
+    pub plugins: PluginsConfig,
     /// Limits of every plugin call.
     pub sandbox: SandboxLimits,
     /// The models served, by name. Absent: the demo models (`demo`, a Qwen2-VL-architecture model, and
@@ -47,6 +49,70 @@ pub struct Config {
     pub fetch: FetchConfig,
     /// The `/v1/files` upload store.
     pub files: FilesConfig,
+}
+
+/// How plugin calls are run, and where compiled plugins are kept between runs.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PluginsConfig {
+    /// Threads running plugin calls (default: one per core). Each call in flight holds one of the
+    /// sandbox's `max_instances`, so there can be no more threads than that.
+    pub threads: Option<usize>,
+    /// Plugin calls that may wait for a thread (default: 16 per thread); past that a request's media
+    /// are refused at once with 503 instead of queueing without bound.
+    pub queue: Option<usize>,
+    /// Where compiled plugins are kept so that a restart does not compile them again (default:
+    /// `$XDG_CACHE_HOME/mmgate/compiled-plugins` or `~/.cache/mmgate/compiled-plugins`).
+    pub compile_cache_dir: Option<PathBuf>,
+    /// Compile every plugin at start instead (default false).
+    pub no_compile_cache: bool,
+}
+
+impl PluginsConfig {
+    /// Plugin threads: configured, or one per core.
+    pub fn threads(&self) -> usize {
+        self.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get)
+        })
+    }
+
+    /// Calls that may wait for a thread: configured, or 16 per thread.
+    pub fn queue(&self) -> usize {
+        self.queue.unwrap_or(self.threads() * 16)
+    }
+
+    /// The compile cache, if it is on and usable. One that cannot be used costs compile time only,
+    /// so it is a warning, not an error.
+    pub fn compile_cache(&self) -> Option<CompileCache> {
+        if self.no_compile_cache {
+            return None;
+        }
+        let dir = self
+            .compile_cache_dir
+            .clone()
+            .or_else(CompileCache::default_dir)?;
+        CompileCache::open(dir)
+            .inspect_err(|e| tracing::warn!("{e}; plugins are compiled at every start"))
+            .ok()
+    }
+
+    fn validate(&self, sandbox: &SandboxLimits) -> anyhow::Result<()> {
+        if self.threads == Some(0) {
+            bail!("plugins.threads must be positive");
+        }
+        if self.queue == Some(0) {
+            bail!("plugins.queue must be positive");
+        }
+        let threads = self.threads();
+        if threads > sandbox.max_instances as usize {
+            bail!(
+                "plugins.threads ({threads}) is more than sandbox.max_instances ({}): every thread \
+                 needs an instance slot",
+                sandbox.max_instances
+            );
+        }
+        Ok(())
+    }
 }
 
 /// One served model: run natively from a model directory, or by a pool of upstream servers — with a
@@ -345,6 +411,7 @@ impl Default for Config {
             http_threads: None,
             http_work_stealing: true,
             shutdown_grace_seconds: 5,
+            plugins: PluginsConfig::default(),
             sandbox: SandboxLimits::default(),
             models: demo_models(),
             api_keys: Vec::new(),
@@ -368,6 +435,9 @@ impl Config {
                 && dir.is_relative()
             {
                 config.plugin_dir = Some(base.join(dir));
+            }
+            if let Some(dir) = &mut config.plugins.compile_cache_dir {
+                *dir = base.join(&*dir);
             }
             if let Some(tls) = &mut config.tls {
                 tls.cert = base.join(&tls.cert);
@@ -409,6 +479,7 @@ impl Config {
         if s.max_instances == 0 {
             bail!("sandbox.max_instances must be positive");
         }
+        self.plugins.validate(s)?;
         if let Some(dir) = &self.plugin_dir
             && !dir.is_dir()
         {
@@ -490,6 +561,16 @@ mod tests {
             ("api_keys = [\"\"]\n", "empty key"),
             ("[limits]\nmax_image_byte = 5\n", "unknown field"),
             ("[fetch]\nallow = [\"not a network\"]\n", "invalid"),
+            (
+                "[plugins]\nthreads = 0\n",
+                "plugins.threads must be positive",
+            ),
+            ("[plugins]\nqueue = 0\n", "plugins.queue must be positive"),
+            (
+                "[plugins]\nthreads = 8\n[sandbox]\nmax_instances = 4\n",
+                "more than sandbox.max_instances",
+            ),
+            ("[plugins]\nthread = 2\n", "unknown field"),
         ] {
             let error = parse(text)
                 .err()

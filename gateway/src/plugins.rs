@@ -13,10 +13,21 @@ use std::time::Duration;
 use anyhow::Context;
 use arc_swap::ArcSwap;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use mmgate_host::{PluginRegistry, Sandbox};
+use mmgate_host::{PluginRegistry, Sandbox, SandboxLimits};
+
+use crate::config::PluginsConfig;
 use notify::event::ModifyKind;
 use notify::{EventKind, RecursiveMode, Watcher};
 use serde::Serialize;
+
+/// The sandbox plugins run in, with `config`'s compile cache when it is on and usable.
+pub fn sandbox(limits: SandboxLimits, config: &PluginsConfig) -> anyhow::Result<Arc<Sandbox>> {
+    let sandbox = Sandbox::new(limits).context("creating the plugin sandbox")?;
+    Ok(Arc::new(match config.compile_cache() {
+        Some(cache) => sandbox.with_compile_cache(cache),
+        None => sandbox,
+    }))
+}
 
 /// How long the directory must stay quiet before a reload: copying a component and its manifest is
 /// several events, and one reload should see both.

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context;
-use mmgate_host::{PluginPool, Sandbox};
+use mmgate_host::PluginPool;
 use pingora::server::Server;
 use pingora::server::configuration::ServerConf;
 use pingora::services::ServiceWithDependents;
@@ -62,11 +62,11 @@ fn load_model(
 }
 
 pub fn serve(config: Config) -> anyhow::Result<()> {
-    let sandbox = Arc::new(Sandbox::new(config.sandbox.clone())?);
+    let sandbox = crate::plugins::sandbox(config.sandbox.clone(), &config.plugins)?;
     let plugins = Arc::new(LivePlugins::load(sandbox, config.plugin_dir.as_deref())?);
     let reload = plugins.watch()?;
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let pool = PluginPool::new(threads, threads * 16).context("starting the plugin pool")?;
+    let pool = PluginPool::new(config.plugins.threads(), config.plugins.queue())
+        .context("starting the plugin pool")?;
 
     let metrics = Metrics::new();
     let mut models = BTreeMap::new();
@@ -107,7 +107,9 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
     );
 
     let mut conf = ServerConf::new().context("creating the pingora configuration")?;
-    conf.threads = config.http_threads.unwrap_or(threads);
+    conf.threads = config
+        .http_threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
     conf.work_stealing = config.http_work_stealing;
     // On SIGTERM pingora keeps serving for a grace period meant for handing listeners to an upgraded
     // process (5 minutes by default); mmgate does not upgrade in place, so in-flight requests get

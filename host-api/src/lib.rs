@@ -2,6 +2,7 @@
 //!
 //! - [`contract`]: the plugin contract (`wit/modality.wit`) as Rust types, and its version rules;
 //! - [`sandbox`]: the wasmtime engine, per-call limits, and the state every call's store holds;
+//! - [`compile_cache`]: compiled plugins kept on disk between runs, checked before they are loaded;
 //! - [`plugin`]: loading one component and calling its exports, each call in a fresh store;
 //! - [`manifest`] and [`registry`]: the built-in plugins plus a plugin directory;
 //! - [`component`]: building a plugin crate into a component (`mmgate plugin build`, the SDK's harness);
@@ -13,6 +14,7 @@
 //! tensors it returns.
 
 pub mod builtin;
+pub mod compile_cache;
 pub mod component;
 pub mod contract;
 pub mod error;
@@ -23,6 +25,7 @@ pub mod registry;
 pub mod sandbox;
 pub mod video;
 
+pub use compile_cache::{CacheError, CompileCache};
 pub use contract::{
     Budget, ByteSamples, CONTRACT_VERSION, Descriptor, Dtype, Media, MediaInfo, PluginError,
     TABLE_SUFFIX, Tensor, TokenPlan, Version, f32_values, le_f32s, with_f32_values,

@@ -82,11 +82,14 @@ impl LoadedPlugin {
         origin: PluginOrigin,
     ) -> Result<LoadedPlugin, LoadError> {
         let label = origin.to_string();
+        let sha256 = hex::encode(Sha256::digest(bytes));
         let component =
-            Component::new(sandbox.engine(), bytes).map_err(|e| LoadError::InvalidComponent {
-                origin: label.clone(),
-                reason: format!("{e:#}"),
-            })?;
+            sandbox
+                .compile(bytes, &sha256)
+                .map_err(|e| LoadError::InvalidComponent {
+                    origin: label.clone(),
+                    reason: format!("{e:#}"),
+                })?;
         let contract = exported_contract_version(&sandbox, &component, &label)?;
         let instance_pre = sandbox.linker().instantiate_pre(&component).map_err(|e| {
             LoadError::ContractMismatch {
@@ -115,7 +118,7 @@ impl LoadedPlugin {
                 processor_types: Vec::new(),
             },
             contract,
-            sha256: hex::encode(Sha256::digest(bytes)),
+            sha256,
             name: Arc::from(label.as_str()),
             origin,
         };

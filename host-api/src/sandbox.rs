@@ -11,10 +11,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use wasmtime::component::{HasSelf, Linker, ResourceTable};
+use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
+use crate::compile_cache::CompileCache;
 use crate::contract::{LogLevel, ModalityPlugin, mmgate, v0_1};
 use crate::error::LoadError;
 
@@ -72,6 +73,7 @@ pub struct Sandbox {
     engine: Engine,
     linker: Linker<CallState>,
     limits: SandboxLimits,
+    compile_cache: Option<CompileCache>,
     // Held for its Drop: the ticker thread stops when the sandbox goes.
     _ticker: Ticker,
 }
@@ -108,8 +110,24 @@ impl Sandbox {
             engine,
             linker,
             limits,
+            compile_cache: None,
             _ticker: ticker,
         })
+    }
+
+    /// Keeps compiled plugins in `cache` and loads them from there when they are already compiled.
+    pub fn with_compile_cache(mut self, cache: CompileCache) -> Self {
+        self.compile_cache = Some(cache);
+        self
+    }
+
+    /// Compiles a component (whose sha256 is `sha256`, hex), through the compile cache if there is
+    /// one.
+    pub(crate) fn compile(&self, wasm: &[u8], sha256: &str) -> wasmtime::Result<Component> {
+        match &self.compile_cache {
+            Some(cache) => cache.component(&self.engine, wasm, sha256),
+            None => Component::new(&self.engine, wasm),
+        }
     }
 
     pub fn engine(&self) -> &Engine {

@@ -3,17 +3,17 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::{Context, anyhow, bail};
 use clap::Args;
-use mmgate_host::{Media, PluginRegistry, Sandbox, SandboxLimits};
+use mmgate_host::{Media, PluginRegistry, SandboxLimits};
 use mmgate_inference::engine::{Event, FinishReason, GenerateRequest};
 use mmgate_inference::sampling::SamplingParams;
 use mmgate_inference::text::{ChatMessage, ContentPart};
 use serde_json::json;
 
 use crate::budget::BudgetError;
+use crate::config::PluginsConfig;
 use crate::error::ApiError;
 use crate::media::sniff_mime_type;
 use crate::model::{
@@ -85,7 +85,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         .checked_sub(text_tokens + args.max_tokens)
         .ok_or_else(|| anyhow!("the prompt ({text_tokens} tokens) and max_tokens leave no room in the context ({})", model.context_length))?;
 
-    let sandbox = Arc::new(Sandbox::new(SandboxLimits::default())?);
+    let sandbox = crate::plugins::sandbox(SandboxLimits::default(), &PluginsConfig::default())?;
     let registry = match &args.plugin_dir {
         Some(dir) => PluginRegistry::with_dir(&sandbox, dir),
         None => PluginRegistry::builtin(&sandbox),

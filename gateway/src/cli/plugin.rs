@@ -14,6 +14,7 @@ use mmgate_host::{
 use serde_json::json;
 
 use super::scaffold;
+use crate::config::PluginsConfig;
 
 #[derive(Subcommand, Debug)]
 pub enum PluginCommand {
@@ -65,7 +66,7 @@ pub enum PluginCommand {
 }
 
 pub fn run(command: PluginCommand) -> anyhow::Result<ExitCode> {
-    let sandbox = Arc::new(Sandbox::new(SandboxLimits::default())?);
+    let sandbox = crate::plugins::sandbox(SandboxLimits::default(), &PluginsConfig::default())?;
     match command {
         PluginCommand::New { name, dir, sdk } => {
             let dir = dir.unwrap_or_else(|| PathBuf::from(&name));

@@ -4,14 +4,14 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::{Context, anyhow, bail};
 use clap::Args;
-use mmgate_host::{Dtype, Media, PluginRegistry, Sandbox, SandboxLimits, Tensor};
+use mmgate_host::{Dtype, Media, PluginRegistry, SandboxLimits, Tensor};
 use serde_json::{Value, json};
 
 use crate::budget::BudgetError;
+use crate::config::PluginsConfig;
 use crate::error::ApiError;
 use crate::media::sniff_mime_type;
 use crate::pipeline;
@@ -55,7 +55,7 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
     let data = std::fs::read(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
 
-    let sandbox = Arc::new(Sandbox::new(SandboxLimits::default())?);
+    let sandbox = crate::plugins::sandbox(SandboxLimits::default(), &PluginsConfig::default())?;
     let registry = match &args.plugin_dir {
         Some(dir) => PluginRegistry::with_dir(&sandbox, dir),
         None => PluginRegistry::builtin(&sandbox),
