@@ -99,7 +99,9 @@ fn read_response(reader: &mut BufReader<TcpStream>) -> Response {
         headers,
         raw_body: Vec::new(),
     };
-    if let Some(length) = response.header("content-length") {
+    if (100..200).contains(&status) || status == 204 || status == 304 {
+        // No body (RFC 9112 6.3).
+    } else if let Some(length) = response.header("content-length") {
         let mut body = vec![0; length.parse().unwrap()];
         reader.read_exact(&mut body).unwrap();
         response.raw_body = body;
@@ -254,6 +256,7 @@ struct Seen {
     connection: usize,
     case: String,
     head: String,
+    body: Vec<u8>,
 }
 
 /// An HTTP/1.1 server answering each request as its `x-case` header says (keeping connections
@@ -311,6 +314,7 @@ fn serve_scripted(stream: TcpStream, connection: usize, log: &Mutex<Vec<Seen>>) 
             connection,
             case: case.clone(),
             head: head.clone(),
+            body,
         });
         let out = reader.get_mut();
         let keep_open = match case.as_str() {
@@ -338,6 +342,24 @@ fn serve_scripted(stream: TcpStream, connection: usize, log: &Mutex<Vec<Seen>>) 
             }
             "continue" => {
                 write!(out, "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: {}\r\n\r\n{JSON_BODY}", JSON_BODY.len()).unwrap();
+                true
+            }
+            "hop" => {
+                write!(
+                    out,
+                    "HTTP/1.1 200 OK\r\nConnection: keep-alive, X-Up-Hop\r\nX-Up-Hop: secret\r\nX-End: 1\r\nContent-Length: {}\r\n\r\n{JSON_BODY}",
+                    JSON_BODY.len()
+                )
+                .unwrap();
+                true
+            }
+            "both" => {
+                write!(
+                    out,
+                    "HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{JSON_BODY}\r\n0\r\n\r\n",
+                    JSON_BODY.len()
+                )
+                .unwrap();
                 true
             }
             "close" => {
@@ -436,4 +458,374 @@ fn upstream_response_framings_reach_the_client_as_they_were_sent() {
     assert_eq!(response.json()["error"]["code"], "upstream_failed");
     send(&mut client, &chat_request("demo", &case("length")));
     assert_eq!(read_response(&mut client).raw_body, JSON_BODY.as_bytes());
+}
+
+/// A gateway in front of the scripted upstream, one HTTP thread.
+fn scripted_front() -> (Server, tempfile::TempDir, String, Arc<Mutex<Vec<Seen>>>) {
+    let (upstream, seen) = scripted_upstream();
+    let (front, dir) = start(&format!(
+        "http_threads = 1\nmodels = [{{ name = \"demo\", upstreams = [\"{upstream}\"], health_check = {{ path = \"\", interval_ms = 3600000 }} }}]\n"
+    ));
+    (front, dir, upstream, seen)
+}
+
+/// What a client got for `raw`: its response, and whether the connection then closed.
+fn answer(front: &Server, raw: &[u8]) -> (Response, bool) {
+    let mut client = connect(front);
+    client.get_mut().write_all(raw).unwrap();
+    let response = read_response(&mut client);
+    if response.header("content-length").is_none() && response.header("transfer-encoding").is_none()
+    {
+        return (response, true);
+    }
+    client
+        .get_mut()
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let mut rest = [0u8; 1];
+    let closed = matches!(client.read(&mut rest), Ok(0));
+    (response, closed)
+}
+
+fn chat_body() -> String {
+    json!({"model": "demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+        .to_string()
+}
+
+/// RFC 9112's framing rules at the proxy, each case as raw bytes: what the client gets, whether the
+/// connection stays open, and what (if anything) the upstream got.
+#[test]
+fn requests_framed_ambiguously_are_refused_and_never_reach_the_upstream() {
+    let (front, _d, _upstream, seen) = scripted_front();
+    let body = chat_body();
+    let inner = chat_request("demo", "X-Case: length\r\n");
+    // CL.TE: the chunked body ends early; inside the Content-Length a second request hides.
+    let smuggling_body = format!("0\r\n\r\n{inner}");
+    let cases: Vec<(String, u16, &str)> = vec![
+        (
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\nContent-Length: {}\r\nTransfer-Encoding: chunked\r\n\r\n{smuggling_body}",
+                smuggling_body.len()
+            ),
+            400,
+            "ambiguous_framing",
+        ),
+        (
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\nTransfer-Encoding: chunked\r\nContent-Length: {}\r\n\r\n{smuggling_body}",
+                smuggling_body.len()
+            ),
+            400,
+            "ambiguous_framing",
+        ),
+        // A bare LF inside a chunk extension: a front proxy ending lines at LF reads another body.
+        (
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\nTransfer-Encoding: chunked\r\n\r\n{:x};a\nb\r\n{body}\r\n0\r\n\r\n",
+                body.len()
+            ),
+            400,
+            "bad_chunked_body",
+        ),
+        (
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\n{body}\r\n0\r\n\r\n",
+                body.len()
+            ),
+            400,
+            "bad_chunked_body",
+        ),
+        (
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{body}\r\n0\r\n\r\n"
+            ),
+            400,
+            "bad_chunked_body",
+        ),
+        (
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\nContent-Length: {}\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len(),
+                body.len() + 1
+            ),
+            400,
+            "bad_content_length",
+        ),
+        (
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\nTransfer-Encoding: chunked, gzip\r\n\r\n{body}"
+            ),
+            400,
+            "bad_transfer_encoding",
+        ),
+        (
+            "POST /v1/chat/completions HTTP/1.1
+Host: gw
+X-Case: length
+Transfer-Encoding: gzip, chunked
+
+0
+
+"
+            .to_owned(),
+            501,
+            "unsupported_transfer_encoding",
+        ),
+        (
+            "POST /v1/chat/completions HTTP/1.0
+Host: gw
+X-Case: length
+Transfer-Encoding: chunked
+
+0
+
+"
+            .to_owned(),
+            400,
+            "bad_transfer_encoding",
+        ),
+        // obs-fold, whitespace before the colon, a bare CR.
+        (
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\n folded\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            ),
+            400,
+            "bad_request_head",
+        ),
+        (
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case : length\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            ),
+            400,
+            "bad_request_head",
+        ),
+        (
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\rX-Case: length\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            ),
+            400,
+            "bad_request_head",
+        ),
+        (
+            format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\nExpect: teapot\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            ),
+            417,
+            "expectation_failed",
+        ),
+    ];
+    for (raw, status, code) in &cases {
+        let (response, closed) = answer(&front, raw.as_bytes());
+        assert_eq!(
+            (response.status, response.json()["error"]["code"].as_str()),
+            (*status, Some(*code)),
+            "{raw:?}"
+        );
+        assert_eq!(response.header("connection"), Some("close"), "{raw:?}");
+        assert!(closed, "the connection closes after refusing {raw:?}");
+    }
+    assert!(
+        seen.lock().unwrap().is_empty(),
+        "the upstream got nothing: {:?}",
+        seen.lock().unwrap()
+    );
+    // The gateway goes on serving.
+    let (response, closed) = answer(
+        &front,
+        chat_request("demo", "X-Case: length\r\n").as_bytes(),
+    );
+    assert_eq!((response.status, closed), (200, false));
+}
+
+#[test]
+fn well_framed_requests_reach_the_upstream_in_one_plain_form() {
+    let (front, _d, upstream, seen) = scripted_front();
+    let body = chat_body();
+    let last_seen = || seen.lock().unwrap().last().cloned().unwrap();
+
+    // The same Content-Length twice, and as a list: one Content-Length goes on.
+    for lengths in [
+        format!("Content-Length: {0}\r\nContent-Length: {0}\r\n", body.len()),
+        format!("Content-Length: {0}, {0}\r\n", body.len()),
+    ] {
+        let raw = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\n{lengths}\r\n{body}"
+        );
+        let (response, closed) = answer(&front, raw.as_bytes());
+        assert_eq!((response.status, closed), (200, false), "{raw:?}");
+        let got = last_seen();
+        assert_eq!(got.body, body.as_bytes());
+        let head = got.head.to_ascii_lowercase();
+        assert_eq!(head.matches("content-length:").count(), 1, "{}", got.head);
+        assert!(head.contains(&format!("content-length: {}\r\n", body.len())));
+    }
+
+    // Header lines ending in a bare LF are lines; they go on ending in CRLF.
+    let raw = format!(
+        "POST /v1/chat/completions HTTP/1.1\nHost: gw\nX-Case: length\nContent-Length: {}\n\n{body}",
+        body.len()
+    );
+    let (response, _) = answer(&front, raw.as_bytes());
+    assert_eq!(response.status, 200);
+    let got = last_seen();
+    assert!(
+        !got.head.replace("\r\n", "").contains('\n'),
+        "{:?}",
+        got.head
+    );
+
+    // An absolute-form target is served by its path and forwarded in origin form.
+    let raw = format!(
+        "POST http://gw/v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let (response, _) = answer(&front, raw.as_bytes());
+    assert_eq!(response.status, 200);
+    let got = last_seen();
+    assert!(
+        got.head
+            .starts_with("POST /v1/chat/completions HTTP/1.1\r\n"),
+        "{:?}",
+        got.head
+    );
+    assert!(
+        got.head
+            .to_ascii_lowercase()
+            .contains(&format!("host: {upstream}\r\n"))
+    );
+
+    // A chunked body goes on whole, framed by its length.
+    let (a, b) = body.split_at(7);
+    let raw = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\nTransfer-Encoding: chunked\r\n\r\n{:x};name=value\r\n{a}\r\n{:x}\r\n{b}\r\n0\r\nX-Trailer: 1\r\n\r\n",
+        a.len(),
+        b.len()
+    );
+    let (response, closed) = answer(&front, raw.as_bytes());
+    assert_eq!((response.status, closed), (200, false));
+    let got = last_seen();
+    assert_eq!(got.body, body.as_bytes());
+    assert!(!got.head.to_ascii_lowercase().contains("transfer-encoding"));
+}
+
+/// Headers named in `Connection` stay on their hop, both ways, on the lane and on pingora's path.
+#[test]
+fn connection_listed_headers_cross_neither_way() {
+    let (front, _d, _upstream, seen) = scripted_front();
+    for connection in ["keep-alive, X-Foo", "close, X-Foo", "X-Foo"] {
+        for case in ["length", "hop"] {
+            let raw = chat_request(
+                "demo",
+                &format!(
+                    "X-Case: {case}\r\nConnection: {connection}\r\nX-Foo: secret\r\nX-Kept: 1\r\n"
+                ),
+            );
+            let (response, closed) = answer(&front, raw.as_bytes());
+            assert_eq!(response.status, 200, "{raw:?}");
+            assert_eq!(closed, connection.starts_with("close"), "{raw:?}");
+            let got = seen.lock().unwrap().last().cloned().unwrap();
+            let head = got.head.to_ascii_lowercase();
+            assert!(!head.contains("x-foo"), "{connection}: {}", got.head);
+            assert!(head.contains("x-kept: 1\r\n"), "{}", got.head);
+            assert_eq!(response.header("x-up-hop"), None, "{connection} {case}");
+            if case == "hop" {
+                assert_eq!(response.header("x-end"), Some("1"));
+            }
+        }
+    }
+    // On the lane too: a plain keep-alive request is relayed as bytes.
+    let (response, _) = answer(&front, chat_request("demo", "X-Case: hop\r\n").as_bytes());
+    assert_eq!(response.status, 200);
+    assert_eq!(response.header("x-up-hop"), None);
+    assert_eq!(response.header("x-end"), Some("1"));
+    assert_eq!(response.raw_body, JSON_BODY.as_bytes());
+
+    // An upstream answer framed both ways is read as chunked, without its Content-Length.
+    let (response, _) = answer(&front, chat_request("demo", "X-Case: both\r\n").as_bytes());
+    assert_eq!(response.header("content-length"), None);
+    assert_eq!(dechunk(&response.raw_body), JSON_BODY.as_bytes());
+}
+
+/// `Expect: 100-continue` gets `100 Continue` from the gateway, then the final answer (an
+/// upstream's own interim answer is not relayed), and a request pipelined behind it is served.
+#[test]
+fn expect_100_continue_gets_its_final_answer() {
+    let (front, _d, _upstream, seen) = scripted_front();
+    let body = chat_body();
+    let mut client = connect(&front);
+    for case in ["length", "continue"] {
+        send(
+            &mut client,
+            &format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: {case}\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            ),
+        );
+        let interim = read_response(&mut client);
+        assert_eq!(interim.status, 100);
+        send(&mut client, &body);
+        let last = read_response(&mut client);
+        assert_eq!(last.status, if case == "continue" { 201 } else { 200 });
+        assert_eq!(last.raw_body, JSON_BODY.as_bytes());
+        let got = seen.lock().unwrap().last().cloned().unwrap();
+        assert!(
+            !got.head.to_ascii_lowercase().contains("expect"),
+            "{}",
+            got.head
+        );
+    }
+    // Pipelined behind a 100-continue request, with its body sent at once.
+    send(
+        &mut client,
+        &format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: continue\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n{body}{}",
+            body.len(),
+            chat_request("demo", "X-Case: length\r\n")
+        ),
+    );
+    let mut first = read_response(&mut client);
+    if first.status == 100 {
+        first = read_response(&mut client);
+    }
+    assert_eq!(first.status, 201);
+    assert_eq!(read_response(&mut client).status, 200);
+}
+
+/// curl sends `Expect: 100-continue` for a body over 1 MiB: it gets its answer.
+#[test]
+fn curl_with_a_large_body_gets_its_answer() {
+    let (front, dir, _upstream, seen) = scripted_front();
+    let padding = "x".repeat(1_500_000);
+    let body = json!({"model": "demo", "messages": [{"role": "user", "content": padding}], "max_tokens": 4})
+        .to_string();
+    let file = dir.path().join("big.json");
+    std::fs::write(&file, &body).unwrap();
+    let output = std::process::Command::new("curl")
+        .args([
+            "-sS",
+            "-v",
+            "--max-time",
+            "60",
+            "-H",
+            "Content-Type: application/json",
+        ])
+        .args(["-H", "X-Case: length", "--data-binary"])
+        .arg(format!("@{}", file.display()))
+        .arg(format!("http://{}/v1/chat/completions", front.addr))
+        .output()
+        .expect("curl");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("Expect: 100-continue"),
+        "curl asked: {stderr}"
+    );
+    assert!(stderr.contains("HTTP/1.1 100 Continue"), "{stderr}");
+    assert!(stderr.contains("HTTP/1.1 200"), "{stderr}");
+    assert_eq!(output.stdout, JSON_BODY.as_bytes());
+    assert_eq!(seen.lock().unwrap().last().unwrap().body, body.as_bytes());
 }

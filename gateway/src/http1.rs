@@ -10,7 +10,7 @@
 use std::ops::Range;
 
 /// Headers that describe one connection, not the message: never forwarded, either way.
-pub const HOP_BY_HOP: [&str; 8] = [
+const HOP_BY_HOP: [&str; 8] = [
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -20,6 +20,36 @@ pub const HOP_BY_HOP: [&str; 8] = [
     "trailer",
     "upgrade",
 ];
+
+/// Which headers of one message stay on this hop: the fixed hop-by-hop ones, and every header its
+/// `Connection` headers name (RFC 9110 7.6.1: `Connection: close, X-Foo` makes `X-Foo` describe
+/// this connection only). Neither is ever forwarded, in either direction.
+#[derive(Debug, Default)]
+pub struct HopByHop<'a> {
+    listed: Vec<&'a [u8]>,
+}
+
+impl<'a> HopByHop<'a> {
+    /// From the values of a message's `Connection` headers.
+    pub fn new(connection_values: impl IntoIterator<Item = &'a [u8]>) -> HopByHop<'a> {
+        let listed = connection_values
+            .into_iter()
+            .flat_map(|value| value.split(|&b| b == b','))
+            .map(<[u8]>::trim_ascii)
+            .filter(|token| !token.is_empty())
+            .collect();
+        HopByHop { listed }
+    }
+
+    /// Whether the header `name` stays on this hop.
+    pub fn drops(&self, name: &str) -> bool {
+        HOP_BY_HOP.iter().any(|h| name.eq_ignore_ascii_case(h))
+            || self
+                .listed
+                .iter()
+                .any(|token| token.eq_ignore_ascii_case(name.as_bytes()))
+    }
+}
 
 /// Headers parsed per message; a message with more goes to pingora (which takes more).
 const MAX_HEADERS: usize = 64;
@@ -117,6 +147,182 @@ pub fn parse_request(buf: &[u8], max_body: usize) -> Request {
     })
 }
 
+/// Headers parsed per request head that the lane leaves to pingora: pingora's own limit.
+const MAX_CHECKED_HEADERS: usize = 256;
+
+/// What the framing rules make of a request the lane leaves to pingora, checked on the bytes before
+/// pingora reads them (pingora is lenient in places where a proxy must not be: a chunk line ending
+/// in a bare LF, say). The rules, RFC 9112 and 9110:
+///
+/// | the request has | it gets | connection |
+/// |---|---|---|
+/// | `Content-Length` and `Transfer-Encoding` (either order) | 400 `ambiguous_framing` | closed |
+/// | several `Content-Length`s, or a list, all the same valid number | forwarded with one `Content-Length` | kept |
+/// | several `Content-Length`s that differ, or one that is not digits | 400 `bad_content_length` | closed |
+/// | `Transfer-Encoding` whose last coding is not `chunked` | 400 `bad_transfer_encoding` | closed |
+/// | `Transfer-Encoding` with codings besides `chunked` (`gzip, chunked`) | 501 `unsupported_transfer_encoding` | closed |
+/// | `Transfer-Encoding` on an HTTP/1.0 request | 400 `bad_transfer_encoding` | closed |
+/// | a chunked body: bad size, a chunk line or trailer with a bare CR or LF, a chunk that does not end in CRLF | 400 `bad_chunked_body` | closed |
+/// | a chunked body, well formed | forwarded with its decoded length as `Content-Length` | kept |
+/// | obs-fold (a header line starting with whitespace), whitespace before a colon, a bare CR, a control byte in a field, a malformed request line | 400 `bad_request_head` | closed |
+/// | header lines ending in a bare LF | read as lines (RFC 9112 2.2 allows it); forwarded with CRLF | kept |
+/// | more than 256 header lines, or a head over 64 KiB | 431 `headers_too_large` | closed |
+/// | an absolute-form target (`POST http://host/v1/...`) | served by its path; forwarded in origin form | kept |
+/// | `Expect: 100-continue` | `100 Continue` from this gateway before the body is read; `Expect` is not forwarded | kept |
+/// | any other `Expect` | 417 `expectation_failed` | closed |
+/// | `Connection: close, X-Foo` / `keep-alive, X-Foo` | `X-Foo` (and every fixed hop-by-hop header) is not forwarded; likewise for the upstream's answer | as `Connection` says |
+///
+/// Upstream responses follow the same rules where they apply ([`parse_response`]): a response
+/// with both framings is read as chunked, its `Content-Length` dropped and the upstream connection
+/// not reused; differing `Content-Length`s, a malformed head or chunked body is a 502.
+#[derive(Debug, PartialEq, Eq)]
+pub enum RequestCheck {
+    /// Not a whole head yet.
+    Partial,
+    /// pingora may read it.
+    Pass {
+        head_len: usize,
+        /// Its body is chunked: the caller follows it with [`Chunked`] (refusing it if it is
+        /// malformed) before pingora reads it.
+        chunked: bool,
+        /// `Expect: 100-continue` on an HTTP/1.1 request: the client may wait for `100 Continue`
+        /// before it sends the body.
+        expects_continue: bool,
+        /// Its `Content-Length`, if any.
+        content_length: Option<usize>,
+    },
+    /// Refused with this status and error code; the connection closes after the answer.
+    Refuse {
+        status: u16,
+        code: &'static str,
+        message: &'static str,
+    },
+}
+
+impl RequestCheck {
+    fn refuse(status: u16, code: &'static str, message: &'static str) -> RequestCheck {
+        RequestCheck::Refuse {
+            status,
+            code,
+            message,
+        }
+    }
+}
+
+/// Checks the request head at the start of `buf` against the table on [`RequestCheck`].
+pub fn check_request(buf: &[u8]) -> RequestCheck {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_CHECKED_HEADERS];
+    let mut request = httparse::Request::new(&mut headers);
+    let head_len = match request.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return RequestCheck::Partial,
+        Err(httparse::Error::TooManyHeaders) => {
+            return RequestCheck::refuse(
+                431,
+                "headers_too_large",
+                "the request has too many header lines",
+            );
+        }
+        Err(_) => {
+            return RequestCheck::refuse(
+                400,
+                "bad_request_head",
+                "the request line or a header line is malformed (RFC 9112)",
+            );
+        }
+    };
+    let http10 = request.version == Some(0);
+    let mut content_length: Option<usize> = None;
+    let mut codings: Vec<&[u8]> = Vec::new();
+    let mut expects_continue = false;
+    for header in request.headers.iter() {
+        let name = header.name;
+        if name.eq_ignore_ascii_case("content-length") {
+            for item in header.value.split(|&b| b == b',') {
+                match (content_length, self::content_length(item.trim_ascii())) {
+                    (_, None) => {
+                        return RequestCheck::refuse(
+                            400,
+                            "bad_content_length",
+                            "Content-Length is not a number",
+                        );
+                    }
+                    (Some(a), Some(b)) if a != b => {
+                        return RequestCheck::refuse(
+                            400,
+                            "bad_content_length",
+                            "the request has Content-Lengths that differ",
+                        );
+                    }
+                    (_, n) => content_length = n,
+                }
+            }
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            codings.extend(
+                header
+                    .value
+                    .split(|&b| b == b',')
+                    .map(<[u8]>::trim_ascii)
+                    .filter(|c| !c.is_empty()),
+            );
+        } else if name.eq_ignore_ascii_case("expect") {
+            if header
+                .value
+                .trim_ascii()
+                .eq_ignore_ascii_case(b"100-continue")
+            {
+                expects_continue = !http10;
+            } else {
+                return RequestCheck::refuse(
+                    417,
+                    "expectation_failed",
+                    "the only expectation served is 100-continue",
+                );
+            }
+        }
+    }
+    let chunked = !codings.is_empty();
+    if chunked {
+        if content_length.is_some() {
+            return RequestCheck::refuse(
+                400,
+                "ambiguous_framing",
+                "the request has both Content-Length and Transfer-Encoding",
+            );
+        }
+        if http10 {
+            return RequestCheck::refuse(
+                400,
+                "bad_transfer_encoding",
+                "an HTTP/1.0 request cannot have Transfer-Encoding",
+            );
+        }
+        if !codings
+            .last()
+            .is_some_and(|c| c.eq_ignore_ascii_case(b"chunked"))
+        {
+            return RequestCheck::refuse(
+                400,
+                "bad_transfer_encoding",
+                "the request's last transfer coding is not chunked",
+            );
+        }
+        if codings.len() > 1 {
+            return RequestCheck::refuse(
+                501,
+                "unsupported_transfer_encoding",
+                "no transfer coding but chunked is supported",
+            );
+        }
+    }
+    RequestCheck::Pass {
+        head_len,
+        chunked,
+        expects_continue,
+        content_length,
+    }
+}
+
 /// `part`'s place in `buf` (httparse hands out slices of the buffer it parsed).
 fn range_in(buf: &[u8], part: &[u8]) -> Range<usize> {
     let start = part.as_ptr() as usize - buf.as_ptr() as usize;
@@ -197,9 +403,19 @@ pub fn parse_response(buf: &[u8]) -> Result<Option<ResponseHead>, ResponseError>
     client_head.extend_from_slice(response.reason.unwrap_or("").as_bytes());
     client_head.extend_from_slice(b"\r\n");
 
+    let hop = HopByHop::new(
+        response
+            .headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("connection"))
+            .map(|h| h.value),
+    );
+    let transfer_encoded = response
+        .headers
+        .iter()
+        .any(|h| h.name.eq_ignore_ascii_case("transfer-encoding"));
     let mut length = None;
     let mut chunked = false;
-    let mut transfer_encoded = false;
     let mut close = version == 0;
     for header in response.headers.iter() {
         let name = header.name;
@@ -210,7 +426,6 @@ pub fn parse_response(buf: &[u8]) -> Result<Option<ResponseHead>, ResponseError>
             }
             length = Some(n);
         } else if name.eq_ignore_ascii_case("transfer-encoding") {
-            transfer_encoded = true;
             // Only the last coding decides the framing (RFC 9112 6.3).
             chunked = header
                 .value
@@ -232,13 +447,22 @@ pub fn parse_response(buf: &[u8]) -> Result<Option<ResponseHead>, ResponseError>
                 close = false;
             }
         }
-        if HOP_BY_HOP.iter().any(|h| name.eq_ignore_ascii_case(h)) {
+        if hop.drops(name) {
+            continue;
+        }
+        // With Transfer-Encoding, Content-Length means nothing (RFC 9112 6.3) and is not passed on.
+        if transfer_encoded && name.eq_ignore_ascii_case("content-length") {
             continue;
         }
         client_head.extend_from_slice(name.as_bytes());
         client_head.extend_from_slice(b": ");
         client_head.extend_from_slice(header.value);
         client_head.extend_from_slice(b"\r\n");
+    }
+    // A response framed both ways may be an attempt to desynchronise the connection: it is read
+    // by its Transfer-Encoding and the upstream connection is not reused (RFC 9112 6.3).
+    if transfer_encoded && length.is_some() {
+        close = true;
     }
     let framing = if (100..200).contains(&status) || status == 204 || status == 304 {
         Framing::Empty
@@ -312,8 +536,10 @@ impl Framing {
     }
 }
 
-/// Where a chunked body is (RFC 9112 7.1): followed byte by byte, never decoded, so the client
-/// gets the chunks as they came.
+/// Where a chunked body is (RFC 9112 7.1): followed byte by byte, never decoded, so the receiver
+/// gets the chunks as they came. Every line must end in CRLF: a bare CR or LF in a chunk line or a
+/// trailer is refused (RFC 9112 allows a lenient reader to accept a bare LF; a proxy that did
+/// would frame the body differently from a strict one beside it).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Chunked {
     state: ChunkState,
@@ -325,6 +551,8 @@ enum ChunkState {
     #[default]
     SizeStart,
     Size(u64),
+    /// Whitespace after the size.
+    SizeSpace(u64),
     /// After the size: an extension, up to the line's end.
     Extension(u64),
     SizeLf(u64),
@@ -334,12 +562,14 @@ enum ChunkState {
     /// At the start of a trailer line (or the final blank line).
     TrailerStart,
     Trailer,
+    TrailerLf,
     FinalLf,
     Done,
 }
 
 impl Chunked {
-    fn advance(&mut self, buf: &[u8]) -> Result<Progress, ResponseError> {
+    /// Takes the next bytes of the body from the start of `buf`.
+    pub fn advance(&mut self, buf: &[u8]) -> Result<Progress, ResponseError> {
         use ChunkState::*;
         let mut i = 0;
         while i < buf.len() && self.state != Done {
@@ -359,15 +589,25 @@ impl Chunked {
                             Size(size * 16 + digit)
                         }
                         _ if self.state == SizeStart => return Err(ResponseError::Chunk),
-                        b';' | b' ' | b'\t' => Extension(size),
+                        b';' => Extension(size),
+                        b' ' | b'\t' => SizeSpace(size),
                         b'\r' => SizeLf(size),
-                        b'\n' => Self::after_size(size),
                         _ => return Err(ResponseError::Chunk),
                     }
                 }
+                // Whitespace after the size may only lead to an extension or the line's end.
+                SizeSpace(size) => match byte {
+                    b' ' | b'\t' => SizeSpace(size),
+                    b';' => Extension(size),
+                    b'\r' => SizeLf(size),
+                    _ => return Err(ResponseError::Chunk),
+                },
+                // A bare CR or LF (or any other control byte) inside a chunk line is where two
+                // parsers could end the line in different places: refused, never passed on.
                 Extension(size) => match byte {
                     b'\r' => SizeLf(size),
-                    b'\n' => Self::after_size(size),
+                    b'\t' => Extension(size),
+                    0..=0x1f | 0x7f => return Err(ResponseError::Chunk),
                     _ => Extension(size),
                 },
                 SizeLf(size) if byte == b'\n' => Self::after_size(size),
@@ -381,16 +621,22 @@ impl Chunked {
                     continue;
                 }
                 DataCr if byte == b'\r' => DataLf,
-                DataCr | DataLf if byte == b'\n' => SizeStart,
+                DataLf if byte == b'\n' => SizeStart,
                 TrailerStart => match byte {
                     b'\r' => FinalLf,
-                    b'\n' => Done,
+                    b'\n' => return Err(ResponseError::Chunk),
                     _ => Trailer,
                 },
-                Trailer if byte == b'\n' => TrailerStart,
-                Trailer => Trailer,
+                Trailer => match byte {
+                    b'\r' => TrailerLf,
+                    b'\n' => return Err(ResponseError::Chunk),
+                    _ => Trailer,
+                },
+                TrailerLf if byte == b'\n' => TrailerStart,
                 FinalLf if byte == b'\n' => Done,
-                SizeLf(_) | DataCr | DataLf | FinalLf | Done => return Err(ResponseError::Chunk),
+                SizeLf(_) | DataCr | DataLf | TrailerLf | FinalLf | Done => {
+                    return Err(ResponseError::Chunk);
+                }
             };
             i += 1;
         }
@@ -529,6 +775,24 @@ mod tests {
         ] {
             assert_eq!(parse_response(bad.as_bytes()), Err(ResponseError::Length));
         }
+        // Framed both ways: read as chunked, the length not passed on, the connection not reused.
+        let r = head("HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n");
+        assert_eq!(
+            (&r.framing, r.reusable),
+            (&Framing::Chunked(Chunked::default()), false)
+        );
+        assert_eq!(
+            String::from_utf8(r.client_head).unwrap(),
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        );
+        // Headers the upstream's Connection names stay on its hop.
+        let r = head(
+            "HTTP/1.1 200 OK\r\nX-Hop: 1\r\nConnection: keep-alive, x-hop,X-Other\r\nX-Other: 2\r\nX-End: 3\r\nContent-Length: 0\r\n\r\n",
+        );
+        assert_eq!(
+            String::from_utf8(r.client_head).unwrap(),
+            "HTTP/1.1 200 OK\r\nX-End: 3\r\nContent-Length: 0\r\n\r\n"
+        );
         assert!(parse_response(b"SSH-2.0-x\r\n\r\n").is_err());
         assert_eq!(parse_response(b"HTTP/1.1 200 OK\r\nContent-Le"), Ok(None));
     }
@@ -562,12 +826,24 @@ mod tests {
             );
         }
         assert_eq!(follow(b"0\r\n\r\n", 1), Ok((5, true)));
-        assert_eq!(follow(b"0\n\n", 2), Ok((3, true)), "bare LFs are taken");
+        let spaced: &[u8] = b"5 \t; a=\"b c\"\r\nhello\r\n0\r\n\r\n";
+        assert_eq!(follow(spaced, 1), Ok((spaced.len(), true)));
         for bad in [
             &b"x\r\n"[..],
             b"5\r\nhelloX",
             b"\r\n",
             b"ffffffffffffffffff\r\n",
+            // Bare LFs and CRs anywhere in the framing.
+            b"0\n\n",
+            b"5\nhello\r\n",
+            b"5;a\nb\r\nhello\r\n",
+            b"5;a\rb\r\nhello\r\n",
+            b"5\r\nhello\n0\r\n\r\n",
+            b"0\r\nX-T: 1\n\r\n",
+            b"0\r\n\n",
+            // Only an extension or the line's end may follow whitespace after the size.
+            b"5 5\r\nhello\r\n",
+            b"5;a\x00\r\nhello\r\n",
         ] {
             assert_eq!(follow(bad, 1), Err(ResponseError::Chunk), "{bad:?}");
         }
@@ -592,5 +868,113 @@ mod tests {
         );
         assert!(Framing::Empty.advance(b"x").unwrap().done);
         assert!(!Framing::Close.advance(b"x").unwrap().done);
+    }
+
+    fn refused(raw: &str) -> (u16, &'static str) {
+        match check_request(raw.as_bytes()) {
+            RequestCheck::Refuse { status, code, .. } => (status, code),
+            other => panic!("{raw:?}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn request_framing_follows_the_table() {
+        let post = |headers: &str| format!("POST /v1/files HTTP/1.1\r\nHost: gw\r\n{headers}\r\n");
+        for (headers, expected) in [
+            (
+                "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n",
+                (400, "ambiguous_framing"),
+            ),
+            (
+                "Transfer-Encoding: chunked\r\nContent-Length: 5\r\n",
+                (400, "ambiguous_framing"),
+            ),
+            (
+                "Content-Length: 5\r\nContent-Length: 6\r\n",
+                (400, "bad_content_length"),
+            ),
+            ("Content-Length: 5, 6\r\n", (400, "bad_content_length")),
+            ("Content-Length: -5\r\n", (400, "bad_content_length")),
+            ("Content-Length: 5,\r\n", (400, "bad_content_length")),
+            (
+                "Transfer-Encoding: chunked, gzip\r\n",
+                (400, "bad_transfer_encoding"),
+            ),
+            (
+                "Transfer-Encoding: gzip\r\n",
+                (400, "bad_transfer_encoding"),
+            ),
+            (
+                "Transfer-Encoding: gzip, chunked\r\n",
+                (501, "unsupported_transfer_encoding"),
+            ),
+            (
+                "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n",
+                (501, "unsupported_transfer_encoding"),
+            ),
+            ("X-A: 1\r\n folded\r\n", (400, "bad_request_head")),
+            ("X-A : 1\r\n", (400, "bad_request_head")),
+            ("X-A: 1\rX-B: 2\r\n", (400, "bad_request_head")),
+            ("X-A: a\x01b\r\n", (400, "bad_request_head")),
+            ("Expect: 200-ok\r\n", (417, "expectation_failed")),
+        ] {
+            assert_eq!(refused(&post(headers)), expected, "{headers:?}");
+        }
+        assert_eq!(
+            refused("POST /v1/files HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n"),
+            (400, "bad_transfer_encoding")
+        );
+        let many = "X-A: 1\r\n".repeat(300);
+        assert_eq!(refused(&post(&many)), (431, "headers_too_large"));
+
+        let pass = |raw: &str| match check_request(raw.as_bytes()) {
+            RequestCheck::Pass {
+                chunked,
+                expects_continue,
+                content_length,
+                ..
+            } => (chunked, expects_continue, content_length),
+            other => panic!("{raw:?}: {other:?}"),
+        };
+        assert_eq!(
+            pass(&post("Content-Length: 5\r\nContent-Length: 5\r\n")),
+            (false, false, Some(5))
+        );
+        assert_eq!(
+            pass(&post("Content-Length: 5 , 5\r\n")),
+            (false, false, Some(5))
+        );
+        assert_eq!(
+            pass(&post("Transfer-Encoding: Chunked\r\n")),
+            (true, false, None)
+        );
+        assert_eq!(
+            pass(&post("Expect: 100-Continue\r\nContent-Length: 5\r\n")),
+            (false, true, Some(5))
+        );
+        assert_eq!(
+            pass("POST /x HTTP/1.0\r\nExpect: 100-continue\r\n\r\n"),
+            (false, false, None),
+            "an HTTP/1.0 client never waits for 100"
+        );
+        assert_eq!(
+            pass("POST http://gw/v1/files HTTP/1.1\nHost: gw\n\n"),
+            (false, false, None)
+        );
+        assert_eq!(
+            check_request(b"POST /v1/files HTTP/1.1\r\nHost: g"),
+            RequestCheck::Partial
+        );
+    }
+
+    #[test]
+    fn connection_listed_headers_are_hop_by_hop() {
+        let hop = HopByHop::new([&b"keep-alive, X-Foo"[..], b" x-bar ,,"]);
+        for name in ["x-foo", "X-FOO", "X-Bar", "connection", "Keep-Alive", "te"] {
+            assert!(hop.drops(name), "{name}");
+        }
+        for name in ["x-foobar", "content-type", "x-ba"] {
+            assert!(!hop.drops(name), "{name}");
+        }
     }
 }

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::BytesMut;
+use http::StatusCode;
 use pingora::apps::ServerApp;
 use pingora::protocols::Stream;
 use pingora::protocols::http::ServerSession;
@@ -21,7 +22,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::Gateway;
 use crate::error::ApiError;
-use crate::http1::{self, Request};
+use crate::http1::{self, Request, RequestCheck};
 use crate::upstream::Relayed;
 
 /// How long a kept-alive connection may sit idle, and a request take to arrive (as pingora's
@@ -30,6 +31,9 @@ const READ_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A head the lane has not recognised within this many bytes goes to pingora (which allows more).
 const MAX_LANE_HEAD: usize = 16 * 1024;
+
+/// A request head larger than this is refused with 431.
+const MAX_HEAD: usize = 64 * 1024;
 
 /// What reads from the client ask room for.
 const READ_SIZE: usize = 8 * 1024;
@@ -79,8 +83,10 @@ impl Gateway {
         let passable = loop {
             match http1::parse_request(buf, self.limits.max_body_bytes) {
                 Request::Passable(passable) => break passable,
-                Request::Other => return Lane::Pingora,
-                Request::Partial if buf.len() > MAX_LANE_HEAD => return Lane::Pingora,
+                Request::Other => return self.check_framing(stream, buf).await,
+                Request::Partial if buf.len() > MAX_LANE_HEAD => {
+                    return self.check_framing(stream, buf).await;
+                }
                 Request::Partial => {}
             }
             if !read_more(stream, buf).await {
@@ -128,6 +134,104 @@ impl Gateway {
         Lane::Served { keep_alive }
     }
 
+    /// Holds a request the lane leaves to pingora to RFC 9112's framing rules (the table on
+    /// [`http1::RequestCheck`]) before pingora reads it: a request framed ambiguously is refused
+    /// and the connection closed, a chunked body is followed to its end (refused if malformed), and
+    /// a client that waits for `100 Continue` gets it.
+    async fn check_framing(&self, stream: &mut Stream, buf: &mut BytesMut) -> Lane {
+        let (head_len, chunked, expects_continue, content_length) = loop {
+            match http1::check_request(buf) {
+                RequestCheck::Pass {
+                    head_len,
+                    chunked,
+                    expects_continue,
+                    content_length,
+                } => break (head_len, chunked, expects_continue, content_length),
+                RequestCheck::Refuse {
+                    status,
+                    code,
+                    message,
+                } => return self.refuse(stream, status, code, message).await,
+                RequestCheck::Partial if buf.len() > MAX_HEAD => {
+                    return self
+                        .refuse(
+                            stream,
+                            431,
+                            "headers_too_large",
+                            "the request head is too large",
+                        )
+                        .await;
+                }
+                RequestCheck::Partial => {}
+            }
+            if !read_more(stream, buf).await {
+                return Lane::Closed;
+            }
+        };
+        let max_body = self.limits.max_body_bytes;
+        // A body over the limit, or a key this gateway refuses, is answered from the head alone:
+        // the client is not asked for the body (RFC 9110 10.1.1).
+        let answered_from_head = content_length.is_some_and(|n| n > max_body)
+            || self.check_key(authorization(buf)).is_err();
+        if expects_continue && !answered_from_head && buf.len() == head_len {
+            let written = async {
+                stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
+                stream.flush().await
+            }
+            .await;
+            if written.is_err() {
+                return Lane::Closed;
+            }
+        }
+        if chunked && !answered_from_head {
+            let mut body = http1::Chunked::default();
+            let mut at = head_len;
+            loop {
+                match body.advance(&buf[at..]) {
+                    Ok(progress) if progress.done => break,
+                    Ok(progress) => at += progress.body,
+                    Err(_) => {
+                        let message = "the chunked body is malformed (RFC 9112 7.1: every chunk \
+                                       line ends in CRLF)";
+                        return self.refuse(stream, 400, "bad_chunked_body", message).await;
+                    }
+                }
+                // Past the limit the route refuses it as too large; nothing more is held here.
+                if at - head_len > max_body {
+                    break;
+                }
+                if !read_more(stream, buf).await {
+                    return Lane::Closed;
+                }
+            }
+        }
+        Lane::Pingora
+    }
+
+    /// Answers a request the framing rules refuse, and closes the connection: what follows its
+    /// head cannot be told apart from a next request.
+    async fn refuse(
+        &self,
+        stream: &mut Stream,
+        status: u16,
+        code: &'static str,
+        message: &str,
+    ) -> Lane {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
+        let error = ApiError::new(status, code, message);
+        let written = async {
+            stream.write_all(&error_response(&error, true)).await?;
+            stream.flush().await
+        }
+        .await;
+        if let Err(e) = written {
+            tracing::debug!(error = %e, "answering a refused request");
+        }
+        self.metrics
+            .request_done("other", "none", status, Duration::ZERO);
+        Lane::Served { keep_alive: false }
+    }
+
     /// Serves the request at the start of `buf` (and of what follows on `stream`) in a pingora
     /// session; the connection and what was read past the request come back if it stays open.
     async fn serve_one(
@@ -150,7 +254,14 @@ impl Gateway {
                 return None;
             }
         }
-        session.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
+        // pingora has decided from the request whether the connection may stay open (not after
+        // `Connection: close`, HTTP/1.0 without keep-alive, or a request framed two ways); this
+        // only sets how long, and closes every connection once the server is shutting down.
+        if *shutdown.borrow() {
+            session.set_keepalive(None);
+        } else if session.get_keepalive().is_some() {
+            session.set_keepalive(Some(60));
+        }
         self.handle(&mut session).await;
         match session.finish().await {
             Ok(Some(reusable)) => {
@@ -164,6 +275,20 @@ impl Gateway {
             }
         }
     }
+}
+
+/// The `Authorization` value of the request head at the start of `buf`, if it has exactly one.
+fn authorization(buf: &[u8]) -> Option<&[u8]> {
+    let mut headers = [httparse::EMPTY_HEADER; 256];
+    let mut request = httparse::Request::new(&mut headers);
+    request.parse(buf).ok()?;
+    let mut values = request
+        .headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("authorization"))
+        .map(|h| h.value);
+    let value = values.next()?;
+    values.next().is_none().then_some(value)
 }
 
 /// Reads more of a request into `buf`; false when the client closed, failed or went quiet.
@@ -198,8 +323,6 @@ fn error_response(error: &ApiError, closing: bool) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
-
-    use http::StatusCode;
 
     use super::*;
 

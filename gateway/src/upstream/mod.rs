@@ -46,7 +46,7 @@ use tokio::io::AsyncWriteExt;
 
 use crate::config::{Balance, ModelConfig, UpstreamAddr};
 use crate::error::ApiError;
-use crate::http1::HOP_BY_HOP;
+use crate::http1::HopByHop;
 
 /// How long connecting to an upstream server (TLS handshake included) may take before the next
 /// one is tried.
@@ -303,7 +303,7 @@ impl UpstreamPool {
         key: &[u8],
         extra: Option<(&'static str, http::HeaderValue)>,
     ) -> Forwarded {
-        if !valid_target(downstream.req_header().raw_path()) {
+        if !valid_target(origin_form(downstream.req_header())) {
             return Forwarded::Failed(bad_gateway(
                 &self.model,
                 "the request target cannot be forwarded",
@@ -330,11 +330,7 @@ impl UpstreamPool {
             .await;
             let mut upstream = UpstreamSession::new(stream);
             let sent = match written {
-                Ok(()) => upstream
-                    .read_response()
-                    .await
-                    .map(drop)
-                    .map_err(|e| e.to_string()),
+                Ok(()) => final_response(&mut upstream).await,
                 Err(e) => Err(e.to_string()),
             };
             if let Err(e) = sent {
@@ -397,6 +393,20 @@ impl UpstreamPool {
         }
         let stream = self.connector.new_stream(&target.peer(server)).await?;
         Ok((stream, false))
+    }
+}
+
+/// Reads the upstream's response head, past any interim (1xx) ones: the client's request was
+/// answered `100 Continue` here if it asked, and an upstream's interim answers are not relayed.
+async fn final_response(upstream: &mut UpstreamSession) -> Result<(), String> {
+    loop {
+        upstream.read_response().await.map_err(|e| e.to_string())?;
+        let interim = upstream.resp_header().is_some_and(|h| {
+            h.status.is_informational() && h.status != StatusCode::SWITCHING_PROTOCOLS
+        });
+        if !interim {
+            return Ok(());
+        }
     }
 }
 
@@ -507,6 +517,19 @@ impl UpstreamAuth {
     }
 }
 
+/// The request target in origin form (`/path?query`): as the client sent it, or, for an
+/// absolute-form target (`http://host/path`, RFC 9112 3.2.2), its path and query.
+fn origin_form(request: &RequestHeader) -> &[u8] {
+    let raw = request.raw_path();
+    if raw.starts_with(b"/") {
+        return raw;
+    }
+    request
+        .uri
+        .path_and_query()
+        .map_or(b"/".as_slice(), |p| p.as_str().as_bytes())
+}
+
 /// Whether a request target can go on the wire as it is (pingora's parser does not let such a
 /// one in; this does not trust that).
 fn valid_target(target: &[u8]) -> bool {
@@ -526,7 +549,7 @@ fn request_wire(
     let mut wire = Vec::with_capacity(512 + body.len());
     wire.extend_from_slice(downstream.method.as_str().as_bytes());
     wire.push(b' ');
-    wire.extend_from_slice(downstream.raw_path());
+    wire.extend_from_slice(origin_form(downstream));
     wire.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     wire.extend_from_slice(authority.as_bytes());
     wire.extend_from_slice(b"\r\n");
@@ -539,13 +562,16 @@ fn request_wire(
     if let UpstreamAuth::Key(value) = auth {
         header(b"authorization", value.as_bytes());
     }
+    let hop = hop_by_hop(&downstream.headers);
     for (name, value) in &downstream.headers {
         let replaced = name == http::header::HOST
             || (name == http::header::AUTHORIZATION && !matches!(auth, UpstreamAuth::PassThrough));
+        // The body is whole by now and framed by its length below; an `Expect` was answered here.
         if replaced
             || name == http::header::CONTENT_LENGTH
             || name == http::header::TRANSFER_ENCODING
-            || HOP_BY_HOP.contains(&name.as_str())
+            || name == http::header::EXPECT
+            || hop.drops(name.as_str())
         {
             continue;
         }
@@ -556,13 +582,31 @@ fn request_wire(
     wire
 }
 
-/// The upstream's response header for the client, hop-by-hop headers dropped.
+/// The upstream's response header for the client, hop-by-hop headers (and those its `Connection`
+/// names) dropped.
 fn downstream_response(upstream: &ResponseHeader) -> ResponseHeader {
     let mut response = upstream.clone();
-    for name in HOP_BY_HOP {
-        response.remove_header(name);
+    let hop = hop_by_hop(&upstream.headers);
+    let dropped: Vec<http::HeaderName> = upstream
+        .headers
+        .keys()
+        .filter(|name| hop.drops(name.as_str()))
+        .cloned()
+        .collect();
+    for name in dropped {
+        response.remove_header(&name);
     }
     response
+}
+
+/// The headers of a message that stay on this hop, from its `Connection` headers.
+fn hop_by_hop(headers: &http::HeaderMap) -> HopByHop<'_> {
+    HopByHop::new(
+        headers
+            .get_all(http::header::CONNECTION)
+            .iter()
+            .map(http::HeaderValue::as_bytes),
+    )
 }
 
 fn bad_gateway(model: &str, detail: &str) -> ApiError {
