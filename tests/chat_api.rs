@@ -1045,3 +1045,31 @@ fn an_item_the_model_cannot_encode_is_dropped_or_fails_the_request_as_the_model_
     );
     assert_eq!(status, 200, "{body}");
 }
+
+/// `max_model_len` serves a context below the checkpoint's: `/v1/models` says it, and every budget
+/// uses it (a request that fits the checkpoint but not it is refused before anything runs).
+#[test]
+fn max_model_len_caps_the_context_every_budget_uses() {
+    let (full, _d1) = start("");
+    let (_, models) = get(&full, "/v1/models");
+    let checkpoint = models["data"][0]["context_length"].as_u64().unwrap();
+    let capped_len = 256;
+    assert!(checkpoint > capped_len * 2, "{models}");
+    let (capped, _d2) = start(&format!(
+        "[[models]]\nname = \"demo\"\npath = \"demo\"\nmax_model_len = {capped_len}\n"
+    ));
+    let (_, models) = get(&capped, "/v1/models");
+    assert_eq!(models["data"][0]["context_length"], capped_len);
+    let request = json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                         "max_tokens": capped_len});
+    let (status, body) = post(&capped, "/v1/chat/completions", &request);
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (400, Some("context_length_exceeded")),
+        "{body}"
+    );
+    let fits = json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 4});
+    let (status, body) = post(&capped, "/v1/chat/completions", &fits);
+    assert_eq!(status, 200, "{body}");
+}

@@ -199,3 +199,76 @@ fn refuses_media_the_model_does_not_take() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("truncated.jpg"), "{stderr}");
 }
+
+/// Copies a directory's files (one level, as a model directory is).
+fn copy_model_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+/// Every id `generation_config.json` lists ends a generation (real Qwen2-VL checkpoints list two),
+/// and its sampling settings are the defaults of a run that names none.
+#[test]
+fn generation_config_eos_ids_end_a_generation() {
+    let cache = tempfile::tempdir().unwrap();
+    let run = |model: &str| {
+        json(&generate(
+            cache.path(),
+            &[
+                "--model",
+                model,
+                "--prompt",
+                "Tell me a story.",
+                "--max-tokens",
+                "8",
+            ],
+        ))
+    };
+    let free = run("demo");
+    let tokens: Vec<u64> = free["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert!(tokens.len() >= 2, "{free}");
+    // The first token that did not come before it: listing it as an eos id must stop there.
+    let stop_at = (1..tokens.len())
+        .find(|&i| !tokens[..i].contains(&tokens[i]))
+        .expect("a token not seen before");
+
+    let demo_dir = std::fs::read_dir(cache.path().join("mmgate/models"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.join("generation_config.json").exists())
+        .expect("the demo model directory");
+    let model = cache.path().join("two-eos");
+    copy_model_dir(&demo_dir, &model);
+    let mut generation: Value = serde_json::from_str(
+        &std::fs::read_to_string(model.join("generation_config.json")).unwrap(),
+    )
+    .unwrap();
+    let eos = generation["eos_token_id"][0].clone();
+    generation["eos_token_id"] = serde_json::json!([eos, tokens[stop_at]]);
+    std::fs::write(model.join("generation_config.json"), generation.to_string()).unwrap();
+
+    let stopped = run(model.to_str().unwrap());
+    assert_eq!(stopped["finish_reason"], "stop", "{stopped}");
+    let got: Vec<u64> = stopped["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert!(
+        got.len() <= stop_at + 1
+            && got[..got.len().min(stop_at)] == tokens[..got.len().min(stop_at)],
+        "stopped at the listed id: {got:?} vs {tokens:?}"
+    );
+    assert_eq!(stopped["usage"]["completion_tokens"], stop_at + 1);
+}

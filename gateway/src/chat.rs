@@ -10,6 +10,7 @@ use mmgate_host::{LoadedPlugin, Media, PluginPool, PluginRegistry};
 use mmgate_inference::engine::{
     Event, Failure, FinishReason, GenerateRequest, MediaItem, RequestHandle, Usage,
 };
+use mmgate_inference::models::GenerationConfig;
 use mmgate_inference::sampling::SamplingParams;
 use mmgate_inference::text::{ChatMessage, ContentPart};
 use serde_json::{Value, json};
@@ -269,6 +270,7 @@ pub async fn prepare(
             prompt,
             media,
             sampling: sampling(
+                &runtime.generation,
                 request.temperature,
                 request.top_p,
                 request.top_k,
@@ -291,24 +293,28 @@ impl Prepared {
     }
 }
 
+/// The request's sampling settings; what it leaves out comes from the model's
+/// `generation_config.json` (as vLLM and transformers take it), else OpenAI's defaults.
 fn sampling(
+    defaults: &GenerationConfig,
     temperature: Option<f32>,
     top_p: Option<f32>,
     top_k: Option<i64>,
     seed: Option<u64>,
 ) -> Result<SamplingParams, ApiError> {
-    let temperature = temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
+    if temperature.is_some_and(|t| !(0.0..=2.0).contains(&t)) {
         return Err(invalid("temperature", "temperature must be within [0, 2]"));
     }
-    let top_p = top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
+    if top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
         return Err(invalid("top_p", "top_p must be within (0, 1]"));
     }
     Ok(SamplingParams {
-        temperature,
-        top_p,
-        top_k: top_k.and_then(|k| usize::try_from(k).ok()).unwrap_or(0),
+        temperature: temperature.unwrap_or_else(|| defaults.default_temperature(1.0)),
+        top_p: top_p.or(defaults.top_p).unwrap_or(1.0),
+        top_k: match top_k {
+            Some(k) => usize::try_from(k).unwrap_or(0),
+            None => defaults.top_k.unwrap_or(0),
+        },
         seed,
     })
 }

@@ -142,6 +142,9 @@ pub struct ModelConfig {
     pub balance: Balance,
     #[serde(default)]
     pub health_check: HealthCheck,
+    /// The context served, when below the checkpoint's (`max_position_embeddings`): as vLLM's
+    /// `--max-model-len`, every token budget uses it.
+    pub max_model_len: Option<usize>,
     /// Threads of the LLM's device (default: half the cores).
     pub llm_threads: Option<usize>,
     /// Dedicated encoder devices, each a thread pool of its own (default: one, half the cores).
@@ -361,6 +364,7 @@ impl ModelConfig {
             upstream_ca_file: None,
             balance: Balance::default(),
             health_check: HealthCheck::default(),
+            max_model_len: None,
             llm_threads: None,
             encoder_devices: Vec::new(),
             max_running: default_max_running(),
@@ -390,6 +394,9 @@ impl ModelConfig {
         }
         if self.llm_threads == Some(0) || self.encoder_devices.iter().any(|d| d.threads == 0) {
             bail!("model {name:?}: a device needs at least one thread");
+        }
+        if self.max_model_len == Some(0) {
+            bail!("model {name:?}: max_model_len must be positive");
         }
         if self.max_running == 0 || self.prefill_chunk == 0 {
             bail!("model {name:?}: max_running and prefill_chunk must be positive");

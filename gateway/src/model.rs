@@ -17,7 +17,7 @@ use mmgate_inference::engine::{
 use mmgate_inference::models::config::ConfigFile;
 use mmgate_inference::models::qwen2_audio::{AudioEncoderConfig, Qwen2AudioConfig};
 use mmgate_inference::models::qwen2_vl::{self, Qwen2VlConfig, VisionConfig};
-use mmgate_inference::models::{Qwen2Audio, Qwen2Vl};
+use mmgate_inference::models::{GenerationConfig, Qwen2Audio, Qwen2Vl};
 use mmgate_inference::rope::Grid;
 use mmgate_inference::text::{ContentPart, TextProcessor};
 
@@ -87,6 +87,9 @@ pub struct RuntimeOptions {
     pub max_running: usize,
     pub prefill_chunk: usize,
     pub feature_cache_bytes: usize,
+    /// The context served, below the checkpoint's own (`max_position_embeddings`), as vLLM's
+    /// `--max-model-len`: every budget and the KV cache use it.
+    pub max_model_len: Option<usize>,
 }
 
 impl Default for RuntimeOptions {
@@ -96,6 +99,7 @@ impl Default for RuntimeOptions {
             max_running: 16,
             prefill_chunk: 512,
             feature_cache_bytes: 256 << 20,
+            max_model_len: None,
         }
     }
 }
@@ -110,6 +114,9 @@ pub struct ModelRuntime {
     pub encoders: Arc<EncoderPool>,
     /// `preprocessor_config.json`, handed to the plugins.
     pub processor_config: String,
+    /// `generation_config.json`: its eos ids end generations, its sampling settings are the
+    /// defaults of requests that leave them out.
+    pub generation: GenerationConfig,
     pub context_length: usize,
     /// The LLM's embedding width: what each media token's embedding holds.
     pub hidden_size: usize,
@@ -267,8 +274,17 @@ impl ModelRuntime {
                 encoders: vec![encoder],
             })
             .collect();
-        let context_length = text_config.max_position_embeddings;
+        let checkpoint_context = text_config.max_position_embeddings;
+        let context_length = match options.max_model_len {
+            Some(n) if n > checkpoint_context => bail!(
+                "max_model_len {n} is over the checkpoint's context of {checkpoint_context} tokens \
+                 (max_position_embeddings)"
+            ),
+            Some(n) => n,
+            None => checkpoint_context,
+        };
         let text = Arc::new(TextProcessor::load(dir)?);
+        let generation = GenerationConfig::read(dir)?;
         let pool = Arc::new(EncoderPool::with_observer(specs, 8, observer)?);
         let engine = match llm {
             Some(llm) => {
@@ -279,6 +295,7 @@ impl ModelRuntime {
                     max_running: options.max_running,
                     prefill_chunk: options.prefill_chunk,
                     kv_budget_tokens: context_length.max(1) * 4,
+                    eos_token_ids: generation.eos_token_ids.clone(),
                 };
                 Some(Engine::start(
                     engine_config,
@@ -300,6 +317,7 @@ impl ModelRuntime {
             engine,
             encoders: pool,
             processor_config,
+            generation,
             context_length,
             hidden_size: text_config.hidden_size,
         })

@@ -45,6 +45,7 @@ fn load_model(
         max_running: model.max_running,
         prefill_chunk: model.prefill_chunk,
         feature_cache_bytes: model.feature_cache_bytes,
+        max_model_len: model.max_model_len,
     };
     let observer = metrics.encode_observer(&model.name);
     let load = if encoders_only {

@@ -63,6 +63,7 @@ fn main() -> Result<()> {
         max_running: 8,
         prefill_chunk: 512,
         kv_budget_tokens: 8192,
+        eos_token_ids: Vec::new(),
     };
     let engine = Engine::start(
         config,

@@ -62,6 +62,7 @@ fn setup(cache_budget: usize) -> Setup {
         max_running: 8,
         prefill_chunk: 24,
         kv_budget_tokens: 4096,
+        eos_token_ids: Vec::new(),
     };
     let engine = Engine::start(config, llm.unwrap(), text.clone(), pool, store).unwrap();
     let ref_dev = CpuBackend::new("reference", 1).unwrap();

@@ -56,6 +56,9 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// KV-cache rows all running sequences may reserve together (prompt + max_tokens each).
     pub kv_budget_tokens: usize,
+    /// Ids that end a generation besides `config.json`'s and the tokenizer's `eos_token`
+    /// (`generation_config.json` lists them).
+    pub eos_token_ids: Vec<u32>,
 }
 
 /// One media item of a request: its encoder input and where its embeddings go.
@@ -188,6 +191,9 @@ impl Engine {
         let (wake_tx, wake_rx) = crossbeam_channel::unbounded();
         let mut eos: Vec<u32> = llm.config().eos_token_ids.clone();
         eos.extend(text.eos_token_id());
+        eos.extend(&config.eos_token_ids);
+        eos.sort_unstable();
+        eos.dedup();
         let state = Scheduler {
             config,
             llm,
