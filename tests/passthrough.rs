@@ -362,6 +362,8 @@ fn serve_scripted(stream: TcpStream, connection: usize, log: &Mutex<Vec<Seen>>) 
                 .unwrap();
                 true
             }
+            // Takes the request and closes without a word: the request may have been acted on.
+            "vanish" => return,
             "close" => {
                 write!(
                     out,
@@ -839,4 +841,40 @@ fn curl_with_a_large_body_gets_its_answer() {
     assert!(stderr.contains("HTTP/1.1 200"), "{stderr}");
     assert_eq!(output.stdout, JSON_BODY.as_bytes());
     assert_eq!(seen.lock().unwrap().last().unwrap().body, body.as_bytes());
+}
+
+/// A request that reached an upstream is never sent again: an upstream that takes it on a
+/// kept-alive connection and closes without answering gets it once, and the client a 502 — on the
+/// lane and on pingora's path.
+#[test]
+fn a_request_the_upstream_took_is_not_sent_twice() {
+    let (front, _d, _upstream, seen) = scripted_front();
+    for pingora_path in [false, true] {
+        let extra = if pingora_path {
+            "Connection: keep-alive, X-Foo\r\n"
+        } else {
+            ""
+        };
+        let mut client = connect(&front);
+        // A first answer leaves the upstream connection kept alive for the next request.
+        send(
+            &mut client,
+            &chat_request("demo", &format!("X-Case: length\r\n{extra}")),
+        );
+        assert_eq!(read_response(&mut client).status, 200);
+        let before = seen.lock().unwrap().len();
+        send(
+            &mut client,
+            &chat_request("demo", &format!("X-Case: vanish\r\n{extra}")),
+        );
+        let response = read_response(&mut client);
+        assert_eq!(response.status, 502, "pingora path: {pingora_path}");
+        let after: Vec<Seen> = seen.lock().unwrap()[before..].to_vec();
+        assert_eq!(
+            after.len(),
+            1,
+            "sent once (pingora path: {pingora_path}): {after:?}"
+        );
+        assert_eq!(after[0].case, "vanish");
+    }
 }

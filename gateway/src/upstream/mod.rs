@@ -328,13 +328,19 @@ impl UpstreamPool {
                 stream.flush().await
             }
             .await;
-            let mut upstream = UpstreamSession::new(stream);
-            let sent = match written {
-                Ok(()) => final_response(&mut upstream).await,
-                Err(e) => Err(e.to_string()),
-            };
-            if let Err(e) = sent {
+            // A request that could not even be written to a kept-alive connection never reached
+            // the server: it goes to the next. Once written, it may have been acted on (a POST is
+            // not idempotent: a second send could run the completion twice), so a failure to
+            // answer is a 502, never a retry.
+            if let Err(e) = written {
                 match attempts.failed(server, &e, reused) {
+                    None => continue,
+                    Some(error) => return Forwarded::Failed(error),
+                }
+            }
+            let mut upstream = UpstreamSession::new(stream);
+            if let Err(e) = final_response(&mut upstream).await {
+                match attempts.failed(server, &e, false) {
                     None => continue,
                     Some(error) => return Forwarded::Failed(error),
                 }
@@ -421,8 +427,8 @@ struct Connection {
 
 /// One request's way through a pool's servers, shared by [`UpstreamPool::forward`] and
 /// [`UpstreamPool::relay`]: a server that cannot be reached is skipped for the next, as is a
-/// kept-alive connection the server had closed; once a server has the request, it is not sent
-/// again.
+/// kept-alive connection the server had closed before the request could be written to it; once
+/// the request is written, it is not sent again (RFC 9110 9.2.2: a POST is not idempotent).
 struct Attempts<'p> {
     pool: &'p UpstreamPool,
     /// What consistent hashing picks a server by.
@@ -477,8 +483,8 @@ impl<'p> Attempts<'p> {
     }
 
     /// `server` failed before answering: `None` to try again when the connection was a
-    /// kept-alive one the server had closed (`stale`: the request never reached it), else the
-    /// error to answer with.
+    /// kept-alive one the server had closed before the request could be written (`stale`: it
+    /// never reached the server), else the error to answer with.
     fn failed(
         &mut self,
         server: SocketAddr,

@@ -64,20 +64,26 @@ impl UpstreamPool {
         }) = attempts.connect().await
         {
             let wire = wire(request, passable, &target, &self.auth);
-            let mut buf = BytesMut::with_capacity(READ_SIZE);
-            let head = async {
+            let written = async {
                 upstream.write_all(&wire).await?;
-                upstream.flush().await?;
-                read_head(&mut upstream, &mut buf).await
+                upstream.flush().await
             }
             .await;
-            match head {
+            // Only a request that could not be written can go to another server: once written it
+            // may have been acted on (see `Attempts`).
+            if let Err(e) = written {
+                match attempts.failed(server, &e, reused) {
+                    None => continue,
+                    Some(error) => return Relayed::Failed(error),
+                }
+            }
+            let mut buf = BytesMut::with_capacity(READ_SIZE);
+            match read_head(&mut upstream, &mut buf).await {
                 Ok(head) => {
                     let idle_key = (server, target.id);
                     return relay_answer(client, upstream, buf, head, idle_key, closing).await;
                 }
-                // Only a connection that answered nothing can have been stale.
-                Err(e) => match attempts.failed(server, &e, reused && buf.is_empty()) {
+                Err(e) => match attempts.failed(server, &e, false) {
                     None => continue,
                     Some(error) => return Relayed::Failed(error),
                 },
