@@ -464,9 +464,14 @@ fn upstream_response_framings_reach_the_client_as_they_were_sent() {
 
 /// A gateway in front of the scripted upstream, one HTTP thread.
 fn scripted_front() -> (Server, tempfile::TempDir, String, Arc<Mutex<Vec<Seen>>>) {
+    scripted_front_with("")
+}
+
+/// The same with more top-level configuration.
+fn scripted_front_with(extra: &str) -> (Server, tempfile::TempDir, String, Arc<Mutex<Vec<Seen>>>) {
     let (upstream, seen) = scripted_upstream();
     let (front, dir) = start(&format!(
-        "http_threads = 1\nmodels = [{{ name = \"demo\", upstreams = [\"{upstream}\"], health_check = {{ path = \"\", interval_ms = 3600000 }} }}]\n"
+        "{extra}http_threads = 1\nmodels = [{{ name = \"demo\", upstreams = [\"{upstream}\"], health_check = {{ path = \"\", interval_ms = 3600000 }} }}]\n"
     ));
     (front, dir, upstream, seen)
 }
@@ -877,4 +882,50 @@ fn a_request_the_upstream_took_is_not_sent_twice() {
         );
         assert_eq!(after[0].case, "vanish");
     }
+}
+
+/// The upstream learns who the client is; a client's own forwarding headers are believed only from
+/// a trusted proxy (here, with `trusted_proxies` naming loopback, every test client is one).
+#[test]
+fn the_upstream_is_told_who_the_client_is_and_spoofed_forwarding_headers_are_replaced() {
+    let spoofed = "X-Forwarded-For: 1.2.3.4\r\nForwarded: for=1.2.3.4\r\n";
+    let lines = |seen: &Arc<Mutex<Vec<Seen>>>| {
+        let head = seen
+            .lock()
+            .unwrap()
+            .last()
+            .unwrap()
+            .head
+            .to_ascii_lowercase();
+        let mut lines: Vec<String> = head
+            .lines()
+            .filter(|l| l.starts_with("x-forwarded") || l.starts_with("forwarded"))
+            .map(str::to_owned)
+            .collect();
+        lines.sort();
+        lines
+    };
+    let (front, _d, _upstream, seen) = scripted_front();
+    let own = [
+        "forwarded: for=127.0.0.1;proto=http",
+        "x-forwarded-for: 127.0.0.1",
+        "x-forwarded-proto: http",
+    ];
+    // The lane, then pingora's path (a client's own forwarding headers take it there).
+    for extra in ["", spoofed] {
+        let raw = chat_request("demo", &format!("X-Case: length\r\n{extra}"));
+        assert_eq!(answer(&front, raw.as_bytes()).0.status, 200);
+        assert_eq!(lines(&seen), own, "{extra:?}");
+    }
+    let (front, _d, _upstream, seen) = scripted_front_with("trusted_proxies = [\"127.0.0.0/8\"]\n");
+    let raw = chat_request("demo", &format!("X-Case: length\r\n{spoofed}"));
+    assert_eq!(answer(&front, raw.as_bytes()).0.status, 200);
+    assert_eq!(
+        lines(&seen),
+        [
+            "forwarded: for=1.2.3.4, for=127.0.0.1;proto=http",
+            "x-forwarded-for: 1.2.3.4, 127.0.0.1",
+            "x-forwarded-proto: http",
+        ]
+    );
 }

@@ -40,6 +40,10 @@ pub struct Config {
     pub models: Vec<ModelConfig>,
     /// Bearer tokens accepted on `/v1/*`; empty (the default) leaves the API open.
     pub api_keys: Vec<String>,
+    /// Networks of proxies in front of this gateway (a load balancer) whose `X-Forwarded-For`,
+    /// `X-Forwarded-Proto` and `Forwarded` headers are kept, this hop appended; from anyone else
+    /// they are replaced by the connection's own address.
+    pub trusted_proxies: Vec<ipnet::IpNet>,
     /// Serve HTTPS on `listen` with this certificate and key (PEM files, relative to the config
     /// file); absent, plain HTTP.
     pub tls: Option<TlsConfig>,
@@ -422,6 +426,7 @@ impl Default for Config {
             sandbox: SandboxLimits::default(),
             models: demo_models(),
             api_keys: Vec::new(),
+            trusted_proxies: Vec::new(),
             tls: None,
             limits: RequestLimits::default(),
             fetch: FetchConfig::default(),

@@ -116,6 +116,8 @@ pub fn parse_request(buf: &[u8], max_body: usize) -> Request {
             }
         } else if name.eq_ignore_ascii_case("transfer-encoding")
             || name.eq_ignore_ascii_case("expect")
+            // Whether a client's own forwarding headers are believed depends on who it is.
+            || crate::upstream::forwarded::is_forwarding_header(name)
             || name.eq_ignore_ascii_case("upgrade")
             || (name.eq_ignore_ascii_case("connection") && !keep_alive_only(header.value))
         {
@@ -709,6 +711,8 @@ mod tests {
             swap("Content-Length: 2", "X-Length: 2"),
             swap("Host: gw", "Bad Header: x"),
             swap("Host: gw", "Authorization: Bearer sk-2"),
+            swap("Host: gw", "X-Forwarded-For: 1.2.3.4"),
+            swap("Host: gw", "Forwarded: for=1.2.3.4"),
         ] {
             assert_eq!(
                 parse_request(request.as_bytes(), 1 << 20),

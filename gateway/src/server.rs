@@ -96,6 +96,8 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
         fetcher: Fetcher::new(config.fetch.clone())?,
         limits: config.limits.clone(),
         api_keys: config.api_keys.clone(),
+        trusted_proxies: config.trusted_proxies.clone(),
+        https: config.tls.is_some(),
         metrics,
         _reload: reload,
     };

@@ -79,7 +79,16 @@ impl Gateway {
                 // Consistent hashing keeps a user (else an identical request) on one server.
                 let key = routing.user.as_deref().map_or(&body[..], str::as_bytes);
                 let extra = accounts.map(|a| (MEDIA_HEADER, a));
-                match pool.forward(session, body.clone(), key, extra).await {
+                let client = self.client_hop(
+                    session
+                        .client_addr()
+                        .and_then(|a| a.as_inet())
+                        .map(|a| a.ip()),
+                );
+                match pool
+                    .forward(session, body.clone(), key, extra, &client)
+                    .await
+                {
                     Forwarded::Answered(status) => Ok(("upstream", status)),
                     Forwarded::Failed(error) => Err(("upstream", error)),
                 }

@@ -113,7 +113,13 @@ impl Gateway {
         // Consistent hashing keeps a user (else an identical request) on one server.
         let key = user.as_deref().map_or(body, str::as_bytes);
         let closing = *shutdown.borrow();
-        let relayed = pool.relay(stream, &request, &passable, key, closing).await;
+        let peer = stream
+            .get_socket_digest()
+            .and_then(|digest| digest.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
+        let client = self.client_hop(peer);
+        let relayed = pool
+            .relay(stream, &request, &passable, key, closing, &client)
+            .await;
         let (status, keep_alive) = match relayed {
             Relayed::Answered { status, keep_alive } => (status, keep_alive),
             Relayed::Failed(error) => {

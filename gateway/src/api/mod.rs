@@ -24,7 +24,7 @@ use crate::fetch::Fetcher;
 use crate::files::FileStore;
 use crate::metrics::{Metrics, ModelGauges, Snapshot};
 use crate::plugins::{LivePlugins, ReloadGuard};
-use crate::upstream::UpstreamPool;
+use crate::upstream::{ClientHop, UpstreamPool};
 pub use connection::App;
 use io::{write_error, write_json};
 
@@ -48,6 +48,10 @@ pub struct Gateway {
     pub fetcher: Fetcher,
     pub limits: RequestLimits,
     pub api_keys: Vec<String>,
+    /// Proxies whose forwarding headers are believed (see [`crate::upstream::forwarded`]).
+    pub trusted_proxies: Vec<ipnet::IpNet>,
+    /// Whether clients reach this gateway over TLS.
+    pub https: bool,
     pub metrics: Metrics,
     /// Keeps the plugin directory watched while the gateway runs.
     pub _reload: ReloadGuard,
@@ -125,6 +129,11 @@ impl Gateway {
         };
         self.metrics
             .request_done(label, "none", status, started.elapsed());
+    }
+
+    /// Who the client at `peer` is, as upstreams are told.
+    fn client_hop(&self, peer: Option<std::net::IpAddr>) -> ClientHop {
+        ClientHop::new(peer, self.https, &self.trusted_proxies)
     }
 
     /// With `api_keys` configured, `/v1/*` needs `Authorization: Bearer <one of them>`.

@@ -13,12 +13,14 @@
 //! request), and pingora's HTTP/1 client session reads the answer.
 
 pub mod embeds;
+pub mod forwarded;
 mod health;
 mod idle;
 pub mod inline;
 mod relay;
 pub mod tls;
 
+pub use forwarded::ClientHop;
 pub use relay::Relayed;
 
 use std::collections::BTreeSet;
@@ -302,6 +304,7 @@ impl UpstreamPool {
         body: Bytes,
         key: &[u8],
         extra: Option<(&'static str, http::HeaderValue)>,
+        client: &ClientHop,
     ) -> Forwarded {
         if !valid_target(origin_form(downstream.req_header())) {
             return Forwarded::Failed(bad_gateway(
@@ -322,6 +325,7 @@ impl UpstreamPool {
                 &body,
                 &target.authority,
                 &self.auth,
+                client,
             );
             let written = async {
                 stream.write_all(&wire).await?;
@@ -543,7 +547,7 @@ fn valid_target(target: &[u8]) -> bool {
 }
 
 /// The request as the upstream gets it, in one buffer: the client's request line and headers less
-/// the hop-by-hop ones, `Host` naming the upstream (as a reverse proxy sends it: a virtual-hosted
+/// the hop-by-hop ones, who the client is ([`ClientHop`]), `Host` naming the upstream (as a reverse proxy sends it: a virtual-hosted
 /// or TLS server routes on it), `Authorization` as `auth` says, the body's real length, then the
 /// body.
 fn request_wire(
@@ -551,6 +555,7 @@ fn request_wire(
     body: &[u8],
     authority: &str,
     auth: &UpstreamAuth,
+    client: &ClientHop,
 ) -> Vec<u8> {
     let mut wire = Vec::with_capacity(512 + body.len());
     wire.extend_from_slice(downstream.method.as_str().as_bytes());
@@ -578,11 +583,21 @@ fn request_wire(
             || name == http::header::TRANSFER_ENCODING
             || name == http::header::EXPECT
             || hop.drops(name.as_str())
+            || forwarded::is_forwarding_header(name.as_str())
         {
             continue;
         }
         header(name.as_str().as_bytes(), value.as_bytes());
     }
+    wire.extend_from_slice(&client.headers(|name| {
+        let values: Vec<&str> = downstream
+            .headers
+            .get_all(name)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect();
+        (!values.is_empty()).then(|| values.join(", "))
+    }));
     wire.extend_from_slice(format!("content-length: {}\r\n\r\n", body.len()).as_bytes());
     wire.extend_from_slice(body);
     wire
@@ -641,6 +656,8 @@ mod tests {
             ("Content-Length", "999"),
             ("Content-Type", "application/json"),
             ("Authorization", "Bearer sk-client"),
+            // Not from a trusted proxy: replaced by what this gateway knows of the client.
+            ("X-Forwarded-For", "1.2.3.4"),
         ] {
             request.append_header(name, value).unwrap();
         }
@@ -666,6 +683,7 @@ mod tests {
             b"{}",
             "vllm:8000",
             &UpstreamAuth::PassThrough,
+            &ClientHop::new(Some([192, 0, 2, 1].into()), false, &[]),
         );
         let (first, headers, body) = split(wire);
         assert_eq!(first, "POST /v1/chat/completions?x=1 HTTP/1.1");
@@ -675,7 +693,10 @@ mod tests {
                 "authorization: Bearer sk-client",
                 "content-length: 2",
                 "content-type: application/json",
+                "forwarded: for=192.0.2.1;proto=http",
                 "host: vllm:8000",
+                "x-forwarded-for: 192.0.2.1",
+                "x-forwarded-proto: http",
             ]
         );
         assert_eq!(body, "{}");
@@ -684,7 +705,13 @@ mod tests {
     #[test]
     fn the_client_key_is_replaced_by_the_upstream_key_or_dropped_when_it_was_this_gateways() {
         let key = UpstreamAuth::Key(http::HeaderValue::from_static("Bearer sk-upstream"));
-        let (_, headers, _) = split(request_wire(&client_request(), b"", "h:1", &key));
+        let (_, headers, _) = split(request_wire(
+            &client_request(),
+            b"",
+            "h:1",
+            &key,
+            &ClientHop::new(None, false, &[]),
+        ));
         let auth: Vec<_> = headers
             .iter()
             .filter(|h| h.starts_with("authorization"))
@@ -696,6 +723,7 @@ mod tests {
             b"",
             "h:1",
             &UpstreamAuth::Strip,
+            &ClientHop::new(None, false, &[]),
         ));
         assert!(
             !headers.iter().any(|h| h.starts_with("authorization")),

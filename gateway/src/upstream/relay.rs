@@ -9,7 +9,7 @@ use http::StatusCode;
 use pingora::protocols::Stream;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::{Attempts, Connection, Target, UpstreamAuth, UpstreamPool, idle};
+use super::{Attempts, ClientHop, Connection, Target, UpstreamAuth, UpstreamPool, idle};
 use crate::error::ApiError;
 use crate::http1::{self, Framing, Passable, ResponseHead};
 
@@ -44,8 +44,8 @@ enum HeadError {
 }
 
 impl UpstreamPool {
-    /// Sends `request` (the client's bytes, `passable` says what they hold) to a healthy server and
-    /// relays its answer to `client` (saying the connection closes after it when `closing`).
+    /// Sends `request` (the client's bytes, `passable` says what they hold; `hop` who sent them)
+    /// to a healthy server and relays its answer to `client` (saying the connection closes after it when `closing`).
     /// Servers are tried as [`UpstreamPool::forward`] tries them ([`Attempts`]).
     pub async fn relay(
         &self,
@@ -54,6 +54,7 @@ impl UpstreamPool {
         passable: &Passable,
         key: &[u8],
         closing: bool,
+        hop: &ClientHop,
     ) -> Relayed {
         let mut attempts = Attempts::new(self, key);
         while let Some(Connection {
@@ -63,7 +64,7 @@ impl UpstreamPool {
             reused,
         }) = attempts.connect().await
         {
-            let wire = wire(request, passable, &target, &self.auth);
+            let wire = wire(request, passable, &target, &self.auth, hop);
             let written = async {
                 upstream.write_all(&wire).await?;
                 upstream.flush().await
@@ -94,8 +95,14 @@ impl UpstreamPool {
 }
 
 /// The request as `target` gets it: the client's request line and forwarded headers, `Host`
-/// naming the server, `Authorization` as `auth` says, and the body.
-fn wire(request: &[u8], passable: &Passable, target: &Target, auth: &UpstreamAuth) -> Vec<u8> {
+/// naming the server, `Authorization` as `auth` says, who the client is, and the body.
+fn wire(
+    request: &[u8],
+    passable: &Passable,
+    target: &Target,
+    auth: &UpstreamAuth,
+    client: &ClientHop,
+) -> Vec<u8> {
     let body = &request[passable.head_len..passable.len()];
     let mut wire = Vec::with_capacity(passable.head_len + 64 + body.len());
     wire.extend_from_slice(b"POST ");
@@ -114,6 +121,8 @@ fn wire(request: &[u8], passable: &Passable, target: &Target, auth: &UpstreamAut
         wire.extend_from_slice(b"\r\n");
     }
     wire.extend_from_slice(&passable.forwarded_headers);
+    // The lane takes no request carrying forwarding headers of its own: nothing to keep.
+    wire.extend_from_slice(&client.headers(|_| None));
     wire.extend_from_slice(b"content-length: ");
     wire.extend_from_slice(body.len().to_string().as_bytes());
     wire.extend_from_slice(b"\r\n\r\n");
@@ -230,14 +239,21 @@ mod tests {
             panic!("passable");
         };
         let target = Target::new(UpstreamAddr::try_from("vllm:8000".to_owned()).unwrap());
-        let text = |auth| String::from_utf8(wire(request, &passable, &target, &auth)).unwrap();
+        let hop = ClientHop::new(Some([127, 0, 0, 1].into()), false, &[]);
+        let text =
+            |auth| String::from_utf8(wire(request, &passable, &target, &auth, &hop)).unwrap();
+        const FORWARDED: &str = "x-forwarded-for: 127.0.0.1\r\nx-forwarded-proto: http\r\nforwarded: for=127.0.0.1;proto=http\r\n";
         assert_eq!(
             text(UpstreamAuth::PassThrough),
-            "POST /v1/chat/completions?a=1 HTTP/1.1\r\nhost: vllm:8000\r\nauthorization: Bearer sk-client\r\nX-Trace: 7\r\ncontent-length: 2\r\n\r\n{}"
+            format!(
+                "POST /v1/chat/completions?a=1 HTTP/1.1\r\nhost: vllm:8000\r\nauthorization: Bearer sk-client\r\nX-Trace: 7\r\n{FORWARDED}content-length: 2\r\n\r\n{{}}"
+            )
         );
         assert_eq!(
             text(UpstreamAuth::Strip),
-            "POST /v1/chat/completions?a=1 HTTP/1.1\r\nhost: vllm:8000\r\nX-Trace: 7\r\ncontent-length: 2\r\n\r\n{}"
+            format!(
+                "POST /v1/chat/completions?a=1 HTTP/1.1\r\nhost: vllm:8000\r\nX-Trace: 7\r\n{FORWARDED}content-length: 2\r\n\r\n{{}}"
+            )
         );
         let key = UpstreamAuth::Key(http::HeaderValue::from_static("Bearer sk-up"));
         assert!(text(key).contains("\r\nauthorization: Bearer sk-up\r\n"));
