@@ -929,3 +929,53 @@ fn the_upstream_is_told_who_the_client_is_and_spoofed_forwarding_headers_are_rep
         ]
     );
 }
+
+/// `balance = "media_hash"`: requests carrying the same image reach the same upstream whatever
+/// their text; different images spread over the servers.
+#[test]
+fn media_hash_balancing_sends_the_same_image_to_the_same_upstream() {
+    let (first, seen_first) = scripted_upstream();
+    let (second, seen_second) = scripted_upstream();
+    let (front, _d) = start(&format!(
+        "models = [{{ name = \"demo\", upstreams = [\"{first}\", \"{second}\"], balance = \"media_hash\", health_check = {{ path = \"\", interval_ms = 3600000 }} }}]\n"
+    ));
+    let request = |image: &str, text: &str| {
+        let body =
+            json!({"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{image}")}},
+            {"type": "text", "text": text}]}]})
+            .to_string();
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Case: length\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let mut client = connect(&front);
+    let mut ask = |raw: String| {
+        send(&mut client, &raw);
+        assert_eq!(read_response(&mut client).status, 200);
+    };
+    let counts = || {
+        (
+            seen_first.lock().unwrap().len(),
+            seen_second.lock().unwrap().len(),
+        )
+    };
+    for i in 0..8 {
+        ask(request("aGVsbG8=", &format!("question {i}")));
+    }
+    let (a, b) = counts();
+    assert!(
+        (a, b) == (8, 0) || (a, b) == (0, 8),
+        "one image, one server: {a} {b}"
+    );
+    for i in 0..32 {
+        let image = format!("aW1hZ2U{i:04}");
+        ask(request(&image, "same question"));
+    }
+    let (c, d) = counts();
+    assert!(
+        c > a && d > b,
+        "different images reach both servers: {c} {d}"
+    );
+}

@@ -287,6 +287,10 @@ pub enum Balance {
     RoundRobin,
     /// Requests with the same `user` (else the same body) go to the same upstream while it is healthy.
     ConsistentHash,
+    /// Requests carrying media go by the content of their media: the same image reaches the same
+    /// upstream while it is healthy, whose processor and encoder caches then hit (as llm-d's
+    /// encoder-cache affinity). Requests without media go as `consistent_hash` sends them.
+    MediaHash,
 }
 
 #[derive(Debug, Clone, Deserialize)]

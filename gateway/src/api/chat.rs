@@ -76,8 +76,7 @@ impl Gateway {
                     .for_upstream(pool, encoders.as_ref(), body.clone())
                     .await
                     .map_err(|e| ("upstream", e))?;
-                // Consistent hashing keeps a user (else an identical request) on one server.
-                let key = routing.user.as_deref().map_or(&body[..], str::as_bytes);
+                let key = pool.balance_key(&body, routing.user.as_deref());
                 let extra = accounts.map(|a| (MEDIA_HEADER, a));
                 let client = self.client_hop(
                     session
@@ -86,7 +85,7 @@ impl Gateway {
                         .map(|a| a.ip()),
                 );
                 match pool
-                    .forward(session, body.clone(), key, extra, &client)
+                    .forward(session, body.clone(), &key, extra, &client)
                     .await
                 {
                     Forwarded::Answered(status) => Ok(("upstream", status)),

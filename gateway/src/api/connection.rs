@@ -110,15 +110,14 @@ impl Gateway {
         };
         let request = buf.split_to(passable.len());
         let body = &request[passable.head_len..];
-        // Consistent hashing keeps a user (else an identical request) on one server.
-        let key = user.as_deref().map_or(body, str::as_bytes);
+        let key = pool.balance_key(body, user.as_deref());
         let closing = *shutdown.borrow();
         let peer = stream
             .get_socket_digest()
             .and_then(|digest| digest.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
         let client = self.client_hop(peer);
         let relayed = pool
-            .relay(stream, &request, &passable, key, closing, &client)
+            .relay(stream, &request, &passable, &key, closing, &client)
             .await;
         let (status, keep_alive) = match relayed {
             Relayed::Answered { status, keep_alive } => (status, keep_alive),

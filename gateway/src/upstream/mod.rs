@@ -23,6 +23,7 @@ pub mod tls;
 pub use forwarded::ClientHop;
 pub use relay::Relayed;
 
+use std::borrow::Cow;
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -196,6 +197,8 @@ pub struct UpstreamPool {
     /// Whether clients may send `image_embeds` parts for the model.
     pub accept_image_embeds: bool,
     balancer: Balancer,
+    /// How a request's key for the balancer is made.
+    balance: Balance,
     targets: Arc<Targets>,
     connector: Arc<TransportConnector>,
     auth: UpstreamAuth,
@@ -256,7 +259,7 @@ impl UpstreamPool {
                 let service = background_service(&name, lb);
                 (Balancer::RoundRobin(service.task()), Box::new(service))
             }
-            Balance::ConsistentHash => {
+            Balance::ConsistentHash | Balance::MediaHash => {
                 let mut lb = LoadBalancer::<Consistent>::from_backends(targets.backends());
                 lb.set_health_check(Box::new(check));
                 lb.health_check_frequency = Some(interval);
@@ -268,6 +271,7 @@ impl UpstreamPool {
             model: model.name.clone(),
             accept_image_embeds: model.accept_image_embeds,
             balancer,
+            balance: model.balance,
             targets,
             connector,
             auth,
@@ -294,6 +298,18 @@ impl UpstreamPool {
             .into_iter()
             .map(|(socket, healthy)| (socket.to_string(), healthy))
             .collect()
+    }
+
+    /// What picks a server for a request (`body`, as it goes upstream, from `user`): under
+    /// `media_hash` the content of its media when it has any; else the user, else the body. Round
+    /// robin ignores it.
+    pub fn balance_key<'b>(&self, body: &'b [u8], user: Option<&'b str>) -> Cow<'b, [u8]> {
+        if self.balance == Balance::MediaHash
+            && let Some(digest) = media_digest(body)
+        {
+            return Cow::Owned(digest);
+        }
+        Cow::Borrowed(user.map_or(body, str::as_bytes))
     }
 
     /// Sends the request (`downstream`'s header with `body`) to a healthy server and streams its
@@ -525,6 +541,24 @@ impl UpstreamAuth {
             UpstreamAuth::PassThrough | UpstreamAuth::Strip => None,
         }
     }
+}
+
+/// A digest of every data URL in a request body (by the time a request goes upstream, its media
+/// are data URLs: fetched and uploaded ones are inlined first), in order; `None` without media.
+/// The base64 text is hashed as it is: the same file sent the same way hashes the same.
+fn media_digest(body: &[u8]) -> Option<Vec<u8>> {
+    use std::hash::{DefaultHasher, Hasher};
+    // 64 bits pick a server well enough; nothing here needs a cryptographic hash.
+    let mut hasher = DefaultHasher::new();
+    let mut found = false;
+    for start in memchr::memmem::find_iter(body, b"\"data:") {
+        let url = &body[start + 1..];
+        let end = memchr::memchr(b'"', url).unwrap_or(url.len());
+        hasher.write(&url[..end]);
+        hasher.write_u8(0);
+        found = true;
+    }
+    found.then(|| hasher.finish().to_le_bytes().to_vec())
 }
 
 /// The request target in origin form (`/path?query`): as the client sent it, or, for an
