@@ -200,6 +200,16 @@ fn refuses_media_the_model_does_not_take() {
     assert!(stderr.contains("truncated.jpg"), "{stderr}");
 }
 
+/// The `token_ids` of a `generate` result.
+fn token_ids(result: &Value) -> Vec<u64> {
+    result["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
 /// Copies a directory's files (one level, as a model directory is).
 fn copy_model_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
@@ -230,12 +240,7 @@ fn generation_config_eos_ids_end_a_generation() {
         ))
     };
     let free = run("demo");
-    let tokens: Vec<u64> = free["token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect();
+    let tokens = token_ids(&free);
     assert!(tokens.len() >= 2, "{free}");
     // The first token that did not come before it: listing it as an eos id must stop there.
     let stop_at = (1..tokens.len())
@@ -259,12 +264,7 @@ fn generation_config_eos_ids_end_a_generation() {
 
     let stopped = run(model.to_str().unwrap());
     assert_eq!(stopped["finish_reason"], "stop", "{stopped}");
-    let got: Vec<u64> = stopped["token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect();
+    let got = token_ids(&stopped);
     assert!(
         got.len() <= stop_at + 1
             && got[..got.len().min(stop_at)] == tokens[..got.len().min(stop_at)],
