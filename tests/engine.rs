@@ -1,0 +1,276 @@
+//! mmgate in front of a real inference engine that this project did not write: transformers'
+//! OpenAI-compatible server (`transformers serve`, CPU torch; the versions are pinned in
+//! tests/fixtures/engine/requirements.txt and `./dev test` installs them into a venv outside the
+//! clone). The engine serves the tiny Qwen2-VL demo checkpoint that mmgate also serves natively, so
+//! one gateway holds both: `demo` (native) and the engine's model (forwarded). Checked: the engine's
+//! `usage.prompt_tokens` equals mmgate's own count for text and for images of several sizes and
+//! aspect ratios, greedy runs end alike (completion tokens, finish reason), and a streamed answer
+//! passes through as SSE.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use common::server::Server;
+
+/// The venv holding transformers' server: `MMGATE_ENGINE_VENV` (set by `./dev test`), else the
+/// default place `./dev test` installs it. `None` (the test says why and passes) only outside CI:
+/// in CI a missing engine is a failure, never a skip.
+fn engine_venv() -> Option<PathBuf> {
+    let venv = std::env::var_os("MMGATE_ENGINE_VENV")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(|home| PathBuf::from(home).join(".cache/mmgate/engine-venv"))
+        })?;
+    if venv.join("bin/transformers").is_file() {
+        return Some(venv);
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "the engine venv {} is missing: ./dev test installs it",
+        venv.display()
+    );
+    eprintln!(
+        "skipping: no engine venv at {} (./dev test installs it)",
+        venv.display()
+    );
+    None
+}
+
+/// `transformers serve` on one model directory, killed when dropped.
+struct Engine {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Engine {
+    fn start(venv: &Path, model: &Path) -> Engine {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(venv.join("bin/transformers"))
+            .args(["serve", model.to_str().unwrap(), "--device", "cpu"])
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .env("HF_HUB_OFFLINE", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start transformers serve");
+        let mut engine = Engine {
+            child,
+            addr: format!("127.0.0.1:{port}"),
+        };
+        let client = client();
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while client
+            .get(format!("http://{}/health", engine.addr))
+            .send()
+            .map_or(true, |r| !r.status().is_success())
+        {
+            if let Some(status) = engine.child.try_wait().unwrap() {
+                panic!("transformers serve exited during start-up: {status}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "transformers serve did not start"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        engine
+    }
+}
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap()
+}
+
+fn chat(gateway: &Server, body: &Value) -> Value {
+    let response = client()
+        .post(format!("http://{}/v1/chat/completions", gateway.addr))
+        .json(body)
+        .send()
+        .unwrap();
+    let status = response.status();
+    let reply: Value = response.json().unwrap();
+    assert!(status.is_success(), "{status}: {reply}");
+    reply
+}
+
+fn image_part(name: &str) -> Value {
+    use base64::Engine as _;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/image/images")
+        .join(name);
+    let data = base64::engine::general_purpose::STANDARD.encode(std::fs::read(&path).unwrap());
+    let mime = if name.ends_with(".png") {
+        "image/png"
+    } else {
+        "image/jpeg"
+    };
+    json!({"type": "image_url", "image_url": {"url": format!("data:{mime};base64,{data}")}})
+}
+
+/// The demo Qwen2-VL checkpoint as transformers 5 lays one out: its processor reads the chat
+/// template from `chat_template.jinja` (the demo keeps it in `tokenizer_config.json`, which
+/// mmgate reads too).
+fn demo_checkpoint(cache: &Path, into: &Path) -> PathBuf {
+    let out = common::mmgate_command()
+        .env("XDG_CACHE_HOME", cache)
+        .args([
+            "generate",
+            "--model",
+            "demo",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let demo = std::fs::read_dir(cache.join("mmgate/models"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .contains("qwen2-vl")
+        })
+        .expect("the demo Qwen2-VL directory");
+    let model = into.join("demo-qwen2-vl");
+    std::fs::create_dir_all(&model).unwrap();
+    for entry in std::fs::read_dir(&demo).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
+    }
+    let tokenizer_config: Value = serde_json::from_str(
+        &std::fs::read_to_string(model.join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        model.join("chat_template.jinja"),
+        tokenizer_config["chat_template"].as_str().unwrap(),
+    )
+    .unwrap();
+    model
+}
+
+#[test]
+fn the_engine_counts_and_answers_as_mmgate_does() {
+    let Some(venv) = engine_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let cache = scratch.path().join("cache");
+    let model = demo_checkpoint(&cache, scratch.path());
+    let engine = Engine::start(&venv, &model);
+    // The engine serves one forced model whatever the request names; the gateway forwards requests
+    // for that name to it.
+    let engine_model = model.to_str().unwrap();
+    let config = scratch.path().join("mmgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[models]]\nname = \"demo\"\npath = {engine_model:?}\n\n[[models]]\nname = {engine_model:?}\nupstreams = [\"{}\"]\n",
+            engine.addr
+        ),
+    )
+    .unwrap();
+    let gateway = Server::start_with_env(
+        &["--config", config.to_str().unwrap()],
+        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
+    );
+
+    let mut contents = vec![json!("Hello there"), json!("Tell me about the sea.")];
+    // Wide, tall, small and large, PNG and JPEG: each makes a different grid.
+    for image in [
+        "png-rgb-wide.png",
+        "sliver-3x500.png",
+        "photo-640x480.jpg",
+        "tiny-upscaled.png",
+    ] {
+        contents.push(json!([image_part(image), {"type": "text", "text": "What is this?"}]));
+    }
+    for content in &contents {
+        let request = |model: &str| {
+            json!({"model": model, "max_tokens": 6, "temperature": 0,
+                   "messages": [{"role": "user", "content": content}]})
+        };
+        let native = chat(&gateway, &request("demo"));
+        let engine_reply = chat(&gateway, &request(engine_model));
+        let label = content.to_string().chars().take(80).collect::<String>();
+        assert_eq!(
+            engine_reply["usage"]["prompt_tokens"], native["usage"]["prompt_tokens"],
+            "prompt tokens of {label}"
+        );
+        // Greedy answers are compared by their account only: the two decode the same tokens to
+        // different text (the engine strips surrounding whitespace and keeps special tokens such
+        // as <|image_pad|>, mmgate skips them as vLLM does), so a token-level comparison needs
+        // the engine's token ids, which its replies do not carry.
+        assert_eq!(
+            engine_reply["usage"]["completion_tokens"], native["usage"]["completion_tokens"],
+            "completion tokens of {label}"
+        );
+        assert_eq!(
+            engine_reply["choices"][0]["finish_reason"], native["choices"][0]["finish_reason"],
+            "finish reason of {label}"
+        );
+    }
+
+    // A streamed answer passes through as server-sent events.
+    let response = client()
+        .post(format!("http://{}/v1/chat/completions", gateway.addr))
+        .json(
+            &json!({"model": engine_model, "max_tokens": 4, "stream": true,
+                      "messages": [{"role": "user", "content": "Hello"}]}),
+        )
+        .send()
+        .unwrap();
+    assert!(response.status().is_success());
+    let content_type = response.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        content_type.starts_with("text/event-stream"),
+        "{content_type}"
+    );
+    let body = response.text().unwrap();
+    // Every event as the engine sent it, the last one carrying the finish reason (this engine
+    // sends no `data: [DONE]` after it).
+    let events: Vec<Value> = body
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect();
+    assert!(events.len() >= 2, "{body}");
+    assert_eq!(
+        events.last().unwrap()["choices"][0]["finish_reason"],
+        "length",
+        "{body}"
+    );
+}
