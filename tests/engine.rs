@@ -11,7 +11,6 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -60,11 +59,7 @@ impl Drop for Engine {
 
 impl Engine {
     fn start(venv: &Path, model: &Path) -> Engine {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = common::server::free_port();
         let child = Command::new(venv.join("bin/transformers"))
             .args(["serve", model.to_str().unwrap(), "--device", "cpu"])
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
