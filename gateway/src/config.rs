@@ -55,6 +55,11 @@ pub struct Config {
     pub files: FilesConfig,
 }
 
+/// The cores this process may use: the default thread count of HTTP and of plugin calls.
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get)
+}
+
 /// How plugin calls are run, and where compiled plugins are kept between runs.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -75,9 +80,7 @@ pub struct PluginsConfig {
 impl PluginsConfig {
     /// Plugin threads: configured, or one per core.
     pub fn threads(&self) -> usize {
-        self.threads.unwrap_or_else(|| {
-            std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get)
-        })
+        self.threads.unwrap_or_else(cores)
     }
 
     /// Calls that may wait for a thread: configured, or 16 per thread.

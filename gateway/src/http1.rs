@@ -9,6 +9,8 @@
 
 use std::ops::Range;
 
+use http::StatusCode;
+
 /// Headers that describe one connection, not the message: never forwarded, either way.
 const HOP_BY_HOP: [&str; 8] = [
     "connection",
@@ -182,27 +184,33 @@ pub enum RequestCheck {
     /// Not a whole head yet.
     Partial,
     /// pingora may read it.
-    Pass {
-        head_len: usize,
-        /// Its body is chunked: the caller follows it with [`Chunked`] (refusing it if it is
-        /// malformed) before pingora reads it.
-        chunked: bool,
-        /// `Expect: 100-continue` on an HTTP/1.1 request: the client may wait for `100 Continue`
-        /// before it sends the body.
-        expects_continue: bool,
-        /// Its `Content-Length`, if any.
-        content_length: Option<usize>,
-    },
+    Pass(CheckedHead),
     /// Refused with this status and error code; the connection closes after the answer.
     Refuse {
-        status: u16,
+        status: StatusCode,
         code: &'static str,
         message: &'static str,
     },
 }
 
+/// What the check found in a head it lets through.
+#[derive(Debug, PartialEq, Eq)]
+pub struct CheckedHead {
+    pub head_len: usize,
+    /// Its body is chunked: the caller follows it with [`Chunked`] (refusing it if it is
+    /// malformed) before pingora reads it.
+    pub chunked: bool,
+    /// `Expect: 100-continue` on an HTTP/1.1 request: the client may wait for `100 Continue`
+    /// before it sends the body.
+    pub expects_continue: bool,
+    /// Its `Content-Length`, if any.
+    pub content_length: Option<usize>,
+    /// Its `Authorization` value within the buffer, when it has exactly one.
+    pub authorization: Option<Range<usize>>,
+}
+
 impl RequestCheck {
-    fn refuse(status: u16, code: &'static str, message: &'static str) -> RequestCheck {
+    fn refuse(status: StatusCode, code: &'static str, message: &'static str) -> RequestCheck {
         RequestCheck::Refuse {
             status,
             code,
@@ -220,14 +228,14 @@ pub fn check_request(buf: &[u8]) -> RequestCheck {
         Ok(httparse::Status::Partial) => return RequestCheck::Partial,
         Err(httparse::Error::TooManyHeaders) => {
             return RequestCheck::refuse(
-                431,
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
                 "headers_too_large",
                 "the request has too many header lines",
             );
         }
         Err(_) => {
             return RequestCheck::refuse(
-                400,
+                StatusCode::BAD_REQUEST,
                 "bad_request_head",
                 "the request line or a header line is malformed (RFC 9112)",
             );
@@ -237,6 +245,15 @@ pub fn check_request(buf: &[u8]) -> RequestCheck {
     let mut content_length: Option<usize> = None;
     let mut codings: Vec<&[u8]> = Vec::new();
     let mut expects_continue = false;
+    let mut authorizations = request
+        .headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("authorization"));
+    // Which of two keys counts is pingora's to decide: neither is taken here.
+    let authorization = match (authorizations.next(), authorizations.next()) {
+        (Some(one), None) => Some(range_in(buf, one.value)),
+        _ => None,
+    };
     for header in request.headers.iter() {
         let name = header.name;
         if name.eq_ignore_ascii_case("content-length") {
@@ -244,14 +261,14 @@ pub fn check_request(buf: &[u8]) -> RequestCheck {
                 match (content_length, self::content_length(item.trim_ascii())) {
                     (_, None) => {
                         return RequestCheck::refuse(
-                            400,
+                            StatusCode::BAD_REQUEST,
                             "bad_content_length",
                             "Content-Length is not a number",
                         );
                     }
                     (Some(a), Some(b)) if a != b => {
                         return RequestCheck::refuse(
-                            400,
+                            StatusCode::BAD_REQUEST,
                             "bad_content_length",
                             "the request has Content-Lengths that differ",
                         );
@@ -276,7 +293,7 @@ pub fn check_request(buf: &[u8]) -> RequestCheck {
                 expects_continue = !http10;
             } else {
                 return RequestCheck::refuse(
-                    417,
+                    StatusCode::EXPECTATION_FAILED,
                     "expectation_failed",
                     "the only expectation served is 100-continue",
                 );
@@ -287,14 +304,14 @@ pub fn check_request(buf: &[u8]) -> RequestCheck {
     if chunked {
         if content_length.is_some() {
             return RequestCheck::refuse(
-                400,
+                StatusCode::BAD_REQUEST,
                 "ambiguous_framing",
                 "the request has both Content-Length and Transfer-Encoding",
             );
         }
         if http10 {
             return RequestCheck::refuse(
-                400,
+                StatusCode::BAD_REQUEST,
                 "bad_transfer_encoding",
                 "an HTTP/1.0 request cannot have Transfer-Encoding",
             );
@@ -304,25 +321,26 @@ pub fn check_request(buf: &[u8]) -> RequestCheck {
             .is_some_and(|c| c.eq_ignore_ascii_case(b"chunked"))
         {
             return RequestCheck::refuse(
-                400,
+                StatusCode::BAD_REQUEST,
                 "bad_transfer_encoding",
                 "the request's last transfer coding is not chunked",
             );
         }
         if codings.len() > 1 {
             return RequestCheck::refuse(
-                501,
+                StatusCode::NOT_IMPLEMENTED,
                 "unsupported_transfer_encoding",
                 "no transfer coding but chunked is supported",
             );
         }
     }
-    RequestCheck::Pass {
+    RequestCheck::Pass(CheckedHead {
         head_len,
         chunked,
         expects_continue,
         content_length,
-    }
+        authorization,
+    })
 }
 
 /// `part`'s place in `buf` (httparse hands out slices of the buffer it parsed).
@@ -876,7 +894,7 @@ mod tests {
 
     fn refused(raw: &str) -> (u16, &'static str) {
         match check_request(raw.as_bytes()) {
-            RequestCheck::Refuse { status, code, .. } => (status, code),
+            RequestCheck::Refuse { status, code, .. } => (status.as_u16(), code),
             other => panic!("{raw:?}: {other:?}"),
         }
     }
@@ -932,12 +950,7 @@ mod tests {
         assert_eq!(refused(&post(&many)), (431, "headers_too_large"));
 
         let pass = |raw: &str| match check_request(raw.as_bytes()) {
-            RequestCheck::Pass {
-                chunked,
-                expects_continue,
-                content_length,
-                ..
-            } => (chunked, expects_continue, content_length),
+            RequestCheck::Pass(head) => (head.chunked, head.expects_continue, head.content_length),
             other => panic!("{raw:?}: {other:?}"),
         };
         assert_eq!(

@@ -14,11 +14,11 @@ use anyhow::Context;
 use arc_swap::ArcSwap;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use mmgate_host::{PluginRegistry, Sandbox, SandboxLimits};
-
-use crate::config::PluginsConfig;
 use notify::event::ModifyKind;
 use notify::{EventKind, RecursiveMode, Watcher};
 use serde::Serialize;
+
+use crate::config::PluginsConfig;
 
 /// The sandbox plugins run in, with `config`'s compile cache when it is on and usable.
 pub fn sandbox(limits: SandboxLimits, config: &PluginsConfig) -> anyhow::Result<Arc<Sandbox>> {

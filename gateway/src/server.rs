@@ -110,9 +110,7 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
     );
 
     let mut conf = ServerConf::new().context("creating the pingora configuration")?;
-    conf.threads = config
-        .http_threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
+    conf.threads = config.http_threads.unwrap_or_else(crate::config::cores);
     conf.work_stealing = config.http_work_stealing;
     // On SIGTERM pingora keeps serving for a grace period meant for handing listeners to an upgraded
     // process (5 minutes by default); mmgate does not upgrade in place, so in-flight requests get

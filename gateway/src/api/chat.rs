@@ -78,12 +78,7 @@ impl Gateway {
                     .map_err(|e| ("upstream", e))?;
                 let key = pool.balance_key(&body, routing.user.as_deref());
                 let extra = accounts.map(|a| (MEDIA_HEADER, a));
-                let client = self.client_hop(
-                    session
-                        .client_addr()
-                        .and_then(|a| a.as_inet())
-                        .map(|a| a.ip()),
-                );
+                let client = self.client_hop(session.client_addr());
                 match pool
                     .forward(session, body.clone(), &key, extra, &client)
                     .await

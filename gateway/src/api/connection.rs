@@ -112,10 +112,8 @@ impl Gateway {
         let body = &request[passable.head_len..];
         let key = pool.balance_key(body, user.as_deref());
         let closing = *shutdown.borrow();
-        let peer = stream
-            .get_socket_digest()
-            .and_then(|digest| digest.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
-        let client = self.client_hop(peer);
+        let digest = stream.get_socket_digest();
+        let client = self.client_hop(digest.as_deref().and_then(|d| d.peer_addr()));
         let relayed = pool
             .relay(stream, &request, &passable, &key, closing, &client)
             .await;
@@ -144,14 +142,9 @@ impl Gateway {
     /// and the connection closed, a chunked body is followed to its end (refused if malformed), and
     /// a client that waits for `100 Continue` gets it.
     async fn check_framing(&self, stream: &mut Stream, buf: &mut BytesMut) -> Lane {
-        let (head_len, chunked, expects_continue, content_length) = loop {
+        let head = loop {
             match http1::check_request(buf) {
-                RequestCheck::Pass {
-                    head_len,
-                    chunked,
-                    expects_continue,
-                    content_length,
-                } => break (head_len, chunked, expects_continue, content_length),
+                RequestCheck::Pass(head) => break head,
                 RequestCheck::Refuse {
                     status,
                     code,
@@ -161,7 +154,7 @@ impl Gateway {
                     return self
                         .refuse(
                             stream,
-                            431,
+                            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
                             "headers_too_large",
                             "the request head is too large",
                         )
@@ -176,9 +169,9 @@ impl Gateway {
         let max_body = self.limits.max_body_bytes;
         // A body over the limit, or a key this gateway refuses, is answered from the head alone:
         // the client is not asked for the body (RFC 9110 10.1.1).
-        let answered_from_head = content_length.is_some_and(|n| n > max_body)
-            || self.check_key(authorization(buf)).is_err();
-        if expects_continue && !answered_from_head && buf.len() == head_len {
+        let answered_from_head = head.content_length.is_some_and(|n| n > max_body)
+            || self.check_key(head.authorization.map(|r| &buf[r])).is_err();
+        if head.expects_continue && !answered_from_head && buf.len() == head.head_len {
             let written = async {
                 stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
                 stream.flush().await
@@ -188,9 +181,9 @@ impl Gateway {
                 return Lane::Closed;
             }
         }
-        if chunked && !answered_from_head {
+        if head.chunked && !answered_from_head {
             let mut body = http1::Chunked::default();
-            let mut at = head_len;
+            let mut at = head.head_len;
             loop {
                 match body.advance(&buf[at..]) {
                     Ok(progress) if progress.done => break,
@@ -198,11 +191,13 @@ impl Gateway {
                     Err(_) => {
                         let message = "the chunked body is malformed (RFC 9112 7.1: every chunk \
                                        line ends in CRLF)";
-                        return self.refuse(stream, 400, "bad_chunked_body", message).await;
+                        return self
+                            .refuse(stream, StatusCode::BAD_REQUEST, "bad_chunked_body", message)
+                            .await;
                     }
                 }
                 // Past the limit the route refuses it as too large; nothing more is held here.
-                if at - head_len > max_body {
+                if at - head.head_len > max_body {
                     break;
                 }
                 if !read_more(stream, buf).await {
@@ -218,11 +213,10 @@ impl Gateway {
     async fn refuse(
         &self,
         stream: &mut Stream,
-        status: u16,
+        status: StatusCode,
         code: &'static str,
         message: &str,
     ) -> Lane {
-        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
         let error = ApiError::new(status, code, message);
         let written = async {
             stream.write_all(&error_response(&error, true)).await?;
@@ -280,20 +274,6 @@ impl Gateway {
             }
         }
     }
-}
-
-/// The `Authorization` value of the request head at the start of `buf`, if it has exactly one.
-fn authorization(buf: &[u8]) -> Option<&[u8]> {
-    let mut headers = [httparse::EMPTY_HEADER; 256];
-    let mut request = httparse::Request::new(&mut headers);
-    request.parse(buf).ok()?;
-    let mut values = request
-        .headers
-        .iter()
-        .filter(|h| h.name.eq_ignore_ascii_case("authorization"))
-        .map(|h| h.value);
-    let value = values.next()?;
-    values.next().is_none().then_some(value)
 }
 
 /// Reads more of a request into `buf`; false when the client closed, failed or went quiet.

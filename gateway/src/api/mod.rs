@@ -131,9 +131,10 @@ impl Gateway {
             .request_done(label, "none", status, started.elapsed());
     }
 
-    /// Who the client at `peer` is, as upstreams are told.
-    fn client_hop(&self, peer: Option<std::net::IpAddr>) -> ClientHop {
-        ClientHop::new(peer, self.https, &self.trusted_proxies)
+    /// Who the client at `peer` (the connection's remote address) is, as upstreams are told.
+    fn client_hop(&self, peer: Option<&pingora::protocols::l4::socket::SocketAddr>) -> ClientHop {
+        let ip = peer.and_then(|addr| addr.as_inet()).map(|addr| addr.ip());
+        ClientHop::new(ip, self.https, &self.trusted_proxies)
     }
 
     /// With `api_keys` configured, `/v1/*` needs `Authorization: Bearer <one of them>`.

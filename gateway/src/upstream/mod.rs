@@ -353,17 +353,14 @@ impl UpstreamPool {
             // not idempotent: a second send could run the completion twice), so a failure to
             // answer is a 502, never a retry.
             if let Err(e) = written {
-                match attempts.failed(server, &e, reused) {
+                match attempts.unsent(server, &e, reused) {
                     None => continue,
                     Some(error) => return Forwarded::Failed(error),
                 }
             }
             let mut upstream = UpstreamSession::new(stream);
             if let Err(e) = final_response(&mut upstream).await {
-                match attempts.failed(server, &e, false) {
-                    None => continue,
-                    Some(error) => return Forwarded::Failed(error),
-                }
+                return Forwarded::Failed(attempts.failed(server, &e));
             }
             let Some(header) = upstream.resp_header() else {
                 return Forwarded::Failed(bad_gateway(&self.model, "no response header"));
@@ -502,22 +499,29 @@ impl<'p> Attempts<'p> {
         None
     }
 
-    /// `server` failed before answering: `None` to try again when the connection was a
-    /// kept-alive one the server had closed before the request could be written (`stale`: it
-    /// never reached the server), else the error to answer with.
-    fn failed(
+    /// The request could not be written to `server`: `None` to try again when the connection was
+    /// a kept-alive one the server had closed (`reused`: the request never reached it), else the
+    /// error to answer with.
+    fn unsent(
         &mut self,
         server: SocketAddr,
         error: &dyn std::fmt::Display,
-        stale: bool,
+        reused: bool,
     ) -> Option<ApiError> {
-        self.last_error = format!("{server}: {error}");
-        if stale {
-            tracing::debug!(upstream = %server, error = %error, "stale upstream connection; retrying");
-            return None;
+        if !reused {
+            return Some(self.failed(server, error));
         }
+        self.last_error = format!("{server}: {error}");
+        tracing::debug!(upstream = %server, error = %error, "stale upstream connection; retrying");
+        None
+    }
+
+    /// `server` took the request and failed before answering: the error to answer with (the
+    /// request is not sent again).
+    fn failed(&mut self, server: SocketAddr, error: &dyn std::fmt::Display) -> ApiError {
+        self.last_error = format!("{server}: {error}");
         tracing::warn!(model = %self.pool.model, upstream = %server, error = %error, "upstream failed");
-        Some(bad_gateway(&self.pool.model, &self.last_error))
+        bad_gateway(&self.pool.model, &self.last_error)
     }
 
     /// The error once no server could take the request.

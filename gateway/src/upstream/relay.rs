@@ -45,8 +45,9 @@ enum HeadError {
 
 impl UpstreamPool {
     /// Sends `request` (the client's bytes, `passable` says what they hold; `hop` who sent them)
-    /// to a healthy server and relays its answer to `client` (saying the connection closes after it when `closing`).
-    /// Servers are tried as [`UpstreamPool::forward`] tries them ([`Attempts`]).
+    /// to a healthy server and relays its answer to `client` (saying the connection closes after
+    /// it when `closing`). Servers are tried as [`UpstreamPool::forward`] tries them
+    /// ([`Attempts`]).
     pub async fn relay(
         &self,
         client: &mut Stream,
@@ -73,22 +74,19 @@ impl UpstreamPool {
             // Only a request that could not be written can go to another server: once written it
             // may have been acted on (see `Attempts`).
             if let Err(e) = written {
-                match attempts.failed(server, &e, reused) {
+                match attempts.unsent(server, &e, reused) {
                     None => continue,
                     Some(error) => return Relayed::Failed(error),
                 }
             }
             let mut buf = BytesMut::with_capacity(READ_SIZE);
-            match read_head(&mut upstream, &mut buf).await {
+            return match read_head(&mut upstream, &mut buf).await {
                 Ok(head) => {
                     let idle_key = (server, target.id);
-                    return relay_answer(client, upstream, buf, head, idle_key, closing).await;
+                    relay_answer(client, upstream, buf, head, idle_key, closing).await
                 }
-                Err(e) => match attempts.failed(server, &e, false) {
-                    None => continue,
-                    Some(error) => return Relayed::Failed(error),
-                },
-            }
+                Err(e) => Relayed::Failed(attempts.failed(server, &e)),
+            };
         }
         Relayed::Failed(attempts.exhausted())
     }
