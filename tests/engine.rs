@@ -13,7 +13,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
@@ -73,21 +73,18 @@ impl Engine {
             addr: format!("127.0.0.1:{port}"),
         };
         let client = client();
-        let deadline = Instant::now() + Duration::from_secs(300);
-        while client
-            .get(format!("http://{}/health", engine.addr))
-            .send()
-            .map_or(true, |r| !r.status().is_success())
-        {
-            if let Some(status) = engine.child.try_wait().unwrap() {
-                panic!("transformers serve exited during start-up: {status}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "transformers serve did not start"
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let health = format!("http://{}/health", engine.addr);
+        common::server::wait_until_ready(
+            &mut engine.child,
+            "transformers serve",
+            Duration::from_secs(300),
+            || {
+                client
+                    .get(&health)
+                    .send()
+                    .is_ok_and(|r| r.status().is_success())
+            },
+        );
         engine
     }
 }

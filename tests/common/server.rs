@@ -67,19 +67,31 @@ impl Server {
             .spawn()
             .expect("start mmgate serve");
         let mut server = Server { child, addr };
-        // Start-up compiles the built-in plugins; give it generous time, but notice if it died.
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while !ready(&server.addr) {
-            if let Some(status) = server.child.try_wait().unwrap() {
-                panic!("mmgate serve exited during start-up: {status}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "mmgate serve did not start listening"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        // Start-up may compile the built-in plugins; give it generous time, but notice if it died.
+        let addr = server.addr.clone();
+        wait_until_ready(
+            &mut server.child,
+            "mmgate serve",
+            Duration::from_secs(120),
+            || ready(&addr),
+        );
         server
+    }
+}
+
+/// Waits until `ready()` holds, failing the test if `child` (`what`) exits first or `limit`
+/// passes.
+pub fn wait_until_ready(child: &mut Child, what: &str, limit: Duration, ready: impl Fn() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !ready() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("{what} exited during start-up: {status}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not start in {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
