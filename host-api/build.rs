@@ -22,6 +22,7 @@ const BUILTIN: &[(&str, &str)] = &[
 const TEST_ONLY: &[(&str, &str)] = &[
     ("testing", "mmgate_test_plugin"),
     ("testing-v0_1", "mmgate_test_plugin_v0_1"),
+    ("testing-v0_2", "mmgate_test_plugin_v0_2"),
 ];
 
 const WASM_TARGET: &str = "wasm32-wasip2";
@@ -53,7 +54,15 @@ fn run() -> Result<(), String> {
         "cargo:rerun-if-changed={}",
         plugins.join("Cargo.lock").display()
     );
-    for dir in ["sdk", "image", "video", "audio", "testing", "testing-v0_1"] {
+    for dir in [
+        "sdk",
+        "image",
+        "video",
+        "audio",
+        "testing",
+        "testing-v0_1",
+        "testing-v0_2",
+    ] {
         let path = plugins.join(dir);
         if path.exists() {
             println!("cargo:rerun-if-changed={}", path.display());

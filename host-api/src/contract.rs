@@ -10,7 +10,22 @@ wasmtime::component::bindgen!({
     with: { "mmgate:modality/video.video-decoder": crate::video::HostVideo },
 });
 
-/// The previous contract, 0.1, frozen in `host-api/wit/v0.1/`: plugins built against it keep loading. Its types
+/// The previous contract, 0.2, frozen in `host-api/wit/v0.2/`: plugins built against it keep loading.
+/// Its types are the current ones (0.3 only added a record), so calls into it share one set of Rust
+/// types; its `host` and `video` interfaces are its own (the host implements each by the current
+/// one), and it has no `reduce`.
+pub mod v0_2 {
+    wasmtime::component::bindgen!({
+        world: "modality-plugin",
+        path: "wit/v0.2",
+        with: {
+            "mmgate:modality/types": super::mmgate::modality::types,
+            "mmgate:modality/video.video-decoder": crate::video::HostVideo,
+        },
+    });
+}
+
+/// The contract before that, 0.1, frozen in `host-api/wit/v0.1/`: plugins built against it keep loading. Its types
 /// are the current ones (unchanged since), so calls into either version share one set of Rust types;
 /// only its `host` interface is its own.
 pub mod v0_1 {
@@ -23,21 +38,27 @@ pub mod v0_1 {
 
 pub use mmgate::modality::host::LogLevel;
 pub use mmgate::modality::types::{
-    Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, PluginError, Tensor, TokenPlan,
+    Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, PluginError, ReducedItem, Tensor,
+    TokenPlan,
 };
 pub use mmgate::modality::video::{Frame, VideoError, VideoInfo};
 
 /// The contract version this host implements (the `mmgate:modality` package version in `wit/`).
 pub const CONTRACT_VERSION: Version = Version {
     major: 0,
-    minor: 2,
+    minor: 3,
     patch: 0,
 };
 
-/// Every contract version this host serves plugins of, newest first: the current one, and 0.1 through
-/// the frozen bindings in [`v0_1`].
-pub const SUPPORTED_VERSIONS: [Version; 2] = [
+/// Every contract version this host serves plugins of, newest first: the current one, and 0.2 and
+/// 0.1 through the frozen bindings in [`v0_2`] and [`v0_1`].
+pub const SUPPORTED_VERSIONS: [Version; 3] = [
     CONTRACT_VERSION,
+    Version {
+        major: 0,
+        minor: 2,
+        patch: 0,
+    },
     Version {
         major: 0,
         minor: 1,
@@ -389,9 +410,10 @@ mod tests {
     fn plugins_of_the_previous_minor_version_are_still_served() {
         let v = |s| Version::parse(s).unwrap();
         assert_eq!(v("0.1.0").supported(), Some(v("0.1.0")));
-        assert_eq!(v("0.2.0").supported(), Some(CONTRACT_VERSION));
+        assert_eq!(v("0.2.0").supported(), Some(v("0.2.0")));
+        assert_eq!(v("0.3.0").supported(), Some(CONTRACT_VERSION));
         assert_eq!(v("0.1.1").supported(), None);
-        assert_eq!(v("0.3.0").supported(), None);
+        assert_eq!(v("0.4.0").supported(), None);
         assert_eq!(v("0.0.9").supported(), None);
     }
 

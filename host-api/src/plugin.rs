@@ -11,7 +11,8 @@ use wasmtime::{Store, Trap};
 
 use crate::contract::{
     Budget, CONTRACT_VERSION, Descriptor, Media, MediaInfo, ModalityPlugin, ModalityPluginPre,
-    PLUGIN_INTERFACE, SUPPORTED_VERSIONS, Tensor, TokenPlan, Version, v0_1,
+    PLUGIN_INTERFACE, PluginError, ReducedItem, SUPPORTED_VERSIONS, Tensor, TokenPlan, Version,
+    v0_1, v0_2,
 };
 use crate::error::{CallError, LoadError};
 use crate::sandbox::{CallState, Sandbox};
@@ -37,20 +38,27 @@ impl std::fmt::Display for PluginOrigin {
 /// A component pre-linked against the bindings of the contract version it was built for.
 enum Pre {
     Current(ModalityPluginPre<CallState>),
+    V0_2(v0_2::ModalityPluginPre<CallState>),
     V0_1(v0_1::ModalityPluginPre<CallState>),
 }
 
-/// An instance of either version. Both export the same functions over the same Rust types.
+/// An instance of any served version. All export describe, probe, plan and preprocess over the same
+/// Rust types; only the current one has `reduce`.
 enum Instance {
     Current(ModalityPlugin),
+    V0_2(v0_2::ModalityPlugin),
     V0_1(v0_1::ModalityPlugin),
 }
 
-/// Call an export of whichever contract version `$instance` speaks.
+/// Call an export every contract version has, of whichever version `$instance` speaks.
 macro_rules! on_plugin {
     ($instance:expr, |$exports:ident| $call:expr) => {
         match $instance {
             Instance::Current(p) => {
+                let $exports = p.mmgate_modality_plugin();
+                $call
+            }
+            Instance::V0_2(p) => {
                 let $exports = p.mmgate_modality_plugin();
                 $call
             }
@@ -101,10 +109,14 @@ impl LoadedPlugin {
             origin: label.clone(),
             reason: format!("its exports do not match the contract: {e:#}"),
         };
-        let pre = if contract.runs_on(CONTRACT_VERSION) {
-            Pre::Current(ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?)
-        } else {
-            Pre::V0_1(v0_1::ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?)
+        let pre = match contract.supported().map(|v| v.minor) {
+            Some(1) => {
+                Pre::V0_1(v0_1::ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?)
+            }
+            Some(2) => {
+                Pre::V0_2(v0_2::ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?)
+            }
+            _ => Pre::Current(ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?),
         };
         let mut plugin = LoadedPlugin {
             sandbox,
@@ -208,6 +220,55 @@ impl LoadedPlugin {
         Ok(tensors)
     }
 
+    /// `reduce(media, plan, config)`: the item as planned, as files for a model server that runs its
+    /// own processor (contract 0.3; a plugin built against an earlier one cannot, and says so as
+    /// `unsupported`). Checked against the output cap like tensors.
+    pub fn reduce(
+        &self,
+        media: &Media,
+        plan: &TokenPlan,
+        processor_config: &str,
+    ) -> Result<ReducedItem, CallError> {
+        if !matches!(self.pre, Pre::Current(_)) {
+            return Err(CallError::Plugin(PluginError::Unsupported(format!(
+                "plugin {} is built against contract {}, which has no reduce (0.3 added it): \
+                 rebuild it with the current SDK to serve this model",
+                self.name, self.contract
+            ))));
+        }
+        let config = processor_config.to_owned();
+        let reduced = self
+            .call(|store, instance| match instance {
+                Instance::Current(p) => {
+                    p.mmgate_modality_plugin()
+                        .call_reduce(&mut *store, media, plan, &config)
+                }
+                // Checked above: an older plugin is never asked.
+                Instance::V0_2(_) | Instance::V0_1(_) => Err(wasmtime::format_err!(
+                    "reduce called on a plugin of contract {}",
+                    self.contract
+                )),
+            })?
+            .map_err(CallError::Plugin)?;
+        let limit = self.sandbox.limits().max_output_bytes;
+        let size = reduced
+            .files
+            .iter()
+            .map(|f| f.data.len())
+            .fold(0usize, usize::saturating_add);
+        if size > limit {
+            return Err(CallError::OutputTooLarge { size, limit });
+        }
+        if reduced.files.is_empty() || reduced.files.len() != reduced.timestamps.len() {
+            return Err(CallError::Contract(format!(
+                "reduce returned {} files and {} timestamps: at least one file, one timestamp each",
+                reduced.files.len(),
+                reduced.timestamps.len()
+            )));
+        }
+        Ok(reduced)
+    }
+
     /// Run `f` against a fresh instance in a fresh store with this sandbox's limits, and turn whatever
     /// went wrong into a typed [`CallError`].
     fn call<R>(
@@ -227,6 +288,7 @@ impl LoadedPlugin {
         store.set_hostcall_fuel(limits.max_output_bytes.saturating_add(HOSTCALL_FUEL_SLACK));
         let instance = match &self.pre {
             Pre::Current(pre) => pre.instantiate(&mut store).map(Instance::Current),
+            Pre::V0_2(pre) => pre.instantiate(&mut store).map(Instance::V0_2),
             Pre::V0_1(pre) => pre.instantiate(&mut store).map(Instance::V0_1),
         };
         let result = instance.and_then(|instance| f(&mut store, &instance));

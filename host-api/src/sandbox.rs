@@ -16,7 +16,7 @@ use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConf
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::compile_cache::CompileCache;
-use crate::contract::{LogLevel, ModalityPlugin, mmgate, v0_1};
+use crate::contract::{LogLevel, ModalityPlugin, mmgate, v0_1, v0_2};
 use crate::error::LoadError;
 
 /// How often the epoch advances. A deadline is rounded up to whole ticks, so a call overruns its
@@ -101,7 +101,9 @@ impl Sandbox {
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(engine_error)?;
         ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
             .map_err(engine_error)?;
-        // The 0.1 contract's imports, for plugins built against it (its types are shared).
+        // The imports of the earlier contracts, for plugins built against them (types are shared).
+        v0_2::ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
+            .map_err(engine_error)?;
         v0_1::ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
             .map_err(engine_error)?;
 
@@ -332,6 +334,29 @@ impl mmgate::modality::host::Host for CallState {
         self.deadline_at
             .saturating_duration_since(Instant::now())
             .as_nanos() as u64
+    }
+}
+
+/// 0.2's `host` interface is 0.3's: the same functions, each served by the current one.
+impl v0_2::mmgate::modality::host::Host for CallState {
+    fn log(&mut self, level: v0_2::mmgate::modality::host::LogLevel, message: String) {
+        use v0_2::mmgate::modality::host::LogLevel as Old;
+        let level = match level {
+            Old::Trace => LogLevel::Trace,
+            Old::Debug => LogLevel::Debug,
+            Old::Info => LogLevel::Info,
+            Old::Warn => LogLevel::Warn,
+            Old::Error => LogLevel::Error,
+        };
+        mmgate::modality::host::Host::log(self, level, message);
+    }
+
+    fn monotonic_now(&mut self) -> u64 {
+        mmgate::modality::host::Host::monotonic_now(self)
+    }
+
+    fn time_remaining(&mut self) -> u64 {
+        mmgate::modality::host::Host::time_remaining(self)
     }
 }
 

@@ -283,3 +283,32 @@ fn a_plugin_built_against_contract_0_1_is_still_served() {
         other => panic!("expected over-budget, got {other:?}"),
     }
 }
+
+#[test]
+fn a_plugin_built_against_contract_0_2_is_still_served_with_its_video_decoder() {
+    let sandbox = Arc::new(Sandbox::new(limits()).unwrap());
+    let path = artifact_dir().join("testing-v0_2.wasm");
+    let bytes = std::fs::read(&path).unwrap();
+    let plugin = LoadedPlugin::load(sandbox, &bytes, PluginOrigin::File(path)).unwrap();
+    assert_eq!(plugin.contract_version().to_string(), "0.2.0");
+    let clip = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/video/clips/h264.mp4");
+    let item = Media {
+        data: std::fs::read(clip).unwrap(),
+        mime_type: Some("video/mp4".into()),
+    };
+    // probe and preprocess go through the 0.2 video-decoder.
+    let info = plugin.probe(&item).unwrap();
+    let (width, height) = (info.width.unwrap(), info.height.unwrap());
+    assert!(info.frame_count.unwrap() > 0, "{info:?}");
+    let plan = plugin.plan(&info, Budget { max_tokens: 10 }, "{}").unwrap();
+    let tensors = plugin.preprocess(&item, &plan, "{}").unwrap();
+    assert_eq!(tensors[0].shape, [u64::from(height), u64::from(width), 3]);
+    // 0.2 has no reduce: the host says so instead of calling it.
+    match plugin.reduce(&item, &plan, "{}") {
+        Err(CallError::Plugin(PluginError::Unsupported(m))) => {
+            assert!(m.contains("0.2.0") && m.contains("reduce"), "{m}")
+        }
+        other => panic!("expected unsupported, got {other:?}"),
+    }
+}

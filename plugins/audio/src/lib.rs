@@ -83,6 +83,17 @@ impl Plugin for AudioPlugin {
         let samples = resample::resample(audio.samples, audio.sample_rate, SAMPLE_RATE)?;
         processor.preprocess(samples, &choices)
     }
+
+    /// The clip as planned: mono, resampled to 16 kHz, cut to the kept chunks, as a float WAV (the
+    /// samples the features were planned from, unrounded).
+    fn reduce(media: Media, plan: TokenPlan, config: ProcessorConfig) -> PluginResult<ReducedItem> {
+        let processor = Processor::from_config(&config)?;
+        let choices: Choices = plan.choices()?;
+        let audio = decode::decode_mono(&media.data)?;
+        let samples = resample::resample(audio.samples, audio.sample_rate, SAMPLE_RATE)?;
+        let samples = processor.planned_samples(samples, &choices)?;
+        Ok(ReducedItem::single(files::wav(&samples, SAMPLE_RATE)?))
+    }
 }
 
 // Natively (the benchmark's baseline) there is no component to export, and the linker would choke

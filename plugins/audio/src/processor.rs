@@ -241,15 +241,14 @@ impl Processor {
         TokenPlan::new(kept_tokens as u32, kept < total_chunks, reason, &choices)
     }
 
-    /// `input_features` [chunks, n_mels, frames] f32 and `feature_attention_mask` [chunks, frames]
-    /// i64 for 16 kHz `samples`, as the plan chose. `samples` is cut or padded to the length the
-    /// plan promised (decoders disagree with container headers by a few ms of codec delay at most),
-    /// so the token count is exactly the planned one.
-    pub fn preprocess(
+    /// The 16 kHz `samples` the plan keeps: cut or padded to the planned length (decoders disagree
+    /// with container headers by a few ms of codec delay at most), so the token count is exactly
+    /// the planned one.
+    pub fn planned_samples(
         &self,
         mut samples: Vec<f32>,
         choices: &Choices,
-    ) -> PluginResult<Vec<Tensor>> {
+    ) -> PluginResult<Vec<f32>> {
         if choices.n_mels != self.n_mels
             || choices.chunk_samples != self.chunk_samples
             || choices.chunk_frames.len() != choices.chunks
@@ -258,9 +257,16 @@ impl Processor {
                 "the plan was made for a different processor config",
             ));
         }
+        samples.resize(choices.kept_samples as usize, 0.0);
+        Ok(samples)
+    }
+
+    /// `input_features` [chunks, n_mels, frames] f32 and `feature_attention_mask` [chunks, frames]
+    /// i64 for 16 kHz `samples`, as the plan chose ([`Self::planned_samples`]).
+    pub fn preprocess(&self, samples: Vec<f32>, choices: &Choices) -> PluginResult<Vec<Tensor>> {
+        let samples = self.planned_samples(samples, choices)?;
         let chunk = self.chunk_samples as usize;
         let frames = self.max_frames() as usize;
-        samples.resize(choices.kept_samples as usize, 0.0);
         let logmel = LogMel::new(self.n_mels);
         let mut features = Vec::with_capacity(choices.chunks * self.n_mels * frames);
         let mut mask = Vec::with_capacity(choices.chunks * frames);

@@ -49,6 +49,19 @@ impl Plugin for ImagePlugin {
         let image = decode::decode_rgb(&media.data)?;
         processor.preprocess(image, &choices)
     }
+
+    /// An image whose plan keeps HF's own size goes as it came (the server's processor resizes it
+    /// as the plan did); a reduced one goes at its planned size, as a PNG.
+    fn reduce(media: Media, plan: TokenPlan, config: ProcessorConfig) -> PluginResult<ReducedItem> {
+        if !plan.reduced {
+            return Ok(ReducedItem::single(media));
+        }
+        let processor = Processor::from_config(&config)?;
+        let choices: Choices = plan.choices()?;
+        let image = decode::decode_rgb(&media.data)?;
+        let resized = processor.reduced_image(image, &choices)?;
+        Ok(ReducedItem::single(files::png(&resized)?))
+    }
 }
 
 // Natively (the benchmark's baseline) there is no component to export, and the linker would choke

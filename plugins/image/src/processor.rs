@@ -286,10 +286,22 @@ impl Processor {
                     // Over budget: the image is sized as if max_pixels were the budget's worth of
                     // pixels (a token is factor² pixels), never less than min_pixels. smart_resize
                     // floors both sides there, so the result fits unless min_pixels does not.
-                    let cap = budget_tokens
-                        .saturating_mul(factor * factor)
-                        .clamp(*min_pixels, *max_pixels);
-                    let size = smart_resize(height, width, factor, *min_pixels, cap)?;
+                    // Flooring can also land below min_pixels (a 640x480 photo under a cap of
+                    // 3136 pixels becomes 56x28): a size the model's own processor, resizing with
+                    // its configured limits, would enlarge again — so a model server sent the
+                    // image at that size (`reduce`) would count other tokens than planned. The cap
+                    // then grows a token's worth at a time until the size reaches min_pixels.
+                    let mut tokens_worth = budget_tokens;
+                    let size = loop {
+                        let cap = tokens_worth
+                            .saturating_mul(factor * factor)
+                            .clamp(*min_pixels, *max_pixels);
+                        let size = smart_resize(height, width, factor, *min_pixels, cap)?;
+                        if size.0 * size.1 >= *min_pixels || cap >= *max_pixels {
+                            break size;
+                        }
+                        tokens_worth += 1;
+                    };
                     if tokens_of(size) > budget_tokens {
                         return Err(over_budget(tokens_of(size), budget, width, height));
                     }
@@ -343,6 +355,26 @@ impl Processor {
         }
     }
 
+    /// The image a reduced plan chose, at its planned size: resized exactly as [`Self::preprocess`]
+    /// resizes it, so the model server's own processor (whose resize of an image already at a
+    /// planned size changes nothing) sees the same pixels. Only Qwen2-VL plans are ever reduced.
+    pub fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
+        match self {
+            Processor::Qwen2Vl {
+                patch,
+                merge,
+                filter,
+                ..
+            } => {
+                check_planned_size(choices, patch * merge)?;
+                Ok(image.into_resized(choices.width, choices.height, *filter))
+            }
+            Processor::Fixed { .. } => Err(PluginError::internal(
+                "a fixed-size processor's plan is never reduced",
+            )),
+        }
+    }
+
     pub fn preprocess(&self, image: RgbImage, choices: &Choices) -> PluginResult<Vec<Tensor>> {
         match self {
             Processor::Qwen2Vl {
@@ -353,15 +385,7 @@ impl Processor {
                 normalize,
                 ..
             } => {
-                let factor = patch * merge;
-                if !choices.width.is_multiple_of(factor)
-                    || !choices.height.is_multiple_of(factor)
-                    || choices.width == 0
-                {
-                    return Err(PluginError::internal(
-                        "planned size is not a multiple of the patch factor",
-                    ));
-                }
+                check_planned_size(choices, patch * merge)?;
                 // Raw samples plus the exact normalisation table (the host maps them back to HF's
                 // floats): a quarter of the bytes of f32 through the sandbox and in memory.
                 let samples = qwen2vl_resized_patch_bytes(
@@ -410,6 +434,19 @@ impl Processor {
             }
         }
     }
+}
+
+fn check_planned_size(choices: &Choices, factor: usize) -> PluginResult<()> {
+    if !choices.width.is_multiple_of(factor)
+        || !choices.height.is_multiple_of(factor)
+        || choices.width == 0
+        || choices.height == 0
+    {
+        return Err(PluginError::internal(
+            "planned size is not a multiple of the patch factor",
+        ));
+    }
+    Ok(())
 }
 
 fn tokens_u32(tokens: usize) -> PluginResult<u32> {

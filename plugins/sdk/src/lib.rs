@@ -7,7 +7,7 @@
 //! use mmgate_plugin_sdk::*;
 //!
 //! struct MyPlugin;
-//! impl Plugin for MyPlugin { /* describe, probe, plan, preprocess */ }
+//! impl Plugin for MyPlugin { /* describe, probe, plan, preprocess; reduce if it can */ }
 //! mmgate_plugin_sdk::export_plugin!(MyPlugin);
 //! ```
 //!
@@ -29,23 +29,96 @@ pub mod bindings {
         world: "modality-plugin",
         path: "../../wit",
         pub_export_macro: true,
-        export_macro_name: "export_plugin",
+        export_macro_name: "export_bindings",
         default_bindings_module: "mmgate_plugin_sdk::bindings",
     });
 }
 
-pub use bindings::export_plugin;
-pub use bindings::exports::mmgate::modality::plugin::Guest as Plugin;
+#[cfg(feature = "files")]
+pub mod files;
+
 pub use bindings::mmgate::modality::types::{
-    Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, PluginError, ProcessorConfig, Tensor,
-    TokenPlan,
+    Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, PluginError, ProcessorConfig,
+    ReducedItem, Tensor, TokenPlan,
 };
+
+/// The functions a plugin exports (the contract's `plugin` interface), as a plugin author writes
+/// them. Unlike the generated bindings' trait, functions a contract version added carry a default,
+/// so a plugin written for an earlier version builds unchanged against this one: one that does not
+/// implement [`Plugin::reduce`] answers `unsupported` (its models can still be served natively).
+pub trait Plugin {
+    /// Describe the plugin. Must be cheap and must not fail.
+    fn describe() -> Descriptor;
+
+    /// Read the header of `media` and report what it is, without decoding the whole item.
+    fn probe(media: Media) -> PluginResult<MediaInfo>;
+
+    /// Decide what to produce within `budget` and its exact token count. Deterministic.
+    fn plan(info: MediaInfo, budget: Budget, config: ProcessorConfig) -> PluginResult<TokenPlan>;
+
+    /// Decode `media` and produce the tensors `plan` promised.
+    fn preprocess(
+        media: Media,
+        plan: TokenPlan,
+        config: ProcessorConfig,
+    ) -> PluginResult<Vec<Tensor>>;
+
+    /// Decode `media` and hand back the item `plan` chose as files a model server reads as that
+    /// item (see [`files`] for the encoders); that server's processor must make `plan.tokens`.
+    fn reduce(media: Media, plan: TokenPlan, config: ProcessorConfig) -> PluginResult<ReducedItem> {
+        let _ = (media, plan, config);
+        Err(PluginError::unsupported(
+            "this plugin does not hand back reduced media (it implements no reduce)",
+        ))
+    }
+}
+
+/// Exports `$plugin` (a type implementing [`Plugin`]) as the component's `plugin` interface.
+#[macro_export]
+macro_rules! export_plugin {
+    ($plugin:ty) => {
+        #[doc(hidden)]
+        pub struct __MmgatePluginExport;
+
+        impl $crate::bindings::exports::mmgate::modality::plugin::Guest for __MmgatePluginExport {
+            fn describe() -> $crate::Descriptor {
+                <$plugin as $crate::Plugin>::describe()
+            }
+            fn probe(media: $crate::Media) -> $crate::PluginResult<$crate::MediaInfo> {
+                <$plugin as $crate::Plugin>::probe(media)
+            }
+            fn plan(
+                info: $crate::MediaInfo,
+                budget: $crate::Budget,
+                config: $crate::ProcessorConfig,
+            ) -> $crate::PluginResult<$crate::TokenPlan> {
+                <$plugin as $crate::Plugin>::plan(info, budget, config)
+            }
+            fn preprocess(
+                media: $crate::Media,
+                plan: $crate::TokenPlan,
+                config: $crate::ProcessorConfig,
+            ) -> $crate::PluginResult<::std::vec::Vec<$crate::Tensor>> {
+                <$plugin as $crate::Plugin>::preprocess(media, plan, config)
+            }
+            fn reduce(
+                media: $crate::Media,
+                plan: $crate::TokenPlan,
+                config: $crate::ProcessorConfig,
+            ) -> $crate::PluginResult<$crate::ReducedItem> {
+                <$plugin as $crate::Plugin>::reduce(media, plan, config)
+            }
+        }
+
+        $crate::bindings::export_bindings!(__MmgatePluginExport);
+    };
+}
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 /// The contract version this SDK was built against (the `mmgate:modality` package version).
-pub const CONTRACT_VERSION: &str = "0.2.0";
+pub const CONTRACT_VERSION: &str = "0.3.0";
 
 /// Result type of the fallible contract functions.
 pub type PluginResult<T> = Result<T, PluginError>;

@@ -255,6 +255,36 @@ impl Plugin for VideoPlugin {
             Tensor::from_f32("second_per_grid_ts", &[1], &[second_per_grid])?,
         ])
     }
+
+    /// The chosen frames only, each at the planned size as a PNG, with its timestamp: a server
+    /// that takes a video as its frames (vLLM's `video/jpeg` frame list) samples nothing more and,
+    /// the frames being at a size its resize keeps, counts the plan's tokens.
+    fn reduce(media: Media, plan: TokenPlan, config: ProcessorConfig) -> PluginResult<ReducedItem> {
+        VideoConfig::parse(&config)?;
+        let choices: Choices = plan.choices()?;
+        let video = VideoDecoder::open(&media.data)?;
+        if video.info().frame_count != choices.source_frames {
+            return Err(PluginError::internal(format!(
+                "the plan was made for a video of {} frames; this one has {}",
+                choices.source_frames,
+                video.info().frame_count
+            )));
+        }
+        let mut files = Vec::with_capacity(choices.frame_indices.len());
+        let mut timestamps = Vec::with_capacity(choices.frame_indices.len());
+        for &index in &choices.frame_indices {
+            let frame = video.frame(index)?;
+            let decoded = RgbImage {
+                width: frame.width as usize,
+                height: frame.height as usize,
+                data: frame.rgb,
+            };
+            let resized = resize_like_torchvision(&decoded, choices.width, choices.height);
+            files.push(files::png(&resized)?);
+            timestamps.push(frame.timestamp);
+        }
+        Ok(ReducedItem { files, timestamps })
+    }
 }
 
 // Natively (unit tests) there is no component to export, and the linker would choke on the
