@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use base64::Engine as _;
 use http::StatusCode;
-use mmgate_host::{LoadedPlugin, Media, PluginPool, PluginRegistry};
+use mmgate_host::{LoadedPlugin, Media, PluginPool, PluginRegistry, ReducedItem};
 use mmgate_inference::engine::{
     Event, Failure, FinishReason, GenerateRequest, MediaItem, RequestHandle, Usage,
 };
@@ -20,7 +20,7 @@ use crate::config::{EncodeErrorPolicy, RequestLimits};
 use crate::error::ApiError;
 use crate::files::FileStore;
 use crate::media::sniff_mime_type;
-use crate::model::{MediaKind, ModelRuntime, expand_placeholders};
+use crate::model::{MediaKind, ModelRuntime, PromptModel, expand_placeholders};
 use crate::openai::{ByteSource, ChatCompletionRequest, Content, MediaSource, Part};
 use crate::pipeline;
 use crate::torchfile;
@@ -71,19 +71,79 @@ pub struct Prepared {
     pub include_usage: bool,
 }
 
-pub async fn prepare(
-    model: &NativeModel,
-    request: ChatCompletionRequest,
+/// A request's conversation and media, resolved and checked against a model's prompt side, with
+/// the tokens its plugin items may share: what a natively served model and an upstream one whose
+/// media are planned here (`media = "preprocess"`) have in common.
+struct Gathered {
+    /// The conversation as the chat template sees it, each media part its kind's placeholder.
+    messages: Vec<ChatMessage>,
+    /// The media parts in prompt order.
+    items: Vec<Item>,
+    /// The templated prompt, one placeholder per item.
+    ids: Vec<u32>,
+    /// What the context leaves the plugins' items: less the text, the completion and embeddings.
+    budget: usize,
+    max_tokens: Option<usize>,
+    stop: Vec<String>,
+}
+
+impl Gathered {
+    /// The plugins' items with their bytes, for [`pipeline::process_concurrently`].
+    fn plugin_jobs(&self) -> Vec<(Arc<LoadedPlugin>, Arc<Media>)> {
+        self.items
+            .iter()
+            .filter_map(|i| match &i.input {
+                ItemInput::Plugin { plugin, media } => Some((plugin.clone(), media.clone())),
+                ItemInput::Embeddings(_) => None,
+            })
+            .collect()
+    }
+
+    /// Runs every plugin item through probe, the shared budget's plans, and `produce`.
+    async fn process(
+        &self,
+        prompt: &PromptModel,
+        services: &ChatServices<'_>,
+        produce: pipeline::Produce,
+    ) -> Result<Vec<pipeline::Processed>, ApiError> {
+        pipeline::process_concurrently(
+            services.pool,
+            &self.plugin_jobs(),
+            Arc::from(prompt.processor_config.as_str()),
+            u32::try_from(self.budget).unwrap_or(u32::MAX),
+            produce,
+        )
+        .await
+        .map_err(|e| match e {
+            BudgetError::TooSmall { .. } => context_exceeded(e.to_string()),
+            BudgetError::Plugin { item, error } => {
+                let mut api = ApiError::from(&error);
+                api.message = format!("media item {index}: {}", api.message, index = item);
+                api
+            }
+        })
+    }
+}
+
+/// Checks `request` against `prompt` (and whether the model takes `image_embeds`), resolves its
+/// media within the limits, templates it, and works out the tokens its media may share.
+async fn gather(
+    prompt: &PromptModel,
+    accept_image_embeds: bool,
+    request: &mut ChatCompletionRequest,
     services: &ChatServices<'_>,
-) -> Result<Prepared, ApiError> {
-    let runtime = &model.runtime;
+) -> Result<Gathered, ApiError> {
     if request.n.is_some_and(|n| n != 1) {
         return Err(invalid("n", "only n = 1 is supported"));
     }
     if request.messages.is_empty() {
         return Err(invalid("messages", "messages is empty"));
     }
-    let stop = request.stop.map(|s| s.into_vec()).unwrap_or_default();
+    let stop = request
+        .stop
+        .take()
+        .map(|s| s.into_vec())
+        .unwrap_or_default();
     if stop.len() > MAX_STOP_STRINGS {
         return Err(invalid(
             "stop",
@@ -94,15 +154,15 @@ pub async fn prepare(
     // The conversation as the chat template sees it, and the media parts in prompt order.
     let mut messages = Vec::with_capacity(request.messages.len());
     let mut sources = Vec::new();
-    for message in request.messages {
+    for message in std::mem::take(&mut request.messages) {
         let mut content = Vec::new();
         match message.content {
             None => {}
             Some(Content::Text(text)) => content.push(ContentPart::Text(text)),
             Some(Content::Parts(parts)) => {
                 for part in parts {
-                    if matches!(part, Part::ImageEmbeds { .. }) && !model.accept_image_embeds {
-                        return Err(embeds_refused(&runtime.name));
+                    if matches!(part, Part::ImageEmbeds { .. }) && !accept_image_embeds {
+                        return Err(embeds_refused(&prompt.name));
                     }
                     match (part.media(), part) {
                         (Some((kind, source)), _) => {
@@ -121,7 +181,7 @@ pub async fn prepare(
             content,
         });
     }
-    let items = resolve_media(runtime, sources, services).await?;
+    let items = resolve_media(prompt, sources, services).await?;
     let mut next_item = items.iter();
     for part in messages.iter_mut().flat_map(|m| m.content.iter_mut()) {
         if !matches!(part, ContentPart::Text(_))
@@ -131,9 +191,9 @@ pub async fn prepare(
         }
     }
 
-    let ids = prompt_ids(runtime, &messages)?;
-    let text_tokens = runtime.text_tokens(&ids);
-    let context = runtime.context_length;
+    let ids = prompt_ids(prompt, &messages)?;
+    let text_tokens = prompt.text_tokens(&ids);
+    let context = prompt.context_length;
     let max_tokens = match request.max_tokens {
         Some(0) => return Err(invalid("max_tokens", "max_tokens must be at least 1")),
         Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
@@ -150,14 +210,6 @@ pub async fn prepare(
                 max_tokens.unwrap_or(1)
             ))
         })?;
-
-    let jobs: Vec<(Arc<LoadedPlugin>, Arc<Media>)> = items
-        .iter()
-        .filter_map(|i| match &i.input {
-            ItemInput::Plugin { plugin, media } => Some((plugin.clone(), media.clone())),
-            ItemInput::Embeddings(_) => None,
-        })
-        .collect();
     // Embeddings cost what they hold; the plugins' items share the rest.
     let fixed: usize = items
         .iter()
@@ -171,21 +223,66 @@ pub async fn prepare(
             "the request's image_embeds are {fixed} tokens; {budget} are left for media in this model's context of {context} tokens"
         ))
     })?;
-    let processed = pipeline::process_concurrently(
-        services.pool,
-        &jobs,
-        Arc::from(runtime.processor_config.as_str()),
-        u32::try_from(budget).unwrap_or(u32::MAX),
-    )
-    .await
-    .map_err(|e| match e {
-        BudgetError::TooSmall { .. } => context_exceeded(e.to_string()),
-        BudgetError::Plugin { item, error } => {
-            let mut api = ApiError::from(&error);
-            api.message = format!("media item {item}: {}", api.message);
-            api
+    Ok(Gathered {
+        messages,
+        items,
+        ids,
+        budget,
+        max_tokens,
+        stop,
+    })
+}
+
+/// The account of one item run through its plugin, as `usage.media` shows it.
+fn plugin_account(
+    index: usize,
+    kind: MediaKind,
+    plugin: &LoadedPlugin,
+    processed: &pipeline::Processed,
+) -> Value {
+    let mut account = serde_json::Map::new();
+    account.insert("index".into(), json!(index));
+    account.insert("kind".into(), json!(kind.name()));
+    for (key, value) in pipeline::report(plugin, processed) {
+        if !matches!(key.as_str(), "tensors" | "time_ms" | "choices") {
+            account.insert(key, value);
         }
-    })?;
+    }
+    let t = &processed.timings;
+    let plugin_ms = (t.probe + t.plan + t.preprocess).as_secs_f64() * 1e3;
+    account.insert("plugin_ms".into(), json!((plugin_ms * 1e3).round() / 1e3));
+    Value::Object(account)
+}
+
+/// The account of an `image_embeds` item.
+fn embeddings_account(index: usize, kind: MediaKind, tokens: usize) -> Value {
+    json!({
+        "index": index,
+        "kind": kind.name(),
+        "source": "image_embeds",
+        "tokens": tokens,
+    })
+}
+
+pub async fn prepare(
+    model: &NativeModel,
+    mut request: ChatCompletionRequest,
+    services: &ChatServices<'_>,
+) -> Result<Prepared, ApiError> {
+    let prompt = &model.runtime.prompt;
+    let gathered = gather(prompt, model.accept_image_embeds, &mut request, services).await?;
+    let processed = gathered
+        .process(prompt, services, pipeline::Produce::Tensors)
+        .await?;
+    let Gathered {
+        messages,
+        items,
+        ids,
+        max_tokens,
+        stop,
+        ..
+    } = gathered;
+    let context = prompt.context_length;
 
     let mut media = Vec::with_capacity(items.len());
     let mut report = Vec::with_capacity(items.len());
@@ -194,12 +291,7 @@ pub async fn prepare(
     for (index, item) in items.into_iter().enumerate() {
         let (plugin, processed) = match item.input {
             ItemInput::Embeddings(input) => {
-                report.push(json!({
-                    "index": index,
-                    "kind": item.kind.name(),
-                    "source": "image_embeds",
-                    "tokens": input.tokens,
-                }));
+                report.push(embeddings_account(index, item.kind, input.tokens));
                 media.push(input);
                 continue;
             }
@@ -209,7 +301,7 @@ pub async fn prepare(
             },
         };
         // Output the model's encoder cannot take fails to encode: the model's policy decides.
-        let unencodable = match runtime.media_item(
+        let unencodable = match prompt.media_item(
             item.kind,
             processed.plan.tokens,
             &processed.tensors,
@@ -232,18 +324,7 @@ pub async fn prepare(
                 ));
             }
         };
-        let mut account = serde_json::Map::new();
-        account.insert("index".into(), json!(index));
-        account.insert("kind".into(), json!(item.kind.name()));
-        for (key, value) in pipeline::report(&plugin, processed) {
-            if !matches!(key.as_str(), "tensors" | "time_ms" | "choices") {
-                account.insert(key, value);
-            }
-        }
-        let t = &processed.timings;
-        let plugin_ms = (t.probe + t.plan + t.preprocess).as_secs_f64() * 1e3;
-        account.insert("plugin_ms".into(), json!((plugin_ms * 1e3).round() / 1e3));
-        let mut account = Value::Object(account);
+        let mut account = plugin_account(index, item.kind, &plugin, processed);
         if let Some(reason) = unencodable {
             mark_dropped(&mut account, &reason);
         }
@@ -254,23 +335,23 @@ pub async fn prepare(
         (messages, ids)
     } else {
         let kept = without_media(&messages, |i| dropped.contains(&i));
-        let ids = prompt_ids(runtime, &kept)?;
+        let ids = prompt_ids(prompt, &kept)?;
         (kept, ids)
     };
-    let prompt = expand_placeholders(&ids, &media).map_err(|e| internal(format!("{e:#}")))?;
-    let max_tokens = max_tokens.unwrap_or_else(|| context.saturating_sub(prompt.len()).max(1));
-    if prompt.len() + max_tokens > context {
+    let prompt_ids = expand_placeholders(&ids, &media).map_err(|e| internal(format!("{e:#}")))?;
+    let max_tokens = max_tokens.unwrap_or_else(|| context.saturating_sub(prompt_ids.len()).max(1));
+    if prompt_ids.len() + max_tokens > context {
         return Err(context_exceeded(format!(
             "the prompt is {} tokens and max_tokens is {max_tokens}; this model's context is {context} tokens",
-            prompt.len()
+            prompt_ids.len()
         )));
     }
     Ok(Prepared {
         request: GenerateRequest {
-            prompt,
+            prompt: prompt_ids,
             media,
             sampling: sampling(
-                &runtime.generation,
+                &prompt.generation,
                 request.temperature,
                 request.top_p,
                 request.top_k,
@@ -283,6 +364,65 @@ pub async fn prepare(
         media: report,
         stream: request.stream,
         include_usage: request.stream_options.is_some_and(|o| o.include_usage),
+    })
+}
+
+/// A request for a model whose server preprocesses media itself, planned here: every media part
+/// as it goes upstream, and the accounts.
+pub struct PlannedUpstream {
+    /// Per media part in prompt order: the files its plugin reduced it to, or `None` for a part
+    /// that goes as it came (`image_embeds`, which cost what they hold).
+    pub parts: Vec<(MediaKind, Option<ReducedItem>)>,
+    /// Per media part: the account `usage.media` shows.
+    pub accounts: Vec<Value>,
+    /// The prompt's tokens as the server's processor will count them: text and every item.
+    pub prompt_tokens: usize,
+}
+
+/// Plans `request`'s media for `prompt`'s model exactly as for a native model (limits, probe, the
+/// request-wide budget, plan), then has each plugin reduce its item to files the upstream's own
+/// processor reads as planned. A request that cannot fit is refused here.
+pub async fn plan_for_upstream(
+    prompt: &PromptModel,
+    accept_image_embeds: bool,
+    mut request: ChatCompletionRequest,
+    services: &ChatServices<'_>,
+) -> Result<PlannedUpstream, ApiError> {
+    let gathered = gather(prompt, accept_image_embeds, &mut request, services).await?;
+    let mut processed = gathered
+        .process(prompt, services, pipeline::Produce::Files)
+        .await?
+        .into_iter();
+    let mut parts = Vec::with_capacity(gathered.items.len());
+    let mut accounts = Vec::with_capacity(gathered.items.len());
+    let mut media_tokens = 0usize;
+    for (index, item) in gathered.items.iter().enumerate() {
+        match &item.input {
+            ItemInput::Embeddings(input) => {
+                media_tokens += input.tokens;
+                accounts.push(embeddings_account(index, item.kind, input.tokens));
+                parts.push((item.kind, None));
+            }
+            ItemInput::Plugin { plugin, .. } => {
+                let mut done = processed
+                    .next()
+                    .ok_or_else(|| internal("a media item was not processed"))?;
+                media_tokens += done.plan.tokens as usize;
+                accounts.push(plugin_account(index, item.kind, plugin, &done));
+                let files = done
+                    .files
+                    .take()
+                    .ok_or_else(|| internal("a media item was not reduced"))?;
+                parts.push((item.kind, Some(files)));
+            }
+        }
+    }
+    // Each item is one placeholder in the templated prompt; the server expands it to its tokens.
+    let prompt_tokens = gathered.ids.len() - gathered.items.len() + media_tokens;
+    Ok(PlannedUpstream {
+        parts,
+        accounts,
+        prompt_tokens,
     })
 }
 
@@ -322,7 +462,7 @@ fn sampling(
 /// Every media part's bytes, within the limits (checked before decoding or fetching), and the
 /// plugin that takes each, which must handle the kind the part claims and the model must take it.
 async fn resolve_media(
-    runtime: &ModelRuntime,
+    runtime: &PromptModel,
     sources: Vec<(Option<MediaKind>, MediaSource)>,
     services: &ChatServices<'_>,
 ) -> Result<Vec<Item>, ApiError> {
@@ -493,7 +633,7 @@ pub async fn source_bytes(
 /// An `image_embeds` part's tensors (base64 `torch.save` files), checked against the model. The
 /// embeddings can hold no more tokens than the model's context.
 fn embeddings_item(
-    runtime: &ModelRuntime,
+    runtime: &PromptModel,
     kind: MediaKind,
     embeddings: &str,
     grid: Option<&str>,
@@ -678,10 +818,10 @@ impl<'m> Generation<'m> {
             }
         }
         let prompt = prompt_ids(
-            &self.model.runtime,
+            &self.model.runtime.prompt,
             &without_media(&self.messages, |_| true),
         )?;
-        let context = self.model.runtime.context_length;
+        let context = self.model.runtime.prompt.context_length;
         let max_tokens = self
             .max_tokens
             .min(context.saturating_sub(prompt.len()).max(1));
@@ -703,7 +843,7 @@ impl<'m> Generation<'m> {
 }
 
 /// The conversation templated and tokenized (placeholders not yet expanded).
-fn prompt_ids(runtime: &ModelRuntime, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+fn prompt_ids(runtime: &PromptModel, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
     let templated = runtime
         .text
         .apply_chat_template(messages, true)

@@ -122,17 +122,23 @@ impl PluginsConfig {
     }
 }
 
-/// One served model: run natively from a model directory, or by a pool of upstream servers — with a
-/// model directory too, media are encoded here and sent upstream as embeddings.
+/// One served model: run natively from a model directory, or by a pool of upstream servers, whose
+/// media reach them as `media` says.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// The name clients send as `model`.
     pub name: String,
     /// A Hugging Face model directory, or `demo` / `demo-audio`: served by the native inference core.
-    /// With `upstreams`, only its encoders, tokenizer and processor config are loaded: images are
-    /// encoded here and sent to the upstreams as `image_embeds` (vLLM: `--enable-mm-embeds`).
+    /// With `upstreams`, what `media` needs of it: the tokenizer, chat template and processor config
+    /// (`preprocess`, no weights needed), the encoders too (`embed`).
     pub path: Option<PathBuf>,
+    /// With `upstreams`: how a request's media reach them. `forward` (the default without a
+    /// `path`): as they came, URLs and uploads inlined as data URLs. `preprocess`: planned here
+    /// under the request-wide budget and sent as planned (images at their planned size, a video's
+    /// chosen frames, audio cut and resampled). `embed` (the default with a `path`): images encoded
+    /// here and sent as `image_embeds`.
+    pub media: Option<MediaMode>,
     /// OpenAI-compatible servers (vLLM, SGLang, another mmgate) serving this model:
     /// `host:port` or `http://host:port` (plain HTTP), `https://host[:port]` (TLS, the host name
     /// checked against the server's certificate). Host names are resolved at start.
@@ -283,6 +289,39 @@ pub enum EncodeErrorPolicy {
     Drop,
 }
 
+/// What an upstream model's servers get of a request's media (see [`ModelConfig::media`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MediaMode {
+    Forward,
+    Preprocess,
+    Embed,
+}
+
+impl MediaMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Forward => "forward",
+            Self::Preprocess => "preprocess",
+            Self::Embed => "embed",
+        }
+    }
+}
+
+impl ModelConfig {
+    /// How this upstream model's media go (`None` for a natively served model).
+    pub fn media_mode(&self) -> Option<MediaMode> {
+        if self.upstreams.is_empty() {
+            return None;
+        }
+        Some(self.media.unwrap_or(if self.path.is_some() {
+            MediaMode::Embed
+        } else {
+            MediaMode::Forward
+        }))
+    }
+}
+
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Balance {
@@ -370,6 +409,7 @@ impl ModelConfig {
         ModelConfig {
             name: name.to_owned(),
             path: Some(path.to_owned()),
+            media: None,
             upstreams: Vec::new(),
             upstream_api_key: None,
             upstream_ca_file: None,
@@ -393,6 +433,26 @@ impl ModelConfig {
         }
         if self.path.is_none() && self.upstreams.is_empty() {
             bail!("model {name:?}: give a path (served here) or upstreams");
+        }
+        match (self.media, self.upstreams.is_empty(), self.path.is_some()) {
+            (Some(mode), true, _) => bail!(
+                "model {name:?}: media = {:?} is for a model served by upstreams; this one is served here",
+                mode.name()
+            ),
+            (Some(mode @ (MediaMode::Preprocess | MediaMode::Embed)), false, false) => bail!(
+                "model {name:?}: media = {:?} needs a path: a model directory with the tokenizer, \
+                 chat template and processor config{}",
+                mode.name(),
+                if mode == MediaMode::Embed {
+                    " and the encoder's weights"
+                } else {
+                    " (no weights needed)"
+                }
+            ),
+            (Some(MediaMode::Forward), false, true) => {
+                bail!("model {name:?}: media = \"forward\" uses no model directory: drop the path")
+            }
+            _ => {}
         }
         if self.upstream_api_key.as_ref().is_some_and(|key| {
             key.is_empty() || key.bytes().any(|b| b.is_ascii_control() || b == b' ')
@@ -576,6 +636,22 @@ mod tests {
             (
                 "[[models]]\nname = \"m\"\npath = \"demo\"\n[[models]]\nname = \"m\"\npath = \"demo\"\n",
                 "configured twice",
+            ),
+            (
+                "[[models]]\nname = \"m\"\npath = \"demo\"\nmedia = \"preprocess\"\n",
+                "served by upstreams",
+            ),
+            (
+                "[[models]]\nname = \"m\"\nupstreams = [\"h:1\"]\nmedia = \"preprocess\"\n",
+                "needs a path",
+            ),
+            (
+                "[[models]]\nname = \"m\"\nupstreams = [\"h:1\"]\npath = \"demo\"\nmedia = \"forward\"\n",
+                "drop the path",
+            ),
+            (
+                "[[models]]\nname = \"m\"\nupstreams = [\"h:1\"]\nmedia = \"tensors\"\n",
+                "unknown variant",
             ),
             ("api_keys = [\"\"]\n", "empty key"),
             ("[limits]\nmax_image_byte = 5\n", "unknown field"),

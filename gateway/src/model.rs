@@ -14,7 +14,7 @@ use mmgate_inference::engine::{
     BatchObserver, DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig,
     FeatureStore, MediaItem, PixelSource, PixelValues, PositionScheme,
 };
-use mmgate_inference::models::config::ConfigFile;
+use mmgate_inference::models::config::{ConfigFile, TextConfig};
 use mmgate_inference::models::qwen2_audio::{AudioEncoderConfig, Qwen2AudioConfig};
 use mmgate_inference::models::qwen2_vl::{self, Qwen2VlConfig, VisionConfig};
 use mmgate_inference::models::{GenerationConfig, Qwen2Audio, Qwen2Vl};
@@ -61,6 +61,23 @@ enum Family {
     },
 }
 
+impl Family {
+    fn vision(config: &Qwen2VlConfig) -> Family {
+        Family::Vision {
+            image_token: config.image_token_id,
+            video_token: config.video_token_id,
+            vision: Box::new(config.vision.clone()),
+        }
+    }
+
+    fn audio(config: &Qwen2AudioConfig) -> Family {
+        Family::Audio {
+            audio_token: config.audio_token_id,
+            encoder: config.audio.clone(),
+        }
+    }
+}
+
 /// How many threads each device of a model gets.
 #[derive(Debug, Clone)]
 pub struct DeviceThreads {
@@ -104,14 +121,14 @@ impl Default for RuntimeOptions {
     }
 }
 
-pub struct ModelRuntime {
+/// What a model's prompts are made of, read from its directory without any weights: the
+/// tokenizer and chat template, the placeholder tokens and encoder shapes of its config, its
+/// processor and generation configs, its context. Enough to template a request, count its text
+/// tokens and plan its media: a model whose server preprocesses for itself needs no more here.
+pub struct PromptModel {
     pub name: String,
     family: Family,
     pub text: Arc<TextProcessor>,
-    /// `None` when the LLM runs upstream and only the encoders are here.
-    engine: Option<Engine>,
-    /// The dedicated encoder devices (shared with the engine).
-    pub encoders: Arc<EncoderPool>,
     /// `preprocessor_config.json`, handed to the plugins.
     pub processor_config: String,
     /// `generation_config.json`: its eos ids end generations, its sampling settings are the
@@ -120,6 +137,16 @@ pub struct ModelRuntime {
     pub context_length: usize,
     /// The LLM's embedding width: what each media token's embedding holds.
     pub hidden_size: usize,
+}
+
+/// A model on this machine's devices: its prompts, its encoders, and its LLM unless that runs
+/// upstream.
+pub struct ModelRuntime {
+    pub prompt: PromptModel,
+    /// `None` when the LLM runs upstream and only the encoders are here.
+    engine: Option<Engine>,
+    /// The dedicated encoder devices (shared with the engine).
+    pub encoders: Arc<EncoderPool>,
 }
 
 /// The names that stand for a generated demo model where a model directory is expected.
@@ -229,12 +256,12 @@ impl ModelRuntime {
                     )?));
                 }
                 let merge = config.vision.merge;
-                let family = Family::Vision {
-                    image_token: config.image_token_id,
-                    video_token: config.video_token_id,
-                    vision: Box::new(config.vision),
-                };
-                (family, config.text, llm, PositionScheme::MRope { merge })
+                (
+                    Family::vision(&config),
+                    config.text,
+                    llm,
+                    PositionScheme::MRope { merge },
+                )
             }
             Some("qwen2_audio") => {
                 let (config, llm) = match &llm_dev {
@@ -255,11 +282,12 @@ impl ModelRuntime {
                         dir, dev,
                     )?));
                 }
-                let family = Family::Audio {
-                    audio_token: config.audio_token_id,
-                    encoder: config.audio,
-                };
-                (family, config.text, llm, PositionScheme::Plain)
+                (
+                    Family::audio(&config),
+                    config.text,
+                    llm,
+                    PositionScheme::Plain,
+                )
             }
             other => bail!(
                 "{}: model_type {other:?} is not supported (qwen2_vl, qwen2_5_vl, qwen2_audio)",
@@ -274,17 +302,7 @@ impl ModelRuntime {
                 encoders: vec![encoder],
             })
             .collect();
-        let checkpoint_context = text_config.max_position_embeddings;
-        let context_length = match options.max_model_len {
-            Some(n) if n > checkpoint_context => bail!(
-                "max_model_len {n} is over the checkpoint's context of {checkpoint_context} tokens \
-                 (max_position_embeddings)"
-            ),
-            Some(n) => n,
-            None => checkpoint_context,
-        };
-        let text = Arc::new(TextProcessor::load(dir)?);
-        let generation = GenerationConfig::read(dir)?;
+        let prompt = PromptModel::assemble(name, dir, family, &text_config, options.max_model_len)?;
         let pool = Arc::new(EncoderPool::with_observer(specs, 8, observer)?);
         let engine = match llm {
             Some(llm) => {
@@ -294,32 +312,23 @@ impl ModelRuntime {
                     positions,
                     max_running: options.max_running,
                     prefill_chunk: options.prefill_chunk,
-                    kv_budget_tokens: context_length.max(1) * 4,
-                    eos_token_ids: generation.eos_token_ids.clone(),
+                    kv_budget_tokens: prompt.context_length.max(1) * 4,
+                    eos_token_ids: prompt.generation.eos_token_ids.clone(),
                 };
                 Some(Engine::start(
                     engine_config,
                     llm,
-                    text.clone(),
+                    prompt.text.clone(),
                     pool.clone(),
                     store,
                 )?)
             }
             None => None,
         };
-        let processor_path = dir.join("preprocessor_config.json");
-        let processor_config = std::fs::read_to_string(&processor_path)
-            .with_context(|| format!("cannot read {}", processor_path.display()))?;
         Ok(Self {
-            name: name.to_owned(),
-            family,
-            text,
+            prompt,
             engine,
             encoders: pool,
-            processor_config,
-            generation,
-            context_length,
-            hidden_size: text_config.hidden_size,
         })
     }
 
@@ -328,8 +337,62 @@ impl ModelRuntime {
         self.engine.as_ref().ok_or_else(|| {
             anyhow!(
                 "model {} runs its LLM upstream: it has no engine here",
-                self.name
+                self.prompt.name
             )
+        })
+    }
+}
+
+impl PromptModel {
+    /// Reads a model directory's config, tokenizer, chat template, processor and generation
+    /// configs; weights, if any, are not read. `max_model_len` as in [`RuntimeOptions`].
+    pub fn load(name: &str, dir: &Path, max_model_len: Option<usize>) -> anyhow::Result<Self> {
+        let config = ConfigFile::read(dir)?;
+        let (family, text_config) = match config.model_type() {
+            Some(t) if qwen2_vl::MODEL_TYPES.contains(&t) => {
+                let config = Qwen2VlConfig::read(dir)?;
+                (Family::vision(&config), config.text)
+            }
+            Some("qwen2_audio") => {
+                let config = Qwen2AudioConfig::read(dir)?;
+                (Family::audio(&config), config.text)
+            }
+            other => bail!(
+                "{}: model_type {other:?} is not supported (qwen2_vl, qwen2_5_vl, qwen2_audio)",
+                config.path.display()
+            ),
+        };
+        Self::assemble(name, dir, family, &text_config, max_model_len)
+    }
+
+    /// The prompt side of a model whose config is already read.
+    fn assemble(
+        name: &str,
+        dir: &Path,
+        family: Family,
+        text_config: &TextConfig,
+        max_model_len: Option<usize>,
+    ) -> anyhow::Result<Self> {
+        let checkpoint_context = text_config.max_position_embeddings;
+        let context_length = match max_model_len {
+            Some(n) if n > checkpoint_context => bail!(
+                "max_model_len {n} is over the checkpoint's context of {checkpoint_context} tokens \
+                 (max_position_embeddings)"
+            ),
+            Some(n) => n,
+            None => checkpoint_context,
+        };
+        let processor_path = dir.join("preprocessor_config.json");
+        let processor_config = std::fs::read_to_string(&processor_path)
+            .with_context(|| format!("cannot read {}", processor_path.display()))?;
+        Ok(Self {
+            name: name.to_owned(),
+            family,
+            text: Arc::new(TextProcessor::load(dir)?),
+            processor_config,
+            generation: GenerationConfig::read(dir)?,
+            context_length,
+            hidden_size: text_config.hidden_size,
         })
     }
 
@@ -464,7 +527,7 @@ impl ModelRuntime {
     }
 }
 
-impl ModelRuntime {
+impl PromptModel {
     /// The engine's input for embeddings an encoder of this model made elsewhere (vLLM's
     /// `image_embeds`): `[tokens, hidden]` in f32, f16 or bf16, and for a vision model the grid
     /// that places them (`(3,)` or `(1, 3)` integers).
@@ -706,14 +769,17 @@ mod tests {
         let model = runtime("demo-qwen2.5-vl", cache.path());
         // The demo's 2 tokens per second × 0.75 s between temporal patches.
         let item = model
+            .prompt
             .media_item(MediaKind::Video, 12, &video(Some(0.75)))
             .unwrap();
         assert_eq!(item.time_interval, 1.5);
         let err = model
+            .prompt
             .media_item(MediaKind::Video, 12, &video(None))
             .unwrap_err();
         assert!(err.to_string().contains("second_per_grid_ts"), "{err}");
         let err = model
+            .prompt
             .media_item(MediaKind::Video, 12, &video(Some(f32::NAN)))
             .unwrap_err();
         assert!(err.to_string().contains("not a duration"), "{err}");
@@ -721,6 +787,7 @@ mod tests {
         // Qwen2-VL steps one position per temporal patch whatever the seconds.
         let model = runtime("demo", cache.path());
         let item = model
+            .prompt
             .media_item(MediaKind::Video, 12, &video(Some(0.75)))
             .unwrap();
         assert_eq!(item.time_interval, 1.0);

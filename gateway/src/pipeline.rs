@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use mmgate_host::{
-    Budget, Descriptor, LoadedPlugin, Media, MediaInfo, PluginPool, PluginRegistry, Tensor,
-    TokenPlan,
+    Budget, Descriptor, LoadedPlugin, Media, MediaInfo, PluginPool, PluginRegistry, ReducedItem,
+    Tensor, TokenPlan,
 };
 use serde_json::{Value, json};
 
@@ -97,17 +97,30 @@ fn serves_processor(descriptor: &Descriptor, processors: &[String]) -> bool {
             .any(|t| processors.iter().any(|p| p == processor_family(t)))
 }
 
+/// What an item's last plugin call makes of it, once planned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Produce {
+    /// `preprocess`: the tensors this gateway's encoders take.
+    Tensors,
+    /// `reduce`: the item as planned, as files for a model server that preprocesses itself.
+    Files,
+}
+
 /// What running one item produced.
 pub struct Processed {
     pub info: MediaInfo,
     pub plan: TokenPlan,
+    /// `preprocess`'s tensors (none when the item was reduced to files).
     pub tensors: Vec<Tensor>,
+    /// `reduce`'s files, when those were asked for.
+    pub files: Option<ReducedItem>,
     pub timings: Timings,
 }
 
 pub struct Timings {
     pub probe: Duration,
     pub plan: Duration,
+    /// The last call: `preprocess` or `reduce`.
     pub preprocess: Duration,
 }
 
@@ -141,6 +154,7 @@ pub fn process_together(
             info,
             plan,
             tensors,
+            files: None,
             timings: Timings {
                 probe: probe_times[item],
                 plan: plan_times[item],
@@ -169,14 +183,15 @@ fn plan_items(
     (plans, plan_times.into_inner())
 }
 
-/// [`process_together`] on the plugin pool, the items' probes in parallel and then their
-/// preprocessing in parallel (planning, which shares the budget, is one job in between): a request's
-/// items take as long as the slowest, not the sum.
+/// [`process_together`] on the plugin pool, the items' probes in parallel and then their last
+/// calls (`preprocess`, or `reduce`: `produce` says) in parallel (planning, which shares the
+/// budget, is one job in between): a request's items take as long as the slowest, not the sum.
 pub async fn process_concurrently(
     pool: &PluginPool,
     items: &[(Arc<LoadedPlugin>, Arc<Media>)],
     processor_config: Arc<str>,
     budget: u32,
+    produce: Produce,
 ) -> Result<Vec<Processed>, BudgetError> {
     let plugin_error = |item: usize| move |error| BudgetError::Plugin { item, error };
     let probes = items.iter().enumerate().map(|(item, (plugin, media))| {
@@ -224,9 +239,15 @@ pub async fn process_concurrently(
             async move {
                 pool.run(move || {
                     let started = Instant::now();
-                    plugin
-                        .preprocess(&media, &plan, &config)
-                        .map(|tensors| (tensors, started.elapsed()))
+                    let output = match produce {
+                        Produce::Tensors => plugin
+                            .preprocess(&media, &plan, &config)
+                            .map(|tensors| (tensors, None)),
+                        Produce::Files => plugin
+                            .reduce(&media, &plan, &config)
+                            .map(|files| (Vec::new(), Some(files))),
+                    };
+                    output.map(|output| (output, started.elapsed()))
                 })
                 .await
                 .map_err(plugin_error(item))
@@ -242,16 +263,19 @@ pub async fn process_concurrently(
         .zip(plans)
         .zip(outputs)
         .enumerate()
-        .map(|(item, ((info, plan), (tensors, preprocess)))| Processed {
-            info,
-            plan,
-            tensors,
-            timings: Timings {
-                probe: probe_times[item],
-                plan: plan_times[item],
-                preprocess,
+        .map(
+            |(item, ((info, plan), ((tensors, files), preprocess)))| Processed {
+                info,
+                plan,
+                tensors,
+                files,
+                timings: Timings {
+                    probe: probe_times[item],
+                    plan: plan_times[item],
+                    preprocess,
+                },
             },
-        })
+        )
         .collect())
 }
 
@@ -263,6 +287,7 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
         info,
         plan,
         tensors,
+        files,
         timings,
     } = processed;
     let choices: Value = serde_json::from_str(&plan.choices).unwrap_or(Value::Null);
@@ -291,11 +316,15 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
         "reduced": plan.reduced,
         "reason": plan.reason,
         "choices": choices,
-        "tensors": tensors.iter().map(|t| json!({
+        "tensors": (files.is_none()).then(|| tensors.iter().map(|t| json!({
             "name": t.name,
             "dtype": t.dtype.name(),
             "shape": t.shape,
-        })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>()),
+        "files": files.as_ref().map(|f| f.files.iter().map(|file| json!({
+            "mime_type": file.mime_type,
+            "bytes": file.data.len(),
+        })).collect::<Vec<_>>()),
         "time_ms": {
             "probe": ms(timings.probe),
             "plan": ms(timings.plan),

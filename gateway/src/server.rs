@@ -12,14 +12,14 @@ use pingora::server::configuration::ServerConf;
 use pingora::services::ServiceWithDependents;
 use pingora::services::listening::Service as ListeningService;
 
-use crate::api::{App, Gateway, Route};
+use crate::api::{App, Gateway, Route, UpstreamMedia};
 use crate::chat::NativeModel;
-use crate::config::{Config, ModelConfig};
+use crate::config::{Config, MediaMode, ModelConfig};
 use crate::fetch::Fetcher;
 use crate::files::FileStore;
 use crate::metrics::Metrics;
 use crate::model::{
-    DeviceThreads, ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir,
+    DeviceThreads, ModelRuntime, PromptModel, RuntimeOptions, default_cache_dir, resolve_model_dir,
 };
 use crate::plugins::LivePlugins;
 use crate::upstream::UpstreamPool;
@@ -73,17 +73,29 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
     let mut models = BTreeMap::new();
     let mut background: Vec<Box<dyn ServiceWithDependents>> = Vec::new();
     for model in &config.models {
-        let route = match (&model.path, model.upstreams.is_empty()) {
-            (Some(path), true) => Route::Native(load_model(model, path, &metrics, false)?),
-            (path, _) => {
+        let route = match (&model.path, model.media_mode()) {
+            (Some(path), None) => Route::Native(load_model(model, path, &metrics, false)?),
+            (path, mode) => {
                 let (pool, health_checks) =
                     UpstreamPool::build(model, !config.api_keys.is_empty())?;
                 background.push(health_checks);
-                let encoders = match path {
-                    Some(path) => Some(load_model(model, path, &metrics, true)?),
-                    None => None,
+                // The config's checks leave a path wherever the mode needs one.
+                let media = match (mode, path) {
+                    (Some(MediaMode::Embed), Some(path)) => {
+                        UpstreamMedia::Embed(load_model(model, path, &metrics, true)?)
+                    }
+                    (Some(MediaMode::Preprocess), Some(path)) => {
+                        let dir = resolve_model_dir(path, &default_cache_dir())?;
+                        UpstreamMedia::Preprocess(
+                            PromptModel::load(&model.name, &dir, model.max_model_len)
+                                .with_context(|| {
+                                    format!("model {}: reading {}", model.name, dir.display())
+                                })?,
+                        )
+                    }
+                    _ => UpstreamMedia::Forward,
                 };
-                Route::Upstream { pool, encoders }
+                Route::Upstream { pool, media }
             }
         };
         models.insert(model.name.clone(), route);

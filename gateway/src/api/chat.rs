@@ -14,17 +14,30 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::io::{EventStream, read_body, write_error, write_json};
-use super::{Gateway, Route};
+use super::{Gateway, Route, UpstreamMedia};
 use crate::chat::{self, ChatServices, Generation, NativeModel, Prepared, Step};
 use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
+use crate::model::PromptModel;
 use crate::openai::{self, ChatCompletionRequest};
-use crate::upstream::embeds::{self, Rewrite};
-use crate::upstream::{Forwarded, UpstreamPool, inline};
+use crate::upstream::parts::{self, Rewrite};
+use crate::upstream::{Forwarded, ReplyAdditions, UpstreamPool, embeds, inline, planned};
 
-/// The reply header that carries the media accounts of a request whose images were encoded here
-/// for an upstream model (the reply itself, `usage` included, is the upstream's).
+/// The reply header that carries the media accounts of a request whose media were planned or
+/// encoded here for an upstream model (the reply itself is the upstream's).
 const MEDIA_HEADER: &str = "x-mmgate-media";
+
+/// The reply header that says how many prompt tokens this gateway planned for a request whose
+/// media it planned for an upstream model: the upstream's `usage.prompt_tokens` must equal it.
+const PROMPT_TOKENS_HEADER: &str = "x-mmgate-prompt-tokens";
+
+/// The accounts as a header value. A header carries visible ASCII only: accounts that hold
+/// anything else are left out.
+fn accounts_header(accounts: &[Value]) -> Option<HeaderValue> {
+    serde_json::to_string(accounts)
+        .ok()
+        .and_then(|a| HeaderValue::from_str(&a).ok())
+}
 
 /// Just what routing needs; the rest of the body is left to whoever serves the model.
 #[derive(Deserialize)]
@@ -71,16 +84,15 @@ impl Gateway {
                     format!("the model {:?} does not exist", routing.model),
                 ),
             )),
-            Some(Route::Upstream { pool, encoders }) => {
-                let (body, accounts) = self
-                    .for_upstream(pool, encoders.as_ref(), body.clone())
+            Some(Route::Upstream { pool, media }) => {
+                let (body, additions) = self
+                    .for_upstream(pool, media, body.clone())
                     .await
                     .map_err(|e| ("upstream", e))?;
                 let key = pool.balance_key(&body, routing.user.as_deref());
-                let extra = accounts.map(|a| (MEDIA_HEADER, a));
                 let client = self.client_hop(session.client_addr());
                 match pool
-                    .forward(session, body.clone(), &key, extra, &client)
+                    .forward(session, body.clone(), &key, &additions, &client)
                     .await
                 {
                     Forwarded::Answered(status) => Ok(("upstream", status)),
@@ -108,7 +120,7 @@ impl Gateway {
         match self.models.get(routing.model.as_ref())? {
             Route::Upstream {
                 pool,
-                encoders: None,
+                media: UpstreamMedia::Forward,
             } if !inline::needs_a_look(body, pool.accept_image_embeds) => {
                 Some((pool, routing.user.map(Cow::into_owned)))
             }
@@ -126,32 +138,81 @@ impl Gateway {
         }
     }
 
-    /// The request as an upstream model's server gets it, and the media accounts for the
-    /// [`MEDIA_HEADER`] when its images were encoded here (`encoders`: the model's, if it encodes
-    /// here). Otherwise its URLs and uploads are fetched and read here and sent as data URLs
-    /// ([`inline`]); a request with neither goes as it came, unparsed.
+    /// The request as an upstream model's server gets it, and what the answer gains here, as the
+    /// model's `media` says: its images encoded here ([`Self::encode_for_upstream`]), its media
+    /// planned here ([`Self::plan_for_upstream`]), or its URLs and uploads fetched and read here
+    /// and sent as data URLs ([`inline`]; a request with neither goes as it came, unparsed).
     async fn for_upstream(
         &self,
         pool: &UpstreamPool,
-        encoders: Option<&NativeModel>,
+        media: &UpstreamMedia,
         body: Bytes,
-    ) -> Result<(Bytes, Option<HeaderValue>), ApiError> {
-        if encoders.is_none() && !inline::needs_a_look(&body, pool.accept_image_embeds) {
-            return Ok((body, None));
+    ) -> Result<(Bytes, ReplyAdditions), ApiError> {
+        let forward = matches!(media, UpstreamMedia::Forward);
+        if forward && !inline::needs_a_look(&body, pool.accept_image_embeds) {
+            return Ok((body, ReplyAdditions::default()));
         }
         let mut value: Value = serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
-        if let Some(model) = encoders
-            && embeds::encode_here(&value)
-        {
-            return self.encode_for_upstream(model, value, body).await;
+        match media {
+            UpstreamMedia::Embed(model) if embeds::encode_here(&value) => {
+                return self.encode_for_upstream(model, value, body).await;
+            }
+            UpstreamMedia::Preprocess(prompt) if parts::media_parts(&value).next().is_some() => {
+                return self.plan_for_upstream(pool, prompt, value, body).await;
+            }
+            _ => {}
         }
         if !inline::inline_media(&mut value, pool, &self.services()).await? {
-            return Ok((body, None));
+            return Ok((body, ReplyAdditions::default()));
         }
         let body = serde_json::to_vec(&value)
             .map(Bytes::from)
             .map_err(|e| encode_failed(&e.to_string()))?;
-        Ok((body, None))
+        Ok((body, ReplyAdditions::default()))
+    }
+
+    /// A request (`value`, parsed from `body`) for a model whose server runs its own processor,
+    /// with media: planned here as for a native model (limits, the request-wide budget, each
+    /// item's plan), each media part replaced by its item as planned ([`planned`]); the accounts
+    /// and the prompt's token count go in the answer's headers, and in `usage.media` of a JSON
+    /// answer.
+    async fn plan_for_upstream(
+        &self,
+        pool: &UpstreamPool,
+        prompt: &PromptModel,
+        mut value: Value,
+        body: Bytes,
+    ) -> Result<(Bytes, ReplyAdditions), ApiError> {
+        let request: ChatCompletionRequest =
+            serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
+        drop(body);
+        let planned =
+            chat::plan_for_upstream(prompt, pool.accept_image_embeds, request, &self.services())
+                .await?;
+        self.metrics.media_prepared(&planned.accounts);
+        let rewrites = planned
+            .parts
+            .iter()
+            .map(|(kind, files)| match files {
+                Some(files) => Rewrite::Replace(planned::part(*kind, files)),
+                None => Rewrite::Keep,
+            })
+            .collect();
+        parts::rewrite(&mut value, rewrites);
+        let body = serde_json::to_vec(&value)
+            .map(Bytes::from)
+            .map_err(|e| encode_failed(&e.to_string()))?;
+        let mut additions = ReplyAdditions {
+            headers: vec![(
+                PROMPT_TOKENS_HEADER,
+                HeaderValue::from(planned.prompt_tokens),
+            )],
+            usage_media: Some(Value::Array(planned.accounts.clone())),
+        };
+        if let Some(accounts) = accounts_header(&planned.accounts) {
+            additions.headers.push((MEDIA_HEADER, accounts));
+        }
+        Ok((body, additions))
     }
 
     /// The request's media fetched, preprocessed and budgeted for `model`, and counted in the metrics.
@@ -178,7 +239,7 @@ impl Gateway {
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let name = model.runtime.name.as_str();
+        let name = model.runtime.prompt.name.as_str();
 
         if !stream {
             let mut text = String::new();
@@ -259,7 +320,7 @@ impl Gateway {
         model: &NativeModel,
         mut value: Value,
         body: Bytes,
-    ) -> Result<(Bytes, Option<HeaderValue>), ApiError> {
+    ) -> Result<(Bytes, ReplyAdditions), ApiError> {
         let request: ChatCompletionRequest =
             serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
         drop(body);
@@ -301,18 +362,16 @@ impl Gateway {
                         format!(
                             "media item {index} is {}: model {} encodes only images for its upstream; send video and audio as video_url, audio_url or input_audio parts",
                             account["kind"].as_str().unwrap_or("not an image"),
-                            model.runtime.name
+                            model.runtime.prompt.name
                         ),
                     ));
                 }
             };
             let failure = match result.await {
                 Ok(Ok(features)) => {
-                    rewrites.push(Rewrite::Embeddings {
-                        features,
-                        hidden: model.runtime.hidden_size,
-                        grid,
-                    });
+                    let part = embeds::part(&features, model.runtime.prompt.hidden_size, grid)
+                        .map_err(|e| encode_failed(&e.to_string()))?;
+                    rewrites.push(Rewrite::Replace(part));
                     continue;
                 }
                 Ok(Err(message)) => message,
@@ -325,15 +384,18 @@ impl Gateway {
                 return Err(encode_failed(&format!("media item {index}: {failure}")));
             }
         }
-        embeds::rewrite(&mut value, rewrites).map_err(|e| encode_failed(&e.to_string()))?;
+        parts::rewrite(&mut value, rewrites);
         let body = serde_json::to_vec(&value)
             .map(Bytes::from)
             .map_err(|e| encode_failed(&e.to_string()))?;
-        // A header carries visible ASCII only: accounts that hold anything else are left out.
-        let accounts = serde_json::to_string(&accounts)
-            .ok()
-            .and_then(|a| HeaderValue::from_str(&a).ok());
-        Ok((body, accounts))
+        let additions = ReplyAdditions {
+            headers: accounts_header(&accounts)
+                .map(|a| (MEDIA_HEADER, a))
+                .into_iter()
+                .collect(),
+            usage_media: None,
+        };
+        Ok((body, additions))
     }
 
     /// `GET /v1/models`
@@ -351,20 +413,35 @@ impl Gateway {
                 match route {
                     Route::Native(m) => {
                         model["served_by"] = json!("native");
-                        model["context_length"] = json!(m.runtime.context_length);
+                        model["context_length"] = json!(m.runtime.prompt.context_length);
                         model["modalities"] = json!(
                             m.runtime
+                                .prompt
                                 .media_kinds()
                                 .iter()
                                 .map(|k| k.name())
                                 .collect::<Vec<_>>()
                         );
                     }
-                    Route::Upstream { pool, encoders } => {
+                    Route::Upstream { pool, media } => {
                         model["served_by"] = json!("upstream");
-                        if let Some(m) = encoders {
-                            model["images_encoded_here"] = json!(true);
-                            model["context_length"] = json!(m.runtime.context_length);
+                        model["media"] = json!(media.name());
+                        match media {
+                            UpstreamMedia::Embed(m) => {
+                                model["images_encoded_here"] = json!(true);
+                                model["context_length"] = json!(m.runtime.prompt.context_length);
+                            }
+                            UpstreamMedia::Preprocess(prompt) => {
+                                model["context_length"] = json!(prompt.context_length);
+                                model["modalities"] = json!(
+                                    prompt
+                                        .media_kinds()
+                                        .iter()
+                                        .map(|k| k.name())
+                                        .collect::<Vec<_>>()
+                                );
+                            }
+                            UpstreamMedia::Forward => {}
                         }
                         model["upstreams"] = pool.health_json();
                     }

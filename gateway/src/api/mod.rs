@@ -23,6 +23,7 @@ use crate::error::ApiError;
 use crate::fetch::Fetcher;
 use crate::files::FileStore;
 use crate::metrics::{Metrics, ModelGauges, Snapshot};
+use crate::model::PromptModel;
 use crate::plugins::{LivePlugins, ReloadGuard};
 use crate::upstream::{ClientHop, UpstreamPool};
 pub use connection::App;
@@ -31,12 +32,31 @@ use io::{write_error, write_json};
 /// How a model is served.
 pub enum Route {
     Native(NativeModel),
-    /// A pool of upstream servers runs the LLM; with `encoders`, media are encoded here and sent
-    /// upstream as embeddings.
+    /// A pool of upstream servers runs the LLM; `media` says what they get of a request's media.
     Upstream {
         pool: Arc<UpstreamPool>,
-        encoders: Option<NativeModel>,
+        media: UpstreamMedia,
     },
+}
+
+/// What an upstream model's servers get of a request's media (the config's `media`).
+pub enum UpstreamMedia {
+    /// The media as they came (URLs and uploads inlined).
+    Forward,
+    /// The media as planned here for this prompt side of the model (no weights loaded).
+    Preprocess(PromptModel),
+    /// Images encoded here, by this model's encoders, and sent as embeddings.
+    Embed(NativeModel),
+}
+
+impl UpstreamMedia {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Forward => "forward",
+            Self::Preprocess(_) => "preprocess",
+            Self::Embed(_) => "embed",
+        }
+    }
 }
 
 /// What every request handler shares.
@@ -203,7 +223,11 @@ impl Gateway {
         for (name, route) in &self.models {
             let encoders = match route {
                 Route::Native(model) => Some(model),
-                Route::Upstream { encoders, .. } => encoders.as_ref(),
+                Route::Upstream {
+                    media: UpstreamMedia::Embed(model),
+                    ..
+                } => Some(model),
+                Route::Upstream { .. } => None,
             };
             if let Some(model) = encoders {
                 let loads = model.runtime.encoders.loads();

@@ -59,8 +59,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
     let name = dir
         .file_name()
         .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-    let model = ModelRuntime::load(&name, &dir, &RuntimeOptions::default(), None)
+    let runtime = ModelRuntime::load(&name, &dir, &RuntimeOptions::default(), None)
         .with_context(|| format!("loading the model in {}", dir.display()))?;
+    let model = &runtime.prompt;
 
     let files: Vec<(MediaKind, &PathBuf)> = (args.image.iter().map(|f| (MediaKind::Image, f)))
         .chain(args.video.iter().map(|f| (MediaKind::Video, f)))
@@ -147,7 +148,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         top_k: 0,
         seed: args.seed,
     };
-    let mut handle = model.engine()?.submit(GenerateRequest {
+    let mut handle = runtime.engine()?.submit(GenerateRequest {
         prompt,
         media,
         sampling,

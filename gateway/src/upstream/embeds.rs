@@ -9,24 +9,12 @@ use serde_json::{Value, json};
 
 use crate::torchfile::{self, TorchFileError};
 
-/// What becomes of the request's media parts, in the order they appear.
-pub enum Rewrite {
-    /// Encoded: the embeddings (`[tokens, hidden]`) and the grid that places them.
-    Embeddings {
-        features: std::sync::Arc<Vec<f32>>,
-        hidden: usize,
-        grid: Grid,
-    },
-    /// Dropped by the model's encode-error policy: the part leaves the request.
-    Drop,
-}
-
 /// Whether the request is encoded here: it has media and all of them are images (image URLs,
 /// uploads, or embeddings already). Video and audio have no embeddings form upstream engines take,
 /// so a request holding any goes upstream as it came and the upstream processes all its media.
 pub fn encode_here(body: &Value) -> bool {
     let mut any = false;
-    for part in media_parts(body) {
+    for part in super::parts::media_parts(body) {
         match part.get("type").and_then(Value::as_str) {
             Some("image_url" | "file" | "image_embeds") => any = true,
             _ => return false,
@@ -35,60 +23,9 @@ pub fn encode_here(body: &Value) -> bool {
     any
 }
 
-/// The request's media parts, in the order chat processing takes them.
-fn media_parts(body: &Value) -> impl Iterator<Item = &Value> {
-    body.get("messages")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .filter_map(|m| m.get("content").and_then(Value::as_array))
-        .flatten()
-        .filter(|part| is_media(part))
-}
-
-/// Every part but text is media (parts of unknown types never get this far: parsing the request
-/// refused them).
-fn is_media(part: &Value) -> bool {
-    part.get("type")
-        .and_then(Value::as_str)
-        .is_some_and(|t| t != "text")
-}
-
-/// Replaces the body's media parts, in order, as `rewrites` say.
-pub fn rewrite(body: &mut Value, rewrites: Vec<Rewrite>) -> Result<(), TorchFileError> {
-    let mut rewrites = rewrites.into_iter();
-    let messages = body
-        .get_mut("messages")
-        .and_then(Value::as_array_mut)
-        .into_iter()
-        .flatten();
-    for message in messages {
-        let Some(parts) = message.get_mut("content").and_then(Value::as_array_mut) else {
-            continue;
-        };
-        let mut kept = Vec::with_capacity(parts.len());
-        for part in parts.drain(..) {
-            if !is_media(&part) {
-                kept.push(part);
-                continue;
-            }
-            match rewrites.next() {
-                Some(Rewrite::Embeddings {
-                    features,
-                    hidden,
-                    grid,
-                }) => kept.push(embeds_part(&features, hidden, grid)?),
-                Some(Rewrite::Drop) => {}
-                None => kept.push(part),
-            }
-        }
-        *parts = kept;
-    }
-    Ok(())
-}
-
-/// An `image_embeds` part as vLLM's OpenAI server takes it for Qwen2-VL.
-fn embeds_part(features: &[f32], hidden: usize, grid: Grid) -> Result<Value, TorchFileError> {
+/// An `image_embeds` part as vLLM's OpenAI server takes it for Qwen2-VL: the embeddings
+/// (`[tokens, hidden]`) and the grid that places them.
+pub fn part(features: &[f32], hidden: usize, grid: Grid) -> Result<Value, TorchFileError> {
     let b64 = |t: &Tensor| {
         torchfile::write(t).map(|f| base64::engine::general_purpose::STANDARD.encode(f))
     };
@@ -119,6 +56,8 @@ fn embeds_part(features: &[f32], hidden: usize, grid: Grid) -> Result<Value, Tor
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+
     use super::*;
 
     #[test]
@@ -138,32 +77,11 @@ mod tests {
     }
 
     #[test]
-    fn media_parts_become_embeds_in_order_and_dropped_ones_leave() {
-        let image = |n: u8| json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{n}")}});
-        let mut body = json!({"model": "m", "messages": [
-            {"role": "system", "content": "be brief"},
-            {"role": "user", "content": [image(1), {"type": "text", "text": "and"}, image(2)]},
-        ]});
-        let grid = Grid { t: 1, h: 2, w: 2 };
-        let features = std::sync::Arc::new(vec![0.5f32; 8]);
-        rewrite(
-            &mut body,
-            vec![
-                Rewrite::Drop,
-                Rewrite::Embeddings {
-                    features,
-                    hidden: 8,
-                    grid,
-                },
-            ],
-        )
-        .unwrap();
-        let parts = body["messages"][1]["content"].as_array().unwrap();
-        assert_eq!(parts.len(), 2);
-        assert_eq!(parts[0]["type"], "text");
-        assert_eq!(parts[1]["type"], "image_embeds");
+    fn an_embeds_part_carries_the_embeddings_and_their_grid_as_torch_files() {
+        let part = part(&[0.5f32; 8], 8, Grid { t: 1, h: 2, w: 2 }).unwrap();
+        assert_eq!(part["type"], "image_embeds");
         let read = |field: &str| {
-            let b64 = parts[1]["image_embeds"][field].as_str().unwrap();
+            let b64 = part["image_embeds"][field].as_str().unwrap();
             let file = base64::engine::general_purpose::STANDARD
                 .decode(b64)
                 .unwrap();
@@ -171,8 +89,6 @@ mod tests {
         };
         let embeds = read("image_embeds");
         assert_eq!((embeds.dtype, embeds.shape), (Dtype::F32, vec![1, 8]));
-        let thw = read("image_grid_thw");
-        assert_eq!(thw.shape, vec![3]);
-        assert_eq!(body["messages"][0]["content"], "be brief");
+        assert_eq!(read("image_grid_thw").shape, vec![3]);
     }
 }

@@ -17,6 +17,8 @@ pub mod forwarded;
 mod health;
 mod idle;
 pub mod inline;
+pub mod parts;
+pub mod planned;
 mod relay;
 pub mod tls;
 
@@ -204,6 +206,18 @@ pub struct UpstreamPool {
     auth: UpstreamAuth,
 }
 
+/// What this gateway adds to an upstream's answer.
+#[derive(Default)]
+pub struct ReplyAdditions {
+    pub headers: Vec<(&'static str, http::HeaderValue)>,
+    /// Set as `usage.media` of a non-streamed JSON answer (the per-item media accounts).
+    pub usage_media: Option<Value>,
+}
+
+/// The most bytes of a JSON answer read whole to add `usage.media`; a larger one passes through
+/// as it comes, without it.
+const MAX_EDITED_ANSWER_BYTES: usize = 16 << 20;
+
 /// The outcome of forwarding.
 pub enum Forwarded {
     /// The upstream's answer, with this status, went to the client (completely, or until one side
@@ -319,7 +333,7 @@ impl UpstreamPool {
         downstream: &mut ServerSession,
         body: Bytes,
         key: &[u8],
-        extra: Option<(&'static str, http::HeaderValue)>,
+        additions: &ReplyAdditions,
         client: &ClientHop,
     ) -> Forwarded {
         if !valid_target(origin_form(downstream.req_header())) {
@@ -367,8 +381,15 @@ impl UpstreamPool {
             };
             let status = header.status;
             let mut response = downstream_response(header);
-            if let Some((name, value)) = extra.clone() {
-                let _ = response.insert_header(name, value);
+            for (name, value) in &additions.headers {
+                let _ = response.insert_header(*name, value.clone());
+            }
+            if let Some(media) = &additions.usage_media
+                && is_json(&response)
+            {
+                return self
+                    .answer_with_usage_media(downstream, upstream, response, media, server, &target)
+                    .await;
             }
             if let Err(e) = downstream.write_response_header(Box::new(response)).await {
                 tracing::debug!(error = %e, "client went away before the answer");
@@ -402,6 +423,58 @@ impl UpstreamPool {
             return Forwarded::Answered(status);
         }
         Forwarded::Failed(attempts.exhausted())
+    }
+
+    /// Answers with the upstream's JSON `response` read whole, `media` set as its `usage.media`
+    /// (a body that is not a JSON object with `usage`, or too large, goes as it came).
+    async fn answer_with_usage_media(
+        &self,
+        downstream: &mut ServerSession,
+        mut upstream: UpstreamSession,
+        mut response: ResponseHeader,
+        media: &Value,
+        server: SocketAddr,
+        target: &Target,
+    ) -> Forwarded {
+        let status = response.status;
+        let mut body = Vec::new();
+        loop {
+            match upstream.read_body_bytes().await {
+                Ok(Some(chunk)) if body.len() + chunk.len() <= MAX_EDITED_ANSWER_BYTES => {
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(Some(_)) => {
+                    return Forwarded::Failed(bad_gateway(
+                        &self.model,
+                        &format!("the answer is over {MAX_EDITED_ANSWER_BYTES} bytes"),
+                    ));
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(upstream = %server, error = %e, "upstream failed mid-answer");
+                    return Forwarded::Failed(bad_gateway(&self.model, &e.to_string()));
+                }
+            }
+        }
+        let body = with_usage_media(body, media);
+        let _ = response.remove_header(&http::header::TRANSFER_ENCODING);
+        let _ = response.insert_header(http::header::CONTENT_LENGTH, body.len());
+        if let Err(e) = downstream.write_response_header(Box::new(response)).await {
+            tracing::debug!(error = %e, "client went away before the answer");
+            return Forwarded::Answered(status);
+        }
+        if let Err(e) = downstream.write_response_body(body.into(), true).await {
+            tracing::debug!(error = %e, "client went away mid-answer");
+            return Forwarded::Answered(status);
+        }
+        if let Err(e) = downstream.finish_body().await {
+            tracing::debug!(error = %e, "finishing the answer to the client");
+        }
+        upstream.respect_keepalive();
+        if let Some(stream) = upstream.reuse().await {
+            idle::put((server, target.id), stream);
+        }
+        Forwarded::Answered(status)
     }
 
     /// A kept-alive connection to `target` at `server`, or a new one; and whether it was kept
@@ -563,6 +636,30 @@ fn media_digest(body: &[u8]) -> Option<Vec<u8>> {
         found = true;
     }
     found.then(|| hasher.finish().to_le_bytes().to_vec())
+}
+
+/// Whether an answer is a JSON document (not an SSE stream).
+fn is_json(response: &ResponseHeader) -> bool {
+    response
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.trim_start().starts_with("application/json"))
+}
+
+/// `body` with `media` as its `usage.media`, when it is a JSON object with a `usage` object;
+/// else as it came.
+fn with_usage_media(body: Vec<u8>, media: &Value) -> Vec<u8> {
+    let Ok(mut answer) = serde_json::from_slice::<Value>(&body) else {
+        return body;
+    };
+    match answer.get_mut("usage").and_then(Value::as_object_mut) {
+        Some(usage) => {
+            usage.insert("media".into(), media.clone());
+            serde_json::to_vec(&answer).unwrap_or(body)
+        }
+        None => body,
+    }
 }
 
 /// The request target in origin form (`/path?query`): as the client sent it, or, for an
@@ -767,6 +864,18 @@ mod tests {
             !headers.iter().any(|h| h.starts_with("authorization")),
             "{headers:?}"
         );
+    }
+
+    #[test]
+    fn media_accounts_join_the_usage_of_a_json_answer_only() {
+        let media = json!([{"index": 0, "tokens": 12}]);
+        let answer = br#"{"id":"x","usage":{"prompt_tokens":20}}"#.to_vec();
+        let edited: Value = serde_json::from_slice(&with_usage_media(answer, &media)).unwrap();
+        assert_eq!(edited["usage"]["media"], media);
+        assert_eq!(edited["usage"]["prompt_tokens"], 20);
+        for other in [&b"not json"[..], br#"{"error":{"message":"x"}}"#, b"[1]"] {
+            assert_eq!(with_usage_media(other.to_vec(), &media), other);
+        }
     }
 
     #[test]

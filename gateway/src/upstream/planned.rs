@@ -1,0 +1,74 @@
+//! Media planned here for a model whose server runs its own processor (`media = "preprocess"`),
+//! in the wire form that server reads as the item the plan chose:
+//! - an image: an `image_url` data URL of the file (the original bytes, or a PNG at its planned
+//!   size);
+//! - audio: an `input_audio` part, a 16 kHz mono WAV (OpenAI's form; vLLM and transformers' server
+//!   take it);
+//! - a video: a `video_url` data URL of type `video/jpeg` whose data is the chosen frames' base64,
+//!   comma-separated: vLLM's form for a video given as its frames (its `VideoMediaIO` loads each
+//!   with PIL, which reads the PNGs whatever the declared type), so it samples nothing more.
+
+use base64::Engine as _;
+use mmgate_host::{Media, ReducedItem};
+use serde_json::{Value, json};
+
+use crate::media::sniff_mime_type;
+use crate::model::MediaKind;
+
+/// The part that carries `item` (a `kind` item reduced to files) upstream.
+pub fn part(kind: MediaKind, item: &ReducedItem) -> Value {
+    let b64 = |file: &Media| base64::engine::general_purpose::STANDARD.encode(&file.data);
+    match (kind, &item.files[..]) {
+        (MediaKind::Image, [file]) => {
+            let mime = file
+                .mime_type
+                .as_deref()
+                .or_else(|| sniff_mime_type(&file.data))
+                .unwrap_or("application/octet-stream");
+            json!({"type": "image_url", "image_url": {"url": format!("data:{mime};base64,{}", b64(file))}})
+        }
+        (MediaKind::Audio, [file]) => {
+            json!({"type": "input_audio", "input_audio": {"data": b64(file), "format": "wav"}})
+        }
+        (_, files) => {
+            let frames: Vec<String> = files.iter().map(b64).collect();
+            json!({"type": "video_url", "video_url": {"url": format!("data:video/jpeg;base64,{}", frames.join(","))}})
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn file(data: &[u8], mime: &str) -> Media {
+        Media {
+            data: data.to_vec(),
+            mime_type: Some(mime.into()),
+        }
+    }
+
+    #[test]
+    fn each_kind_goes_in_the_form_its_servers_read() {
+        let one = |f: Media| ReducedItem {
+            files: vec![f],
+            timestamps: vec![0.0],
+        };
+        let image = part(MediaKind::Image, &one(file(b"png!", "image/png")));
+        assert_eq!(image["image_url"]["url"], "data:image/png;base64,cG5nIQ==");
+        let audio = part(MediaKind::Audio, &one(file(b"RIFF", "audio/wav")));
+        assert_eq!(audio["type"], "input_audio");
+        assert_eq!(audio["input_audio"]["format"], "wav");
+        let frames = ReducedItem {
+            files: vec![file(b"a", "image/png"), file(b"b", "image/png")],
+            timestamps: vec![0.0, 0.5],
+        };
+        let video = part(MediaKind::Video, &frames);
+        assert_eq!(
+            video["video_url"]["url"],
+            "data:video/jpeg;base64,YQ==,Yg=="
+        );
+    }
+}
