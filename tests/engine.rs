@@ -2,10 +2,13 @@
 //! OpenAI-compatible server (`transformers serve`, CPU torch; the versions are pinned in
 //! tests/fixtures/engine/requirements.txt and `./dev test` installs them into a venv outside the
 //! clone). The engine serves the tiny Qwen2-VL demo checkpoint that mmgate also serves natively, so
-//! one gateway holds both: `demo` (native) and the engine's model (forwarded). Checked: the engine's
-//! `usage.prompt_tokens` equals mmgate's own count for text and for images of several sizes and
-//! aspect ratios, greedy runs end alike (completion tokens, finish reason), and a streamed answer
-//! passes through as SSE.
+//! one gateway holds both: `demo` (native) and the engine's model, forwarded as it came and with its
+//! media planned here (`media = "preprocess"`, from a copy of the checkpoint without its weights).
+//! Checked: the engine's `usage.prompt_tokens` equals mmgate's own count for text and for images
+//! of several sizes and aspect ratios, sent as they came and as planned (budget-cut ones included);
+//! greedy runs end alike (completion tokens, finish reason); a request that cannot fit, or holds
+//! corrupt media, is refused here before any upstream sees it; a streamed answer passes through as
+//! SSE.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -97,15 +100,24 @@ fn client() -> reqwest::blocking::Client {
 }
 
 fn chat(gateway: &Server, body: &Value) -> Value {
+    let (status, _, reply) = post(gateway, body);
+    assert!(status.is_success(), "{status}: {reply}");
+    reply
+}
+
+/// A chat completion's status, headers and JSON answer.
+fn post(
+    gateway: &Server,
+    body: &Value,
+) -> (reqwest::StatusCode, reqwest::header::HeaderMap, Value) {
     let response = client()
         .post(format!("http://{}/v1/chat/completions", gateway.addr))
         .json(body)
         .send()
         .unwrap();
     let status = response.status();
-    let reply: Value = response.json().unwrap();
-    assert!(status.is_success(), "{status}: {reply}");
-    reply
+    let headers = response.headers().clone();
+    (status, headers, response.json().unwrap())
 }
 
 fn image_part(name: &str) -> Value {
@@ -182,12 +194,53 @@ fn the_engine_counts_and_answers_as_mmgate_does() {
     // The engine serves one forced model whatever the request names; the gateway forwards requests
     // for that name to it.
     let engine_model = model.to_str().unwrap();
+    // What preprocess mode needs of the model: its directory without the weights.
+    let weightless = scratch.path().join("weightless");
+    std::fs::create_dir_all(&weightless).unwrap();
+    for entry in std::fs::read_dir(&model).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            std::fs::copy(&path, weightless.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    // Nothing listens there: a model whose requests are refused before they go upstream.
+    let nowhere = format!("127.0.0.1:{}", common::server::free_port());
     let config = scratch.path().join("mmgate.toml");
     std::fs::write(
         &config,
         format!(
-            "[[models]]\nname = \"demo\"\npath = {engine_model:?}\n\n[[models]]\nname = {engine_model:?}\nupstreams = [\"{}\"]\n",
-            engine.addr
+            r#"[[models]]
+name = "demo"
+path = {engine_model:?}
+
+[[models]]
+name = {engine_model:?}
+upstreams = ["{engine}"]
+
+[[models]]
+name = "planned"
+upstream_model = {engine_model:?}
+upstreams = ["{engine}"]
+media = "preprocess"
+path = {weightless:?}
+
+[[models]]
+name = "planned-small"
+upstream_model = {engine_model:?}
+upstreams = ["{engine}"]
+media = "preprocess"
+path = {weightless:?}
+max_model_len = 200
+
+[[models]]
+name = "planned-nowhere"
+upstream_model = {engine_model:?}
+upstreams = ["{nowhere}"]
+media = "preprocess"
+path = {weightless:?}
+max_model_len = 200
+"#,
+            engine = engine.addr,
         ),
     )
     .unwrap();
@@ -232,6 +285,8 @@ fn the_engine_counts_and_answers_as_mmgate_does() {
         );
     }
 
+    media_planned_here_cost_the_engine_what_the_plan_said(&gateway, engine_model);
+
     // A streamed answer passes through as server-sent events.
     let response = client()
         .post(format!("http://{}/v1/chat/completions", gateway.addr))
@@ -265,4 +320,102 @@ fn the_engine_counts_and_answers_as_mmgate_does() {
         "length",
         "{body}"
     );
+}
+
+/// `media = "preprocess"`: every image is planned here and reaches the engine as planned (as it came
+/// when the plan keeps the processor's own size, else a PNG at its planned size); the engine's
+/// processor must count exactly the tokens of the plan.
+fn media_planned_here_cost_the_engine_what_the_plan_said(gateway: &Server, engine_model: &str) {
+    let request = |model: &str, content: &Value, max_tokens: u32| {
+        json!({"model": model, "max_tokens": max_tokens, "temperature": 0,
+               "messages": [{"role": "user", "content": content}]})
+    };
+    let question = json!({"type": "text", "text": "What is this?"});
+    let mut cut = 0;
+    for (model, images) in [
+        (
+            "planned",
+            vec![
+                "png-rgb-wide.png",
+                "sliver-3x500.png",
+                "photo-640x480.jpg",
+                "tiny-upscaled.png",
+                "jpeg-progressive.jpg",
+                "webp-lossy.webp",
+            ],
+        ),
+        // A context of 200 tokens: large images are cut to fit, and two share what is left.
+        (
+            "planned-small",
+            vec!["photo-640x480.jpg", "jpeg-baseline-420.jpg"],
+        ),
+        (
+            "planned-small",
+            vec!["photo-640x480.jpg", "png-rgb-wide.png"],
+        ),
+    ] {
+        for content in images
+            .iter()
+            .map(|image| json!([image_part(image), question]))
+            .chain((model == "planned-small").then(|| {
+                let mut parts: Vec<Value> = images.iter().map(|i| image_part(i)).collect();
+                parts.push(question.clone());
+                Value::Array(parts)
+            }))
+        {
+            let label = format!(
+                "{model}: {}",
+                content.to_string().chars().take(60).collect::<String>()
+            );
+            let (status, headers, reply) = post(gateway, &request(model, &content, 6));
+            assert!(status.is_success(), "{label}: {status}: {reply}");
+            let planned: u64 = headers["x-mmgate-prompt-tokens"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert_eq!(
+                reply["usage"]["prompt_tokens"], planned,
+                "the engine's prompt tokens for {label}"
+            );
+            let accounts = reply["usage"]["media"].as_array().expect("usage.media");
+            assert_eq!(
+                accounts.len(),
+                content.as_array().unwrap().len() - 1,
+                "{label}"
+            );
+            cut += accounts.iter().filter(|a| a["reduced"] == true).count();
+            assert!(headers.contains_key("x-mmgate-media"), "{label}");
+        }
+    }
+    assert!(cut >= 3, "the small context cut images: {cut}");
+
+    // An image whose plan keeps its size reaches the engine as it came: the same greedy answer.
+    let content = json!([image_part("photo-640x480.jpg"), question]);
+    let planned = chat(gateway, &request("planned", &content, 8));
+    let direct = chat(gateway, &request(engine_model, &content, 8));
+    assert_eq!(planned["usage"]["media"][0]["reduced"], false);
+    assert_eq!(
+        planned["choices"][0]["message"]["content"],
+        direct["choices"][0]["message"]["content"]
+    );
+    assert_eq!(
+        planned["usage"]["prompt_tokens"],
+        direct["usage"]["prompt_tokens"]
+    );
+
+    // Refused here, before any upstream: nothing listens behind `planned-nowhere`, so a request
+    // that reached for it would be a 502.
+    let too_long = json!([image_part("photo-640x480.jpg"), question]);
+    let (status, _, reply) = post(gateway, &request("planned-nowhere", &too_long, 190));
+    assert_eq!(status, 400, "{reply}");
+    assert_eq!(reply["error"]["code"], "context_length_exceeded", "{reply}");
+    use base64::Engine as _;
+    let corrupt = base64::engine::general_purpose::STANDARD.encode(b"\x89PNG\r\n\x1a\nnot really");
+    let corrupt = json!([{"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{corrupt}")}}, question]);
+    for model in ["planned-nowhere", "demo"] {
+        let (status, _, reply) = post(gateway, &request(model, &corrupt, 6));
+        assert_eq!(status, 400, "{model}: {reply}");
+        assert_eq!(reply["error"]["code"], "invalid_media", "{model}: {reply}");
+    }
 }

@@ -144,6 +144,10 @@ pub struct ModelConfig {
     /// checked against the server's certificate). Host names are resolved at start.
     #[serde(default)]
     pub upstreams: Vec<UpstreamAddr>,
+    /// The name the upstreams serve the model by, when it is not `name` (vLLM's
+    /// `--served-model-name`): requests go upstream with it as their `model`. Lets one upstream
+    /// model be offered under several names (say, one per `media` mode).
+    pub upstream_model: Option<String>,
     /// Sent to the upstreams as `Authorization: Bearer <key>`. Without it the client's own
     /// `Authorization` goes through, unless this gateway checked it (`api_keys`): a key for this
     /// gateway is never passed on.
@@ -411,6 +415,7 @@ impl ModelConfig {
             path: Some(path.to_owned()),
             media: None,
             upstreams: Vec::new(),
+            upstream_model: None,
             upstream_api_key: None,
             upstream_ca_file: None,
             balance: Balance::default(),

@@ -121,7 +121,9 @@ impl Gateway {
             Route::Upstream {
                 pool,
                 media: UpstreamMedia::Forward,
-            } if !inline::needs_a_look(body, pool.accept_image_embeds) => {
+            } if pool.upstream_model.is_none()
+                && !inline::needs_a_look(body, pool.accept_image_embeds) =>
+            {
                 Some((pool, routing.user.map(Cow::into_owned)))
             }
             _ => None,
@@ -149,26 +151,33 @@ impl Gateway {
         body: Bytes,
     ) -> Result<(Bytes, ReplyAdditions), ApiError> {
         let forward = matches!(media, UpstreamMedia::Forward);
-        if forward && !inline::needs_a_look(&body, pool.accept_image_embeds) {
+        let renamed = pool.upstream_model.as_deref();
+        if forward && renamed.is_none() && !inline::needs_a_look(&body, pool.accept_image_embeds) {
             return Ok((body, ReplyAdditions::default()));
         }
         let mut value: Value = serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
-        match media {
+        let (mut value, additions) = match media {
             UpstreamMedia::Embed(model) if embeds::encode_here(&value) => {
-                return self.encode_for_upstream(model, value, body).await;
+                self.encode_for_upstream(model, value, body).await?
             }
             UpstreamMedia::Preprocess(prompt) if parts::media_parts(&value).next().is_some() => {
-                return self.plan_for_upstream(pool, prompt, value, body).await;
+                self.plan_for_upstream(pool, prompt, value, body).await?
             }
-            _ => {}
-        }
-        if !inline::inline_media(&mut value, pool, &self.services()).await? {
-            return Ok((body, ReplyAdditions::default()));
+            _ => {
+                let inlined = inline::inline_media(&mut value, pool, &self.services()).await?;
+                if !inlined && renamed.is_none() {
+                    return Ok((body, ReplyAdditions::default()));
+                }
+                (value, ReplyAdditions::default())
+            }
+        };
+        if let Some(name) = renamed {
+            value["model"] = Value::String(name.to_owned());
         }
         let body = serde_json::to_vec(&value)
             .map(Bytes::from)
             .map_err(|e| encode_failed(&e.to_string()))?;
-        Ok((body, ReplyAdditions::default()))
+        Ok((body, additions))
     }
 
     /// A request (`value`, parsed from `body`) for a model whose server runs its own processor,
@@ -182,7 +191,7 @@ impl Gateway {
         prompt: &PromptModel,
         mut value: Value,
         body: Bytes,
-    ) -> Result<(Bytes, ReplyAdditions), ApiError> {
+    ) -> Result<(Value, ReplyAdditions), ApiError> {
         let request: ChatCompletionRequest =
             serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
         drop(body);
@@ -199,9 +208,6 @@ impl Gateway {
             })
             .collect();
         parts::rewrite(&mut value, rewrites);
-        let body = serde_json::to_vec(&value)
-            .map(Bytes::from)
-            .map_err(|e| encode_failed(&e.to_string()))?;
         let mut additions = ReplyAdditions {
             headers: vec![(
                 PROMPT_TOKENS_HEADER,
@@ -212,7 +218,7 @@ impl Gateway {
         if let Some(accounts) = accounts_header(&planned.accounts) {
             additions.headers.push((MEDIA_HEADER, accounts));
         }
-        Ok((body, additions))
+        Ok((value, additions))
     }
 
     /// The request's media fetched, preprocessed and budgeted for `model`, and counted in the metrics.
@@ -320,7 +326,7 @@ impl Gateway {
         model: &NativeModel,
         mut value: Value,
         body: Bytes,
-    ) -> Result<(Bytes, ReplyAdditions), ApiError> {
+    ) -> Result<(Value, ReplyAdditions), ApiError> {
         let request: ChatCompletionRequest =
             serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
         drop(body);
@@ -385,9 +391,6 @@ impl Gateway {
             }
         }
         parts::rewrite(&mut value, rewrites);
-        let body = serde_json::to_vec(&value)
-            .map(Bytes::from)
-            .map_err(|e| encode_failed(&e.to_string()))?;
         let additions = ReplyAdditions {
             headers: accounts_header(&accounts)
                 .map(|a| (MEDIA_HEADER, a))
@@ -395,7 +398,7 @@ impl Gateway {
                 .collect(),
             usage_media: None,
         };
-        Ok((body, additions))
+        Ok((value, additions))
     }
 
     /// `GET /v1/models`

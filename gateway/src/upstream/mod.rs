@@ -198,6 +198,8 @@ pub struct UpstreamPool {
     pub model: String,
     /// Whether clients may send `image_embeds` parts for the model.
     pub accept_image_embeds: bool,
+    /// The name the servers know the model by, when it is not [`Self::model`].
+    pub upstream_model: Option<String>,
     balancer: Balancer,
     /// How a request's key for the balancer is made.
     balance: Balance,
@@ -284,6 +286,7 @@ impl UpstreamPool {
         let pool = UpstreamPool {
             model: model.name.clone(),
             accept_image_embeds: model.accept_image_embeds,
+            upstream_model: model.upstream_model.clone(),
             balancer,
             balance: model.balance,
             targets,
