@@ -1,12 +1,13 @@
 //! mmgate in front of a real inference engine that this project did not write: transformers'
 //! OpenAI-compatible server (`transformers serve`, CPU torch; the versions are pinned in
 //! tests/fixtures/engine/requirements.txt and `./dev test` installs them into a venv outside the
-//! clone). The engine serves the tiny Qwen2-VL demo checkpoint that mmgate also serves natively, so
-//! one gateway holds both: `demo` (native) and the engine's model, forwarded as it came and with its
-//! media planned here (`media = "preprocess"`, from a copy of the checkpoint without its weights).
-//! Checked: the engine's `usage.prompt_tokens` equals mmgate's own count for text and for images
-//! of several sizes and aspect ratios, sent as they came and as planned (budget-cut ones included);
-//! greedy runs end alike (completion tokens, finish reason); a request that cannot fit, or holds
+//! clone). Two engines serve the tiny Qwen2-VL and Qwen2-Audio demo checkpoints that mmgate also
+//! serves natively, so one gateway holds each both ways: native, and the engine's model, forwarded
+//! as it came and with its media planned here (`media = "preprocess"`, from a copy of the checkpoint
+//! without its weights). Checked: the engine's `usage.prompt_tokens` equals mmgate's own count for
+//! text, for images of several sizes and aspect ratios and for audio of several lengths, rates and
+//! channel counts, sent as they came and as planned (budget-cut images included);
+//! greedy runs give the same answer (text, completion tokens, finish reason); a request that cannot fit, or holds
 //! corrupt media, is refused here before any upstream sees it; a streamed answer passes through as
 //! SSE.
 
@@ -134,21 +135,14 @@ fn image_part(name: &str) -> Value {
     json!({"type": "image_url", "image_url": {"url": format!("data:{mime};base64,{data}")}})
 }
 
-/// The demo Qwen2-VL checkpoint as transformers 5 lays one out: its processor reads the chat
-/// template from `chat_template.jinja` (the demo keeps it in `tokenizer_config.json`, which
-/// mmgate reads too).
-fn demo_checkpoint(cache: &Path, into: &Path) -> PathBuf {
+/// A demo checkpoint (`spec`: `demo`, `demo-audio`; its directory's name holds `family`) as
+/// transformers 5 lays one out: its processor reads the chat template from `chat_template.jinja`
+/// (the demo keeps it in `tokenizer_config.json`, which mmgate reads too).
+fn demo_checkpoint(cache: &Path, into: &Path, spec: &str, family: &str) -> PathBuf {
     let out = common::mmgate_command()
         .env("XDG_CACHE_HOME", cache)
-        .args([
-            "generate",
-            "--model",
-            "demo",
-            "--prompt",
-            "hi",
-            "--max-tokens",
-            "1",
-        ])
+        .args(["generate", "--model", spec, "--max-tokens", "1"])
+        .args(["--prompt", "hi"])
         .output()
         .unwrap();
     assert!(
@@ -159,14 +153,9 @@ fn demo_checkpoint(cache: &Path, into: &Path) -> PathBuf {
     let demo = std::fs::read_dir(cache.join("mmgate/models"))
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .contains("qwen2-vl")
-        })
-        .expect("the demo Qwen2-VL directory");
-    let model = into.join("demo-qwen2-vl");
+        .find(|p| p.file_name().unwrap().to_string_lossy().contains(family))
+        .unwrap_or_else(|| panic!("the demo {family} directory"));
+    let model = into.join(format!("demo-{family}"));
     std::fs::create_dir_all(&model).unwrap();
     for entry in std::fs::read_dir(&demo).unwrap() {
         let entry = entry.unwrap();
@@ -184,25 +173,37 @@ fn demo_checkpoint(cache: &Path, into: &Path) -> PathBuf {
     model
 }
 
+/// A copy of `model` without its weights: what `media = "preprocess"` needs of it.
+fn weightless(model: &Path, into: &Path) -> PathBuf {
+    let copy = into.join(format!(
+        "{}-weightless",
+        model.file_name().unwrap().to_string_lossy()
+    ));
+    std::fs::create_dir_all(&copy).unwrap();
+    for entry in std::fs::read_dir(model).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            std::fs::copy(&path, copy.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    copy
+}
+
 #[test]
 fn the_engine_counts_and_answers_as_mmgate_does() {
     let Some(venv) = engine_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
     let cache = scratch.path().join("cache");
-    let model = demo_checkpoint(&cache, scratch.path());
+    let model = demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
+    let audio_model = demo_checkpoint(&cache, scratch.path(), "demo-audio", "qwen2-audio");
     let engine = Engine::start(&venv, &model);
+    let audio_engine = Engine::start(&venv, &audio_model);
     // The engine serves one forced model whatever the request names; the gateway forwards requests
     // for that name to it.
     let engine_model = model.to_str().unwrap();
-    // What preprocess mode needs of the model: its directory without the weights.
-    let weightless = scratch.path().join("weightless");
-    std::fs::create_dir_all(&weightless).unwrap();
-    for entry in std::fs::read_dir(&model).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_none_or(|e| e != "safetensors") {
-            std::fs::copy(&path, weightless.join(path.file_name().unwrap())).unwrap();
-        }
-    }
+    // What preprocess mode needs of a model: its directory without the weights.
+    let weightless_model = weightless(&model, scratch.path());
+    let weightless_audio = weightless(&audio_model, scratch.path());
     // Nothing listens there: a model whose requests are refused before they go upstream.
     let nowhere = format!("127.0.0.1:{}", common::server::free_port());
     let config = scratch.path().join("mmgate.toml");
@@ -222,25 +223,41 @@ name = "planned"
 upstream_model = {engine_model:?}
 upstreams = ["{engine}"]
 media = "preprocess"
-path = {weightless:?}
+path = {weightless_model:?}
 
 [[models]]
 name = "planned-small"
 upstream_model = {engine_model:?}
 upstreams = ["{engine}"]
 media = "preprocess"
-path = {weightless:?}
+path = {weightless_model:?}
 max_model_len = 200
+
+[[models]]
+name = "demo-audio"
+path = {audio_model:?}
+
+[[models]]
+name = {audio_model:?}
+upstreams = ["{audio_engine}"]
+
+[[models]]
+name = "planned-audio"
+upstream_model = {audio_model:?}
+upstreams = ["{audio_engine}"]
+media = "preprocess"
+path = {weightless_audio:?}
 
 [[models]]
 name = "planned-nowhere"
 upstream_model = {engine_model:?}
 upstreams = ["{nowhere}"]
 media = "preprocess"
-path = {weightless:?}
+path = {weightless_model:?}
 max_model_len = 200
 "#,
             engine = engine.addr,
+            audio_engine = audio_engine.addr,
         ),
     )
     .unwrap();
@@ -249,6 +266,7 @@ max_model_len = 200
         &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
     );
 
+    let special = special_tokens(&model);
     let mut contents = vec![json!("Hello there"), json!("Tell me about the sea.")];
     // Wide, tall, small and large, PNG and JPEG: each makes a different grid.
     for image in [
@@ -271,10 +289,14 @@ max_model_len = 200
             engine_reply["usage"]["prompt_tokens"], native["usage"]["prompt_tokens"],
             "prompt tokens of {label}"
         );
-        // Greedy answers are compared by their account only: the two decode the same tokens to
-        // different text (the engine strips surrounding whitespace and keeps special tokens such
-        // as <|image_pad|>, mmgate skips them as vLLM does), so a token-level comparison needs
-        // the engine's token ids, which its replies do not carry.
+        // The same greedy tokens, seen through their text: the engine's replies carry no token
+        // ids (nor logprobs), and it decodes the same tokens to other text than mmgate does, so
+        // both are brought to what they share (see `decoded_alike`).
+        assert_eq!(
+            decoded_alike(&native, &special),
+            decoded_alike(&engine_reply, &special),
+            "the greedy answer to {label}"
+        );
         assert_eq!(
             engine_reply["usage"]["completion_tokens"], native["usage"]["completion_tokens"],
             "completion tokens of {label}"
@@ -286,6 +308,11 @@ max_model_len = 200
     }
 
     media_planned_here_cost_the_engine_what_the_plan_said(&gateway, engine_model);
+    audio_costs_and_answers_alike(
+        &gateway,
+        audio_model.to_str().unwrap(),
+        &special_tokens(&audio_model),
+    );
 
     // A streamed answer passes through as server-sent events.
     let response = client()
@@ -320,6 +347,98 @@ max_model_len = 200
         "length",
         "{body}"
     );
+}
+
+/// The special tokens of a model's tokenizer (`added_tokens` marked special in tokenizer.json).
+fn special_tokens(model: &Path) -> Vec<String> {
+    let tokenizer: Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("tokenizer.json")).unwrap())
+            .unwrap();
+    tokenizer["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["special"] == true)
+        .map(|t| t["content"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// An answer's text as both servers decode the same tokens: mmgate skips special tokens (as vLLM
+/// does) and keeps surrounding whitespace; transformers' server keeps special tokens, strips the
+/// text, and ends it with U+FFFD for a character the last tokens left incomplete, which mmgate
+/// holds back (as vLLM's incremental detokenizer does). What is left of both is the same.
+fn decoded_alike(answer: &Value, special: &[String]) -> String {
+    let mut text = answer["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    for token in special {
+        text = text.replace(token.as_str(), "");
+    }
+    // Python's `str.strip` (the engine's) takes U+001C..U+001F for whitespace too.
+    let space = |c: char| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c);
+    text.trim_matches(space)
+        .trim_end_matches('\u{fffd}')
+        .trim_end_matches(space)
+        .to_owned()
+}
+
+fn audio_part(clip: &str) -> Value {
+    use base64::Engine as _;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/audio/clips")
+        .join(clip);
+    let data = base64::engine::general_purpose::STANDARD.encode(std::fs::read(&path).unwrap());
+    let format = path.extension().unwrap().to_str().unwrap();
+    json!({"type": "input_audio", "input_audio": {"data": data, "format": format}})
+}
+
+/// The demo Qwen2-Audio served natively, by the engine with its audio sent as it came, and by the
+/// engine with its audio planned here (a 16 kHz mono WAV cut to the plan): the same prompt tokens
+/// all three ways, and the same greedy answer natively and from the engine.
+fn audio_costs_and_answers_alike(gateway: &Server, engine_model: &str, special: &[String]) {
+    for clip in [
+        "speech-16k-s16.wav",
+        "speech-44k1-stereo-s16.wav",
+        "tone-8k-s16.wav",
+        "speech-48k.flac",
+    ] {
+        let content = json!([audio_part(clip), {"type": "text", "text": "What is this?"}]);
+        let request = |model: &str| {
+            json!({"model": model, "max_tokens": 6, "temperature": 0,
+                   "messages": [{"role": "user", "content": content}]})
+        };
+        let native = chat(gateway, &request("demo-audio"));
+        let engine_reply = chat(gateway, &request(engine_model));
+        assert_eq!(
+            engine_reply["usage"]["prompt_tokens"], native["usage"]["prompt_tokens"],
+            "prompt tokens of {clip}"
+        );
+        assert_eq!(
+            decoded_alike(&native, special),
+            decoded_alike(&engine_reply, special),
+            "the greedy answer to {clip}"
+        );
+        assert_eq!(
+            engine_reply["choices"][0]["finish_reason"], native["choices"][0]["finish_reason"],
+            "finish reason of {clip}"
+        );
+        let (status, headers, planned) = post(gateway, &request("planned-audio"));
+        assert!(status.is_success(), "{clip}: {status}: {planned}");
+        assert_eq!(
+            planned["usage"]["prompt_tokens"],
+            headers["x-mmgate-prompt-tokens"]
+                .to_str()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap(),
+            "the engine's prompt tokens for {clip} as planned"
+        );
+        assert_eq!(
+            planned["usage"]["prompt_tokens"], native["usage"]["prompt_tokens"],
+            "{clip}"
+        );
+    }
 }
 
 /// `media = "preprocess"`: every image is planned here and reaches the engine as planned (as it came

@@ -13,12 +13,21 @@ use serde_json::json;
 use tokenizers::models::TrainerWrapper;
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::{AddedToken, Tokenizer};
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 use crate::error::{Error, Result};
 
 /// Bumped whenever what [`write`] produces changes, so cached copies are regenerated.
-pub const DEMO_VERSION: u32 = 3;
+/// 4: Qwen2's pre-tokenizer (digits one by one), and the audio template takes `{"type": "audio"}`.
+pub const DEMO_VERSION: u32 = 4;
+
+/// Qwen2's pre-tokenizer split (its tokenizer.json): contractions, letters with one leading
+/// non-letter, single digits, punctuation runs, newlines, spaces. transformers' `Qwen2Tokenizer`
+/// splits with it whatever a checkpoint's tokenizer.json says, so the demo does too: `Audio 1:`
+/// must be the same tokens here and in any engine that loads the demo checkpoint.
+const QWEN2_PRETOKENIZE: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Special tokens of the Qwen2 chat format and its media placeholders.
 pub const SPECIAL_TOKENS: [&str; 10] = [
@@ -37,8 +46,9 @@ pub const SPECIAL_TOKENS: [&str; 10] = [
 /// Qwen2-VL-Instruct's chat template.
 pub const QWEN2_VL_CHAT_TEMPLATE: &str = "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
-/// Qwen2-Audio-Instruct's chat template.
-pub const QWEN2_AUDIO_CHAT_TEMPLATE: &str = "{% set audio_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}{% if 'audio' in content or 'audio_url' in content %}{% set audio_count.value = audio_count.value + 1 %}Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+/// Qwen2-Audio-Instruct's chat template, which also takes `{"type": "audio"}` parts (what transformers'
+/// server makes of an `input_audio` part; the original only looks for an `audio` or `audio_url` key).
+pub const QWEN2_AUDIO_CHAT_TEMPLATE: &str = "{% set audio_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}{% set audio_count.value = audio_count.value + 1 %}Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
 /// The text the demo tokenizer's merges are learned from.
 const CORPUS: &str = "\
@@ -101,7 +111,16 @@ fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
 fn build_tokenizer() -> Result<Tokenizer> {
     let err = |e: tokenizers::Error| Error::Weights(format!("building the demo tokenizer: {e}"));
     let mut tokenizer = Tokenizer::new(BPE::default());
-    tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    let split = Split::new(
+        SplitPattern::Regex(QWEN2_PRETOKENIZE.into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(err)?;
+    tokenizer.with_pre_tokenizer(Some(Sequence::new(vec![
+        split.into(),
+        ByteLevel::new(false, false, false).into(),
+    ])));
     tokenizer.with_decoder(Some(ByteLevel::new(false, true, true)));
     let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
         .vocab_size(768)
