@@ -204,6 +204,8 @@ fn the_engine_counts_and_answers_as_mmgate_does() {
     // What preprocess mode needs of a model: its directory without the weights.
     let weightless_model = weightless(&model, scratch.path());
     let weightless_audio = weightless(&audio_model, scratch.path());
+    // transformers' server takes no video: a video planned here is checked in its wire form.
+    let recorder = Recorder::start();
     // Nothing listens there: a model whose requests are refused before they go upstream.
     let nowhere = format!("127.0.0.1:{}", common::server::free_port());
     let config = scratch.path().join("mmgate.toml");
@@ -249,6 +251,12 @@ media = "preprocess"
 path = {weightless_audio:?}
 
 [[models]]
+name = "planned-video"
+upstreams = ["{recorder}"]
+media = "preprocess"
+path = {weightless_model:?}
+
+[[models]]
 name = "planned-nowhere"
 upstream_model = {engine_model:?}
 upstreams = ["{nowhere}"]
@@ -258,6 +266,7 @@ max_model_len = 200
 "#,
             engine = engine.addr,
             audio_engine = audio_engine.addr,
+            recorder = recorder.addr,
         ),
     )
     .unwrap();
@@ -308,6 +317,7 @@ max_model_len = 200
     }
 
     media_planned_here_cost_the_engine_what_the_plan_said(&gateway, engine_model);
+    a_planned_video_is_read_as_vllm_reads_a_frame_list(&gateway, &recorder, &venv);
     audio_costs_and_answers_alike(
         &gateway,
         audio_model.to_str().unwrap(),
@@ -532,9 +542,143 @@ fn media_planned_here_cost_the_engine_what_the_plan_said(gateway: &Server, engin
     use base64::Engine as _;
     let corrupt = base64::engine::general_purpose::STANDARD.encode(b"\x89PNG\r\n\x1a\nnot really");
     let corrupt = json!([{"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{corrupt}")}}, question]);
-    for model in ["planned-nowhere", "demo"] {
-        let (status, _, reply) = post(gateway, &request(model, &corrupt, 6));
-        assert_eq!(status, 400, "{model}: {reply}");
-        assert_eq!(reply["error"]["code"], "invalid_media", "{model}: {reply}");
+    // A URL inside the network (the SSRF guard), more items than a request may carry: the same
+    // answer as a native model's.
+    let internal =
+        json!([{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}}, question]);
+    let too_many = Value::Array(
+        std::iter::repeat_n(image_part("tiny-upscaled.png"), 33)
+            .chain([question.clone()])
+            .collect(),
+    );
+    for (content, expected) in [
+        (&corrupt, Some("invalid_media")),
+        (&internal, None),
+        (&too_many, Some("too_many_media_items")),
+    ] {
+        let (native_status, _, native) = post(gateway, &request("demo", content, 6));
+        let (status, _, reply) = post(gateway, &request("planned-nowhere", content, 6));
+        assert!(native_status.is_client_error(), "{native}");
+        assert_eq!(
+            (status, &reply["error"]["code"]),
+            (native_status, &native["error"]["code"]),
+            "{reply}"
+        );
+        if let Some(code) = expected {
+            assert_eq!(reply["error"]["code"], code, "{reply}");
+        }
     }
+}
+
+/// An upstream that records the bodies of the requests it gets and answers each with a small
+/// chat completion, one request a connection: where no engine here takes what mmgate sends, what it sends is checked.
+struct Recorder {
+    addr: String,
+    bodies: std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
+}
+
+impl Recorder {
+    fn start() -> Recorder {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = bodies.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                let mut reader = BufReader::new(stream);
+                let mut length = 0usize;
+                let mut line = String::new();
+                while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                    if let Some((name, value)) = line.split_once(':')
+                        && name.eq_ignore_ascii_case("content-length")
+                    {
+                        length = value.trim().parse().unwrap_or(0);
+                    }
+                    line.clear();
+                }
+                let mut body = vec![0; length];
+                if reader.read_exact(&mut body).is_err() {
+                    continue;
+                }
+                // Health checks (GET, no body) are answered and not recorded.
+                if length > 0 {
+                    seen.lock().unwrap().push(body);
+                }
+                let answer =
+                    r#"{"object":"chat.completion","choices":[],"usage":{"prompt_tokens":0}}"#;
+                let _ = write!(
+                    reader.get_mut(),
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
+                    answer.len()
+                );
+            }
+        });
+        Recorder { addr, bodies }
+    }
+}
+
+/// A video planned here goes as vLLM's frame list (`video/jpeg`: the chosen frames' base64,
+/// comma-separated), which vLLM's `VideoMediaIO.load_base64` splits and opens with PIL one frame
+/// each, then stacks. Those lines of vLLM run here on what mmgate sent (numpy and PIL from the
+/// engine venv): the frames are the plan's, at the plan's size, and Qwen2-VL counts the planned
+/// tokens of them.
+fn a_planned_video_is_read_as_vllm_reads_a_frame_list(
+    gateway: &Server,
+    recorder: &Recorder,
+    venv: &Path,
+) {
+    use base64::Engine as _;
+    let clip = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/video/clips/h264.mp4");
+    let data = base64::engine::general_purpose::STANDARD.encode(std::fs::read(clip).unwrap());
+    let content = json!([{"type": "video_url", "video_url": {"url": format!("data:video/mp4;base64,{data}")}},
+                         {"type": "text", "text": "What happens?"}]);
+    let (status, _, reply) = post(
+        gateway,
+        &json!({"model": "planned-video", "max_tokens": 6, "messages": [{"role": "user", "content": content}]}),
+    );
+    assert!(status.is_success(), "{status}: {reply}");
+    let account = &reply["usage"]["media"][0];
+    let frames = account["frames"].as_u64().unwrap();
+    let (width, height) = (
+        account["resized_size"]["width"].as_u64().unwrap(),
+        account["resized_size"]["height"].as_u64().unwrap(),
+    );
+    assert_eq!(
+        account["tokens"].as_u64().unwrap(),
+        frames / 2 * (width / 28) * (height / 28),
+        "{account}"
+    );
+    let sent: Value =
+        serde_json::from_slice(recorder.bodies.lock().unwrap().last().unwrap()).unwrap();
+    let parts = sent["messages"][0]["content"].as_array().unwrap();
+    let url = parts[0]["video_url"]["url"].as_str().unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let url_file = scratch.path().join("url");
+    std::fs::write(&url_file, url).unwrap();
+    let script = r#"
+import base64, json, sys
+from io import BytesIO
+import numpy as np
+from PIL import Image
+url = open(sys.argv[1]).read()
+media_type, data = url[len("data:"):].split(";base64,", 1)
+assert media_type.lower() == "video/jpeg", media_type
+# vllm/multimodal/media/video.py, VideoMediaIO.load_base64 for "video/jpeg": each comma-separated
+# frame through ImageMediaIO (PIL, converted to RGB), stacked.
+frames = np.stack([np.asarray(Image.open(BytesIO(base64.b64decode(f))).convert("RGB")) for f in data.split(",")])
+print(json.dumps(list(frames.shape)))
+"#;
+    let out = Command::new(venv.join("bin/python"))
+        .args(["-c", script, url_file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let shape: Vec<u64> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(shape, [frames, height, width, 3]);
 }

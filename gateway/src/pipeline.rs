@@ -312,6 +312,7 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
         "sample_rate": info.sample_rate,
         "channels": info.channels,
         "chunks": choices.get("chunks"),
+        "frames": choices.get("frame_indices").and_then(Value::as_array).map(Vec::len),
         "tokens": plan.tokens,
         "reduced": plan.reduced,
         "reason": plan.reason,
