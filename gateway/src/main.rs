@@ -9,6 +9,7 @@ mod error;
 mod fetch;
 mod files;
 mod http1;
+mod logging;
 mod media;
 mod metrics;
 mod model;
@@ -28,7 +29,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = cli::Cli::parse();
-    cli::init_logging(args.log.as_deref());
+    logging::init(args.log.as_deref());
     match cli::run(args) {
         Ok(code) => code,
         Err(error) => {

@@ -50,19 +50,6 @@ pub enum Command {
     Generate(generate::GenerateArgs),
 }
 
-pub fn init_logging(filter: Option<&str>) {
-    use tracing_subscriber::EnvFilter;
-    let filter = match filter {
-        Some(f) => EnvFilter::new(f),
-        None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-    };
-    // Logs go to stderr so that command output on stdout stays machine-readable.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
-}
-
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Serve { config, listen } => {
