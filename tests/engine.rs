@@ -449,6 +449,34 @@ fn audio_costs_and_answers_alike(gateway: &Server, engine_model: &str, special: 
             "{clip}"
         );
     }
+
+    // Over 30 s, HF's audio processors (the engine's) keep the first 30 s chunk only, where
+    // natively mmgate encodes every chunk: planned for the engine, the plan keeps what the engine
+    // counts, says so, and sends no more.
+    let content =
+        json!([audio_part("long-61s-16k.flac"), {"type": "text", "text": "What is this?"}]);
+    let request = |model: &str| {
+        json!({"model": model, "max_tokens": 6, "temperature": 0,
+               "messages": [{"role": "user", "content": content}]})
+    };
+    let (status, headers, planned) = post(gateway, &request("planned-audio"));
+    assert!(status.is_success(), "{status}: {planned}");
+    let as_it_came = chat(gateway, &request(engine_model));
+    let native = chat(gateway, &request("demo-audio"));
+    let planned_tokens: u64 = headers["x-mmgate-prompt-tokens"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(planned["usage"]["prompt_tokens"], planned_tokens);
+    assert_eq!(as_it_came["usage"]["prompt_tokens"], planned_tokens);
+    let account = &planned["usage"]["media"][0];
+    assert_eq!(
+        (&account["chunks"], &account["reduced"]),
+        (&json!(1), &json!(true)),
+        "{account}"
+    );
+    assert!(native["usage"]["prompt_tokens"].as_u64().unwrap() > planned_tokens);
 }
 
 /// `media = "preprocess"`: every image is planned here and reaches the engine as planned (as it came

@@ -979,3 +979,41 @@ fn media_hash_balancing_sends_the_same_image_to_the_same_upstream() {
         "different images reach both servers: {c} {d}"
     );
 }
+
+/// A request the lane reads whole before leaving it to pingora (a native model's, here) with a body
+/// over pingora's 1 MiB limit on read-ahead bytes, sized and chunked: answered, and the connection
+/// stays usable. (pingora takes read-ahead bytes as header bytes and refused such requests
+/// unanswered.)
+#[test]
+fn requests_read_ahead_past_a_mebibyte_are_answered() {
+    let (native, _dir) = start("");
+    let mut client = connect(&native);
+    let padding = "x".repeat(1_500_000);
+    let body = json!({"model": "demo", "messages": [{"role": "user", "content": "Hello"}],
+                      "max_tokens": 2, "user": padding})
+    .to_string();
+    let sized = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut chunked = String::from(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n",
+    );
+    for piece in body.as_bytes().chunks(100_000) {
+        chunked.push_str(&format!(
+            "{:x}\r\n{}\r\n",
+            piece.len(),
+            std::str::from_utf8(piece).unwrap()
+        ));
+    }
+    chunked.push_str("0\r\n\r\n");
+    for request in [&sized, &chunked, &sized] {
+        client.get_mut().write_all(request.as_bytes()).unwrap();
+        assert_completion(&read_response(&mut client));
+    }
+    client
+        .get_mut()
+        .write_all(chat_request("demo", "").as_bytes())
+        .unwrap();
+    assert_completion(&read_response(&mut client));
+}

@@ -365,6 +365,21 @@ impl PromptModel {
         Self::assemble(name, dir, family, &text_config, max_model_len)
     }
 
+    /// For a model whose server runs its own processor (`media = "preprocess"`): the processor
+    /// config plugins get says so (`"mmgate_server_processor": true`), so they plan what that
+    /// processor makes of an item where it differs from what this gateway would (HF's audio
+    /// processors keep only the first 30 s chunk).
+    pub fn for_server_processor(mut self) -> anyhow::Result<Self> {
+        let mut config: serde_json::Value = serde_json::from_str(&self.processor_config)
+            .context("preprocessor_config.json is not JSON")?;
+        let Some(fields) = config.as_object_mut() else {
+            bail!("preprocessor_config.json is not a JSON object");
+        };
+        fields.insert("mmgate_server_processor".into(), true.into());
+        self.processor_config = config.to_string();
+        Ok(self)
+    }
+
     /// The prompt side of a model whose config is already read.
     fn assemble(
         name: &str,

@@ -88,6 +88,7 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
                         let dir = resolve_model_dir(path, &default_cache_dir())?;
                         UpstreamMedia::Preprocess(
                             PromptModel::load(&model.name, &dir, model.max_model_len)
+                                .and_then(PromptModel::for_server_processor)
                                 .with_context(|| {
                                     format!("model {}: reading {}", model.name, dir.display())
                                 })?,

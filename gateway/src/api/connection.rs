@@ -25,6 +25,8 @@ use crate::error::ApiError;
 use crate::http1::{self, Request, RequestCheck};
 use crate::upstream::Relayed;
 
+use super::replay::Replay;
+
 /// How long a kept-alive connection may sit idle, and a request take to arrive (as pingora's
 /// session waits).
 const READ_TIMEOUT: Duration = Duration::from_secs(60);
@@ -34,6 +36,9 @@ const MAX_LANE_HEAD: usize = 16 * 1024;
 
 /// A request head larger than this is refused with 431.
 const MAX_HEAD: usize = 64 * 1024;
+
+/// The most bytes read ahead that are handed to pingora as a pipelined prefix (its limit is 1 MiB).
+const MAX_PIPELINED_PREFIX: usize = 256 * 1024;
 
 /// What reads from the client ask room for.
 const READ_SIZE: usize = 8 * 1024;
@@ -239,10 +244,17 @@ impl Gateway {
         buf: BytesMut,
         shutdown: &ShutdownWatch,
     ) -> Option<(Stream, BytesMut)> {
-        let mut session = ServerSession::new_http1(stream);
-        if !buf.is_empty() {
-            session.set_pipelined_prefix(buf);
-        }
+        // pingora refuses a pipelined prefix over its header limit (1 MiB) unparsed: a request
+        // whose body the lane read that far is replayed from the stream instead.
+        let mut session = if buf.len() > MAX_PIPELINED_PREFIX {
+            ServerSession::new_http1(Replay::stream(buf, stream))
+        } else {
+            let mut session = ServerSession::new_http1(stream);
+            if !buf.is_empty() {
+                session.set_pipelined_prefix(buf);
+            }
+            session
+        };
         // Pipelined requests are served in turn (bytes read past this request come back below).
         session.set_pipelining_enabled(true);
         match session.read_request().await {
@@ -265,7 +277,7 @@ impl Gateway {
         match session.finish().await {
             Ok(Some(reusable)) => {
                 let (stream, prefix) = reusable.into_parts();
-                Some((stream, prefix.unwrap_or_default()))
+                Some((Replay::unwrap(stream), prefix.unwrap_or_default()))
             }
             Ok(None) => None,
             Err(e) => {

@@ -7,6 +7,7 @@ mod connection;
 mod files;
 mod io;
 mod preprocess;
+mod replay;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -64,6 +64,10 @@ struct RawConfig {
     do_normalize: bool,
     /// mmgate's override for models whose processor class does not say (`whisper`, `qwen2-audio`).
     audio_token_rule: Option<TokenRule>,
+    /// Set by the host when the item goes to a model server that runs its own processor
+    /// (`media = "preprocess"`): plan what that processor makes of it.
+    #[serde(default)]
+    mmgate_server_processor: bool,
 }
 
 /// A validated Whisper feature extractor configuration.
@@ -73,6 +77,10 @@ pub struct Processor {
     /// 16 kHz samples per chunk (`chunk_length · sampling_rate`).
     pub chunk_samples: u64,
     pub rule: TokenRule,
+    /// The most chunks an item may keep. HF's Whisper and Qwen2-Audio processors truncate to one
+    /// (`chunk_length`, 30 s), so a model server running them counts no more; natively this
+    /// gateway encodes every chunk.
+    pub max_chunks: usize,
 }
 
 /// What `plan` decided; handed back to `preprocess` through the plan's `choices`.
@@ -153,6 +161,11 @@ impl Processor {
             rule: raw
                 .audio_token_rule
                 .unwrap_or_else(|| TokenRule::for_processor_class(raw.processor_class.as_deref())),
+            max_chunks: if raw.mmgate_server_processor {
+                1
+            } else {
+                usize::MAX
+            },
         })
     }
 
@@ -187,7 +200,7 @@ impl Processor {
         let mut kept = 0usize;
         let mut kept_tokens = 0u64;
         for &tokens in &chunk_tokens {
-            if kept_tokens + u64::from(tokens) > u64::from(budget) {
+            if kept_tokens + u64::from(tokens) > u64::from(budget) || kept == self.max_chunks {
                 break;
             }
             kept_tokens += u64::from(tokens);
@@ -216,6 +229,13 @@ impl Processor {
                 seconds(samples),
                 plural(total_chunks as u64),
                 plural(total_tokens)
+            )
+        } else if kept == self.max_chunks {
+            format!(
+                "kept the first {kept} of {total_chunks} chunks of {chunk_seconds} s ({:.2} s of \
+                 {:.2} s): the model server's processor takes no more",
+                seconds(kept_samples),
+                seconds(samples)
             )
         } else {
             format!(
@@ -299,6 +319,21 @@ mod tests {
         let plan = Processor::from_config(config)?.plan(samples, budget)?;
         let choices = plan.choices()?;
         Ok((plan, choices))
+    }
+
+    #[test]
+    fn for_a_model_server_only_the_chunk_its_processor_keeps_is_planned() {
+        let config = QWEN2_AUDIO.replace('{', r#"{"mmgate_server_processor": true, "#);
+        let (plan, choices) = plan(&config, 61 * 16_000, u32::MAX).unwrap();
+        assert_eq!((choices.chunks, choices.total_chunks), (1, 3));
+        assert_eq!((plan.tokens, plan.reduced), (750, true));
+        assert!(plan.reason.contains("server's processor"), "{}", plan.reason);
+        let (native, choices) = plan_native(61 * 16_000);
+        assert_eq!((choices.chunks, native.reduced), (3, false));
+    }
+
+    fn plan_native(samples: u64) -> (TokenPlan, Choices) {
+        plan(QWEN2_AUDIO, samples, u32::MAX).unwrap()
     }
 
     #[test]
