@@ -327,7 +327,11 @@ mod tests {
         let (plan, choices) = plan(&config, 61 * 16_000, u32::MAX).unwrap();
         assert_eq!((choices.chunks, choices.total_chunks), (1, 3));
         assert_eq!((plan.tokens, plan.reduced), (750, true));
-        assert!(plan.reason.contains("server's processor"), "{}", plan.reason);
+        assert!(
+            plan.reason.contains("server's processor"),
+            "{}",
+            plan.reason
+        );
         let (native, choices) = plan_native(61 * 16_000);
         assert_eq!((choices.chunks, native.reduced), (3, false));
     }
