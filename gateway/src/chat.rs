@@ -427,6 +427,11 @@ pub async fn plan_for_upstream(
 }
 
 impl Prepared {
+    /// The request as the engine takes it, and every media item's account.
+    pub fn into_request(self) -> (GenerateRequest, Vec<Value>) {
+        (self.request, self.media)
+    }
+
     /// The media as the engine takes them (dropped items left out), and every item's account.
     pub fn into_media(self) -> (Vec<MediaItem>, Vec<Value>) {
         (self.request.media, self.media)

@@ -1,26 +1,25 @@
 //! `mmgate generate`: one request through the plugins and the native inference core in this
-//! process, printing one JSON line with the generated tokens, text and usage.
+//! process, printing one JSON line with the generated tokens, text and usage. The request is the
+//! one a chat client would send, prepared by the chat route's own code (`chat::prepare`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{Context, anyhow, bail};
+use base64::Engine as _;
 use clap::Args;
-use mmgate_host::{Media, PluginRegistry, SandboxLimits};
-use mmgate_inference::engine::{Event, FinishReason, GenerateRequest};
-use mmgate_inference::sampling::SamplingParams;
-use mmgate_inference::text::{ChatMessage, ContentPart};
-use serde_json::json;
+use mmgate_host::{PluginPool, PluginRegistry, SandboxLimits};
+use mmgate_inference::engine::{Event, FinishReason};
+use serde_json::{Value, json};
 
-use crate::budget::BudgetError;
-use crate::config::PluginsConfig;
-use crate::error::ApiError;
+use crate::chat::{self, ChatServices, NativeModel};
+use crate::config::{EncodeErrorPolicy, PluginsConfig, RequestLimits};
+use crate::fetch::{FetchConfig, Fetcher};
+use crate::files::{FileStore, FilesConfig};
 use crate::media::sniff_mime_type;
-use crate::model::{
-    MediaKind, ModelRuntime, RuntimeOptions, default_cache_dir, expand_placeholders,
-    resolve_model_dir,
-};
-use crate::pipeline;
+use crate::model::{MediaKind, ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir};
+use crate::openai::ChatCompletionRequest;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -54,6 +53,38 @@ pub struct GenerateArgs {
     plugin_dir: Option<PathBuf>,
 }
 
+/// The request a chat client would send for these arguments: the files (images, then videos,
+/// then audio) as data URLs, then the prompt. It goes through exactly the chat route's preparation.
+fn chat_request(args: &GenerateArgs, files: &[(MediaKind, &PathBuf)]) -> anyhow::Result<Value> {
+    let mut content = Vec::with_capacity(files.len() + 1);
+    for (kind, path) in files {
+        let data =
+            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let mime = sniff_mime_type(&data).unwrap_or("application/octet-stream");
+        let url = format!(
+            "data:{mime};base64,{}",
+            base64::engine::general_purpose::STANDARD.encode(&data)
+        );
+        let field = match kind {
+            MediaKind::Image => "image_url",
+            MediaKind::Video => "video_url",
+            MediaKind::Audio => "audio_url",
+        };
+        content.push(json!({"type": field, field: {"url": url}}));
+    }
+    content.push(json!({"type": "text", "text": args.prompt}));
+    let mut request = json!({
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+    });
+    if let Some(seed) = args.seed {
+        request["seed"] = json!(seed);
+    }
+    Ok(request)
+}
+
 pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
     let dir = resolve_model_dir(&args.model, &default_cache_dir())?;
     let name = dir
@@ -61,100 +92,63 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         .map_or("model".into(), |n| n.to_string_lossy().into_owned());
     let runtime = ModelRuntime::load(&name, &dir, &RuntimeOptions::default(), None)
         .with_context(|| format!("loading the model in {}", dir.display()))?;
-    let model = &runtime.prompt;
-
+    let model = NativeModel {
+        runtime,
+        on_encode_error: EncodeErrorPolicy::Error,
+        accept_image_embeds: false,
+    };
     let files: Vec<(MediaKind, &PathBuf)> = (args.image.iter().map(|f| (MediaKind::Image, f)))
         .chain(args.video.iter().map(|f| (MediaKind::Video, f)))
         .chain(args.audio.iter().map(|f| (MediaKind::Audio, f)))
         .collect();
-    for (kind, _) in &files {
-        model.placeholder(*kind)?;
-    }
-    let mut content: Vec<ContentPart> = files.iter().map(|(k, _)| k.content_part()).collect();
-    content.push(ContentPart::Text(args.prompt.clone()));
-    let messages = [ChatMessage {
-        role: "user".into(),
-        content,
-    }];
-    let templated = model.text.apply_chat_template(&messages, true)?;
-    let ids = model.text.encode(&templated)?;
+    let request: ChatCompletionRequest = serde_json::from_value(chat_request(&args, &files)?)?;
 
-    // Media share what the context leaves after the text and the completion.
-    let text_tokens = model.text_tokens(&ids);
-    let budget = model
-        .context_length
-        .checked_sub(text_tokens + args.max_tokens)
-        .ok_or_else(|| anyhow!("the prompt ({text_tokens} tokens) and max_tokens leave no room in the context ({})", model.context_length))?;
-
-    let sandbox = crate::plugins::sandbox(SandboxLimits::default(), &PluginsConfig::default())?;
-    let registry = match &args.plugin_dir {
+    let plugins = PluginsConfig::default();
+    let sandbox = crate::plugins::sandbox(SandboxLimits::default(), &plugins)?;
+    let registry = Arc::new(match &args.plugin_dir {
         Some(dir) => PluginRegistry::with_dir(&sandbox, dir),
         None => PluginRegistry::builtin(&sandbox),
-    }?;
-    let mut items = Vec::with_capacity(files.len());
-    for (kind, path) in &files {
-        let data =
-            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let mime_type = sniff_mime_type(&data);
-        let media = Media {
-            data,
-            mime_type: mime_type.map(str::to_owned),
-        };
-        let plugin = pipeline::choose_plugin(
-            &registry,
-            &media,
-            Some(kind.name()),
-            &model.processor_config,
-        )
-        .ok_or_else(|| {
-            anyhow!(
-                "{}: no loaded plugin accepts this file ({})",
-                path.display(),
-                mime_type.unwrap_or("unknown content")
-            )
-        })?;
-        items.push((plugin.clone(), media));
-    }
-    let processed = pipeline::process_together(
-        &items,
-        &model.processor_config,
-        u32::try_from(budget).unwrap_or(u32::MAX),
-    )
-    .map_err(|e| match e {
-        BudgetError::Plugin { item, error } => {
-            anyhow!(
-                "{}: {}",
-                files[item].1.display(),
-                ApiError::from(&error).message
-            )
-        }
-        other => anyhow!("{other}"),
-    })?;
-    let mut media = Vec::with_capacity(processed.len());
-    let mut media_report = Vec::with_capacity(processed.len());
-    for ((kind, path), p) in files.iter().zip(&processed) {
-        media.push(
-            model
-                .media_item(*kind, p.plan.tokens, &p.tensors)
-                .with_context(|| path.display().to_string())?,
-        );
-        media_report
-            .push(json!({"kind": kind.name(), "tokens": p.plan.tokens, "reason": p.plan.reason}));
-    }
-    let prompt = expand_placeholders(&ids, &media)?;
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: 0,
-        seed: args.seed,
+    }?);
+    let pool = PluginPool::new(plugins.threads(), plugins.queue())?;
+    // Local files: no limit but the file's own size.
+    let limits = RequestLimits {
+        max_media_items: files.len(),
+        max_image_bytes: usize::MAX,
+        max_total_image_bytes: usize::MAX,
+        max_video_bytes: usize::MAX,
+        max_audio_bytes: usize::MAX,
+        ..RequestLimits::default()
     };
-    let mut handle = runtime.engine()?.submit(GenerateRequest {
-        prompt,
-        media,
-        sampling,
-        max_tokens: args.max_tokens,
-        stop: Vec::new(),
-    })?;
+    let files_store = FileStore::new(FilesConfig::default());
+    let fetcher = Fetcher::new(FetchConfig::default())?;
+    let services = ChatServices {
+        registry,
+        pool: &pool,
+        limits: &limits,
+        files: &files_store,
+        fetcher: &fetcher,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let prepared = runtime
+        .block_on(chat::prepare(&model, request, &services))
+        .map_err(|e| {
+            let items: Vec<String> = files
+                .iter()
+                .enumerate()
+                .map(|(i, (_, path))| format!("{i} = {}", path.display()))
+                .collect();
+            anyhow!("{} (media items: {})", e.message, items.join(", "))
+        })?;
+    let (request, mut media_report) = prepared.into_request();
+    // A run's output repeats exactly for a seed: its plugins' timings are left out.
+    for account in &mut media_report {
+        if let Some(fields) = account.as_object_mut() {
+            fields.remove("plugin_ms");
+        }
+    }
+    let mut handle = model.runtime.engine()?.submit(request)?;
 
     let (mut token_ids, mut text) = (Vec::new(), String::new());
     let (finish, usage) = loop {
