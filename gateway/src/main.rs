@@ -1,28 +1,9 @@
 //! `mmgate`: the multimodal LLM gateway's command line.
 
-mod api;
-mod budget;
-mod chat;
-mod cli;
-mod config;
-mod error;
-mod fetch;
-mod files;
-mod http1;
-mod logging;
-mod media;
-mod metrics;
-mod model;
-mod openai;
-mod pipeline;
-mod plugins;
-mod server;
-mod torchfile;
-mod upstream;
-
 use std::process::ExitCode;
 
 use clap::Parser;
+use mmgate::{cli, logging};
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
