@@ -418,7 +418,15 @@ pub async fn plan_for_upstream(
         }
     }
     // Each item is one placeholder in the templated prompt; the server expands it to its tokens.
-    let prompt_tokens = gathered.ids.len() - gathered.items.len() + media_tokens;
+    let text_tokens = prompt.text_tokens(&gathered.ids);
+    let placeholders = gathered.ids.len() - text_tokens;
+    if placeholders != gathered.items.len() {
+        return Err(internal(format!(
+            "the chat template placed {placeholders} media placeholders for {} media items",
+            gathered.items.len()
+        )));
+    }
+    let prompt_tokens = text_tokens + media_tokens;
     Ok(PlannedUpstream {
         parts,
         accounts,
