@@ -108,6 +108,7 @@ pub fn parse_request(buf: &[u8], max_body: usize) -> Request {
     }
     let mut body_len = None;
     let mut authorization = None;
+    let mut seen_host = false;
     let mut forwarded_headers = Vec::with_capacity(256);
     for header in request.headers.iter() {
         let name = header.name;
@@ -130,9 +131,12 @@ pub fn parse_request(buf: &[u8], max_body: usize) -> Request {
                 return Request::Other;
             }
             authorization = Some(range_in(buf, header.value));
-        } else if !name.eq_ignore_ascii_case("host")
-            && !HOP_BY_HOP.iter().any(|h| name.eq_ignore_ascii_case(h))
-        {
+        } else if name.eq_ignore_ascii_case("host") {
+            if seen_host {
+                return Request::Other; // the framing check refuses it
+            }
+            seen_host = true;
+        } else if !HOP_BY_HOP.iter().any(|h| name.eq_ignore_ascii_case(h)) {
             forwarded_headers.extend_from_slice(name.as_bytes());
             forwarded_headers.extend_from_slice(b": ");
             forwarded_headers.extend_from_slice(header.value);
@@ -171,6 +175,7 @@ const MAX_CHECKED_HEADERS: usize = 256;
 /// | obs-fold (a header line starting with whitespace), whitespace before a colon, a bare CR, a control byte in a field, a malformed request line | 400 `bad_request_head` | closed |
 /// | header lines ending in a bare LF | read as lines (RFC 9112 2.2 allows it); forwarded with CRLF | kept |
 /// | more than 256 header lines, or a head over 64 KiB | 431 `headers_too_large` | closed |
+/// | more than one `Host` line | 400 `bad_request_head` | closed |
 /// | an absolute-form target (`POST http://host/v1/...`) | served by its path; forwarded in origin form | kept |
 /// | `Expect: 100-continue` | `100 Continue` from this gateway before the body is read; `Expect` is not forwarded | kept |
 /// | any other `Expect` | 417 `expectation_failed` | closed |
@@ -242,6 +247,20 @@ pub fn check_request(buf: &[u8]) -> RequestCheck {
         }
     };
     let http10 = request.version == Some(0);
+    // RFC 9112 3.2: a request with more than one Host line is answered 400 (which Host would a
+    // virtual-hosted server behind us take?).
+    let hosts = request
+        .headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("host"))
+        .count();
+    if hosts > 1 {
+        return RequestCheck::refuse(
+            StatusCode::BAD_REQUEST,
+            "bad_request_head",
+            "the request has more than one Host header",
+        );
+    }
     let mut content_length: Option<usize> = None;
     let mut codings: Vec<&[u8]> = Vec::new();
     let mut expects_continue = false;
@@ -939,6 +958,7 @@ mod tests {
             ("X-A: 1\rX-B: 2\r\n", (400, "bad_request_head")),
             ("X-A: a\x01b\r\n", (400, "bad_request_head")),
             ("Expect: 200-ok\r\n", (417, "expectation_failed")),
+            ("Host: a\r\nHost: b\r\n", (400, "bad_request_head")),
         ] {
             assert_eq!(refused(&post(headers)), expected, "{headers:?}");
         }
