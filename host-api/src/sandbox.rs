@@ -337,50 +337,36 @@ impl mmgate::modality::host::Host for CallState {
     }
 }
 
-/// 0.2's `host` interface is 0.3's: the same functions, each served by the current one.
-impl v0_2::mmgate::modality::host::Host for CallState {
-    fn log(&mut self, level: v0_2::mmgate::modality::host::LogLevel, message: String) {
-        use v0_2::mmgate::modality::host::LogLevel as Old;
-        let level = match level {
-            Old::Trace => LogLevel::Trace,
-            Old::Debug => LogLevel::Debug,
-            Old::Info => LogLevel::Info,
-            Old::Warn => LogLevel::Warn,
-            Old::Error => LogLevel::Error,
-        };
-        mmgate::modality::host::Host::log(self, level, message);
-    }
+/// The `host` interface of a superseded contract (`$version`: the module of its frozen bindings):
+/// the same functions as the current one, each served by it.
+macro_rules! previous_host_interface {
+    ($version:ident) => {
+        impl $version::mmgate::modality::host::Host for CallState {
+            fn log(&mut self, level: $version::mmgate::modality::host::LogLevel, message: String) {
+                use $version::mmgate::modality::host::LogLevel as Old;
+                let level = match level {
+                    Old::Trace => LogLevel::Trace,
+                    Old::Debug => LogLevel::Debug,
+                    Old::Info => LogLevel::Info,
+                    Old::Warn => LogLevel::Warn,
+                    Old::Error => LogLevel::Error,
+                };
+                mmgate::modality::host::Host::log(self, level, message);
+            }
 
-    fn monotonic_now(&mut self) -> u64 {
-        mmgate::modality::host::Host::monotonic_now(self)
-    }
+            fn monotonic_now(&mut self) -> u64 {
+                mmgate::modality::host::Host::monotonic_now(self)
+            }
 
-    fn time_remaining(&mut self) -> u64 {
-        mmgate::modality::host::Host::time_remaining(self)
-    }
+            fn time_remaining(&mut self) -> u64 {
+                mmgate::modality::host::Host::time_remaining(self)
+            }
+        }
+    };
 }
 
-impl v0_1::mmgate::modality::host::Host for CallState {
-    fn log(&mut self, level: v0_1::mmgate::modality::host::LogLevel, message: String) {
-        use v0_1::mmgate::modality::host::LogLevel as Old;
-        let level = match level {
-            Old::Trace => LogLevel::Trace,
-            Old::Debug => LogLevel::Debug,
-            Old::Info => LogLevel::Info,
-            Old::Warn => LogLevel::Warn,
-            Old::Error => LogLevel::Error,
-        };
-        mmgate::modality::host::Host::log(self, level, message);
-    }
-
-    fn monotonic_now(&mut self) -> u64 {
-        mmgate::modality::host::Host::monotonic_now(self)
-    }
-
-    fn time_remaining(&mut self) -> u64 {
-        mmgate::modality::host::Host::time_remaining(self)
-    }
-}
+previous_host_interface!(v0_2);
+previous_host_interface!(v0_1);
 
 fn monotonic_origin() -> Instant {
     static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
