@@ -132,7 +132,7 @@ pub fn parse_request(buf: &[u8], max_body: usize) -> Request {
             }
             authorization = Some(range_in(buf, header.value));
         } else if name.eq_ignore_ascii_case("host") {
-            if seen_host {
+            if seen_host || !valid_host(header.value) {
                 return Request::Other; // the framing check refuses it
             }
             seen_host = true;
@@ -175,7 +175,7 @@ const MAX_CHECKED_HEADERS: usize = 256;
 /// | obs-fold (a header line starting with whitespace), whitespace before a colon, a bare CR, a control byte in a field, a malformed request line | 400 `bad_request_head` | closed |
 /// | header lines ending in a bare LF | read as lines (RFC 9112 2.2 allows it); forwarded with CRLF | kept |
 /// | more than 256 header lines, or a head over 64 KiB | 431 `headers_too_large` | closed |
-/// | more than one `Host` line | 400 `bad_request_head` | closed |
+/// | more than one `Host` line, or a `Host` that is not `host[:port]` | 400 `bad_request_head` | closed |
 /// | an absolute-form target (`POST http://host/v1/...`) | served by its path; forwarded in origin form | kept |
 /// | `Expect: 100-continue` | `100 Continue` from this gateway before the body is read; `Expect` is not forwarded | kept |
 /// | any other `Expect` | 417 `expectation_failed` | closed |
@@ -247,19 +247,28 @@ pub fn check_request(buf: &[u8]) -> RequestCheck {
         }
     };
     let http10 = request.version == Some(0);
-    // RFC 9112 3.2: a request with more than one Host line is answered 400 (which Host would a
-    // virtual-hosted server behind us take?).
-    let hosts = request
+    // RFC 9112 3.2: a request with more than one Host line, or a Host that is not a host and
+    // port, is answered 400 (which Host would a virtual-hosted server behind us take?).
+    let mut hosts = request
         .headers
         .iter()
-        .filter(|h| h.name.eq_ignore_ascii_case("host"))
-        .count();
-    if hosts > 1 {
-        return RequestCheck::refuse(
-            StatusCode::BAD_REQUEST,
-            "bad_request_head",
-            "the request has more than one Host header",
-        );
+        .filter(|h| h.name.eq_ignore_ascii_case("host"));
+    match (hosts.next(), hosts.next()) {
+        (Some(_), Some(_)) => {
+            return RequestCheck::refuse(
+                StatusCode::BAD_REQUEST,
+                "bad_request_head",
+                "the request has more than one Host header",
+            );
+        }
+        (Some(host), None) if !valid_host(host.value) => {
+            return RequestCheck::refuse(
+                StatusCode::BAD_REQUEST,
+                "bad_request_head",
+                "the Host header is not a host and port",
+            );
+        }
+        _ => {}
     }
     let mut content_length: Option<usize> = None;
     let mut codings: Vec<&[u8]> = Vec::new();
@@ -374,6 +383,22 @@ fn content_length(value: &[u8]) -> Option<usize> {
         return None;
     }
     std::str::from_utf8(value).ok()?.parse().ok()
+}
+
+/// Whether a `Host` value is `host[:port]` (RFC 9110 7.2; empty is allowed, as for a target with no
+/// authority).
+fn valid_host(value: &[u8]) -> bool {
+    value.is_empty()
+        || http::uri::Authority::try_from(value).is_ok_and(|a| {
+            let authority = a.as_str();
+            // The port is what follows the last colon outside an IPv6 literal's brackets.
+            let port = authority
+                .rfind(':')
+                .filter(|&at| !authority[at..].contains(']'))
+                .map(|at| &authority[at + 1..]);
+            !authority.contains('@')
+                && port.is_none_or(|p| p.is_empty() || p.parse::<u16>().is_ok())
+        })
 }
 
 /// Whether a `Connection` header asks for nothing but keeping the connection open.
@@ -966,6 +991,19 @@ mod tests {
             refused("POST /v1/files HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n"),
             (400, "bad_transfer_encoding")
         );
+        for host in ["a b", "u@h", "h:port", "/path"] {
+            let raw =
+                format!("POST /v1/files HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n\r\n");
+            assert_eq!(refused(&raw), (400, "bad_request_head"), "{host}");
+        }
+        for host in ["h", "h:8080", "[::1]:80", "10.0.0.1", ""] {
+            let raw =
+                format!("POST /v1/files HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n\r\n");
+            assert!(
+                matches!(check_request(raw.as_bytes()), RequestCheck::Pass(_)),
+                "{host}"
+            );
+        }
         let many = "X-A: 1\r\n".repeat(300);
         assert_eq!(refused(&post(&many)), (431, "headers_too_large"));
 
