@@ -103,7 +103,9 @@ pub fn parse_request(buf: &[u8], max_body: usize) -> Request {
         return Request::Other;
     };
     let path = target.split_once('?').map_or(target, |(path, _)| path);
-    if path != "/v1/chat/completions" {
+    // httparse lets through target bytes a URI may not hold (`<`, say); pingora refuses them, and
+    // the lane must not forward what pingora would refuse.
+    if path != "/v1/chat/completions" || http::uri::PathAndQuery::try_from(target).is_err() {
         return Request::Other;
     }
     let mut body_len = None;
