@@ -380,6 +380,16 @@ fn serve_scripted(stream: TcpStream, connection: usize, log: &Mutex<Vec<Seen>>) 
                 .unwrap();
                 false
             }
+            // A stream of events that dies after its first event (the engine killed mid-stream).
+            "dies" => {
+                write!(
+                    out,
+                    "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n{}",
+                    CHUNKS[0]
+                )
+                .unwrap();
+                false
+            }
             _ => {
                 write!(out, "SSH-2.0-not-http\r\n\r\n").unwrap();
                 false
@@ -1016,4 +1026,33 @@ fn requests_read_ahead_past_a_mebibyte_are_answered() {
         .write_all(chat_request("demo", "").as_bytes())
         .unwrap();
     assert_completion(&read_response(&mut client));
+}
+
+/// An upstream killed mid-stream: the client's stream of events ends with an error event and is
+/// properly terminated (its last chunk), through the lane and through pingora's session alike,
+/// rather than the connection dropping mid-chunk.
+#[test]
+fn a_stream_whose_upstream_dies_ends_with_an_error_event() {
+    let (upstream, _seen) = scripted_upstream();
+    let (front, _d) = start(&format!(
+        "models = [{{ name = \"demo\", upstreams = [\"{upstream}\"], health_check = {{ path = \"\", interval_ms = 3600000 }} }}]\n"
+    ));
+    // The lane relays a plain request; `Connection: close` sends one through pingora's session.
+    for extra in ["", "Connection: close\r\n"] {
+        let mut client = connect(&front);
+        send(
+            &mut client,
+            &chat_request("demo", &format!("X-Case: dies\r\n{extra}")),
+        );
+        let response = read_response(&mut client);
+        assert_eq!(response.status, 200);
+        let body = String::from_utf8(dechunk(&response.raw_body)).unwrap();
+        assert!(body.starts_with("data: 1"), "{extra:?}: {body:?}");
+        let last = body.rsplit("data: ").next().unwrap().trim_end();
+        let error: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {body:?}"));
+        assert_eq!(
+            error["error"]["code"], "upstream_failed",
+            "{extra:?}: {body}"
+        );
+    }
 }

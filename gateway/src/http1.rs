@@ -423,6 +423,8 @@ pub struct ResponseHead {
     /// The head the client gets: the status line and the headers less the hop-by-hop ones (a body
     /// that ends when the connection does adds `connection: close`).
     pub client_head: Vec<u8>,
+    /// Whether the body is a stream of server-sent events (`Content-Type: text/event-stream`).
+    pub event_stream: bool,
 }
 
 impl ResponseHead {
@@ -483,8 +485,16 @@ pub fn parse_response(buf: &[u8]) -> Result<Option<ResponseHead>, ResponseError>
     let mut length = None;
     let mut chunked = false;
     let mut close = version == 0;
+    let mut event_stream = false;
     for header in response.headers.iter() {
         let name = header.name;
+        if name.eq_ignore_ascii_case("content-type") {
+            event_stream = header
+                .value
+                .trim_ascii_start()
+                .get(..17)
+                .is_some_and(|t| t.eq_ignore_ascii_case(b"text/event-stream"));
+        }
         if name.eq_ignore_ascii_case("content-length") {
             let n = content_length(header.value).ok_or(ResponseError::Length)?;
             if length.is_some_and(|m| m != n) {
@@ -553,6 +563,7 @@ pub fn parse_response(buf: &[u8]) -> Result<Option<ResponseHead>, ResponseError>
         reusable: !close && framing != Framing::Close,
         framing,
         client_head,
+        event_stream,
     }))
 }
 
@@ -634,6 +645,11 @@ enum ChunkState {
 }
 
 impl Chunked {
+    /// Whether what was taken so far ends between chunks (where another chunk may follow).
+    pub fn between_chunks(&self) -> bool {
+        self.state == ChunkState::SizeStart
+    }
+
     /// Takes the next bytes of the body from the start of `buf`.
     pub fn advance(&mut self, buf: &[u8]) -> Result<Progress, ResponseError> {
         use ChunkState::*;

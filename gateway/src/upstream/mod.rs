@@ -394,6 +394,7 @@ impl UpstreamPool {
                     .answer_with_usage_media(downstream, upstream, response, media, server, &target)
                     .await;
             }
+            let event_stream = is_event_stream(&response);
             if let Err(e) = downstream.write_response_header(Box::new(response)).await {
                 tracing::debug!(error = %e, "client went away before the answer");
                 return Forwarded::Answered(status);
@@ -410,6 +411,18 @@ impl UpstreamPool {
                     Ok(None) => break,
                     Err(e) => {
                         tracing::warn!(upstream = %server, error = %e, "upstream failed mid-answer");
+                        // A stream of events ends with an error event, and properly: the client
+                        // learns why rather than seeing the connection drop.
+                        if event_stream {
+                            let event = mid_stream_error_event(&self.model, &e);
+                            if downstream
+                                .write_response_body(event.into(), true)
+                                .await
+                                .is_ok()
+                            {
+                                let _ = downstream.finish_body().await;
+                            }
+                        }
                         return Forwarded::Answered(status);
                     }
                 }
@@ -639,6 +652,29 @@ fn media_digest(body: &[u8]) -> Option<Vec<u8>> {
         found = true;
     }
     found.then(|| hasher.finish().to_le_bytes().to_vec())
+}
+
+/// The server-sent event that ends a stream whose upstream failed mid-answer: the OpenAI-shaped
+/// error (502 `upstream_failed`) as an event's data, as vLLM reports errors mid-stream.
+pub(crate) fn mid_stream_error_event(model: &str, why: &dyn std::fmt::Display) -> Vec<u8> {
+    let error = ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "upstream_failed",
+        format!("the upstream of model {model} failed mid-answer: {why}"),
+    );
+    let mut event = b"data: ".to_vec();
+    event.extend_from_slice(&error.body());
+    event.extend_from_slice(b"\n\n");
+    event
+}
+
+/// Whether an answer is a stream of server-sent events.
+fn is_event_stream(response: &ResponseHeader) -> bool {
+    response
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.trim_start().starts_with("text/event-stream"))
 }
 
 /// Whether an answer is a JSON document (not an SSE stream).

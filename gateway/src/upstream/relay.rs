@@ -83,7 +83,7 @@ impl UpstreamPool {
             return match read_head(&mut upstream, &mut buf).await {
                 Ok(head) => {
                     let idle_key = (server, target.id);
-                    relay_answer(client, upstream, buf, head, idle_key, closing).await
+                    relay_answer(client, upstream, buf, head, idle_key, closing, &self.model).await
                 }
                 Err(e) => Relayed::Failed(attempts.failed(server, &e)),
             };
@@ -154,26 +154,32 @@ async fn relay_answer(
     mut head: ResponseHead,
     idle_key: idle::Key,
     closing: bool,
+    model: &str,
 ) -> Relayed {
     let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let (server, _) = idle_key;
-    let cut_short = |why: &dyn std::fmt::Display| {
-        tracing::warn!(upstream = %server, error = %why, "upstream failed mid-answer");
-        Relayed::Answered {
-            status,
-            keep_alive: false,
-        }
-    };
     if closing {
         head.announce_close();
     }
     buf.advance(head.head_len);
     let mut framing = head.framing;
+    let event_stream = head.event_stream;
     // The head and what came with it leave in one write.
     let mut out = head.client_head;
     let mut progress = match framing.advance(&buf) {
         Ok(progress) => progress,
-        Err(e) => return cut_short(&e),
+        Err(e) => {
+            return cut_short(
+                client,
+                &framing,
+                event_stream,
+                model,
+                server,
+                status,
+                e.to_string(),
+            )
+            .await;
+        }
     };
     out.extend_from_slice(&buf[..progress.body]);
     let mut overread = buf.len() > progress.body;
@@ -183,15 +189,29 @@ async fn relay_answer(
     while !progress.done {
         buf.clear();
         buf.reserve(READ_SIZE);
-        match upstream.read_buf(&mut buf).await {
+        let failure = match upstream.read_buf(&mut buf).await {
             Ok(0) if framing == Framing::Close => break,
-            Ok(0) => return cut_short(&"the connection closed mid-body"),
-            Ok(_) => {}
-            Err(e) => return cut_short(&e),
+            Ok(0) => Some("the connection closed mid-body".to_owned()),
+            Ok(_) => None,
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(why) = failure {
+            return cut_short(client, &framing, event_stream, model, server, status, why).await;
         }
         progress = match framing.advance(&buf) {
             Ok(progress) => progress,
-            Err(e) => return cut_short(&e),
+            Err(e) => {
+                return cut_short(
+                    client,
+                    &framing,
+                    event_stream,
+                    model,
+                    server,
+                    status,
+                    e.to_string(),
+                )
+                .await;
+            }
         };
         overread |= buf.len() > progress.body;
         if let Err(e) = write(client, &buf[..progress.body]).await {
@@ -205,6 +225,44 @@ async fn relay_answer(
     Relayed::Answered {
         status,
         keep_alive: !closing && framing != Framing::Close,
+    }
+}
+
+/// The upstream failed mid-answer (`why`): the client's connection ends. A stream of events ends
+/// with an error event (and, chunked, its last chunk) where the cut left a clean place for one, so
+/// a streaming client learns why rather than seeing the connection drop.
+#[allow(clippy::too_many_arguments)]
+async fn cut_short(
+    client: &mut Stream,
+    framing: &Framing,
+    event_stream: bool,
+    model: &str,
+    server: std::net::SocketAddr,
+    status: StatusCode,
+    why: String,
+) -> Relayed {
+    tracing::warn!(upstream = %server, error = %why, "upstream failed mid-answer");
+    if event_stream {
+        let event = super::mid_stream_error_event(model, &why);
+        let ending = match framing {
+            Framing::Chunked(chunked) if chunked.between_chunks() => {
+                let mut ending = format!("{:x}\r\n", event.len()).into_bytes();
+                ending.extend_from_slice(&event);
+                ending.extend_from_slice(b"\r\n0\r\n\r\n");
+                Some(ending)
+            }
+            Framing::Close => Some(event),
+            _ => None,
+        };
+        if let Some(ending) = ending
+            && let Err(e) = write(client, &ending).await
+        {
+            tracing::debug!(error = %e, "client went away before the error event");
+        }
+    }
+    Relayed::Answered {
+        status,
+        keep_alive: false,
     }
 }
 
