@@ -380,6 +380,11 @@ fn serve_scripted(stream: TcpStream, connection: usize, log: &Mutex<Vec<Seen>>) 
                 .unwrap();
                 false
             }
+            // Takes the request and never answers (a wedged engine); the connection stays open.
+            "silent" => {
+                std::thread::sleep(Duration::from_secs(60));
+                false
+            }
             // A stream of events that dies after its first event (the engine killed mid-stream).
             "dies" => {
                 write!(
@@ -1053,6 +1058,30 @@ fn a_stream_whose_upstream_dies_ends_with_an_error_event() {
         assert_eq!(
             error["error"]["code"], "upstream_failed",
             "{extra:?}: {body}"
+        );
+    }
+}
+
+/// An upstream that takes the request and never answers: after `upstream_timeout_ms` the client
+/// gets 504 `upstream_timeout`, through the lane and through pingora's session alike.
+#[test]
+fn an_upstream_that_never_answers_times_out() {
+    let (upstream, _seen) = scripted_upstream();
+    let (front, _d) = start(&format!(
+        "models = [{{ name = \"demo\", upstreams = [\"{upstream}\"], upstream_timeout_ms = 300, health_check = {{ path = \"\", interval_ms = 3600000 }} }}]\n"
+    ));
+    for extra in ["", "Connection: close\r\n"] {
+        let mut client = connect(&front);
+        send(
+            &mut client,
+            &chat_request("demo", &format!("X-Case: silent\r\n{extra}")),
+        );
+        let response = read_response(&mut client);
+        assert_eq!(response.status, 504, "{extra:?}");
+        assert_eq!(
+            response.json()["error"]["code"],
+            "upstream_timeout",
+            "{extra:?}"
         );
     }
 }

@@ -159,6 +159,12 @@ pub struct ModelConfig {
     pub balance: Balance,
     #[serde(default)]
     pub health_check: HealthCheck,
+    /// How long an upstream may take to begin its answer, and then to send each next piece of it,
+    /// before the request fails: 504 `upstream_timeout` before the answer began, an error event
+    /// ending a stream after. Generous by default: a non-streamed completion's answer begins only
+    /// when it is generated.
+    #[serde(default = "default_upstream_timeout_ms")]
+    pub upstream_timeout_ms: u64,
     /// The context served, when below the checkpoint's (`max_position_embeddings`): as vLLM's
     /// `--max-model-len`, every token budget uses it.
     pub max_model_len: Option<usize>,
@@ -400,6 +406,10 @@ fn default_feature_cache_bytes() -> usize {
     256 << 20
 }
 
+fn default_upstream_timeout_ms() -> u64 {
+    600_000
+}
+
 fn demo_models() -> Vec<ModelConfig> {
     ["demo", "demo-audio"]
         .into_iter()
@@ -420,6 +430,7 @@ impl ModelConfig {
             upstream_ca_file: None,
             balance: Balance::default(),
             health_check: HealthCheck::default(),
+            upstream_timeout_ms: default_upstream_timeout_ms(),
             max_model_len: None,
             llm_threads: None,
             encoder_devices: Vec::new(),
@@ -476,6 +487,9 @@ impl ModelConfig {
         }
         if self.max_running == 0 || self.prefill_chunk == 0 {
             bail!("model {name:?}: max_running and prefill_chunk must be positive");
+        }
+        if self.upstream_timeout_ms == 0 {
+            bail!("model {name:?}: upstream_timeout_ms must be positive");
         }
         if self.health_check.interval_ms == 0 {
             bail!("model {name:?}: health_check.interval_ms must be positive");

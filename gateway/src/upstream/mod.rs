@@ -200,6 +200,8 @@ pub struct UpstreamPool {
     pub accept_image_embeds: bool,
     /// The name the servers know the model by, when it is not [`Self::model`].
     pub upstream_model: Option<String>,
+    /// How long a server may take to begin its answer, and then each next piece of it.
+    answer_timeout: Duration,
     balancer: Balancer,
     /// How a request's key for the balancer is made.
     balance: Balance,
@@ -287,6 +289,7 @@ impl UpstreamPool {
             model: model.name.clone(),
             accept_image_embeds: model.accept_image_embeds,
             upstream_model: model.upstream_model.clone(),
+            answer_timeout: Duration::from_millis(model.upstream_timeout_ms),
             balancer,
             balance: model.balance,
             targets,
@@ -376,8 +379,10 @@ impl UpstreamPool {
                 }
             }
             let mut upstream = UpstreamSession::new(stream);
-            if let Err(e) = final_response(&mut upstream).await {
-                return Forwarded::Failed(attempts.failed(server, &e));
+            match tokio::time::timeout(self.answer_timeout, final_response(&mut upstream)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Forwarded::Failed(attempts.failed(server, &e)),
+                Err(_) => return Forwarded::Failed(self.timed_out(server)),
             }
             let Some(header) = upstream.resp_header() else {
                 return Forwarded::Failed(bad_gateway(&self.model, "no response header"));
@@ -400,7 +405,15 @@ impl UpstreamPool {
                 return Forwarded::Answered(status);
             }
             loop {
-                match upstream.read_body_bytes().await {
+                let read = tokio::time::timeout(self.answer_timeout, upstream.read_body_bytes())
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(pingora::Error::explain(
+                            pingora::ErrorType::ReadTimedout,
+                            "no more of the answer within upstream_timeout_ms",
+                        ))
+                    });
+                match read {
                     Ok(Some(chunk)) => {
                         if let Err(e) = downstream.write_response_body(chunk, false).await {
                             // The client left: the upstream connection is dropped, not reused.
@@ -491,6 +504,21 @@ impl UpstreamPool {
             idle::put((server, target.id), stream);
         }
         Forwarded::Answered(status)
+    }
+
+    /// The answer to a request `server` took and did not begin to answer in time (it is not sent
+    /// again: it may be running).
+    fn timed_out(&self, server: SocketAddr) -> ApiError {
+        tracing::warn!(model = %self.model, upstream = %server, "upstream did not answer in time");
+        ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_timeout",
+            format!(
+                "the upstream of model {} did not answer within {} ms",
+                self.model,
+                self.answer_timeout.as_millis()
+            ),
+        )
     }
 
     /// A kept-alive connection to `target` at `server`, or a new one; and whether it was kept

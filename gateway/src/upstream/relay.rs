@@ -80,12 +80,20 @@ impl UpstreamPool {
                 }
             }
             let mut buf = BytesMut::with_capacity(READ_SIZE);
-            return match read_head(&mut upstream, &mut buf).await {
-                Ok(head) => {
-                    let idle_key = (server, target.id);
-                    relay_answer(client, upstream, buf, head, idle_key, closing, &self.model).await
+            let head =
+                tokio::time::timeout(self.answer_timeout, read_head(&mut upstream, &mut buf));
+            return match head.await {
+                Ok(Ok(head)) => {
+                    let answer = Answer {
+                        idle_key: (server, target.id),
+                        closing,
+                        model: &self.model,
+                        timeout: self.answer_timeout,
+                    };
+                    relay_answer(client, upstream, buf, head, answer).await
                 }
-                Err(e) => Relayed::Failed(attempts.failed(server, &e)),
+                Ok(Err(e)) => Relayed::Failed(attempts.failed(server, &e)),
+                Err(_) => Relayed::Failed(self.timed_out(server)),
             };
         }
         Relayed::Failed(attempts.exhausted())
@@ -145,6 +153,17 @@ async fn read_head(upstream: &mut Stream, buf: &mut BytesMut) -> Result<Response
     }
 }
 
+/// What relaying one answer needs to know besides the bytes.
+struct Answer<'m> {
+    /// Where the upstream connection goes back to when it can take another request.
+    idle_key: idle::Key,
+    /// Whether the client's connection closes after this answer.
+    closing: bool,
+    model: &'m str,
+    /// How long the upstream may take to send each next piece.
+    timeout: std::time::Duration,
+}
+
 /// Relays the answer whose head `buf` starts with, then keeps the upstream connection for the
 /// next request when it can take one.
 async fn relay_answer(
@@ -152,10 +171,14 @@ async fn relay_answer(
     mut upstream: Stream,
     mut buf: BytesMut,
     mut head: ResponseHead,
-    idle_key: idle::Key,
-    closing: bool,
-    model: &str,
+    answer: Answer<'_>,
 ) -> Relayed {
+    let Answer {
+        idle_key,
+        closing,
+        model,
+        timeout,
+    } = answer;
     let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let (server, _) = idle_key;
     if closing {
@@ -189,11 +212,15 @@ async fn relay_answer(
     while !progress.done {
         buf.clear();
         buf.reserve(READ_SIZE);
-        let failure = match upstream.read_buf(&mut buf).await {
-            Ok(0) if framing == Framing::Close => break,
-            Ok(0) => Some("the connection closed mid-body".to_owned()),
-            Ok(_) => None,
-            Err(e) => Some(e.to_string()),
+        let failure = match tokio::time::timeout(timeout, upstream.read_buf(&mut buf)).await {
+            Ok(Ok(0)) if framing == Framing::Close => break,
+            Ok(Ok(0)) => Some("the connection closed mid-body".to_owned()),
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some(format!(
+                "no more of the answer within {} ms",
+                timeout.as_millis()
+            )),
         };
         if let Some(why) = failure {
             return cut_short(client, &framing, event_stream, model, server, status, why).await;
