@@ -14,12 +14,13 @@ use crate::http1::{self, Chunked, Request, RequestCheck};
 pub type Target = fn(&[u8]);
 
 /// The fuzz targets, by name: what `./dev fuzz` runs and the corpus replay covers.
-pub const TARGETS: [(&str, Target); 5] = [
+pub const TARGETS: [(&str, Target); 6] = [
     ("lane_request", lane_request),
     ("request_framing", request_framing),
     ("upstream_response", upstream_response),
     ("torch_file", torch_file),
     ("chat_request", chat_request),
+    ("multipart_upload", multipart_upload),
 ];
 
 /// The largest body the targets let a request claim.
@@ -164,5 +165,22 @@ pub fn chat_request(data: &[u8]) {
                 let _ = part.media();
             }
         }
+    }
+}
+
+/// A `/v1/files` upload's multipart body (the input's first line is the boundary, the rest the
+/// body), as the route parses it: never a panic, and a file it finds is bytes of the body.
+pub fn multipart_upload(data: &[u8]) {
+    let Some(newline) = data.iter().position(|&b| b == b'\n') else {
+        return;
+    };
+    let Ok(boundary) = std::str::from_utf8(&data[..newline]) else {
+        return;
+    };
+    let body = bytes::Bytes::copy_from_slice(&data[newline + 1..]);
+    let len = body.len();
+    let parsed = runtime().block_on(crate::api::files::parse_upload(body, boundary.to_owned()));
+    if let Ok(upload) = parsed {
+        assert!(upload.data.len() <= len, "a file larger than the body");
     }
 }

@@ -32,35 +32,12 @@ impl Gateway {
             })?;
         let max_file = self.files.max_file_bytes();
         let body = read_body(session, max_file + MULTIPART_OVERHEAD).await?;
-        let bad = |e: multer::Error| {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                format!("the multipart body does not parse: {e}"),
-            )
-        };
-        let stream = futures_util::stream::once(async move { Ok::<Bytes, std::io::Error>(body) });
-        let mut multipart = multer::Multipart::new(stream, boundary);
-        let (mut file, mut purpose) = (None, String::from("user_data"));
-        while let Some(field) = multipart.next_field().await.map_err(bad)? {
-            match field.name() {
-                Some("file") => {
-                    let filename = field.file_name().unwrap_or("upload").to_owned();
-                    let declared = field.content_type().map(|m| m.essence_str().to_owned());
-                    let data = field.bytes().await.map_err(bad)?;
-                    file = Some((filename, declared, data));
-                }
-                Some("purpose") => purpose = field.text().await.map_err(bad)?,
-                _ => {}
-            }
-        }
-        let (filename, declared, data) = file.ok_or_else(|| {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                "the upload has no `file` field",
-            )
-        })?;
+        let Upload {
+            filename,
+            declared,
+            data,
+            purpose,
+        } = parse_upload(body, boundary).await?;
         let mime_type = sniff_mime_type(&data)
             .map(str::to_owned)
             .or(declared.filter(|m| m != "application/octet-stream"));
@@ -101,6 +78,54 @@ impl Gateway {
             Err(not_found(id))
         }
     }
+}
+
+/// What a multipart upload holds.
+pub struct Upload {
+    pub filename: String,
+    /// The MIME type the client gave the file, if any.
+    pub declared: Option<String>,
+    pub data: Bytes,
+    pub purpose: String,
+}
+
+/// The `file` (and `purpose`) fields of a multipart/form-data `body` with `boundary`.
+pub async fn parse_upload(body: Bytes, boundary: String) -> Result<Upload, ApiError> {
+    let bad = |e: multer::Error| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            format!("the multipart body does not parse: {e}"),
+        )
+    };
+    let stream = futures_util::stream::once(async move { Ok::<Bytes, std::io::Error>(body) });
+    let mut multipart = multer::Multipart::new(stream, boundary);
+    let (mut file, mut purpose) = (None, String::from("user_data"));
+    while let Some(field) = multipart.next_field().await.map_err(bad)? {
+        match field.name() {
+            Some("file") => {
+                let filename = field.file_name().unwrap_or("upload").to_owned();
+                let declared = field.content_type().map(|m| m.essence_str().to_owned());
+                let data = field.bytes().await.map_err(bad)?;
+                file = Some((filename, declared, data));
+            }
+            Some("purpose") => purpose = field.text().await.map_err(bad)?,
+            _ => {}
+        }
+    }
+    let (filename, declared, data) = file.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "the upload has no `file` field",
+        )
+    })?;
+    Ok(Upload {
+        filename,
+        declared,
+        data,
+        purpose,
+    })
 }
 
 fn not_found(id: &str) -> ApiError {

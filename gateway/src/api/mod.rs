@@ -4,7 +4,7 @@
 
 mod chat;
 mod connection;
-mod files;
+pub(crate) mod files;
 mod io;
 mod preprocess;
 mod replay;
