@@ -186,22 +186,18 @@ async fn relay_answer(
     }
     buf.advance(head.head_len);
     let mut framing = head.framing;
-    let event_stream = head.event_stream;
+    let cut = Cut {
+        event_stream: head.event_stream,
+        model,
+        server,
+        status,
+    };
     // The head and what came with it leave in one write.
     let mut out = head.client_head;
     let mut progress = match framing.advance(&buf) {
         Ok(progress) => progress,
         Err(e) => {
-            return cut_short(
-                client,
-                &framing,
-                event_stream,
-                model,
-                server,
-                status,
-                e.to_string(),
-            )
-            .await;
+            return cut.end(client, &framing, e.to_string()).await;
         }
     };
     out.extend_from_slice(&buf[..progress.body]);
@@ -223,21 +219,12 @@ async fn relay_answer(
             )),
         };
         if let Some(why) = failure {
-            return cut_short(client, &framing, event_stream, model, server, status, why).await;
+            return cut.end(client, &framing, why).await;
         }
         progress = match framing.advance(&buf) {
             Ok(progress) => progress,
             Err(e) => {
-                return cut_short(
-                    client,
-                    &framing,
-                    event_stream,
-                    model,
-                    server,
-                    status,
-                    e.to_string(),
-                )
-                .await;
+                return cut.end(client, &framing, e.to_string()).await;
             }
         };
         overread |= buf.len() > progress.body;
@@ -255,41 +242,44 @@ async fn relay_answer(
     }
 }
 
-/// The upstream failed mid-answer (`why`): the client's connection ends. A stream of events ends
-/// with an error event (and, chunked, its last chunk) where the cut left a clean place for one, so
-/// a streaming client learns why rather than seeing the connection drop.
-#[allow(clippy::too_many_arguments)]
-async fn cut_short(
-    client: &mut Stream,
-    framing: &Framing,
+/// An answer the upstream failed to finish: what ending it for the client needs.
+struct Cut<'m> {
+    /// Whether the answer is a stream of events.
     event_stream: bool,
-    model: &str,
+    model: &'m str,
     server: std::net::SocketAddr,
     status: StatusCode,
-    why: String,
-) -> Relayed {
-    tracing::warn!(upstream = %server, error = %why, "upstream failed mid-answer");
-    if event_stream {
-        let event = super::mid_stream_error_event(model, &why);
-        let ending = match framing {
-            Framing::Chunked(chunked) if chunked.between_chunks() => {
-                let mut ending = format!("{:x}\r\n", event.len()).into_bytes();
-                ending.extend_from_slice(&event);
-                ending.extend_from_slice(b"\r\n0\r\n\r\n");
-                Some(ending)
+}
+
+impl Cut<'_> {
+    /// The upstream failed mid-answer (`why`; `framing` is where the body had got to): the
+    /// client's connection ends. A stream of events ends with an error event (and, chunked, its
+    /// last chunk) where the cut left a clean place for one, so a streaming client learns why
+    /// rather than seeing the connection drop.
+    async fn end(&self, client: &mut Stream, framing: &Framing, why: String) -> Relayed {
+        tracing::warn!(upstream = %self.server, error = %why, "upstream failed mid-answer");
+        if self.event_stream {
+            let event = super::mid_stream_error_event(self.model, &why);
+            let ending = match framing {
+                Framing::Chunked(chunked) if chunked.between_chunks() => {
+                    let mut ending = format!("{:x}\r\n", event.len()).into_bytes();
+                    ending.extend_from_slice(&event);
+                    ending.extend_from_slice(b"\r\n0\r\n\r\n");
+                    Some(ending)
+                }
+                Framing::Close => Some(event),
+                _ => None,
+            };
+            if let Some(ending) = ending
+                && let Err(e) = write(client, &ending).await
+            {
+                tracing::debug!(error = %e, "client went away before the error event");
             }
-            Framing::Close => Some(event),
-            _ => None,
-        };
-        if let Some(ending) = ending
-            && let Err(e) = write(client, &ending).await
-        {
-            tracing::debug!(error = %e, "client went away before the error event");
         }
-    }
-    Relayed::Answered {
-        status,
-        keep_alive: false,
+        Relayed::Answered {
+            status: self.status,
+            keep_alive: false,
+        }
     }
 }
 
