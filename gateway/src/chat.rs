@@ -118,7 +118,7 @@ impl Gathered {
             BudgetError::TooSmall { .. } => context_exceeded(e.to_string()),
             BudgetError::Plugin { item, error } => {
                 let mut api = ApiError::from(&error);
-                api.message = format!("media item {index}: {}", api.message, index = item);
+                api.message = format!("media item {item}: {}", api.message);
                 api
             }
         })

@@ -100,8 +100,7 @@ impl Gateway {
                 }
             }
             Some(Route::Native(model)) => {
-                let request: ChatCompletionRequest =
-                    serde_json::from_slice(&body).map_err(|e| ("native", invalid_json(&e)))?;
+                let request = chat_request(&body).map_err(|e| ("native", e))?;
                 drop(body);
                 self.native(session, model, request)
                     .await
@@ -192,21 +191,29 @@ impl Gateway {
         mut value: Value,
         body: Bytes,
     ) -> Result<(Value, ReplyAdditions), ApiError> {
-        let request: ChatCompletionRequest =
-            serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
+        let request = chat_request(&body)?;
         drop(body);
         let planned =
             chat::plan_for_upstream(prompt, pool.accept_image_embeds, request, &self.services())
                 .await?;
         self.metrics.media_prepared(&planned.accounts);
-        let rewrites = planned
-            .parts
-            .iter()
-            .map(|(kind, files)| match files {
-                Some(files) => Rewrite::Replace(planned::part(*kind, files)),
+        let mut rewrites = Vec::with_capacity(planned.parts.len());
+        for (index, (kind, files)) in planned.parts.iter().enumerate() {
+            rewrites.push(match files {
+                Some(files) => Rewrite::Replace(planned::part(*kind, files).ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "plugin_output_mismatch",
+                        format!(
+                            "media item {index}: its plugin reduced the {} to {} files",
+                            kind.name(),
+                            files.files.len()
+                        ),
+                    )
+                })?),
                 None => Rewrite::Keep,
-            })
-            .collect();
+            });
+        }
         parts::rewrite(&mut value, rewrites);
         let mut additions = ReplyAdditions {
             headers: vec![(
@@ -327,8 +334,7 @@ impl Gateway {
         mut value: Value,
         body: Bytes,
     ) -> Result<(Value, ReplyAdditions), ApiError> {
-        let request: ChatCompletionRequest =
-            serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
+        let request = chat_request(&body)?;
         drop(body);
         let prepared = self.prepare(model, request).await?;
         let (items, accounts) = prepared.into_media();
@@ -462,6 +468,11 @@ fn encode_failed(message: &str) -> ApiError {
         "encode_failed",
         message.to_owned(),
     )
+}
+
+/// The body as a chat completion request, every route's way.
+fn chat_request(body: &[u8]) -> Result<ChatCompletionRequest, ApiError> {
+    serde_json::from_slice(body).map_err(|e| invalid_json(&e))
 }
 
 fn invalid_json(error: &serde_json::Error) -> ApiError {

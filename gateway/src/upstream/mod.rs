@@ -393,13 +393,13 @@ impl UpstreamPool {
                 let _ = response.insert_header(*name, value.clone());
             }
             if let Some(media) = &additions.usage_media
-                && is_json(&response)
+                && has_content_type(&response, "application/json")
             {
                 return self
                     .answer_with_usage_media(downstream, upstream, response, media, server, &target)
                     .await;
             }
-            let event_stream = is_event_stream(&response);
+            let event_stream = has_content_type(&response, "text/event-stream");
             if let Err(e) = downstream.write_response_header(Box::new(response)).await {
                 tracing::debug!(error = %e, "client went away before the answer");
                 return Forwarded::Answered(status);
@@ -696,22 +696,13 @@ pub(crate) fn mid_stream_error_event(model: &str, why: &dyn std::fmt::Display) -
     event
 }
 
-/// Whether an answer is a stream of server-sent events.
-fn is_event_stream(response: &ResponseHeader) -> bool {
+/// Whether an answer's `Content-Type` is `media_type` (parameters aside).
+fn has_content_type(response: &ResponseHeader, media_type: &str) -> bool {
     response
         .headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|t| t.trim_start().starts_with("text/event-stream"))
-}
-
-/// Whether an answer is a JSON document (not an SSE stream).
-fn is_json(response: &ResponseHeader) -> bool {
-    response
-        .headers
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|t| t.trim_start().starts_with("application/json"))
+        .is_some_and(|t| t.trim_start().starts_with(media_type))
 }
 
 /// `body` with `media` as its `usage.media`, when it is a JSON object with a `usage` object;

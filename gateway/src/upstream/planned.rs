@@ -15,10 +15,11 @@ use serde_json::{Value, json};
 use crate::media::sniff_mime_type;
 use crate::model::MediaKind;
 
-/// The part that carries `item` (a `kind` item reduced to files) upstream.
-pub fn part(kind: MediaKind, item: &ReducedItem) -> Value {
+/// The part that carries `item` (a `kind` item reduced to files) upstream; `None` when the files
+/// are not what that kind goes as (an image or audio item is one file).
+pub fn part(kind: MediaKind, item: &ReducedItem) -> Option<Value> {
     let b64 = |file: &Media| base64::engine::general_purpose::STANDARD.encode(&file.data);
-    match (kind, &item.files[..]) {
+    Some(match (kind, &item.files[..]) {
         (MediaKind::Image, [file]) => {
             let mime = file
                 .mime_type
@@ -30,11 +31,12 @@ pub fn part(kind: MediaKind, item: &ReducedItem) -> Value {
         (MediaKind::Audio, [file]) => {
             json!({"type": "input_audio", "input_audio": {"data": b64(file), "format": "wav"}})
         }
-        (_, files) => {
-            let frames: Vec<String> = files.iter().map(b64).collect();
+        (MediaKind::Video, frames @ [_, ..]) => {
+            let frames: Vec<String> = frames.iter().map(b64).collect();
             json!({"type": "video_url", "video_url": {"url": format!("data:video/jpeg;base64,{}", frames.join(","))}})
         }
-    }
+        _ => return None,
+    })
 }
 
 #[cfg(test)]
@@ -56,19 +58,22 @@ mod tests {
             files: vec![f],
             timestamps: vec![0.0],
         };
-        let image = part(MediaKind::Image, &one(file(b"png!", "image/png")));
+        let image = part(MediaKind::Image, &one(file(b"png!", "image/png"))).unwrap();
         assert_eq!(image["image_url"]["url"], "data:image/png;base64,cG5nIQ==");
-        let audio = part(MediaKind::Audio, &one(file(b"RIFF", "audio/wav")));
+        let audio = part(MediaKind::Audio, &one(file(b"RIFF", "audio/wav"))).unwrap();
         assert_eq!(audio["type"], "input_audio");
         assert_eq!(audio["input_audio"]["format"], "wav");
         let frames = ReducedItem {
             files: vec![file(b"a", "image/png"), file(b"b", "image/png")],
             timestamps: vec![0.0, 0.5],
         };
-        let video = part(MediaKind::Video, &frames);
+        let video = part(MediaKind::Video, &frames).unwrap();
         assert_eq!(
             video["video_url"]["url"],
             "data:video/jpeg;base64,YQ==,Yg=="
         );
+        // An image or an audio clip is one file: two are not sent as anything.
+        assert!(part(MediaKind::Image, &frames).is_none());
+        assert!(part(MediaKind::Audio, &frames).is_none());
     }
 }
