@@ -23,6 +23,7 @@ use crate::media::sniff_mime_type;
 use crate::model::{MediaKind, ModelRuntime, PromptModel, expand_placeholders};
 use crate::openai::{ByteSource, ChatCompletionRequest, Content, MediaSource, Part};
 use crate::pipeline;
+use crate::store::Caller;
 use crate::torchfile;
 
 /// Most stop strings a request may give (OpenAI allows 4).
@@ -38,6 +39,8 @@ pub struct NativeModel {
 
 /// What a chat request needs besides its model.
 pub struct ChatServices<'a> {
+    /// Whose request it is: uploads are looked up as theirs.
+    pub caller: &'a Caller,
     pub registry: Arc<PluginRegistry>,
     pub pool: &'a PluginPool,
     pub limits: &'a RequestLimits,
@@ -627,14 +630,18 @@ pub async fn source_bytes(
             (fetched.data, fetched.mime_type)
         }
         ByteSource::File(id) => {
-            let file = services.files.get(&id).ok_or_else(|| {
-                ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    "file_not_found",
-                    format!("media item {index}: no uploaded file {id:?}"),
-                )
-            })?;
-            (file.data.to_vec(), file.mime_type.clone())
+            let file = services
+                .files
+                .get(services.caller, &id)
+                .await?
+                .ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::NOT_FOUND,
+                        "file_not_found",
+                        format!("media item {index}: no uploaded file {id:?}"),
+                    )
+                })?;
+            (file.data.to_vec(), file.meta.mime_type)
         }
     };
     if data.len() > limit {

@@ -9,6 +9,8 @@ use serde::Deserialize;
 
 use crate::fetch::FetchConfig;
 use crate::files::FilesConfig;
+use crate::keylimits::KeyLimitsConfig;
+use crate::store::StoreConfig;
 
 /// Default listen address: local only, so a first `mmgate serve` exposes nothing.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
@@ -30,6 +32,9 @@ pub struct Config {
     pub http_work_stealing: bool,
     /// On SIGTERM, how long requests in flight get to finish before the gateway exits.
     pub shutdown_grace_seconds: u64,
+    /// On SIGTERM, how long the gateway goes on accepting requests while `/ready` answers 503,
+    /// before it stops accepting: the time a load balancer (Kubernetes' endpoints) needs to notice.
+    pub drain_seconds: u64,
     /// The threads plugin calls run on, and where compiled plugins are kept.
     pub plugins: PluginsConfig,
     /// Limits of every plugin call.
@@ -53,6 +58,11 @@ pub struct Config {
     pub fetch: FetchConfig,
     /// The `/v1/files` upload store.
     pub files: FilesConfig,
+    /// Requests per minute and in flight, per API key (held across replicas with a Redis store).
+    pub key_limits: KeyLimitsConfig,
+    /// Where state shared by replicas lives (uploads, per-key limits): this process (the default)
+    /// or Redis.
+    pub store: StoreConfig,
 }
 
 /// The cores this process may use: the default thread count of HTTP and of plugin calls.
@@ -508,6 +518,7 @@ impl Default for Config {
             http_threads: None,
             http_work_stealing: true,
             shutdown_grace_seconds: 5,
+            drain_seconds: 0,
             plugins: PluginsConfig::default(),
             sandbox: SandboxLimits::default(),
             models: demo_models(),
@@ -517,6 +528,8 @@ impl Default for Config {
             limits: RequestLimits::default(),
             fetch: FetchConfig::default(),
             files: FilesConfig::default(),
+            key_limits: KeyLimitsConfig::default(),
+            store: StoreConfig::default(),
         }
     }
 }
@@ -593,6 +606,8 @@ impl Config {
         if self.api_keys.iter().any(String::is_empty) {
             bail!("api_keys holds an empty key");
         }
+        self.store.validate()?;
+        self.key_limits.validate()?;
         if let Some(tls) = &self.tls {
             crate::upstream::tls::check_server_files(&tls.cert, &tls.key).context("tls")?;
         }

@@ -15,6 +15,8 @@ pub struct ApiError {
     pub message: String,
     /// The request field at fault, when there is one.
     pub param: Option<&'static str>,
+    /// Seconds after which a retry may succeed (`Retry-After`), for 429 and 503 answers.
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -30,6 +32,7 @@ impl ApiError {
             code,
             message: message.into(),
             param: None,
+            retry_after: None,
         }
     }
 

@@ -41,6 +41,21 @@ struct EncodeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+/// Lookups in the shared feature cache, by outcome.
+#[derive(Clone, Default)]
+pub struct LookupCounters(Family<OutcomeLabels, Counter>);
+
+impl LookupCounters {
+    pub fn count(&self, outcome: &'static str) {
+        self.0.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModelLabels {
     pub model: String,
 }
@@ -94,6 +109,7 @@ pub struct Metrics {
     upstream_healthy: Family<UpstreamLabels, Gauge>,
     plugin_queue: Gauge,
     file_bytes: Gauge,
+    shared_features: LookupCounters,
 }
 
 fn seconds_histogram() -> Histogram {
@@ -211,6 +227,12 @@ impl Metrics {
             "Bytes of uploaded files",
             file_bytes.clone(),
         );
+        let shared_features = LookupCounters::default();
+        registry.register(
+            "shared_feature_cache_lookups",
+            "Lookups in the feature cache replicas share, by outcome (hit, miss, error)",
+            shared_features.0.clone(),
+        );
         let mut families = families.into_iter();
         let mut next = || families.next().unwrap_or_default();
         Metrics {
@@ -233,6 +255,7 @@ impl Metrics {
             upstream_healthy,
             plugin_queue,
             file_bytes,
+            shared_features,
             registry: Mutex::new(registry),
         }
     }
@@ -275,6 +298,11 @@ impl Metrics {
                     .observe(ms / 1e3);
             }
         }
+    }
+
+    /// What the shared feature cache counts its lookups in.
+    pub fn shared_feature_lookups(&self) -> LookupCounters {
+        self.shared_features.clone()
     }
 
     /// What `model`'s encoder pool reports each batch to (called on the encoder devices' threads).

@@ -12,7 +12,7 @@ use mmgate_inference::CpuBackend;
 use mmgate_inference::demo::{self, DemoFamily};
 use mmgate_inference::engine::{
     BatchObserver, DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig,
-    FeatureStore, MediaItem, PixelSource, PixelValues, PositionScheme,
+    FeatureStore, MediaItem, PixelSource, PixelValues, PositionScheme, SharedCache, SharedFeatures,
 };
 use mmgate_inference::models::config::{ConfigFile, TextConfig};
 use mmgate_inference::models::qwen2_audio::{AudioEncoderConfig, Qwen2AudioConfig};
@@ -98,7 +98,7 @@ impl DeviceThreads {
 }
 
 /// How a model runs: its devices and engine settings.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RuntimeOptions {
     pub threads: DeviceThreads,
     pub max_running: usize,
@@ -107,6 +107,9 @@ pub struct RuntimeOptions {
     /// The context served, below the checkpoint's own (`max_position_embeddings`), as vLLM's
     /// `--max-model-len`: every budget and the KV cache use it.
     pub max_model_len: Option<usize>,
+    /// An encoder feature cache beyond this process (replicas'), under this model's name and its
+    /// weights' fingerprint.
+    pub shared_features: Option<Arc<dyn SharedFeatures>>,
 }
 
 impl Default for RuntimeOptions {
@@ -117,8 +120,43 @@ impl Default for RuntimeOptions {
             prefill_chunk: 512,
             feature_cache_bytes: 256 << 20,
             max_model_len: None,
+            shared_features: None,
         }
     }
+}
+
+/// A fingerprint of the weights in `dir`, cheap enough to take at every start: `config.json`, and
+/// per safetensors file its name, size and first and last MiB (the header, with every tensor's
+/// shape and offset, and samples of the values). Replicas sharing encoder outputs must run the
+/// same weights; a checkpoint retrained in place under the same name gets a new fingerprint.
+fn weights_fingerprint(dir: &Path) -> anyhow::Result<String> {
+    use sha2::Digest;
+    use std::io::{Read, Seek, SeekFrom};
+    const SAMPLE: u64 = 1 << 20;
+    let mut h = sha2::Sha256::new();
+    h.update(std::fs::read(dir.join("config.json")).context("reading config.json")?);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    for path in files {
+        let mut file = std::fs::File::open(&path)
+            .with_context(|| format!("fingerprinting {}", path.display()))?;
+        let len = file.metadata()?.len();
+        h.update(
+            path.file_name()
+                .map(|n| n.as_encoded_bytes())
+                .unwrap_or_default(),
+        );
+        h.update(len.to_le_bytes());
+        let mut sample = Vec::new();
+        (&mut file).take(SAMPLE).read_to_end(&mut sample)?;
+        file.seek(SeekFrom::Start(len.saturating_sub(SAMPLE)))?;
+        file.take(SAMPLE).read_to_end(&mut sample)?;
+        h.update(&sample);
+    }
+    Ok(hex::encode(&h.finalize()[..8]))
 }
 
 /// What a model's prompts are made of, read from its directory without any weights: the
@@ -303,7 +341,14 @@ impl ModelRuntime {
             })
             .collect();
         let prompt = PromptModel::assemble(name, dir, family, &text_config, options.max_model_len)?;
-        let pool = Arc::new(EncoderPool::with_observer(specs, 8, observer)?);
+        let shared = match &options.shared_features {
+            Some(features) => Some(SharedCache {
+                features: features.clone(),
+                namespace: format!("{name}@{}", weights_fingerprint(dir)?),
+            }),
+            None => None,
+        };
+        let pool = Arc::new(EncoderPool::start(specs, 8, observer, shared)?);
         let engine = match llm {
             Some(llm) => {
                 let store = Arc::new(FeatureStore::new(options.feature_cache_bytes));

@@ -7,22 +7,29 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use mmgate_host::PluginPool;
-use pingora::server::Server;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
 use pingora::server::configuration::ServerConf;
+use pingora::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
 use pingora::services::ServiceWithDependents;
 use pingora::services::listening::Service as ListeningService;
 
 use crate::api::{App, Gateway, Route, UpstreamMedia};
 use crate::chat::NativeModel;
 use crate::config::{Config, MediaMode, ModelConfig};
+use crate::feature_cache::RedisFeatures;
 use crate::fetch::Fetcher;
 use crate::files::FileStore;
+use crate::keylimits::KeyLimits;
 use crate::metrics::Metrics;
 use crate::model::{
     DeviceThreads, ModelRuntime, PromptModel, RuntimeOptions, default_cache_dir, resolve_model_dir,
 };
 use crate::plugins::LivePlugins;
+use crate::store::{Redis, StoreKind};
 use crate::upstream::UpstreamPool;
+use mmgate_inference::engine::SharedFeatures;
 
 /// Loads a model onto its devices, its encoders reporting to `metrics`: all of it when it is served
 /// here, only its encoders when its LLM runs upstream.
@@ -30,6 +37,7 @@ fn load_model(
     model: &ModelConfig,
     spec: &Path,
     metrics: &Metrics,
+    shared_features: Option<Arc<dyn SharedFeatures>>,
     encoders_only: bool,
 ) -> anyhow::Result<NativeModel> {
     let dir = resolve_model_dir(spec, &default_cache_dir())?;
@@ -46,6 +54,7 @@ fn load_model(
         prefill_chunk: model.prefill_chunk,
         feature_cache_bytes: model.feature_cache_bytes,
         max_model_len: model.max_model_len,
+        shared_features,
     };
     let observer = metrics.encode_observer(&model.name);
     let load = if encoders_only {
@@ -70,20 +79,45 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
         .context("starting the plugin pool")?;
 
     let metrics = Metrics::new();
+    let redis = match config.store.kind {
+        StoreKind::Memory => None,
+        StoreKind::Redis => Some(Arc::new(Redis::connect(&config.store)?)),
+    };
+    let shared_features = redis
+        .as_ref()
+        .filter(|_| config.store.feature_ttl_seconds > 0)
+        .map(|redis| {
+            Arc::new(RedisFeatures::new(
+                redis.clone(),
+                config.store.feature_ttl_seconds,
+                config.store.max_feature_entry_bytes,
+                metrics.shared_feature_lookups(),
+            )) as Arc<dyn SharedFeatures>
+        });
     let mut models = BTreeMap::new();
     let mut background: Vec<Box<dyn ServiceWithDependents>> = Vec::new();
     for model in &config.models {
         let route = match (&model.path, model.media_mode()) {
-            (Some(path), None) => Route::Native(load_model(model, path, &metrics, false)?),
+            (Some(path), None) => Route::Native(load_model(
+                model,
+                path,
+                &metrics,
+                shared_features.clone(),
+                false,
+            )?),
             (path, mode) => {
                 let (pool, health_checks) =
                     UpstreamPool::build(model, !config.api_keys.is_empty())?;
                 background.push(health_checks);
                 // The config's checks leave a path wherever the mode needs one.
                 let media = match (mode, path) {
-                    (Some(MediaMode::Embed), Some(path)) => {
-                        UpstreamMedia::Embed(load_model(model, path, &metrics, true)?)
-                    }
+                    (Some(MediaMode::Embed), Some(path)) => UpstreamMedia::Embed(load_model(
+                        model,
+                        path,
+                        &metrics,
+                        shared_features.clone(),
+                        true,
+                    )?),
                     (Some(MediaMode::Preprocess), Some(path)) => {
                         let dir = resolve_model_dir(path, &default_cache_dir())?;
                         UpstreamMedia::Preprocess(
@@ -101,17 +135,29 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
         };
         models.insert(model.name.clone(), route);
     }
+    let files = match &redis {
+        Some(redis) => FileStore::in_redis(config.files.clone(), redis.clone()),
+        None => FileStore::in_memory(config.files.clone()),
+    };
+    let key_limits = match &redis {
+        Some(redis) => KeyLimits::in_redis(config.key_limits.clone(), redis.clone()),
+        None => KeyLimits::in_memory(config.key_limits.clone()),
+    };
+    let draining = Draining::default();
     let gateway = Gateway {
         plugins,
         pool: Arc::new(pool),
         models,
-        files: FileStore::new(config.files.clone()),
+        files,
         fetcher: Fetcher::new(config.fetch.clone())?,
         limits: config.limits.clone(),
         api_keys: config.api_keys.clone(),
         trusted_proxies: config.trusted_proxies.clone(),
         https: config.tls.is_some(),
         metrics,
+        redis,
+        key_limits,
+        draining: draining.clone(),
         _reload: reload,
     };
     tracing::info!(
@@ -155,5 +201,56 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
     for service in background {
         server.add_boxed_service(service);
     }
-    server.run_forever()
+    server.run(RunArgs {
+        shutdown_signal: Box::new(DrainOnTerm {
+            draining,
+            drain: Duration::from_secs(config.drain_seconds),
+        }),
+    });
+    Ok(())
+}
+
+/// Whether this replica is draining: set on SIGTERM, read by `/ready`.
+#[derive(Clone, Default)]
+pub struct Draining(Arc<AtomicBool>);
+
+impl Draining {
+    pub fn is_draining(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Shutdown as a load balancer needs it. On SIGTERM `/ready` answers 503 at once while requests
+/// are still accepted for `drain` (so that the balancer, polling `/ready`, stops sending traffic
+/// before connections would be refused); then the listener closes and requests in flight get
+/// `shutdown_grace_seconds` to finish. SIGINT stops at once.
+struct DrainOnTerm {
+    draining: Draining,
+    drain: Duration,
+}
+
+#[async_trait::async_trait]
+impl ShutdownSignalWatch for DrainOnTerm {
+    async fn recv(&self) -> ShutdownSignal {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            tracing::error!("cannot watch for SIGTERM and SIGINT; stop this process with SIGKILL");
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => {
+                self.draining.0.store(true, Ordering::Relaxed);
+                tracing::info!(
+                    drain_seconds = self.drain.as_secs(),
+                    "SIGTERM: draining (/ready answers 503), then closing the listener"
+                );
+                tokio::time::sleep(self.drain).await;
+                ShutdownSignal::GracefulTerminate
+            }
+            _ = int.recv() => ShutdownSignal::FastShutdown,
+        }
+    }
 }

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod files_server;
+pub mod redis;
 pub mod server;
 
 use std::process::{Command, Output};

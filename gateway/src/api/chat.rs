@@ -20,6 +20,7 @@ use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
 use crate::model::PromptModel;
 use crate::openai::{self, ChatCompletionRequest};
+use crate::store::Caller;
 use crate::upstream::parts::{self, Rewrite};
 use crate::upstream::{Forwarded, ReplyAdditions, UpstreamPool, embeds, inline, planned};
 
@@ -75,6 +76,7 @@ impl Gateway {
             .map_err(|e| ("none", e))?;
         let routing: RoutingFields =
             serde_json::from_slice(&body).map_err(|e| ("none", invalid_json(&e)))?;
+        let caller = self.caller(session);
         match self.models.get(routing.model.as_ref()) {
             None => Err((
                 "none",
@@ -86,7 +88,7 @@ impl Gateway {
             )),
             Some(Route::Upstream { pool, media }) => {
                 let (body, additions) = self
-                    .for_upstream(pool, media, body.clone())
+                    .for_upstream(&caller, pool, media, body.clone())
                     .await
                     .map_err(|e| ("upstream", e))?;
                 let key = pool.balance_key(&body, routing.user.as_deref());
@@ -102,7 +104,7 @@ impl Gateway {
             Some(Route::Native(model)) => {
                 let request = chat_request(&body).map_err(|e| ("native", e))?;
                 drop(body);
-                self.native(session, model, request)
+                self.native(session, &caller, model, request)
                     .await
                     .map(|()| ("native", StatusCode::OK))
                     .map_err(|e| ("native", e))
@@ -129,8 +131,9 @@ impl Gateway {
         }
     }
 
-    fn services(&self) -> ChatServices<'_> {
+    fn services<'a>(&'a self, caller: &'a Caller) -> ChatServices<'a> {
         ChatServices {
+            caller,
             registry: self.plugins.registry(),
             pool: &self.pool,
             limits: &self.limits,
@@ -145,6 +148,7 @@ impl Gateway {
     /// and sent as data URLs ([`inline`]; a request with neither goes as it came, unparsed).
     async fn for_upstream(
         &self,
+        caller: &Caller,
         pool: &UpstreamPool,
         media: &UpstreamMedia,
         body: Bytes,
@@ -157,13 +161,15 @@ impl Gateway {
         let mut value: Value = serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
         let (mut value, additions) = match media {
             UpstreamMedia::Embed(model) if embeds::encode_here(&value) => {
-                self.encode_for_upstream(model, value, body).await?
+                self.encode_for_upstream(caller, model, value, body).await?
             }
             UpstreamMedia::Preprocess(prompt) if parts::media_parts(&value).next().is_some() => {
-                self.plan_for_upstream(pool, prompt, value, body).await?
+                self.plan_for_upstream(caller, pool, prompt, value, body)
+                    .await?
             }
             _ => {
-                let inlined = inline::inline_media(&mut value, pool, &self.services()).await?;
+                let inlined =
+                    inline::inline_media(&mut value, pool, &self.services(caller)).await?;
                 if !inlined && renamed.is_none() {
                     return Ok((body, ReplyAdditions::default()));
                 }
@@ -186,6 +192,7 @@ impl Gateway {
     /// answer.
     async fn plan_for_upstream(
         &self,
+        caller: &Caller,
         pool: &UpstreamPool,
         prompt: &PromptModel,
         mut value: Value,
@@ -193,9 +200,13 @@ impl Gateway {
     ) -> Result<(Value, ReplyAdditions), ApiError> {
         let request = chat_request(&body)?;
         drop(body);
-        let planned =
-            chat::plan_for_upstream(prompt, pool.accept_image_embeds, request, &self.services())
-                .await?;
+        let planned = chat::plan_for_upstream(
+            prompt,
+            pool.accept_image_embeds,
+            request,
+            &self.services(caller),
+        )
+        .await?;
         self.metrics.media_prepared(&planned.accounts);
         let mut rewrites = Vec::with_capacity(planned.parts.len());
         for (index, (kind, files)) in planned.parts.iter().enumerate() {
@@ -231,10 +242,11 @@ impl Gateway {
     /// The request's media fetched, preprocessed and budgeted for `model`, and counted in the metrics.
     async fn prepare(
         &self,
+        caller: &Caller,
         model: &NativeModel,
         request: ChatCompletionRequest,
     ) -> Result<Prepared, ApiError> {
-        let prepared = chat::prepare(model, request, &self.services()).await?;
+        let prepared = chat::prepare(model, request, &self.services(caller)).await?;
         self.metrics.media_prepared(&prepared.media);
         Ok(prepared)
     }
@@ -242,10 +254,11 @@ impl Gateway {
     async fn native(
         &self,
         session: &mut ServerSession,
+        caller: &Caller,
         model: &NativeModel,
         request: ChatCompletionRequest,
     ) -> Result<(), ApiError> {
-        let prepared = self.prepare(model, request).await?;
+        let prepared = self.prepare(caller, model, request).await?;
         let (stream, include_usage) = (prepared.stream, prepared.include_usage);
         let mut generation = Generation::start(model, prepared)?;
         let id = completion_id();
@@ -330,13 +343,14 @@ impl Gateway {
     /// accounts (`usage.media` of a native model) for the [`MEDIA_HEADER`] of the reply.
     async fn encode_for_upstream(
         &self,
+        caller: &Caller,
         model: &NativeModel,
         mut value: Value,
         body: Bytes,
     ) -> Result<(Value, ReplyAdditions), ApiError> {
         let request = chat_request(&body)?;
         drop(body);
-        let prepared = self.prepare(model, request).await?;
+        let prepared = self.prepare(caller, model, request).await?;
         let (items, accounts) = prepared.into_media();
 
         // Every item goes to the encoder devices at once; they batch what they can.

@@ -114,6 +114,30 @@ impl Gateway {
             return Lane::Pingora;
         };
         let request = buf.split_to(passable.len());
+        let _permit = match self
+            .key_limits
+            .admit(&self.caller_for(authorization_of(&request, &passable)))
+            .await
+        {
+            Ok(permit) => permit,
+            Err(error) => {
+                let closing = *shutdown.borrow();
+                let written = async {
+                    stream.write_all(&error_response(&error, closing)).await?;
+                    stream.flush().await
+                }
+                .await;
+                self.metrics.request_done(
+                    "/v1/chat/completions",
+                    "none",
+                    error.status,
+                    started.elapsed(),
+                );
+                return Lane::Served {
+                    keep_alive: written.is_ok() && !closing,
+                };
+            }
+        };
         let body = &request[passable.head_len..];
         let key = pool.balance_key(body, user.as_deref());
         let closing = *shutdown.borrow();
@@ -301,12 +325,21 @@ async fn read_more(stream: &mut Stream, buf: &mut BytesMut) -> bool {
     }
 }
 
+/// The `Authorization` header's value in a request the lane parsed.
+fn authorization_of<'a>(request: &'a [u8], passable: &http1::Passable) -> Option<&'a [u8]> {
+    passable.authorization.clone().and_then(|r| request.get(r))
+}
+
 /// An error answer as the lane writes it: the JSON body every route answers errors with.
 fn error_response(error: &ApiError, closing: bool) -> Vec<u8> {
     let body = error.body();
     let status = error.status;
+    let retry_after = error
+        .retry_after
+        .map(|s| format!("retry-after: {s}\r\n"))
+        .unwrap_or_default();
     let mut wire = format!(
-        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}\r\n",
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{retry_after}{}\r\n",
         status.as_u16(),
         status.canonical_reason().unwrap_or(""),
         body.len(),

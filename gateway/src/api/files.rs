@@ -8,8 +8,9 @@ use serde_json::{Value, json};
 use super::Gateway;
 use super::io::read_body;
 use crate::error::ApiError;
-use crate::files::StoreError;
+use crate::files::{FileMeta, FilesError, NewFile};
 use crate::media::sniff_mime_type;
+use crate::store::Caller;
 
 /// Room for the multipart framing and the other fields around the file itself.
 const MULTIPART_OVERHEAD: usize = 64 << 10;
@@ -41,38 +42,56 @@ impl Gateway {
         let mime_type = sniff_mime_type(&data)
             .map(str::to_owned)
             .or(declared.filter(|m| m != "application/octet-stream"));
+        let file = NewFile {
+            filename,
+            purpose,
+            mime_type,
+            data,
+        };
         let stored = self
             .files
-            .insert(filename, purpose, mime_type, data)
+            .insert(&self.caller(session), file)
+            .await
             .map_err(|e| match e {
-                StoreError::FileTooLarge { .. } => ApiError::new(
+                FilesError::FileTooLarge { .. } => ApiError::new(
                     StatusCode::PAYLOAD_TOO_LARGE,
                     "file_too_large",
                     e.to_string(),
                 ),
-                StoreError::Full { .. } => ApiError::new(
+                FilesError::Full { .. } => ApiError::new(
                     StatusCode::INSUFFICIENT_STORAGE,
                     "file_store_full",
                     e.to_string(),
                 ),
+                FilesError::QuotaExceeded { .. } => {
+                    ApiError::new(StatusCode::FORBIDDEN, "file_quota_exceeded", e.to_string())
+                }
+                FilesError::Unavailable(e) => e.into(),
             })?;
         Ok(stored.json())
     }
 
-    pub(super) fn list_files(&self) -> Value {
-        let data: Vec<Value> = self.files.list().iter().map(|f| f.json()).collect();
-        json!({"object": "list", "data": data})
+    pub(super) async fn list_files(&self, caller: &Caller) -> Result<Value, ApiError> {
+        let data: Vec<Value> = self
+            .files
+            .list(caller)
+            .await?
+            .iter()
+            .map(FileMeta::json)
+            .collect();
+        Ok(json!({"object": "list", "data": data}))
     }
 
-    pub(super) fn file_json(&self, id: &str) -> Result<Value, ApiError> {
+    pub(super) async fn file_json(&self, caller: &Caller, id: &str) -> Result<Value, ApiError> {
         self.files
-            .get(id)
-            .map(|f| f.json())
+            .get(caller, id)
+            .await?
+            .map(|f| f.meta.json())
             .ok_or_else(|| not_found(id))
     }
 
-    pub(super) fn delete_file(&self, id: &str) -> Result<Value, ApiError> {
-        if self.files.remove(id) {
+    pub(super) async fn delete_file(&self, caller: &Caller, id: &str) -> Result<Value, ApiError> {
+        if self.files.remove(caller, id).await? {
             Ok(json!({"id": id, "object": "file", "deleted": true}))
         } else {
             Err(not_found(id))

@@ -48,12 +48,19 @@ pub async fn read_body(session: &mut ServerSession, limit: usize) -> Result<Byte
 /// A complete JSON response. A client that went away is only logged: there is no one to tell.
 pub async fn write_json(session: &mut ServerSession, status: StatusCode, body: &Value) {
     let bytes = Bytes::from(body.to_string());
-    write_complete(session, status, "application/json", bytes).await;
+    write_complete(session, status, "application/json", bytes, &[]).await;
 }
 
 /// A complete non-JSON response (the metrics exposition).
 pub async fn write_text(session: &mut ServerSession, content_type: &str, text: String) {
-    write_complete(session, StatusCode::OK, content_type, Bytes::from(text)).await;
+    write_complete(
+        session,
+        StatusCode::OK,
+        content_type,
+        Bytes::from(text),
+        &[],
+    )
+    .await;
 }
 
 async fn write_complete(
@@ -61,11 +68,15 @@ async fn write_complete(
     status: StatusCode,
     content_type: &str,
     bytes: Bytes,
+    extra_headers: &[(&str, &str)],
 ) {
     let written = async {
-        let mut header = ResponseHeader::build(status, Some(3))?;
+        let mut header = ResponseHeader::build(status, Some(3 + extra_headers.len()))?;
         header.insert_header("content-type", content_type)?;
         header.insert_header("content-length", bytes.len().to_string())?;
+        for (name, value) in extra_headers {
+            header.insert_header(name.to_string(), value.to_string())?;
+        }
         session.write_response_header(Box::new(header)).await?;
         session.write_response_body(bytes, true).await
     }
@@ -76,8 +87,20 @@ async fn write_complete(
 }
 
 pub async fn write_error(session: &mut ServerSession, error: &ApiError) {
-    let body: Value = serde_json::from_slice(&error.body()).unwrap_or(Value::Null);
-    write_json(session, error.status, &body).await;
+    let retry_after = error.retry_after.map(|s| s.to_string());
+    let extra: Vec<(&str, &str)> = retry_after
+        .as_deref()
+        .map(|s| ("retry-after", s))
+        .into_iter()
+        .collect();
+    write_complete(
+        session,
+        error.status,
+        "application/json",
+        Bytes::from(error.body()),
+        &extra,
+    )
+    .await;
 }
 
 /// A `text/event-stream` response: one `data:` event per call, chunked as it goes.

@@ -23,9 +23,12 @@ use crate::config::RequestLimits;
 use crate::error::ApiError;
 use crate::fetch::Fetcher;
 use crate::files::FileStore;
+use crate::keylimits::KeyLimits;
 use crate::metrics::{Metrics, ModelGauges, Snapshot};
 use crate::model::PromptModel;
 use crate::plugins::{LivePlugins, ReloadGuard};
+use crate::server::Draining;
+use crate::store::{Caller, Redis};
 use crate::upstream::{ClientHop, UpstreamPool};
 pub use connection::App;
 use io::{write_error, write_json};
@@ -74,6 +77,12 @@ pub struct Gateway {
     /// Whether clients reach this gateway over TLS.
     pub https: bool,
     pub metrics: Metrics,
+    /// The shared store, when replicas share one (its users hold it too; here for readiness).
+    pub redis: Option<Arc<Redis>>,
+    /// Requests per minute and in flight, per API key.
+    pub key_limits: KeyLimits,
+    /// Set on SIGTERM: `/ready` answers 503 so that load balancers stop sending traffic here.
+    pub draining: Draining,
     /// Keeps the plugin directory watched while the gateway runs.
     pub _reload: ReloadGuard,
 }
@@ -83,13 +92,26 @@ impl Gateway {
         let started = Instant::now();
         let method = session.req_header().method.as_str().to_owned();
         let path = session.req_header().uri.path().to_owned();
-        if path.starts_with("/v1/")
-            && let Err(error) = self.authenticate(session)
-        {
-            write_error(session, &error).await;
-            self.metrics
-                .request_done("unauthenticated", "none", error.status, started.elapsed());
-            return;
+        let mut _permit = None;
+        if path.starts_with("/v1/") {
+            let admitted = match self.authenticate(session) {
+                Ok(()) => self
+                    .key_limits
+                    .admit(&self.caller(session))
+                    .await
+                    .map_err(|e| ("limited", e)),
+                Err(e) => Err(("unauthenticated", e)),
+            };
+            match admitted {
+                // Held until the answer is written: a concurrent slot is freed when it is done.
+                Ok(permit) => _permit = Some(permit),
+                Err((label, error)) => {
+                    write_error(session, &error).await;
+                    self.metrics
+                        .request_done(label, "none", error.status, started.elapsed());
+                    return;
+                }
+            }
         }
         let result: Result<Value, ApiError> = match (method.as_str(), path.as_str()) {
             ("POST", "/v1/chat/completions") => {
@@ -102,22 +124,25 @@ impl Gateway {
                 return;
             }
             ("GET", "/health") => Ok(json!({ "status": "ok" })),
+            ("GET", "/ready") => self.readiness().await,
             ("GET", "/v1/models") => Ok(self.models_json()),
             ("GET", "/v1/plugins") => Ok(self.plugins_json()),
             ("POST", "/v1/preprocess") => self.preprocess(session).await,
             ("POST", "/v1/files") => self.upload(session).await,
-            ("GET", "/v1/files") => Ok(self.list_files()),
+            ("GET", "/v1/files") => self.list_files(&self.caller(session)).await,
             (m, p) if p.starts_with("/v1/files/") => {
                 let id = &p["/v1/files/".len()..];
+                let caller = self.caller(session);
                 match m {
-                    "GET" => self.file_json(id),
-                    "DELETE" => self.delete_file(id),
+                    "GET" => self.file_json(&caller, id).await,
+                    "DELETE" => self.delete_file(&caller, id).await,
                     _ => Err(ApiError::method_not_allowed(m, p)),
                 }
             }
             (
                 _,
                 "/health"
+                | "/ready"
                 | "/metrics"
                 | "/v1/models"
                 | "/v1/plugins"
@@ -141,6 +166,7 @@ impl Gateway {
         // make a new series each, without bound.
         let label = match path.as_str() {
             "/health" => "/health",
+            "/ready" => "/ready",
             "/v1/models" => "/v1/models",
             "/v1/plugins" => "/v1/plugins",
             "/v1/preprocess" => "/v1/preprocess",
@@ -166,6 +192,44 @@ impl Gateway {
             .get(http::header::AUTHORIZATION)
             .map(http::HeaderValue::as_bytes);
         self.check_key(authorization)
+    }
+
+    /// Whose request this is (after [`Self::authenticate`] let it in).
+    fn caller(&self, session: &ServerSession) -> Caller {
+        let authorization = session
+            .req_header()
+            .headers
+            .get(http::header::AUTHORIZATION)
+            .map(http::HeaderValue::as_bytes);
+        self.caller_for(authorization)
+    }
+
+    /// Whose request this is, from its `Authorization` header value (if any).
+    fn caller_for(&self, authorization: Option<&[u8]>) -> Caller {
+        let presented = authorization
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        match presented {
+            Some(key) if !self.api_keys.is_empty() => Caller::for_key(key),
+            _ => Caller::public(),
+        }
+    }
+
+    /// `/ready`: whether this replica should get traffic: not while it drains, nor while its
+    /// shared store is unreachable. (Models and plugins are loaded before the listener opens.)
+    async fn readiness(&self) -> Result<Value, ApiError> {
+        if self.draining.is_draining() {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "draining",
+                "this replica is shutting down",
+            ));
+        }
+        if let Some(redis) = &self.redis {
+            redis.ping().await?;
+        }
+        Ok(json!({ "status": "ready" }))
     }
 
     /// Whether an `Authorization` header value (if any) lets a request in.
@@ -263,7 +327,7 @@ impl Gateway {
             encoder_queues,
             upstreams,
             plugin_queue: self.pool.queued(),
-            file_bytes: self.files.bytes(),
+            file_bytes: self.files.local_bytes(),
         }
     }
 }

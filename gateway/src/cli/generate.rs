@@ -20,6 +20,7 @@ use crate::files::{FileStore, FilesConfig};
 use crate::media::sniff_mime_type;
 use crate::model::{MediaKind, ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir};
 use crate::openai::ChatCompletionRequest;
+use crate::store::Caller;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -119,9 +120,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         max_audio_bytes: usize::MAX,
         ..RequestLimits::default()
     };
-    let files_store = FileStore::new(FilesConfig::default());
+    let files_store = FileStore::in_memory(FilesConfig::default());
     let fetcher = Fetcher::new(FetchConfig::default())?;
+    let caller = Caller::public();
     let services = ChatServices {
+        caller: &caller,
         registry,
         pool: &pool,
         limits: &limits,

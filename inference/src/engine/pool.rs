@@ -46,6 +46,33 @@ pub struct BatchReport<'a> {
 /// Receives a [`BatchReport`] after every batch.
 pub type BatchObserver = Arc<dyn Fn(&BatchReport<'_>) + Send + Sync>;
 
+/// Encoder outputs kept beyond this process, where other replicas find them: looked up before an
+/// input is encoded, filled after. It must not fail a request: a lookup it cannot answer is a
+/// miss, a write it cannot make is dropped.
+pub trait SharedFeatures: Send + Sync {
+    fn get(&self, key: &[u8; 32]) -> Option<Vec<f32>>;
+    fn put(&self, key: &[u8; 32], features: &[f32]);
+}
+
+/// A shared cache as one pool uses it.
+#[derive(Clone)]
+pub struct SharedCache {
+    pub features: Arc<dyn SharedFeatures>,
+    /// What sets this pool's outputs apart from another's for the same input: the model's name
+    /// and its weights' fingerprint.
+    pub namespace: String,
+}
+
+impl SharedCache {
+    fn key(&self, input: &EncodeInput) -> [u8; 32] {
+        let mut h = blake3::Hasher::new();
+        h.update(self.namespace.as_bytes());
+        h.update(&[0]);
+        input.hash_into(&mut h);
+        *h.finalize().as_bytes()
+    }
+}
+
 /// A device's encoders, as configured: a name and one encoder per modality it serves.
 pub struct DeviceSpec {
     pub name: String,
@@ -74,6 +101,17 @@ impl EncoderPool {
         max_batch: usize,
         observer: Option<BatchObserver>,
     ) -> Result<Self> {
+        Self::start(specs, max_batch, observer, None)
+    }
+
+    /// A pool that reports every batch to `observer` and, with `shared`, answers what it can from
+    /// that cache and fills it with what it encodes.
+    pub fn start(
+        specs: Vec<DeviceSpec>,
+        max_batch: usize,
+        observer: Option<BatchObserver>,
+        shared: Option<SharedCache>,
+    ) -> Result<Self> {
         let mut devices = Vec::with_capacity(specs.len());
         for spec in specs {
             let (tx, rx) = crossbeam_channel::unbounded::<Job>();
@@ -87,6 +125,7 @@ impl EncoderPool {
                 load: worker_load,
                 max_batch: max_batch.max(1),
                 observer: observer.clone(),
+                shared: shared.clone(),
             };
             let thread = std::thread::Builder::new()
                 .name(format!("encoder-{}", spec.name))
@@ -172,6 +211,7 @@ struct Worker {
     load: Arc<AtomicUsize>,
     max_batch: usize,
     observer: Option<BatchObserver>,
+    shared: Option<SharedCache>,
 }
 
 impl Worker {
@@ -213,7 +253,34 @@ impl Worker {
         }
     }
 
+    /// The jobs the shared cache cannot answer, each with its key there; the others are answered.
+    fn answer_from_shared(&self, batch: Vec<Job>) -> (Vec<Job>, Vec<Option<[u8; 32]>>) {
+        let Some(shared) = &self.shared else {
+            let keys = vec![None; batch.len()];
+            return (batch, keys);
+        };
+        let (mut misses, mut keys) = (Vec::new(), Vec::new());
+        for job in batch {
+            let key = shared.key(&job.input);
+            match shared.features.get(&key) {
+                Some(features) => {
+                    self.load.fetch_sub(1, Ordering::Relaxed);
+                    (job.done)(Ok(Arc::new(features)));
+                }
+                None => {
+                    misses.push(job);
+                    keys.push(Some(key));
+                }
+            }
+        }
+        (misses, keys)
+    }
+
     fn encode(&self, kind: EncoderKind, batch: Vec<Job>) {
+        let (batch, keys) = self.answer_from_shared(batch);
+        if batch.is_empty() {
+            return;
+        }
         let started = Instant::now();
         let results = match self.encoders.iter().find(|e| e.kind() == kind) {
             Some(encoder) => {
@@ -249,7 +316,10 @@ impl Worker {
                 took: started.elapsed(),
             });
         }
-        for (job, result) in batch.into_iter().zip(results) {
+        for ((job, result), key) in batch.into_iter().zip(results).zip(keys) {
+            if let (Some(shared), Some(key), Ok(features)) = (&self.shared, key, &result) {
+                shared.features.put(&key, features);
+            }
             self.load.fetch_sub(1, Ordering::Relaxed);
             (job.done)(result.map(Arc::new).map_err(|e| e.to_string()));
         }
