@@ -626,6 +626,34 @@ mod tests {
     }
 
     #[test]
+    fn the_kubernetes_config_map_holds_a_valid_replica_config_and_kustomize_lists_every_manifest() {
+        let manifest = include_str!("../../deploy/kubernetes/configmap.yaml");
+        let (_, embedded) = manifest
+            .split_once("mmgate.toml: |\n")
+            .unwrap_or_else(|| panic!("configmap.yaml has no mmgate.toml"));
+        let toml: String = embedded
+            .lines()
+            .map(|l| l.strip_prefix("    ").unwrap_or(l))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let config = parse(&toml).unwrap_or_else(|e| panic!("{e:#}"));
+        assert_eq!(config.store.kind, crate::store::StoreKind::Redis);
+        assert!(config.drain_seconds > 0);
+
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes");
+        let listed = std::fs::read_to_string(dir.join("kustomization.yaml")).unwrap_or_default();
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".yaml") && name != "kustomization.yaml" {
+                assert!(
+                    listed.contains(&format!("- {name}")),
+                    "kustomization.yaml misses {name}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn the_example_config_is_valid_and_matches_the_defaults() {
         let example = include_str!("../../examples/mmgate.toml");
         let config = parse(example).unwrap_or_else(|e| panic!("{e:#}"));

@@ -30,7 +30,7 @@ pub enum StoreKind {
 #[serde(default, deny_unknown_fields)]
 pub struct StoreConfig {
     pub kind: StoreKind,
-    /// `redis://[user:password@]host:port[/db]` (or `rediss://` for TLS); needed with `kind = "redis"`.
+    /// `redis://[user:password@]host:port[/db]`; needed with `kind = "redis"`.
     pub url: Option<String>,
     /// Prefixed to every key, so that several deployments can share one Redis.
     pub key_prefix: String,
