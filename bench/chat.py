@@ -67,23 +67,24 @@ def data_url(mime: str, data: bytes) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
+def bmp(seed: int) -> bytes:
+    """A 448x336 BMP whose pixels differ with `seed`: distinct images without an image library (the
+    same JPEG with different trailing bytes after its end-of-image marker decodes to the same pixels,
+    so it would hit the feature store)."""
+    w, h = 448, 336
+    row = bytearray((x * 7 + seed * 13) % 256 for x in range(w * 3))
+    pixels = b"".join(bytes(row[(y * 3) % len(row):] + row[:(y * 3) % len(row)]) for y in range(h))
+    header = b"BM" + (54 + len(pixels)).to_bytes(4, "little") + b"\0\0\0\0" + (54).to_bytes(4, "little")
+    info = ((40).to_bytes(4, "little") + w.to_bytes(4, "little") + h.to_bytes(4, "little")
+            + (1).to_bytes(2, "little") + (24).to_bytes(2, "little") + bytes(24))
+    return header + info + pixels
+
+
 def main() -> None:
     if not MMGATE.exists():
         sys.exit(f"{MMGATE} is missing: cargo build --release -p mmgate-gateway")
     jpeg = (ROOT / "tests/fixtures/image/images/photo-640x480.jpg").read_bytes()
     wav = (ROOT / "tests/fixtures/audio/clips/speech-16k-s16.wav").read_bytes()
-    # Distinct images without an image library: the same JPEG with different trailing bytes after
-    # its end-of-image marker decodes to the same pixels, so it would hit the feature store; BMPs
-    # with a changing pixel do not.
-    def bmp(seed: int) -> bytes:
-        w, h = 448, 336
-        row = bytearray((x * 7 + seed * 13) % 256 for x in range(w * 3))
-        pixels = b"".join(bytes(row[(y * 3) % len(row):] + row[:(y * 3) % len(row)]) for y in range(h))
-        header = b"BM" + (54 + len(pixels)).to_bytes(4, "little") + b"\0\0\0\0" + (54).to_bytes(4, "little")
-        info = ((40).to_bytes(4, "little") + w.to_bytes(4, "little") + h.to_bytes(4, "little")
-                + (1).to_bytes(2, "little") + (24).to_bytes(2, "little") + bytes(24))
-        return header + info + pixels
-
     text = [chat("demo", "Describe a sunny day at the beach in a few words.")] * REQUESTS
     image = [chat("demo", [{"type": "image_url", "image_url": {"url": data_url("image/jpeg", jpeg)}},
                            {"type": "text", "text": "What is in this picture?"}])] * REQUESTS
