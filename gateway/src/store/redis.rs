@@ -3,6 +3,7 @@
 //! and outlives none of them.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -10,12 +11,19 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use super::{StoreConfig, Unavailable};
 
+/// After a command finds Redis unreachable, commands fail at once for this long instead of each
+/// waiting out its timeout: a blackholed Redis must not add a timeout to every request and encode.
+const BACKOFF: Duration = Duration::from_secs(1);
+
 pub struct Redis {
     /// Always `Some` until dropped (see [`Drop`]).
     runtime: Option<tokio::runtime::Runtime>,
     connection: ConnectionManager,
     prefix: String,
     timeout: Duration,
+    /// When the backoff after the last unreachable answer ends, in milliseconds since `epoch`.
+    retry_at_ms: AtomicU64,
+    epoch: Instant,
 }
 
 impl Redis {
@@ -50,6 +58,8 @@ impl Redis {
             connection,
             prefix: config.key_prefix.clone(),
             timeout: config.timeout(),
+            retry_at_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
         };
         let deadline = Instant::now() + Duration::from_secs(config.startup_wait_seconds);
         loop {
@@ -65,7 +75,7 @@ impl Redis {
                 }
                 Err(e) => {
                     tracing::warn!(url = %redacted(url), error = %e.0, "waiting for Redis");
-                    std::thread::sleep(Duration::from_millis(500));
+                    std::thread::sleep(BACKOFF);
                 }
             }
         }
@@ -93,18 +103,39 @@ impl Redis {
         let Some(runtime) = &self.runtime else {
             return Err(Unavailable("the store is shutting down".into()));
         };
+        if self.elapsed_ms() < self.retry_at_ms.load(Ordering::Relaxed) {
+            return Err(Unavailable("unreachable a moment ago".into()));
+        }
         let timeout = self.timeout;
         let pending = command(self.connection.clone());
         let task = runtime.spawn(async move { tokio::time::timeout(timeout, pending).await });
-        match task.await {
-            Ok(Ok(Ok(value))) => Ok(value),
-            Ok(Ok(Err(e))) => Err(Unavailable(e.to_string())),
-            Ok(Err(_)) => Err(Unavailable(format!(
-                "no answer within {} ms",
-                timeout.as_millis()
-            ))),
-            Err(e) => Err(Unavailable(format!("the store's task failed: {e}"))),
+        let (result, unreachable) = match task.await {
+            Ok(Ok(Ok(value))) => (Ok(value), false),
+            Ok(Ok(Err(e))) => {
+                let unreachable = e.is_io_error()
+                    || e.is_timeout()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal();
+                (Err(Unavailable(e.to_string())), unreachable)
+            }
+            Ok(Err(_)) => {
+                let message = format!("no answer within {} ms", timeout.as_millis());
+                (Err(Unavailable(message)), true)
+            }
+            Err(e) => (
+                Err(Unavailable(format!("the store's task failed: {e}"))),
+                false,
+            ),
+        };
+        if unreachable {
+            let until = self.elapsed_ms() + BACKOFF.as_millis() as u64;
+            self.retry_at_ms.store(until, Ordering::Relaxed);
         }
+        result
+    }
+
+    fn elapsed_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
     }
 
     /// Starts `command` and returns at once (what a drop must do, and cannot wait for); a failure
