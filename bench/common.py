@@ -27,10 +27,15 @@ def median_ms(fn, iterations: int) -> float:
     return samples[len(samples) // 2]
 
 
+PEER = ROOT / "bench" / "peer"
+
+
 def build_rust_sides() -> None:
-    """Build the native plugin bench and the host bench first, so no timing includes compilation."""
+    """Build the native plugin bench, the host bench and the peer first, so no timing includes
+    compilation."""
     subprocess.run(["cargo", "build", "--release", "--locked", "-p", "mmgate-native-bench"],
                    cwd=ROOT / "plugins", check=True)
+    subprocess.run(["cargo", "build", "--release", "--locked"], cwd=PEER, check=True)
     subprocess.run(["cargo", "bench", "--locked", "-p", "mmgate-host", "--bench", "plugin_preprocess",
                     "--no-run"], cwd=ROOT, check=True)
 
@@ -44,6 +49,14 @@ def wasm_ms(modality: str, path: Path, config: Path, iterations: int) -> dict:
     """The built-in plugin through the host: {"wasm_ms_median", "tokens"}."""
     return _last_json_line(["cargo", "bench", "--locked", "-q", "-p", "mmgate-host", "--bench",
                             "plugin_preprocess", "--", modality, str(path), str(config), str(iterations)])
+
+
+def peer_ms(path: Path, config: Path, iterations: int) -> dict:
+    """smg's `llm-multimodal` (the fastest Rust peer) on the same file and config:
+    {"peer_ms_median", "tokens", "turbojpeg"}."""
+    target = Path(os.environ.get("CARGO_TARGET_DIR", PEER / "target"))
+    return _last_json_line([str(target / "release" / "mmgate-peer-bench"), str(path), str(config),
+                            str(iterations)])
 
 
 def native_ms(modality: str, path: Path, config: Path, iterations: int) -> dict:

@@ -4,6 +4,8 @@
   - the built-in image plugin through the host (wasm, fresh sandbox per call: probe + plan + preprocess;
     its output is u8 samples plus their normalisation table, which the encoder expands to f32 when it
     packs a batch: that expansion is timed too and printed beside, for comparing with HF's floats)
+  - smg's `llm-multimodal` 1.14.0 (crates.io), the fastest Rust peer: libjpeg-turbo decode (when the
+    library is installed) and its Qwen2-VL processor, built by bench/peer, its thread pool off
   - the same plugin code built natively (plugin code only: no u8 -> f32 mapping; the resize kernels
     are the portable loops there, the wasm build has explicit SIMD ones)
   - HF transformers' PIL-backend ("slow") Qwen2-VL processor: PIL decode + processor
@@ -21,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, build_rust_sides, median_ms, native_ms, wasm_ms  # sets one thread first
+from common import ROOT, build_rust_sides, median_ms, native_ms, peer_ms, wasm_ms  # sets one thread first
 
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
@@ -61,12 +63,17 @@ def main() -> None:
             iterations = 30 if width < 2000 else 8
             wasm = wasm_ms("image", path, CONFIG, iterations)
             native = native_ms("image", path, CONFIG, iterations)
+            peer = peer_ms(path, CONFIG, iterations)
+            if peer["tokens"] != wasm["tokens"]:
+                sys.exit(f"the peer planned {peer['tokens']} tokens, the plugin {wasm['tokens']}")
             rows.append({
                 "image": f"{width}x{height} JPEG ({len(data) // 1024} KiB)",
                 "tokens": wasm["tokens"],
                 "wasm": wasm["wasm_ms_median"],
                 "expand": wasm["expand_ms_median"],
                 "native": native["native_ms_median"],
+                "peer": peer["peer_ms_median"],
+                "turbojpeg": peer["turbojpeg"],
                 "hf_slow": hf_ms(slow, data, max(3, iterations // 3)),
                 "hf_fast": hf_ms(fast, data, iterations),
             })
@@ -84,8 +91,12 @@ def main() -> None:
         with_expand = r["wasm"] + r["expand"]
         print(f"{r['image']}: the encoder's u8 -> f32 expansion {r['expand']:.1f} ms; plugin + expansion"
               f" {1e3 / with_expand:.1f}/s, {r['hf_slow'] / with_expand:.1f}x slow, {r['hf_fast'] / with_expand:.2f}x fast")
+    for r in rows:
+        print(f"{r['image']}: llm-multimodal {1e3 / r['peer']:.1f}/s ({r['peer']:.1f} ms"
+              f"{', libjpeg-turbo' if r['turbojpeg'] else ', no libjpeg-turbo: image crate decode'});"
+              f" plugin (wasm) {r['peer'] / r['wasm']:.2f}x the peer, native {r['peer'] / r['native']:.2f}x")
     print("\nimages/s on one core (medians); 'vs slow'/'vs fast': plugin speed-up over HF's PIL/torchvision"
-          " processors; goals: >= 10x slow, >= 1.5x fast, wasm/native <= 1.3")
+          " processors; goals: >= 10x slow, >= 1.5x fast, wasm/native <= 1.3, >= 1.0x the peer (1.5x the aim)")
 
 
 if __name__ == "__main__":
