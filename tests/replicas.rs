@@ -1,15 +1,17 @@
 //! Three mmgate replicas sharing a real Redis, in front of two upstream servers (real mmgate
 //! processes serving the demo model): an upload made through one replica is used through the
 //! others (and by no other API key); an image encoded on one replica is a shared-cache hit on
-//! another; a key's requests per minute hold in sum across the replicas; Redis killed mid-run
-//! gets requests that need it a 503 while the rest go on, and the replicas recover when it
-//! returns; a replica sent SIGTERM under load drains (`/ready` 503, then the listener closes)
-//! and no client request fails.
+//! another; a key's requests per minute and requests in flight hold in sum across the replicas;
+//! Redis killed mid-run gets requests that need it a 503 while the rest go on, and the replicas
+//! recover when it returns; a replica sent SIGTERM under load drains (`/ready` 503, then the
+//! listener closes) and no client request fails.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
+use std::io::Write;
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,6 +23,7 @@ use common::server::Server;
 use serde_json::{Value, json};
 
 const RPM: usize = 300;
+const IN_FLIGHT: usize = 4;
 
 fn fixture(path: &str) -> Vec<u8> {
     std::fs::read(
@@ -47,7 +50,7 @@ fn start(config: &str, dir: &Path, name: &str) -> Server {
 
 fn replica_config(redis: &str, upstreams: [&str; 2]) -> String {
     format!(
-        r#"api_keys = ["sk-alice", "sk-bob", "sk-carol"]
+        r#"api_keys = ["sk-alice", "sk-bob", "sk-carol", "sk-dave"]
 drain_seconds = 2
 shutdown_grace_seconds = 2
 models = [
@@ -61,6 +64,7 @@ timeout_ms = 500
 startup_wait_seconds = 10
 [key_limits]
 requests_per_minute = {RPM}
+concurrent_requests = {IN_FLIGHT}
 "#,
         upstreams[0], upstreams[1]
     )
@@ -265,6 +269,46 @@ fn replicas_share_uploads_features_and_limits_drain_under_load_and_outlive_redis
     );
     // Alice's allowance is her own.
     assert_eq!(get(a, "sk-alice", "/v1/models").0, 200);
+
+    // Dave's requests in flight hold in sum: uploads whose bodies never finish arriving hold his
+    // slots on A, B and C; one more request anywhere is refused until one of them ends.
+    let mut held: Vec<TcpStream> = (0..IN_FLIGHT)
+        .map(|i| {
+            let replica = [a, b, c][i % 3];
+            let mut stream = TcpStream::connect(&replica.addr).unwrap();
+            write!(
+                stream,
+                "POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-dave\r\n\
+                 Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 1000\r\n\r\n--b"
+            )
+            .unwrap();
+            stream
+        })
+        .collect();
+    // The last slot is taken once its request head has been read.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let refused = loop {
+        let (status, body) = get(b, "sk-dave", "/v1/models");
+        if status == 429 {
+            break body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "dave was never limited: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        refused["error"]["code"],
+        json!("too_many_concurrent_requests")
+    );
+    drop(held.pop());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(c, "sk-dave", "/v1/models").0 != 200 {
+        assert!(Instant::now() < deadline, "dave's slot never came back");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(held);
 
     // Redis dies: what needs it is refused with 503, the rest goes on.
     redis.kill();
