@@ -2,8 +2,9 @@
 """Image preprocessing throughput, one core each, all measured in this run:
 
   - the built-in image plugin through the host (wasm, fresh sandbox per call: probe + plan + preprocess;
-    its output is u8 samples plus their normalisation table, which the encoder expands to f32 when it
-    packs a batch: that expansion is timed too and printed beside, for comparing with HF's floats)
+    its output is u8 samples plus their normalisation table, which the encoder expands to f32 a block
+    of patches at a time as it embeds them; expanding it all at once is timed too and printed beside,
+    for comparing with HF's floats, which are all expanded)
   - smg's `llm-multimodal` 1.14.0 (crates.io), the fastest Rust peer: libjpeg-turbo decode (when the
     library is installed) and its Qwen2-VL processor, built by bench/peer, its thread pool off
   - the same plugin code built natively (plugin code only: no u8 -> f32 mapping; the resize kernels
@@ -89,7 +90,7 @@ def main() -> None:
               f" {r['wasm'] / r['native']:>11.2f}")
     for r in rows:
         with_expand = r["wasm"] + r["expand"]
-        print(f"{r['image']}: the encoder's u8 -> f32 expansion {r['expand']:.1f} ms; plugin + expansion"
+        print(f"{r['image']}: u8 -> f32 expanded whole {r['expand']:.1f} ms; plugin + expansion"
               f" {1e3 / with_expand:.1f}/s, {r['hf_slow'] / with_expand:.1f}x slow, {r['hf_fast'] / with_expand:.2f}x fast")
     for r in rows:
         print(f"{r['image']}: llm-multimodal {1e3 / r['peer']:.1f}/s ({r['peer']:.1f} ms"

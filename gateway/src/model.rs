@@ -704,6 +704,10 @@ impl PixelSource for PluginSamples {
     fn extend_f32(&self, out: &mut Vec<f32>) {
         self.0.map_into(out);
     }
+
+    fn write_f32(&self, start: usize, out: &mut [f32]) {
+        self.0.map_range_into(start, out);
+    }
 }
 
 fn f32s(t: &Tensor) -> anyhow::Result<Vec<f32>> {

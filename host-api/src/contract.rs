@@ -269,11 +269,30 @@ impl ByteSamples {
 
     /// Appends the values the samples stand for.
     pub fn map_into(&self, out: &mut Vec<f32>) {
-        out.reserve(self.samples.len());
-        for (i, run) in self.samples.chunks_exact(self.run).enumerate() {
-            let channel = i % self.channels;
-            let map = &self.table[channel * 256..(channel + 1) * 256];
-            out.extend(run.iter().map(|&v| map[usize::from(v)]));
+        let at = out.len();
+        out.resize(at + self.samples.len(), 0.0);
+        self.map_range_into(0, &mut out[at..]);
+    }
+
+    /// The values of the samples from `start` on, into `out` (as many as there are samples for).
+    pub fn map_range_into(&self, start: usize, out: &mut [f32]) {
+        let (mut at, mut written) = (start, 0);
+        while written < out.len() {
+            // Each run of samples is one channel's: one table for all of it.
+            let run = at / self.run;
+            let n = (self.run - at % self.run).min(out.len() - written);
+            let table = (run % self.channels) * 256;
+            let (Some(samples), Some(map)) = (
+                self.samples.get(at..at + n),
+                self.table.get(table..table + 256),
+            ) else {
+                return;
+            };
+            for (value, &sample) in out[written..written + n].iter_mut().zip(samples) {
+                *value = map[usize::from(sample)];
+            }
+            at += n;
+            written += n;
         }
     }
 }
@@ -370,6 +389,36 @@ mod tests {
             (&hf[1].name, &hf[1].data),
             (&tensors[2].name, &tensors[2].data)
         );
+    }
+
+    #[test]
+    fn any_range_of_u8_samples_maps_as_the_whole_does() {
+        let table: Vec<u8> = (0..2)
+            .flat_map(|c| (0..256).map(move |v| (1000 * c + v) as f32))
+            .flat_map(f32::to_le_bytes)
+            .collect();
+        let tensors = vec![
+            tensor("x", Dtype::U8, &[2, 4], vec![1, 2, 3, 4, 5, 6, 7, 8]),
+            tensor("x_table", Dtype::F32, &[2, 256], table),
+        ];
+        let samples = ByteSamples::from_tensors(&tensors, "x")
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| panic!("no samples"));
+        let mut whole = Vec::new();
+        samples.map_into(&mut whole);
+        for start in 0..8 {
+            for len in 0..=8 - start {
+                let mut part = vec![f32::NAN; len];
+                samples.map_range_into(start, &mut part);
+                assert_eq!(part, whole[start..start + len], "{start}+{len}");
+            }
+        }
+        // Past the end nothing is written.
+        let mut past = [f32::NAN; 2];
+        samples.map_range_into(7, &mut past);
+        assert_eq!(past[0], 1008.0);
+        assert!(past[1].is_nan());
     }
 
     #[test]

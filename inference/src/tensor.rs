@@ -35,6 +35,23 @@ impl<B: Backend> Tensor<B> {
         })
     }
 
+    /// [`Self::from_host`] of data the caller is done with (no copy where the device's memory is
+    /// the host's).
+    pub fn from_host_vec(device: &B, data: Vec<f32>, shape: &[usize]) -> Result<Self> {
+        let count: usize = shape.iter().product();
+        if count != data.len() {
+            return Err(Error::shape(
+                "from_host_vec",
+                format!("{} values for shape {shape:?}", data.len()),
+            ));
+        }
+        Ok(Self {
+            buffer: device.upload_owned(data)?,
+            shape: shape.to_vec(),
+            device: device.clone(),
+        })
+    }
+
     pub fn zeros(device: &B, shape: &[usize]) -> Result<Self> {
         Ok(Self {
             buffer: device.zeros(shape.iter().product())?,

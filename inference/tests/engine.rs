@@ -486,3 +486,54 @@ fn a_pool_answers_from_a_shared_cache_what_another_pool_encoded() {
     encode(&c, input);
     assert_eq!(c_encoded.load(Ordering::Relaxed), 1);
 }
+
+#[test]
+fn patches_embedded_a_block_at_a_time_give_the_features_of_the_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = demo::ensure(dir.path(), DemoFamily::Qwen2Vl).unwrap();
+    let dev = CpuBackend::new("enc", 1).unwrap();
+    let m: Model = Qwen2Vl::load(&model_dir, &dev, &dev).unwrap();
+    // More patches than one block holds (1 Mi values), in three items of one batch, one ending
+    // mid-block.
+    let patch_len = m.vision.config().patch_len();
+    let big = Grid { t: 1, h: 40, w: 32 };
+    assert!(big.patches() * patch_len > 1 << 20);
+    let small = Grid { t: 1, h: 4, w: 6 };
+    let video = Grid { t: 2, h: 14, w: 26 };
+    let inputs = [image(3, big), image(5, small), image(9, video)];
+    let batch: Vec<&EncodeInput> = inputs.iter().map(AsRef::as_ref).collect();
+    let blockwise = Encoder::encode(&m.vision, &batch);
+    let mut pixels = Vec::new();
+    for input in &inputs {
+        let EncodeInput::Vision { pixel_values, .. } = input.as_ref() else {
+            unreachable!()
+        };
+        pixel_values.extend_f32(&mut pixels);
+    }
+    let patches = big.patches() + small.patches() + video.patches();
+    let whole = Tensor::from_host(&dev, &pixels, &[patches, patch_len]).unwrap();
+    let whole = m
+        .vision
+        .encode(&whole, &[big, small, video])
+        .unwrap()
+        .to_host()
+        .unwrap();
+    let blockwise: Vec<f32> = blockwise.into_iter().flat_map(|r| r.unwrap()).collect();
+    assert_eq!(blockwise.len(), whole.len());
+    let worst = blockwise
+        .iter()
+        .zip(&whole)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+        .fold(0f32, f32::max);
+    let differing = blockwise
+        .iter()
+        .zip(&whole)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(
+        differing,
+        0,
+        "block-wise embedding changed {differing} of {} features (worst relative difference {worst:e})",
+        whole.len()
+    );
+}

@@ -102,6 +102,10 @@ impl Backend for CpuBackend {
         Ok(host.to_vec())
     }
 
+    fn upload_owned(&self, host: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(host)
+    }
+
     fn download(&self, buffer: &Vec<f32>) -> Result<Vec<f32>> {
         Ok(buffer.clone())
     }

@@ -131,6 +131,11 @@ pub trait Backend: Clone + Send + Sync + 'static {
         work()
     }
     fn upload(&self, host: &[f32]) -> Result<Self::Buffer>;
+    /// [`Self::upload`] of data the caller is done with: a backend whose buffers are host memory
+    /// takes it as it is instead of copying it.
+    fn upload_owned(&self, host: Vec<f32>) -> Result<Self::Buffer> {
+        self.upload(&host)
+    }
     fn download(&self, buffer: &Self::Buffer) -> Result<Vec<f32>>;
     fn zeros(&self, len: usize) -> Result<Self::Buffer>;
     fn len(&self, buffer: &Self::Buffer) -> usize;

@@ -51,6 +51,8 @@ pub trait PixelSource: std::fmt::Debug + Send + Sync {
     fn feed_content(&self, feed: &mut dyn FnMut(&[u8]));
     /// Appends the values.
     fn extend_f32(&self, out: &mut Vec<f32>);
+    /// Writes the values from `start` on into `out` (as many as it holds; past the end, nothing).
+    fn write_f32(&self, start: usize, out: &mut [f32]);
 }
 
 impl PixelValues {
@@ -84,6 +86,18 @@ impl PixelValues {
                     h.update(bytes);
                 });
             }
+        }
+    }
+
+    /// The values from `start` on, into `out` (expanding a compact source).
+    pub fn write_f32(&self, start: usize, out: &mut [f32]) {
+        match self {
+            Self::F32(values) => {
+                if let Some(from) = values.get(start..start + out.len()) {
+                    out.copy_from_slice(from);
+                }
+            }
+            Self::Source(source) => source.write_f32(start, out),
         }
     }
 
@@ -206,6 +220,60 @@ fn packed_or_each(
         .collect()
 }
 
+/// About how many pixel values are expanded and embedded at a time (4 MiB of f32: cache-sized, and
+/// enough rows for the embedding's GEMM to run at full speed).
+const PATCH_BLOCK_VALUES: usize = 1 << 20;
+
+/// The embeddings of `items`' patches (each its pixel values and how many patches of `patch_len`
+/// values they hold, in order), `embed` run on a block of rows at a time: the pixel values are
+/// expanded (8-bit samples to f32) one block at a time into one buffer, never all at once. Blocks
+/// run over the items' rows as one sequence (an item may end mid-block) and hold a multiple of 64
+/// rows, so that the blocks' GEMMs tile the rows as one GEMM over all of them would: the values are
+/// the same bits.
+pub fn embed_blockwise<B: Backend>(
+    device: &B,
+    items: &[(&PixelValues, usize)],
+    patch_len: usize,
+    embed: impl Fn(&Tensor<B>) -> Result<Tensor<B>>,
+) -> Result<Vec<f32>> {
+    let patches: usize = items.iter().map(|(_, rows)| rows).sum();
+    let rows_per_block = patch_block_rows(patch_len);
+    let mut block = vec![0.0; rows_per_block.min(patches) * patch_len];
+    let mut embedded = Vec::new();
+    let (mut item, mut item_row) = (0, 0);
+    let mut row = 0;
+    while row < patches {
+        let rows = (patches - row).min(rows_per_block);
+        let mut filled = 0;
+        while filled < rows {
+            let Some(&(pixel_values, item_rows)) = items.get(item) else {
+                return Err(Error::Input("pixel values ran out".into()));
+            };
+            let n = (item_rows - item_row).min(rows - filled);
+            let values = &mut block[filled * patch_len..(filled + n) * patch_len];
+            pixel_values.write_f32(item_row * patch_len, values);
+            (filled, item_row) = (filled + n, item_row + n);
+            if item_row == item_rows {
+                (item, item_row) = (item + 1, 0);
+            }
+        }
+        let input = Tensor::from_host(device, &block[..rows * patch_len], &[rows, patch_len])?;
+        let out = embed(&input)?.to_host()?;
+        if embedded.is_empty() {
+            embedded.reserve_exact(out.len() / rows * patches);
+        }
+        embedded.extend(out);
+        row += rows;
+    }
+    Ok(embedded)
+}
+
+/// Rows of patches per block: a multiple of 64, so that the blocks' GEMMs tile the rows as one GEMM
+/// over all of them does, and give the same values.
+fn patch_block_rows(patch_len: usize) -> usize {
+    (PATCH_BLOCK_VALUES / patch_len.max(1) / 64).max(1) * 64
+}
+
 fn wrong_kind(kind: EncoderKind) -> Error {
     Error::Input(format!("input is not for the {kind:?} encoder"))
 }
@@ -216,23 +284,44 @@ impl<B: Backend> Encoder for VisionTower<B> {
     }
 
     /// Packs every item's patches into one call (attention stays within each frame) and splits the
-    /// output by each grid's token count.
+    /// output by each grid's token count. The pixel values are expanded (8-bit samples to f32) and
+    /// embedded a block of patches at a time: the f32 pixels of a whole batch (290 MB for a 12 MP
+    /// photo) are never held, only their embedding, which the tower needs anyway.
     fn encode(&self, batch: &[&EncodeInput]) -> Vec<Result<Vec<f32>>> {
         self.device().run_on(|| {
             packed_or_each(batch, |items| {
+                let c = self.config();
+                let patch_len = c.patch_len();
                 let mut grids = Vec::with_capacity(items.len());
-                let mut pixels = Vec::new();
+                let mut sources = Vec::with_capacity(items.len());
                 for item in items {
                     let EncodeInput::Vision { pixel_values, grid } = item else {
                         return Err(wrong_kind(EncoderKind::Vision));
                     };
+                    if pixel_values.len() != grid.patches() * patch_len {
+                        return Err(Error::Input(format!(
+                            "{} pixel values for a {}x{}x{} grid of patches of {patch_len}",
+                            pixel_values.len(),
+                            grid.t,
+                            grid.h,
+                            grid.w
+                        )));
+                    }
                     grids.push(*grid);
-                    pixel_values.extend_f32(&mut pixels);
+                    sources.push(pixel_values);
                 }
-                let c = self.config();
                 let patches: usize = grids.iter().map(Grid::patches).sum();
-                let input = Tensor::from_host(self.device(), &pixels, &[patches, c.patch_len()])?;
-                let out = self.encode(&input, &grids)?.to_host()?;
+                let items: Vec<(&PixelValues, usize)> = sources
+                    .iter()
+                    .copied()
+                    .zip(grids.iter().map(Grid::patches))
+                    .collect();
+                let embedded = embed_blockwise(self.device(), &items, patch_len, |pixels| {
+                    self.embed_patches(pixels)
+                })?;
+                let embedded =
+                    Tensor::from_host_vec(self.device(), embedded, &[patches, c.embed_dim])?;
+                let out = self.encode_embedded(embedded, &grids)?.to_host()?;
                 let width = c.out_dim;
                 let mut at = 0;
                 Ok(grids

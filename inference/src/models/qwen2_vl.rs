@@ -382,9 +382,29 @@ impl<B: Backend> VisionTower<B> {
                 c.patch_len()
             )));
         }
+        self.encode_embedded(self.embed_patches(pixel_values)?, grids)
+    }
+
+    /// The patch embedding of `[rows, patch_len]` pixel values: `[rows, embed_dim]`. Row by row,
+    /// so patches may be embedded a block at a time.
+    pub fn embed_patches(&self, pixel_values: &Tensor<B>) -> Result<Tensor<B>> {
+        pixel_values.linear(&self.patch_embed, None)
+    }
+
+    /// [`Self::encode`] from the patches' embeddings (`[Σ patches, embed_dim]`).
+    pub fn encode_embedded(&self, embedded: Tensor<B>, grids: &[Grid]) -> Result<Tensor<B>> {
+        let c = &self.config;
+        let patches: usize = grids.iter().map(Grid::patches).sum();
+        if embedded.shape() != [patches, c.embed_dim] {
+            return Err(Error::Input(format!(
+                "patch embeddings {:?} do not match grids {grids:?} ({patches} patches of {})",
+                embedded.shape(),
+                c.embed_dim
+            )));
+        }
         let unit = c.merge * c.merge;
         let (mut cos, mut sin) = rope::vision_tables(grids, c.merge, c.head_dim(), c.rope_theta)?;
-        let mut x = pixel_values.linear(&self.patch_embed, None)?;
+        let mut x = embedded;
         // Qwen2.5-VL runs the blocks with the merged patches regrouped window by window, so that
         // each window is a contiguous segment; the merger's output is put back in order at the end.
         let windows = match &c.blocks {
