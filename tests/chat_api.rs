@@ -12,17 +12,9 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use common::files_server::{Answer, FilesServer};
+use common::fixture;
 use common::server::Server;
 use serde_json::{Value, json};
-
-fn fixture(path: &str) -> Vec<u8> {
-    std::fs::read(
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/fixtures")
-            .join(path),
-    )
-    .unwrap()
-}
 
 fn data_url(mime: &str, bytes: &[u8]) -> String {
     format!(

@@ -18,21 +18,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
+use common::fixture;
 use common::redis::RedisServer;
 use common::server::Server;
 use serde_json::{Value, json};
 
 const RPM: usize = 300;
 const IN_FLIGHT: usize = 4;
-
-fn fixture(path: &str) -> Vec<u8> {
-    std::fs::read(
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/fixtures")
-            .join(path),
-    )
-    .unwrap()
-}
 
 /// Demo models are written once into this cache, shared by all the processes.
 fn cache_dir() -> PathBuf {

@@ -225,10 +225,7 @@ impl KeyLimits {
             match wait {
                 Ok(0) => {}
                 Ok(micros) => return Err(rate_limited(Duration::from_micros(micros))),
-                Err(e) => {
-                    tracing::warn!(error = %e, "per-key limits unchecked: the store is unreachable");
-                    return Ok(Permit { release: None });
-                }
+                Err(e) => return Ok(unchecked(&e)),
             }
         }
         let Some(limit) = self.config.concurrent_requests else {
@@ -254,12 +251,15 @@ impl KeyLimits {
                 release: Some(Release::Redis(redis.clone(), key, lease)),
             }),
             Ok(_) => Err(too_many_in_flight(limit)),
-            Err(e) => {
-                tracing::warn!(error = %e, "per-key limits unchecked: the store is unreachable");
-                Ok(Permit { release: None })
-            }
+            Err(e) => Ok(unchecked(&e)),
         }
     }
+}
+
+/// The store did not answer: the request goes through unlimited (see the module's note).
+fn unchecked(error: &crate::store::Unavailable) -> Permit {
+    tracing::warn!(error = %error, "per-key limits unchecked: the store is unreachable");
+    Permit { release: None }
 }
 
 fn rate_limited(wait: Duration) -> ApiError {

@@ -366,16 +366,21 @@ mod tests {
         }
     }
 
-    #[test]
-    fn u8_samples_take_their_values_from_the_table_channel_by_channel() {
-        // Two rows of 2 channels x 2 samples; channel c maps v to 1000c + v.
+    /// A `[2, 256]` table in which channel c maps v to 1000c + v.
+    fn two_channel_table(name: &str) -> Tensor {
         let table: Vec<u8> = (0..2)
             .flat_map(|c| (0..256).map(move |v| (1000 * c + v) as f32))
             .flat_map(f32::to_le_bytes)
             .collect();
+        tensor(name, Dtype::F32, &[2, 256], table)
+    }
+
+    #[test]
+    fn u8_samples_take_their_values_from_the_table_channel_by_channel() {
+        // Two rows of 2 channels x 2 samples.
         let tensors = vec![
             tensor("x", Dtype::U8, &[2, 4], vec![1, 2, 3, 4, 5, 6, 7, 8]),
-            tensor("x_table", Dtype::F32, &[2, 256], table),
+            two_channel_table("x_table"),
             tensor("grid", Dtype::I64, &[1], 7i64.to_le_bytes().to_vec()),
         ];
         let expected = [1.0, 2.0, 1003.0, 1004.0, 5.0, 6.0, 1007.0, 1008.0];
@@ -393,13 +398,9 @@ mod tests {
 
     #[test]
     fn any_range_of_u8_samples_maps_as_the_whole_does() {
-        let table: Vec<u8> = (0..2)
-            .flat_map(|c| (0..256).map(move |v| (1000 * c + v) as f32))
-            .flat_map(f32::to_le_bytes)
-            .collect();
         let tensors = vec![
             tensor("x", Dtype::U8, &[2, 4], vec![1, 2, 3, 4, 5, 6, 7, 8]),
-            tensor("x_table", Dtype::F32, &[2, 256], table),
+            two_channel_table("x_table"),
         ];
         let samples = ByteSamples::from_tensors(&tensors, "x")
             .ok()

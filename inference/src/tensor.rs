@@ -18,16 +18,22 @@ impl<B: Backend> std::fmt::Debug for Tensor<B> {
     }
 }
 
+/// Whether `len` values fill `shape`.
+fn check_count(op: &'static str, len: usize, shape: &[usize]) -> Result<()> {
+    if shape.iter().product::<usize>() == len {
+        Ok(())
+    } else {
+        Err(Error::shape(
+            op,
+            format!("{len} values for shape {shape:?}"),
+        ))
+    }
+}
+
 impl<B: Backend> Tensor<B> {
     /// Copies host data onto the device.
     pub fn from_host(device: &B, data: &[f32], shape: &[usize]) -> Result<Self> {
-        let count: usize = shape.iter().product();
-        if count != data.len() {
-            return Err(Error::shape(
-                "from_host",
-                format!("{} values for shape {shape:?}", data.len()),
-            ));
-        }
+        check_count("from_host", data.len(), shape)?;
         Ok(Self {
             buffer: device.upload(data)?,
             shape: shape.to_vec(),
@@ -38,13 +44,7 @@ impl<B: Backend> Tensor<B> {
     /// [`Self::from_host`] of data the caller is done with (no copy where the device's memory is
     /// the host's).
     pub fn from_host_vec(device: &B, data: Vec<f32>, shape: &[usize]) -> Result<Self> {
-        let count: usize = shape.iter().product();
-        if count != data.len() {
-            return Err(Error::shape(
-                "from_host_vec",
-                format!("{} values for shape {shape:?}", data.len()),
-            ));
-        }
+        check_count("from_host_vec", data.len(), shape)?;
         Ok(Self {
             buffer: device.upload_owned(data)?,
             shape: shape.to_vec(),

@@ -15,6 +15,12 @@ pub fn mmgate_command() -> Command {
     command
 }
 
+/// The bytes of `tests/fixtures/<path>`.
+pub fn fixture(path: &str) -> Vec<u8> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+    std::fs::read(root.join(path)).unwrap_or_else(|e| panic!("fixture {path}: {e}"))
+}
+
 /// Runs `mmgate ARGS...` to completion.
 pub fn mmgate(args: &[&str]) -> Output {
     mmgate_command().args(args).output().expect("run mmgate")

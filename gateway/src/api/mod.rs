@@ -186,22 +186,12 @@ impl Gateway {
 
     /// With `api_keys` configured, `/v1/*` needs `Authorization: Bearer <one of them>`.
     fn authenticate(&self, session: &ServerSession) -> Result<(), ApiError> {
-        let authorization = session
-            .req_header()
-            .headers
-            .get(http::header::AUTHORIZATION)
-            .map(http::HeaderValue::as_bytes);
-        self.check_key(authorization)
+        self.check_key(authorization(session))
     }
 
     /// Whose request this is (after [`Self::authenticate`] let it in).
     fn caller(&self, session: &ServerSession) -> Caller {
-        let authorization = session
-            .req_header()
-            .headers
-            .get(http::header::AUTHORIZATION)
-            .map(http::HeaderValue::as_bytes);
-        self.caller_for(authorization)
+        self.caller_for(authorization(session))
     }
 
     /// Whose request this is, from its `Authorization` header value (if any).
@@ -330,6 +320,15 @@ impl Gateway {
             file_bytes: self.files.local_bytes(),
         }
     }
+}
+
+/// The request's `Authorization` header value, if any.
+fn authorization(session: &ServerSession) -> Option<&[u8]> {
+    session
+        .req_header()
+        .headers
+        .get(http::header::AUTHORIZATION)
+        .map(http::HeaderValue::as_bytes)
 }
 
 /// Comparing keys without leaking through timing how much of a guess was right.
