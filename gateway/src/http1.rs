@@ -145,8 +145,8 @@ pub fn parse_request(buf: &[u8], max_body: usize) -> Request {
             forwarded_headers.extend_from_slice(b"\r\n");
         }
     }
-    let Some(body_len) = body_len else {
-        return Request::Other;
+    let (Some(body_len), true) = (body_len, seen_host) else {
+        return Request::Other; // no Host: the framing check refuses it
     };
     Request::Passable(Passable {
         head_len,
@@ -177,7 +177,7 @@ const MAX_CHECKED_HEADERS: usize = 256;
 /// | obs-fold (a header line starting with whitespace), whitespace before a colon, a bare CR, a control byte in a field, a malformed request line | 400 `bad_request_head` | closed |
 /// | header lines ending in a bare LF | read as lines (RFC 9112 2.2 allows it); forwarded with CRLF | kept |
 /// | more than 256 header lines, or a head over 64 KiB | 431 `headers_too_large` | closed |
-/// | more than one `Host` line, or a `Host` that is not `host[:port]` | 400 `bad_request_head` | closed |
+/// | more than one `Host` line, or a `Host` that is not `host[:port]`, or none (HTTP/1.1) | 400 `bad_request_head` | closed |
 /// | an absolute-form target (`POST http://host/v1/...`) | served by its path; forwarded in origin form | kept |
 /// | `Expect: 100-continue` | `100 Continue` from this gateway before the body is read; `Expect` is not forwarded | kept |
 /// | any other `Expect` | 417 `expectation_failed` | closed |
@@ -268,6 +268,14 @@ pub fn check_request(buf: &[u8]) -> RequestCheck {
                 StatusCode::BAD_REQUEST,
                 "bad_request_head",
                 "the Host header is not a host and port",
+            );
+        }
+        // HTTP/1.0 had no Host; every HTTP/1.1 request must carry one.
+        (None, _) if !http10 => {
+            return RequestCheck::refuse(
+                StatusCode::BAD_REQUEST,
+                "bad_request_head",
+                "an HTTP/1.1 request must have a Host header (RFC 9112 3.2)",
             );
         }
         _ => {}
@@ -1009,6 +1017,15 @@ mod tests {
             refused("POST /v1/files HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n"),
             (400, "bad_transfer_encoding")
         );
+        assert_eq!(
+            refused("POST /v1/files HTTP/1.1\r\nContent-Length: 0\r\n\r\n"),
+            (400, "bad_request_head"),
+            "an HTTP/1.1 request without Host"
+        );
+        assert!(matches!(
+            check_request(b"POST /v1/files HTTP/1.0\r\nContent-Length: 0\r\n\r\n"),
+            RequestCheck::Pass(_)
+        ));
         for host in ["a b", "u@h", "h:port", "/path"] {
             let raw =
                 format!("POST /v1/files HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n\r\n");
