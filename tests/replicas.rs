@@ -201,8 +201,8 @@ fn replicas_share_uploads_features_and_limits_drain_under_load_and_outlive_redis
         (404, &json!("file_not_found"))
     );
 
-    // C encoded that image; the same image through B is a hit in the shared cache: B's encoder
-    // never runs, and the answer is the one C gave.
+    // C encoded that image; the same image through B is a hit in the shared cache: neither B's
+    // plugin nor its encoder runs, and the answer is the one C gave.
     let encoded = "mmgate_encoded_items_total{model=\"demo\"";
     assert!(metric(c, encoded) >= 1.0);
     let hits = "mmgate_shared_feature_cache_lookups_total{outcome=\"hit\"}";
@@ -214,6 +214,12 @@ fn replicas_share_uploads_features_and_limits_drain_under_load_and_outlive_redis
     assert_eq!(status, 200, "{from_b}");
     assert_eq!(metric(b, hits), 1.0);
     assert_eq!(metric(b, encoded), 0.0, "B encoded what C had shared");
+    // Found by the media and its plan: B's plugin did not preprocess it either.
+    assert_eq!(
+        from_b["usage"]["media"][0]["shared_encoding"],
+        json!(true),
+        "{from_b}"
+    );
     assert_eq!(
         from_b["choices"][0]["message"]["content"],
         answer["choices"][0]["message"]["content"]
@@ -264,20 +270,19 @@ fn replicas_share_uploads_features_and_limits_drain_under_load_and_outlive_redis
 
     // Dave's requests in flight hold in sum: uploads whose bodies never finish arriving hold his
     // slots on A, B and C; one more request anywhere is refused until one of them ends.
-    let mut held: Vec<TcpStream> = (0..IN_FLIGHT)
-        .map(|i| {
-            let replica = [a, b, c][i % 3];
-            let mut stream = TcpStream::connect(&replica.addr).unwrap();
-            write!(
-                stream,
-                "POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-dave\r\n\
-                 Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 1000\r\n\r\n--b"
-            )
-            .unwrap();
-            stream
-        })
-        .collect();
-    // The last slot is taken once its request head has been read.
+    let hold = |i: usize| {
+        let replica = [a, b, c][i % 3];
+        let mut stream = TcpStream::connect(&replica.addr).unwrap();
+        write!(
+            stream,
+            "POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-dave\r\n\
+             Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 1000\r\n\r\n--b"
+        )
+        .unwrap();
+        stream.set_nonblocking(true).unwrap();
+        stream
+    };
+    let mut held: Vec<TcpStream> = (0..IN_FLIGHT).map(hold).collect();
     let deadline = Instant::now() + Duration::from_secs(10);
     let refused = loop {
         let (status, body) = get(b, "sk-dave", "/v1/models");
@@ -288,6 +293,13 @@ fn replicas_share_uploads_features_and_limits_drain_under_load_and_outlive_redis
             Instant::now() < deadline,
             "dave was never limited: {status}"
         );
+        // A probe that came first takes the slot a held request was to have: that one is refused
+        // (and answered); hold another in its place.
+        for (i, stream) in held.iter_mut().enumerate() {
+            if stream.peek(&mut [0u8; 1]).is_ok() {
+                *stream = hold(i);
+            }
+        }
         std::thread::sleep(Duration::from_millis(50));
     };
     assert_eq!(

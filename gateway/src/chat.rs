@@ -8,7 +8,7 @@ use base64::Engine as _;
 use http::StatusCode;
 use mmgate_host::{LoadedPlugin, Media, PluginPool, PluginRegistry, ReducedItem};
 use mmgate_inference::engine::{
-    Event, Failure, FinishReason, GenerateRequest, MediaItem, RequestHandle, Usage,
+    Event, Failure, FinishReason, GenerateRequest, MediaItem, RequestHandle, SharedCache, Usage,
 };
 use mmgate_inference::models::GenerationConfig;
 use mmgate_inference::sampling::SamplingParams;
@@ -18,6 +18,7 @@ use serde_json::{Value, json};
 use crate::budget::BudgetError;
 use crate::config::{EncodeErrorPolicy, RequestLimits};
 use crate::error::ApiError;
+use crate::feature_cache;
 use crate::files::FileStore;
 use crate::media::sniff_mime_type;
 use crate::model::{MediaKind, ModelRuntime, PromptModel, expand_placeholders};
@@ -108,6 +109,7 @@ impl Gathered {
         prompt: &PromptModel,
         services: &ChatServices<'_>,
         produce: pipeline::Produce,
+        lookup: Option<pipeline::Lookup>,
     ) -> Result<Vec<pipeline::Processed>, ApiError> {
         pipeline::process_concurrently(
             services.pool,
@@ -115,6 +117,7 @@ impl Gathered {
             Arc::from(prompt.processor_config.as_str()),
             u32::try_from(self.budget).unwrap_or(u32::MAX),
             produce,
+            lookup,
         )
         .await
         .map_err(|e| match e {
@@ -257,6 +260,31 @@ fn plugin_account(
     Value::Object(account)
 }
 
+/// Looks items up among the encoder outputs other replicas made (see
+/// [`feature_cache::item_key`]): `jobs` are the request's plugin items in order.
+fn shared_lookup(
+    shared: &SharedCache,
+    jobs: Vec<(Arc<LoadedPlugin>, Arc<Media>)>,
+    processor_config: &str,
+) -> pipeline::Lookup {
+    let (shared, processor_config) = (shared.clone(), processor_config.to_owned());
+    Arc::new(move |item, plan| {
+        let (plugin, media) = jobs.get(item)?;
+        let key = feature_cache::item_key(
+            &shared.namespace,
+            plugin.sha256(),
+            &processor_config,
+            &media.data,
+            plan,
+        );
+        let (features, note) = shared.features.get_noted(&key)?;
+        Some(pipeline::Encoded {
+            features: Arc::new(features),
+            tensors: feature_cache::noted_tensors(&note)?,
+        })
+    })
+}
+
 /// The account of an `image_embeds` item.
 fn embeddings_account(index: usize, kind: MediaKind, tokens: usize) -> Value {
     json!({
@@ -274,8 +302,10 @@ pub async fn prepare(
 ) -> Result<Prepared, ApiError> {
     let prompt = &model.runtime.prompt;
     let gathered = gather(prompt, model.accept_image_embeds, &mut request, services).await?;
+    let shared = model.runtime.shared.as_ref();
+    let lookup = shared.map(|s| shared_lookup(s, gathered.plugin_jobs(), &prompt.processor_config));
     let processed = gathered
-        .process(prompt, services, pipeline::Produce::Tensors)
+        .process(prompt, services, pipeline::Produce::Tensors, lookup)
         .await?;
     let Gathered {
         messages,
@@ -292,23 +322,47 @@ pub async fn prepare(
     let mut dropped = Vec::new();
     let mut processed = processed.iter();
     for (index, item) in items.into_iter().enumerate() {
-        let (plugin, processed) = match item.input {
+        let (plugin, processed, source) = match item.input {
             ItemInput::Embeddings(input) => {
                 report.push(embeddings_account(index, item.kind, input.tokens));
                 media.push(input);
                 continue;
             }
-            ItemInput::Plugin { plugin, .. } => match processed.next() {
-                Some(processed) => (plugin, processed),
+            ItemInput::Plugin { plugin, media } => match processed.next() {
+                Some(processed) => (plugin, processed, media),
                 None => return Err(internal("a media item was not processed")),
             },
         };
+        let made = match (&processed.encoded, shared) {
+            (Some(features), _) => prompt.encoded_item(
+                item.kind,
+                processed.plan.tokens,
+                &processed.tensors,
+                features.clone(),
+            ),
+            (None, shared) => {
+                let made = prompt.media_item(item.kind, processed.plan.tokens, &processed.tensors);
+                // What other replicas will look this item up by, and what places its output.
+                made.map(|mut input| {
+                    if let Some(shared) = shared {
+                        let key = feature_cache::item_key(
+                            &shared.namespace,
+                            plugin.sha256(),
+                            &prompt.processor_config,
+                            &source.data,
+                            &processed.plan,
+                        );
+                        shared
+                            .features
+                            .put_note(&key, feature_cache::note(&processed.tensors));
+                        input.share_key = Some(key);
+                    }
+                    input
+                })
+            }
+        };
         // Output the model's encoder cannot take fails to encode: the model's policy decides.
-        let unencodable = match prompt.media_item(
-            item.kind,
-            processed.plan.tokens,
-            &processed.tensors,
-        ) {
+        let unencodable = match made {
             Ok(input) => {
                 media.push(input);
                 None
@@ -393,7 +447,7 @@ pub async fn plan_for_upstream(
 ) -> Result<PlannedUpstream, ApiError> {
     let gathered = gather(prompt, accept_image_embeds, &mut request, services).await?;
     let mut processed = gathered
-        .process(prompt, services, pipeline::Produce::Files)
+        .process(prompt, services, pipeline::Produce::Files, None)
         .await?
         .into_iter();
     let mut parts = Vec::with_capacity(gathered.items.len());

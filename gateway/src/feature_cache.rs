@@ -9,7 +9,10 @@
 
 use std::sync::Arc;
 
+use base64::Engine as _;
+use mmgate_host::{Dtype, TABLE_SUFFIX, Tensor, TokenPlan};
 use mmgate_inference::engine::SharedFeatures;
+use serde_json::{Value, json};
 
 use crate::metrics::LookupCounters;
 use crate::store::Redis;
@@ -40,6 +43,17 @@ impl RedisFeatures {
     fn key(&self, key: &[u8; 32]) -> String {
         self.redis.key(&["features", &hex::encode(key)])
     }
+
+    fn note_key(&self, key: &[u8; 32]) -> String {
+        self.redis.key(&["features", &hex::encode(key), "note"])
+    }
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
 }
 
 impl SharedFeatures for RedisFeatures {
@@ -54,12 +68,7 @@ impl SharedFeatures for RedisFeatures {
         match found {
             Ok(Some(bytes)) if bytes.len() % 4 == 0 => {
                 self.counters.count("hit");
-                Some(
-                    bytes
-                        .chunks_exact(4)
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                        .collect(),
-                )
+                Some(f32s(&bytes))
             }
             Ok(_) => {
                 self.counters.count("miss");
@@ -71,6 +80,44 @@ impl SharedFeatures for RedisFeatures {
                 None
             }
         }
+    }
+
+    fn get_noted(&self, key: &[u8; 32]) -> Option<(Vec<f32>, Vec<u8>)> {
+        let keys = [self.key(key), self.note_key(key)];
+        let found = self.redis.run_blocking(move |mut c| async move {
+            redis::cmd("MGET")
+                .arg(&keys[..])
+                .query_async::<(Option<Vec<u8>>, Option<Vec<u8>>)>(&mut c)
+                .await
+        });
+        match found {
+            Ok((Some(features), Some(note))) if features.len() % 4 == 0 => {
+                self.counters.count("hit");
+                Some((f32s(&features), note))
+            }
+            Ok(_) => {
+                self.counters.count("miss");
+                None
+            }
+            Err(e) => {
+                self.counters.count("error");
+                tracing::debug!(error = %e.0, "shared feature cache lookup");
+                None
+            }
+        }
+    }
+
+    fn put_note(&self, key: &[u8; 32], note: Vec<u8>) {
+        let (key, ttl) = (self.note_key(key), self.ttl_seconds);
+        self.redis.spawn(move |mut c| async move {
+            redis::cmd("SET")
+                .arg(key)
+                .arg(note)
+                .arg("EX")
+                .arg(ttl)
+                .query_async::<()>(&mut c)
+                .await
+        });
     }
 
     fn put(&self, key: &[u8; 32], features: &[f32]) {
@@ -96,4 +143,81 @@ impl SharedFeatures for RedisFeatures {
             tracing::debug!(error = %e.0, "shared feature cache write");
         }
     }
+}
+
+/// Tensors of a plugin's output that only the encoder reads: what a shared entry replaces.
+const ENCODER_INPUTS: [&str; 3] = ["pixel_values", "pixel_values_videos", "input_features"];
+
+/// The key of an item's encoder output in the shared cache, known before the item is preprocessed:
+/// the model (`namespace`: its name and weights' fingerprint), the plugin (its hash), the processor
+/// config, the media's bytes and the plan. Equal keys mean equal encoder inputs, so a replica that
+/// finds the key skips decoding, the plugin's preprocessing and the encoder.
+pub fn item_key(
+    namespace: &str,
+    plugin_sha256: &str,
+    processor_config: &str,
+    media: &[u8],
+    plan: &TokenPlan,
+) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    for part in [namespace, plugin_sha256, processor_config] {
+        h.update(part.as_bytes());
+        h.update(&[0]);
+    }
+    h.update(&(media.len() as u64).to_le_bytes());
+    h.update(media);
+    h.update(&plan.tokens.to_le_bytes());
+    h.update(plan.choices.as_bytes());
+    *h.finalize().as_bytes()
+}
+
+/// The note stored beside an item's output: its tensors other than the encoder's inputs (grids,
+/// `second_per_grid_ts`, masks), which place the output in the prompt.
+pub fn note(tensors: &[Tensor]) -> Vec<u8> {
+    let small: Vec<Value> = tensors
+        .iter()
+        .filter(|t| {
+            !ENCODER_INPUTS
+                .iter()
+                .any(|n| t.name == *n || t.name.strip_suffix(TABLE_SUFFIX) == Some(n))
+        })
+        .map(|t| {
+            json!({
+                "name": t.name,
+                "dtype": t.dtype.name(),
+                "shape": t.shape,
+                "data": base64::engine::general_purpose::STANDARD.encode(&t.data),
+            })
+        })
+        .collect();
+    serde_json::to_vec(&small).unwrap_or_default()
+}
+
+/// The tensors of a [`note`], or `None` when it does not read back.
+pub fn noted_tensors(note: &[u8]) -> Option<Vec<Tensor>> {
+    let entries: Vec<Value> = serde_json::from_slice(note).ok()?;
+    entries
+        .iter()
+        .map(|e| {
+            let dtype = [
+                Dtype::U8,
+                Dtype::I32,
+                Dtype::I64,
+                Dtype::F16,
+                Dtype::Bf16,
+                Dtype::F32,
+            ]
+            .into_iter()
+            .find(|d| Some(d.name()) == e["dtype"].as_str())?;
+            let data = base64::engine::general_purpose::STANDARD
+                .decode(e["data"].as_str()?)
+                .ok()?;
+            Some(Tensor {
+                name: e["name"].as_str()?.to_owned(),
+                dtype,
+                shape: serde_json::from_value(e["shape"].clone()).ok()?,
+                data,
+            })
+        })
+        .collect()
 }

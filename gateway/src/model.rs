@@ -185,6 +185,8 @@ pub struct ModelRuntime {
     engine: Option<Engine>,
     /// The dedicated encoder devices (shared with the engine).
     pub encoders: Arc<EncoderPool>,
+    /// The feature cache shared with other replicas, under this model's namespace.
+    pub shared: Option<SharedCache>,
 }
 
 /// The names that stand for a generated demo model where a model directory is expected.
@@ -348,7 +350,7 @@ impl ModelRuntime {
             }),
             None => None,
         };
-        let pool = Arc::new(EncoderPool::start(specs, 8, observer, shared)?);
+        let pool = Arc::new(EncoderPool::start(specs, 8, observer, shared.clone())?);
         let engine = match llm {
             Some(llm) => {
                 let store = Arc::new(FeatureStore::new(options.feature_cache_bytes));
@@ -374,6 +376,7 @@ impl ModelRuntime {
             prompt,
             engine,
             encoders: pool,
+            shared,
         })
     }
 
@@ -583,11 +586,65 @@ impl PromptModel {
             tokens: expected,
             processor_config: self.processor_config.clone(),
             time_interval,
+            share_key: None,
         })
     }
 }
 
 impl PromptModel {
+    /// The engine's input for `features` this model's encoder made of an item on another replica,
+    /// placed by the item's small tensors (its grid, a video's `second_per_grid_ts`) as
+    /// [`Self::media_item`] places the item itself.
+    pub fn encoded_item(
+        &self,
+        kind: MediaKind,
+        tokens: u32,
+        small: &[Tensor],
+        features: Arc<Vec<f32>>,
+    ) -> anyhow::Result<MediaItem> {
+        let placeholder = self.placeholder(kind)?;
+        let find = |name: &str| {
+            small
+                .iter()
+                .find(|t| t.name == name)
+                .ok_or_else(|| anyhow!("the shared entry lacks {name}"))
+        };
+        let (grid, time_interval) = match &self.family {
+            Family::Vision { vision, .. } => {
+                let name = if kind == MediaKind::Video {
+                    "video_grid_thw"
+                } else {
+                    "image_grid_thw"
+                };
+                let grid = merged_grid(find(name)?, vision.merge)?;
+                if grid.tokens(vision.merge) != tokens as usize {
+                    bail!("the shared entry's grid does not make the planned {tokens} tokens");
+                }
+                let mut time_interval = 1.0;
+                if kind == MediaKind::Video && vision.tokens_per_second.is_some() {
+                    let seconds = f32s(find("second_per_grid_ts")?)?;
+                    time_interval = vision.time_interval(seconds.first().copied().unwrap_or(1.0));
+                }
+                (Some(grid), time_interval)
+            }
+            Family::Audio { .. } => (None, 1.0),
+        };
+        if tokens == 0 || !features.len().is_multiple_of(tokens as usize) {
+            bail!("the shared entry's features do not split into {tokens} tokens");
+        }
+        Ok(MediaItem {
+            input: Arc::new(EncodeInput::Embeddings {
+                embeddings: features,
+                grid,
+            }),
+            placeholder,
+            tokens: tokens as usize,
+            processor_config: self.processor_config.clone(),
+            time_interval,
+            share_key: None,
+        })
+    }
+
     /// The engine's input for embeddings an encoder of this model made elsewhere (vLLM's
     /// `image_embeds`): `[tokens, hidden]` in f32, f16 or bf16, and for a vision model the grid
     /// that places them (`(3,)` or `(1, 3)` integers).
@@ -675,6 +732,7 @@ impl PromptModel {
             tokens,
             processor_config: self.processor_config.clone(),
             time_interval: 1.0,
+            share_key: None,
         })
     }
 }

@@ -114,8 +114,22 @@ pub struct Processed {
     pub tensors: Vec<Tensor>,
     /// `reduce`'s files, when those were asked for.
     pub files: Option<ReducedItem>,
+    /// The encoder's output, when another replica had made it (`tensors` then hold only what
+    /// places it: no encoder input was made).
+    pub encoded: Option<Arc<Vec<f32>>>,
     pub timings: Timings,
 }
+
+/// What another replica's encoder already made of an item: its output, and the item's tensors
+/// other than the encoder's inputs.
+pub struct Encoded {
+    pub features: Arc<Vec<f32>>,
+    pub tensors: Vec<Tensor>,
+}
+
+/// Looks an item (by its index and plan) up among the outputs other replicas made; a hit skips
+/// the item's preprocessing.
+pub type Lookup = Arc<dyn Fn(usize, &TokenPlan) -> Option<Encoded> + Send + Sync>;
 
 pub struct Timings {
     pub probe: Duration,
@@ -155,6 +169,7 @@ pub fn process_together(
             plan,
             tensors,
             files: None,
+            encoded: None,
             timings: Timings {
                 probe: probe_times[item],
                 plan: plan_times[item],
@@ -192,6 +207,7 @@ pub async fn process_concurrently(
     processor_config: Arc<str>,
     budget: u32,
     produce: Produce,
+    lookup: Option<Lookup>,
 ) -> Result<Vec<Processed>, BudgetError> {
     let plugin_error = |item: usize| move |error| BudgetError::Plugin { item, error };
     let probes = items.iter().enumerate().map(|(item, (plugin, media))| {
@@ -230,22 +246,28 @@ pub async fn process_concurrently(
         .zip(&plans)
         .enumerate()
         .map(|(item, ((plugin, media), plan))| {
-            let (plugin, media, plan, config) = (
+            let (plugin, media, plan, config, lookup) = (
                 plugin.clone(),
                 media.clone(),
                 plan.clone(),
                 processor_config.clone(),
+                lookup.clone(),
             );
             async move {
                 pool.run(move || {
                     let started = Instant::now();
-                    let output = match produce {
-                        Produce::Tensors => plugin
+                    let known = match (produce, &lookup) {
+                        (Produce::Tensors, Some(lookup)) => lookup(item, &plan),
+                        _ => None,
+                    };
+                    let output = match (produce, known) {
+                        (_, Some(known)) => Ok((known.tensors, None, Some(known.features))),
+                        (Produce::Tensors, None) => plugin
                             .preprocess(&media, &plan, &config)
-                            .map(|tensors| (tensors, None)),
-                        Produce::Files => plugin
+                            .map(|tensors| (tensors, None, None)),
+                        (Produce::Files, None) => plugin
                             .reduce(&media, &plan, &config)
-                            .map(|files| (Vec::new(), Some(files))),
+                            .map(|files| (Vec::new(), Some(files), None)),
                     };
                     output.map(|output| (output, started.elapsed()))
                 })
@@ -264,11 +286,12 @@ pub async fn process_concurrently(
         .zip(outputs)
         .enumerate()
         .map(
-            |(item, ((info, plan), ((tensors, files), preprocess)))| Processed {
+            |(item, ((info, plan), ((tensors, files, encoded), preprocess)))| Processed {
                 info,
                 plan,
                 tensors,
                 files,
+                encoded,
                 timings: Timings {
                     probe: probe_times[item],
                     plan: plan_times[item],
@@ -288,6 +311,7 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
         plan,
         tensors,
         files,
+        encoded,
         timings,
     } = processed;
     let choices: Value = serde_json::from_str(&plan.choices).unwrap_or(Value::Null);
@@ -326,6 +350,8 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
             "mime_type": file.mime_type,
             "bytes": file.data.len(),
         })).collect::<Vec<_>>()),
+        // Another replica's encoder output was used: nothing was preprocessed or encoded here.
+        "shared_encoding": encoded.is_some().then_some(true),
         "time_ms": {
             "probe": ms(timings.probe),
             "plan": ms(timings.plan),

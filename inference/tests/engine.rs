@@ -129,6 +129,7 @@ fn request(
                 tokens,
                 processor_config: "{}".into(),
                 time_interval: 1.0,
+                share_key: None,
             }
         })
         .collect();

@@ -72,6 +72,10 @@ pub struct MediaItem {
     pub processor_config: String,
     /// M-RoPE temporal step per temporal patch (see [`MediaSpan::time_interval`]).
     pub time_interval: f32,
+    /// Where a shared feature cache keeps this item's encoder output, when the caller keyed it
+    /// (by the media and its plan, so that other replicas find it before preprocessing); `None`:
+    /// under the encoder input's hash.
+    pub share_key: Option<[u8; 32]>,
 }
 
 #[derive(Debug, Clone)]
@@ -454,10 +458,14 @@ impl<L: Backend> Scheduler<L> {
                 store::Pinned::MustEncode => {
                     let store = self.store.clone();
                     let wake = self.wake_tx.clone();
-                    let submitted = self.pool.submit(item.input.clone(), move |result| {
-                        store.complete(key, result);
-                        let _ = wake.send(());
-                    });
+                    let submitted = self.pool.submit_shared(
+                        item.input.clone(),
+                        item.share_key,
+                        move |result| {
+                            store.complete(key, result);
+                            let _ = wake.send(());
+                        },
+                    );
                     if let Err(e) = submitted {
                         self.store.complete(key, Err(e.to_string()));
                     }

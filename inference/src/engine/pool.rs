@@ -19,6 +19,8 @@ pub type EncodeResult = std::result::Result<Arc<Vec<f32>>, String>;
 
 struct Job {
     input: Arc<EncodeInput>,
+    /// The key the caller gave the output in the shared cache (it looked there already).
+    share_key: Option<[u8; 32]>,
     done: Box<dyn FnOnce(EncodeResult) + Send>,
 }
 
@@ -52,6 +54,13 @@ pub type BatchObserver = Arc<dyn Fn(&BatchReport<'_>) + Send + Sync>;
 pub trait SharedFeatures: Send + Sync {
     fn get(&self, key: &[u8; 32]) -> Option<Vec<f32>>;
     fn put(&self, key: &[u8; 32], features: &[f32]);
+    /// An output with the note stored beside it (what a caller needs to use the output without
+    /// the input it was encoded from); a miss unless both are there.
+    fn get_noted(&self, _key: &[u8; 32]) -> Option<(Vec<f32>, Vec<u8>)> {
+        None
+    }
+    /// Stores the note for `key`'s output (written before the output itself is).
+    fn put_note(&self, _key: &[u8; 32], _note: Vec<u8>) {}
 }
 
 /// A shared cache as one pool uses it.
@@ -152,6 +161,17 @@ impl EncoderPool {
         input: Arc<EncodeInput>,
         done: impl FnOnce(EncodeResult) + Send + 'static,
     ) -> Result<()> {
+        self.submit_shared(input, None, done)
+    }
+
+    /// [`Self::submit`] of an input whose output the shared cache keeps under `share_key` (the
+    /// caller looked there already): it is written there, not looked up.
+    pub fn submit_shared(
+        &self,
+        input: Arc<EncodeInput>,
+        share_key: Option<[u8; 32]>,
+        done: impl FnOnce(EncodeResult) + Send + 'static,
+    ) -> Result<()> {
         let Some(kind) = input.kind() else {
             if let EncodeInput::Embeddings { embeddings, .. } = input.as_ref() {
                 done(Ok(embeddings.clone()));
@@ -167,6 +187,7 @@ impl EncoderPool {
         device.load.fetch_add(1, Ordering::Relaxed);
         let job = Job {
             input,
+            share_key,
             done: Box::new(done),
         };
         let sent = device.queue.as_ref().map(|q| q.send(job));
@@ -261,6 +282,11 @@ impl Worker {
         };
         let (mut misses, mut keys) = (Vec::new(), Vec::new());
         for job in batch {
+            if let Some(key) = job.share_key {
+                misses.push(job);
+                keys.push(Some(key));
+                continue;
+            }
             let key = shared.key(&job.input);
             match shared.features.get(&key) {
                 Some(features) => {
