@@ -360,7 +360,7 @@ impl Gateway {
             model
                 .runtime
                 .encoders
-                .submit(item.input.clone(), move |r| {
+                .submit_shared(item.input.clone(), item.share_key, move |r| {
                     let _ = done.send(r);
                 })
                 .map_err(|e| encode_failed(&e.to_string()))?;
