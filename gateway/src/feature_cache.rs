@@ -15,7 +15,7 @@ use mmgate_inference::engine::SharedFeatures;
 use serde_json::{Value, json};
 
 use crate::metrics::LookupCounters;
-use crate::store::Redis;
+use crate::store::{Redis, Unavailable};
 
 pub struct RedisFeatures {
     redis: Arc<Redis>,
@@ -47,6 +47,32 @@ impl RedisFeatures {
     fn note_key(&self, key: &[u8; 32]) -> String {
         self.redis.key(&["features", &hex::encode(key), "note"])
     }
+
+    /// `SET key value EX ttl`: every entry expires (see the module's note on eviction).
+    fn set(&self, key: String, value: Vec<u8>) -> redis::Cmd {
+        let mut set = redis::cmd("SET");
+        set.arg(key).arg(value).arg("EX").arg(self.ttl_seconds);
+        set
+    }
+
+    /// A lookup's value, counted as a hit, a miss or an error.
+    fn counted<T>(&self, found: Result<Option<T>, Unavailable>) -> Option<T> {
+        match found {
+            Ok(Some(value)) => {
+                self.counters.count("hit");
+                Some(value)
+            }
+            Ok(None) => {
+                self.counters.count("miss");
+                None
+            }
+            Err(e) => {
+                self.counters.count("error");
+                tracing::debug!(error = %e.0, "shared feature cache lookup");
+                None
+            }
+        }
+    }
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
@@ -65,21 +91,7 @@ impl SharedFeatures for RedisFeatures {
                 .query_async::<Option<Vec<u8>>>(&mut c)
                 .await
         });
-        match found {
-            Ok(Some(bytes)) if bytes.len() % 4 == 0 => {
-                self.counters.count("hit");
-                Some(f32s(&bytes))
-            }
-            Ok(_) => {
-                self.counters.count("miss");
-                None
-            }
-            Err(e) => {
-                self.counters.count("error");
-                tracing::debug!(error = %e.0, "shared feature cache lookup");
-                None
-            }
-        }
+        self.counted(found.map(|bytes| bytes.filter(|b| b.len() % 4 == 0).map(|b| f32s(&b))))
     }
 
     fn get_noted(&self, key: &[u8; 32]) -> Option<(Vec<f32>, Vec<u8>)> {
@@ -90,54 +102,31 @@ impl SharedFeatures for RedisFeatures {
                 .query_async::<(Option<Vec<u8>>, Option<Vec<u8>>)>(&mut c)
                 .await
         });
-        match found {
-            Ok((Some(features), Some(note))) if features.len() % 4 == 0 => {
-                self.counters.count("hit");
+        self.counted(found.map(|found| match found {
+            (Some(features), Some(note)) if features.len() % 4 == 0 => {
                 Some((f32s(&features), note))
             }
-            Ok(_) => {
-                self.counters.count("miss");
-                None
-            }
-            Err(e) => {
-                self.counters.count("error");
-                tracing::debug!(error = %e.0, "shared feature cache lookup");
-                None
-            }
-        }
+            _ => None,
+        }))
     }
 
     fn put_note(&self, key: &[u8; 32], note: Vec<u8>) {
-        let (key, ttl) = (self.note_key(key), self.ttl_seconds);
-        self.redis.spawn(move |mut c| async move {
-            redis::cmd("SET")
-                .arg(key)
-                .arg(note)
-                .arg("EX")
-                .arg(ttl)
-                .query_async::<()>(&mut c)
-                .await
-        });
+        let set = self.set(self.note_key(key), note);
+        self.redis
+            .spawn(move |mut c| async move { set.query_async::<()>(&mut c).await });
     }
 
     fn put(&self, key: &[u8; 32], features: &[f32]) {
         if features.len() * 4 > self.max_entry_bytes {
             return;
         }
-        let key = self.key(key);
         let bytes: Vec<u8> = features.iter().flat_map(|f| f.to_le_bytes()).collect();
-        let ttl = self.ttl_seconds;
+        let set = self.set(self.key(key), bytes);
         // Written before the item's requests hear of it, so that another replica asked for the
         // same media right after finds it (one round trip on the encoder's thread).
-        let stored = self.redis.run_blocking(move |mut c| async move {
-            redis::cmd("SET")
-                .arg(key)
-                .arg(bytes)
-                .arg("EX")
-                .arg(ttl)
-                .query_async::<()>(&mut c)
-                .await
-        });
+        let stored = self
+            .redis
+            .run_blocking(move |mut c| async move { set.query_async::<()>(&mut c).await });
         if let Err(e) = stored {
             self.counters.count("error");
             tracing::debug!(error = %e.0, "shared feature cache write");
@@ -199,16 +188,7 @@ pub fn noted_tensors(note: &[u8]) -> Option<Vec<Tensor>> {
     entries
         .iter()
         .map(|e| {
-            let dtype = [
-                Dtype::U8,
-                Dtype::I32,
-                Dtype::I64,
-                Dtype::F16,
-                Dtype::Bf16,
-                Dtype::F32,
-            ]
-            .into_iter()
-            .find(|d| Some(d.name()) == e["dtype"].as_str())?;
+            let dtype = Dtype::from_name(e["dtype"].as_str()?)?;
             let data = base64::engine::general_purpose::STANDARD
                 .decode(e["data"].as_str()?)
                 .ok()?;

@@ -42,16 +42,7 @@ fn storage_class(dtype: Dtype) -> &'static str {
 }
 
 fn dtype_of_storage(class: &str) -> Option<Dtype> {
-    [
-        Dtype::U8,
-        Dtype::I32,
-        Dtype::I64,
-        Dtype::F16,
-        Dtype::Bf16,
-        Dtype::F32,
-    ]
-    .into_iter()
-    .find(|&d| storage_class(d) == class)
+    Dtype::ALL.into_iter().find(|&d| storage_class(d) == class)
 }
 
 /// `tensor` (its shape and little-endian data; the name is not stored) as `torch.save` writes it.

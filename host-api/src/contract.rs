@@ -115,6 +115,21 @@ impl std::fmt::Display for Version {
 }
 
 impl Dtype {
+    /// Every element type, in the contract's order.
+    pub const ALL: [Dtype; 6] = [
+        Dtype::U8,
+        Dtype::I32,
+        Dtype::I64,
+        Dtype::F16,
+        Dtype::Bf16,
+        Dtype::F32,
+    ];
+
+    /// The type [`Self::name`] names.
+    pub fn from_name(name: &str) -> Option<Dtype> {
+        Self::ALL.into_iter().find(|d| d.name() == name)
+    }
+
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
