@@ -8,7 +8,7 @@ use base64::Engine as _;
 use http::StatusCode;
 use mmgate_host::{LoadedPlugin, Media, PluginPool, PluginRegistry, ReducedItem};
 use mmgate_inference::engine::{
-    Event, Failure, FinishReason, GenerateRequest, MediaItem, RequestHandle, SharedCache, Usage,
+    Event, Failure, FinishReason, GenerateRequest, MediaItem, RequestHandle, Usage,
 };
 use mmgate_inference::models::GenerationConfig;
 use mmgate_inference::sampling::SamplingParams;
@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use crate::budget::BudgetError;
 use crate::config::{EncodeErrorPolicy, RequestLimits};
 use crate::error::ApiError;
-use crate::feature_cache;
+use crate::feature_cache::{self, SharedCache};
 use crate::files::FileStore;
 use crate::media::sniff_mime_type;
 use crate::model::{MediaKind, ModelRuntime, PromptModel, expand_placeholders};
@@ -261,15 +261,10 @@ fn plugin_account(
 }
 
 /// Looks items up among the encoder outputs other replicas made (see
-/// [`feature_cache::item_key`]): `jobs` are the request's plugin items in order.
-fn shared_lookup(
-    shared: &SharedCache,
-    jobs: Vec<(Arc<LoadedPlugin>, Arc<Media>)>,
-    processor_config: &str,
-) -> pipeline::Lookup {
+/// [`feature_cache::item_key`]).
+fn shared_lookup(shared: &SharedCache, processor_config: &str) -> pipeline::Lookup {
     let (shared, processor_config) = (shared.clone(), processor_config.to_owned());
-    Arc::new(move |item, plan| {
-        let (plugin, media) = jobs.get(item)?;
+    Arc::new(move |plugin, media, plan| {
         let key = feature_cache::item_key(
             &shared.namespace,
             plugin.sha256(),
@@ -277,11 +272,13 @@ fn shared_lookup(
             &media.data,
             plan,
         );
-        let (features, note) = shared.features.get_noted(&key)?;
-        Some(pipeline::Encoded {
-            features: Arc::new(features),
-            tensors: feature_cache::noted_tensors(&note)?,
-        })
+        let hit = shared.features.get(&key).and_then(|(features, note)| {
+            Some(pipeline::Encoded {
+                features: Arc::new(features),
+                tensors: feature_cache::noted_tensors(&note)?,
+            })
+        });
+        pipeline::Looked { key, hit }
     })
 }
 
@@ -303,7 +300,7 @@ pub async fn prepare(
     let prompt = &model.runtime.prompt;
     let gathered = gather(prompt, model.accept_image_embeds, &mut request, services).await?;
     let shared = model.runtime.shared.as_ref();
-    let lookup = shared.map(|s| shared_lookup(s, gathered.plugin_jobs(), &prompt.processor_config));
+    let lookup = shared.map(|s| shared_lookup(s, &prompt.processor_config));
     let processed = gathered
         .process(prompt, services, pipeline::Produce::Tensors, lookup)
         .await?;
@@ -322,36 +319,30 @@ pub async fn prepare(
     let mut dropped = Vec::new();
     let mut processed = processed.iter();
     for (index, item) in items.into_iter().enumerate() {
-        let (plugin, processed, source) = match item.input {
+        let (plugin, processed) = match item.input {
             ItemInput::Embeddings(input) => {
                 report.push(embeddings_account(index, item.kind, input.tokens));
                 media.push(input);
                 continue;
             }
-            ItemInput::Plugin { plugin, media } => match processed.next() {
-                Some(processed) => (plugin, processed, media),
+            ItemInput::Plugin { plugin, .. } => match processed.next() {
+                Some(processed) => (plugin, processed),
                 None => return Err(internal("a media item was not processed")),
             },
         };
-        let made = match (&processed.encoded, shared) {
-            (Some(features), _) => prompt.encoded_item(
+        let made = match &processed.encoded {
+            Some(features) => prompt.encoded_item(
                 item.kind,
                 processed.plan.tokens,
                 &processed.tensors,
                 features.clone(),
             ),
-            (None, shared) => {
+            None => {
                 let made = prompt.media_item(item.kind, processed.plan.tokens, &processed.tensors);
-                // What other replicas will look this item up by, and what places its output.
+                // Other replicas will look this item up by its key: the pool writes its output
+                // there, and the note that places it goes beside it.
                 made.map(|mut input| {
-                    if let Some(shared) = shared {
-                        let key = feature_cache::item_key(
-                            &shared.namespace,
-                            plugin.sha256(),
-                            &prompt.processor_config,
-                            &source.data,
-                            &processed.plan,
-                        );
+                    if let (Some(shared), Some(key)) = (shared, processed.share_key) {
                         shared
                             .features
                             .put_note(&key, feature_cache::note(&processed.tensors));

@@ -17,6 +17,15 @@ use serde_json::{Value, json};
 use crate::metrics::LookupCounters;
 use crate::store::{Redis, Unavailable};
 
+/// A shared cache as one model uses it.
+#[derive(Clone)]
+pub struct SharedCache {
+    pub features: Arc<dyn SharedFeatures>,
+    /// What sets this model's outputs apart from another's for the same input: its name and its
+    /// weights' fingerprint.
+    pub namespace: String,
+}
+
 pub struct RedisFeatures {
     redis: Arc<Redis>,
     ttl_seconds: u64,
@@ -83,18 +92,7 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
 }
 
 impl SharedFeatures for RedisFeatures {
-    fn get(&self, key: &[u8; 32]) -> Option<Vec<f32>> {
-        let key = self.key(key);
-        let found = self.redis.run_blocking(move |mut c| async move {
-            redis::cmd("GET")
-                .arg(key)
-                .query_async::<Option<Vec<u8>>>(&mut c)
-                .await
-        });
-        self.counted(found.map(|bytes| bytes.filter(|b| b.len() % 4 == 0).map(|b| f32s(&b))))
-    }
-
-    fn get_noted(&self, key: &[u8; 32]) -> Option<(Vec<f32>, Vec<u8>)> {
+    fn get(&self, key: &[u8; 32]) -> Option<(Vec<f32>, Vec<u8>)> {
         let keys = [self.key(key), self.note_key(key)];
         let found = self.redis.run_blocking(move |mut c| async move {
             redis::cmd("MGET")

@@ -9,10 +9,12 @@ use std::sync::Arc;
 use anyhow::{Context, anyhow, bail};
 use mmgate_host::{ByteSamples, Dtype, Tensor};
 use mmgate_inference::CpuBackend;
+
+use crate::feature_cache::SharedCache;
 use mmgate_inference::demo::{self, DemoFamily};
 use mmgate_inference::engine::{
     BatchObserver, DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig,
-    FeatureStore, MediaItem, PixelSource, PixelValues, PositionScheme, SharedCache, SharedFeatures,
+    FeatureStore, MediaItem, PixelSource, PixelValues, PositionScheme, SharedFeatures,
 };
 use mmgate_inference::models::config::{ConfigFile, TextConfig};
 use mmgate_inference::models::qwen2_audio::{AudioEncoderConfig, Qwen2AudioConfig};
@@ -350,7 +352,8 @@ impl ModelRuntime {
             }),
             None => None,
         };
-        let pool = Arc::new(EncoderPool::start(specs, 8, observer, shared.clone())?);
+        let features = shared.as_ref().map(|s| s.features.clone());
+        let pool = Arc::new(EncoderPool::start(specs, 8, observer, features)?);
         let engine = match llm {
             Some(llm) => {
                 let store = Arc::new(FeatureStore::new(options.feature_cache_bytes));

@@ -117,6 +117,8 @@ pub struct Processed {
     /// The encoder's output, when another replica had made it (`tensors` then hold only what
     /// places it: no encoder input was made).
     pub encoded: Option<Arc<Vec<f32>>>,
+    /// The item's key in the shared cache, when it was looked up there.
+    pub share_key: Option<[u8; 32]>,
     pub timings: Timings,
 }
 
@@ -127,9 +129,15 @@ pub struct Encoded {
     pub tensors: Vec<Tensor>,
 }
 
-/// Looks an item (by its index and plan) up among the outputs other replicas made; a hit skips
-/// the item's preprocessing.
-pub type Lookup = Arc<dyn Fn(usize, &TokenPlan) -> Option<Encoded> + Send + Sync>;
+/// An item looked up among the outputs other replicas made: its key there, and what was found.
+pub struct Looked {
+    pub key: [u8; 32],
+    pub hit: Option<Encoded>,
+}
+
+/// Looks an item (its plugin, media and plan) up among the outputs other replicas made; a hit
+/// skips the item's preprocessing.
+pub type Lookup = Arc<dyn Fn(&LoadedPlugin, &Media, &TokenPlan) -> Looked + Send + Sync>;
 
 pub struct Timings {
     pub probe: Duration,
@@ -170,6 +178,7 @@ pub fn process_together(
             tensors,
             files: None,
             encoded: None,
+            share_key: None,
             timings: Timings {
                 probe: probe_times[item],
                 plan: plan_times[item],
@@ -256,9 +265,12 @@ pub async fn process_concurrently(
             async move {
                 pool.run(move || {
                     let started = Instant::now();
-                    let known = match (produce, &lookup) {
-                        (Produce::Tensors, Some(lookup)) => lookup(item, &plan),
-                        _ => None,
+                    let (share_key, known) = match (produce, &lookup) {
+                        (Produce::Tensors, Some(lookup)) => {
+                            let looked = lookup(&plugin, &media, &plan);
+                            (Some(looked.key), looked.hit)
+                        }
+                        _ => (None, None),
                     };
                     let output = match (produce, known) {
                         (_, Some(known)) => Ok((known.tensors, None, Some(known.features))),
@@ -269,7 +281,7 @@ pub async fn process_concurrently(
                             .reduce(&media, &plan, &config)
                             .map(|files| (Vec::new(), Some(files), None)),
                     };
-                    output.map(|output| (output, started.elapsed()))
+                    output.map(|output| (output, share_key, started.elapsed()))
                 })
                 .await
                 .map_err(plugin_error(item))
@@ -286,17 +298,20 @@ pub async fn process_concurrently(
         .zip(outputs)
         .enumerate()
         .map(
-            |(item, ((info, plan), ((tensors, files, encoded), preprocess)))| Processed {
-                info,
-                plan,
-                tensors,
-                files,
-                encoded,
-                timings: Timings {
-                    probe: probe_times[item],
-                    plan: plan_times[item],
-                    preprocess,
-                },
+            |(item, ((info, plan), ((tensors, files, encoded), share_key, preprocess)))| {
+                Processed {
+                    info,
+                    plan,
+                    tensors,
+                    files,
+                    encoded,
+                    share_key,
+                    timings: Timings {
+                        probe: probe_times[item],
+                        plan: plan_times[item],
+                        preprocess,
+                    },
+                }
             },
         )
         .collect())
@@ -313,6 +328,7 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
         files,
         encoded,
         timings,
+        ..
     } = processed;
     let choices: Value = serde_json::from_str(&plan.choices).unwrap_or(Value::Null);
     let size = |w: Option<u64>, h: Option<u64>| match (w, h) {

@@ -13,7 +13,7 @@ use mmgate_inference::demo::{self, DemoFamily};
 use mmgate_inference::engine::{
     BatchObserver, DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig, Event,
     Failure, FeatureStore, FinishReason, GenerateRequest, MediaItem, PositionScheme, RequestHandle,
-    SharedCache, SharedFeatures, Usage,
+    SharedFeatures, Usage,
 };
 use mmgate_inference::models::Qwen2Vl;
 use mmgate_inference::rope::{Grid, MediaSpan, mrope_positions};
@@ -427,65 +427,52 @@ fn nothing_leaks_across_finished_cancelled_and_failed_requests() {
     );
 }
 
-/// A shared feature cache as replicas would have it (here a map both pools reach).
+/// A shared feature cache as replicas would have it (here a map).
 #[derive(Default)]
 struct MapFeatures(std::sync::Mutex<std::collections::HashMap<[u8; 32], Vec<f32>>>);
 
 impl SharedFeatures for MapFeatures {
-    fn get(&self, key: &[u8; 32]) -> Option<Vec<f32>> {
-        self.0.lock().unwrap().get(key).cloned()
+    fn get(&self, key: &[u8; 32]) -> Option<(Vec<f32>, Vec<u8>)> {
+        self.0
+            .lock()
+            .unwrap()
+            .get(key)
+            .map(|f| (f.clone(), Vec::new()))
     }
     fn put(&self, key: &[u8; 32], features: &[f32]) {
         self.0.lock().unwrap().insert(*key, features.to_vec());
     }
+    fn put_note(&self, _key: &[u8; 32], _note: Vec<u8>) {}
 }
 
 #[test]
-fn a_pool_answers_from_a_shared_cache_what_another_pool_encoded() {
+fn a_keyed_job_is_in_the_shared_cache_before_its_caller_hears_of_it() {
     let dir = tempfile::tempdir().unwrap();
     let model_dir = demo::ensure(dir.path(), DemoFamily::Qwen2Vl).unwrap();
+    let dev = CpuBackend::new("enc", 1).unwrap();
+    let m: Model = Qwen2Vl::load(&model_dir, &dev, &dev).unwrap();
+    let specs = vec![DeviceSpec {
+        name: "enc".into(),
+        encoders: vec![Arc::new(m.vision) as Arc<dyn Encoder>],
+    }];
     let shared = Arc::new(MapFeatures::default());
-    // A "replica": its own device, its own copy of the tower, the shared cache under `namespace`.
-    let replica = |name: &str, namespace: &str| {
-        let dev = CpuBackend::new(name, 1).unwrap();
-        let m: Model = Qwen2Vl::load(&model_dir, &dev, &dev).unwrap();
-        let encoded = Arc::new(AtomicUsize::new(0));
-        let counter = encoded.clone();
-        let observer: BatchObserver = Arc::new(move |batch| {
-            counter.fetch_add(batch.items, Ordering::Relaxed);
-        });
-        let specs = vec![DeviceSpec {
-            name: name.into(),
-            encoders: vec![Arc::new(m.vision) as Arc<dyn Encoder>],
-        }];
-        let cache = SharedCache {
-            features: shared.clone(),
-            namespace: namespace.into(),
-        };
-        let pool = EncoderPool::start(specs, 4, Some(observer), Some(cache)).unwrap();
-        (pool, encoded)
-    };
-    let encode = |pool: &EncoderPool, input: Arc<EncodeInput>| {
+    let pool = EncoderPool::start(specs, 4, None, Some(shared.clone())).unwrap();
+    let encode = |input: Arc<EncodeInput>, key: Option<[u8; 32]>| {
         let (tx, rx) = std::sync::mpsc::channel();
-        pool.submit(input, move |r| tx.send(r).unwrap()).unwrap();
-        rx.recv_timeout(Duration::from_secs(60)).unwrap().unwrap()
+        let seen = shared.clone();
+        pool.submit_shared(input, key, move |r| {
+            // What another replica would find at this moment.
+            let stored = key.and_then(|k| seen.get(&k)).map(|(f, _)| f);
+            tx.send((r.unwrap(), stored)).unwrap();
+        })
+        .unwrap();
+        rx.recv_timeout(Duration::from_secs(60)).unwrap()
     };
-    let input = image(7, Grid { t: 1, h: 4, w: 4 });
-    let (a, a_encoded) = replica("a", "demo@1");
-    let (b, b_encoded) = replica("b", "demo@1");
-    let (c, c_encoded) = replica("c", "other-weights");
-    let from_a = encode(&a, input.clone());
-    let from_b = encode(&b, input.clone());
-    assert_eq!(a_encoded.load(Ordering::Relaxed), 1);
-    assert_eq!(
-        b_encoded.load(Ordering::Relaxed),
-        0,
-        "b re-encoded what a shared"
-    );
-    assert_eq!(from_a, from_b);
-    // Another namespace (other weights) never takes a's features.
-    encode(&c, input);
-    assert_eq!(c_encoded.load(Ordering::Relaxed), 1);
+    let (features, stored) = encode(image(7, Grid { t: 1, h: 4, w: 4 }), Some([7; 32]));
+    assert_eq!(stored.as_deref(), Some(&features[..]));
+    // A job without a key is not shared.
+    encode(image(8, Grid { t: 1, h: 4, w: 4 }), None);
+    assert_eq!(shared.0.lock().unwrap().len(), 1);
 }
 
 #[test]

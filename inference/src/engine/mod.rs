@@ -24,7 +24,7 @@ use crossbeam_channel::{Receiver, Sender};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 pub use encoder::{EncodeInput, Encoder, EncoderKind, PixelSource, PixelValues};
-pub use pool::{BatchObserver, BatchReport, DeviceSpec, EncoderPool, SharedCache, SharedFeatures};
+pub use pool::{BatchObserver, BatchReport, DeviceSpec, EncoderPool, SharedFeatures};
 pub use store::{FeatureState, FeatureStore, StoreStats};
 
 use crate::backend::Backend;

@@ -19,7 +19,7 @@ pub type EncodeResult = std::result::Result<Arc<Vec<f32>>, String>;
 
 struct Job {
     input: Arc<EncodeInput>,
-    /// The key the caller gave the output in the shared cache (it looked there already).
+    /// Where the shared cache is to keep the output (the caller looked there already).
     share_key: Option<[u8; 32]>,
     done: Box<dyn FnOnce(EncodeResult) + Send>,
 }
@@ -48,38 +48,18 @@ pub struct BatchReport<'a> {
 /// Receives a [`BatchReport`] after every batch.
 pub type BatchObserver = Arc<dyn Fn(&BatchReport<'_>) + Send + Sync>;
 
-/// Encoder outputs kept beyond this process, where other replicas find them: looked up before an
-/// input is encoded, filled after. It must not fail a request: a lookup it cannot answer is a
-/// miss, a write it cannot make is dropped.
+/// Encoder outputs kept beyond this process, where other replicas find them, under keys their
+/// callers choose (the gateway's: an item's media and plan, so that it is found before the item is
+/// preprocessed). It must not fail a request: a lookup it cannot answer is a miss, a write it
+/// cannot make is dropped.
 pub trait SharedFeatures: Send + Sync {
-    fn get(&self, key: &[u8; 32]) -> Option<Vec<f32>>;
+    /// The output under `key` with the note stored beside it (what a caller needs to use the
+    /// output without the input it was encoded from); a miss unless both are there.
+    fn get(&self, key: &[u8; 32]) -> Option<(Vec<f32>, Vec<u8>)>;
+    /// Stores an output; the pool does, for every job submitted with a key.
     fn put(&self, key: &[u8; 32], features: &[f32]);
-    /// An output with the note stored beside it (what a caller needs to use the output without
-    /// the input it was encoded from); a miss unless both are there.
-    fn get_noted(&self, _key: &[u8; 32]) -> Option<(Vec<f32>, Vec<u8>)> {
-        None
-    }
     /// Stores the note for `key`'s output (written before the output itself is).
-    fn put_note(&self, _key: &[u8; 32], _note: Vec<u8>) {}
-}
-
-/// A shared cache as one pool uses it.
-#[derive(Clone)]
-pub struct SharedCache {
-    pub features: Arc<dyn SharedFeatures>,
-    /// What sets this pool's outputs apart from another's for the same input: the model's name
-    /// and its weights' fingerprint.
-    pub namespace: String,
-}
-
-impl SharedCache {
-    fn key(&self, input: &EncodeInput) -> [u8; 32] {
-        let mut h = blake3::Hasher::new();
-        h.update(self.namespace.as_bytes());
-        h.update(&[0]);
-        input.hash_into(&mut h);
-        *h.finalize().as_bytes()
-    }
+    fn put_note(&self, key: &[u8; 32], note: Vec<u8>);
 }
 
 /// A device's encoders, as configured: a name and one encoder per modality it serves.
@@ -113,13 +93,13 @@ impl EncoderPool {
         Self::start(specs, max_batch, observer, None)
     }
 
-    /// A pool that reports every batch to `observer` and, with `shared`, answers what it can from
-    /// that cache and fills it with what it encodes.
+    /// A pool that reports every batch to `observer` and writes the output of every job submitted
+    /// with a key to `shared`.
     pub fn start(
         specs: Vec<DeviceSpec>,
         max_batch: usize,
         observer: Option<BatchObserver>,
-        shared: Option<SharedCache>,
+        shared: Option<Arc<dyn SharedFeatures>>,
     ) -> Result<Self> {
         let mut devices = Vec::with_capacity(specs.len());
         for spec in specs {
@@ -232,7 +212,7 @@ struct Worker {
     load: Arc<AtomicUsize>,
     max_batch: usize,
     observer: Option<BatchObserver>,
-    shared: Option<SharedCache>,
+    shared: Option<Arc<dyn SharedFeatures>>,
 }
 
 impl Worker {
@@ -274,39 +254,7 @@ impl Worker {
         }
     }
 
-    /// The jobs the shared cache cannot answer, each with its key there; the others are answered.
-    fn answer_from_shared(&self, batch: Vec<Job>) -> (Vec<Job>, Vec<Option<[u8; 32]>>) {
-        let Some(shared) = &self.shared else {
-            let keys = vec![None; batch.len()];
-            return (batch, keys);
-        };
-        let (mut misses, mut keys) = (Vec::new(), Vec::new());
-        for job in batch {
-            if let Some(key) = job.share_key {
-                misses.push(job);
-                keys.push(Some(key));
-                continue;
-            }
-            let key = shared.key(&job.input);
-            match shared.features.get(&key) {
-                Some(features) => {
-                    self.load.fetch_sub(1, Ordering::Relaxed);
-                    (job.done)(Ok(Arc::new(features)));
-                }
-                None => {
-                    misses.push(job);
-                    keys.push(Some(key));
-                }
-            }
-        }
-        (misses, keys)
-    }
-
     fn encode(&self, kind: EncoderKind, batch: Vec<Job>) {
-        let (batch, keys) = self.answer_from_shared(batch);
-        if batch.is_empty() {
-            return;
-        }
         let started = Instant::now();
         let results = match self.encoders.iter().find(|e| e.kind() == kind) {
             Some(encoder) => {
@@ -342,9 +290,12 @@ impl Worker {
                 took: started.elapsed(),
             });
         }
-        for ((job, result), key) in batch.into_iter().zip(results).zip(keys) {
-            if let (Some(shared), Some(key), Ok(features)) = (&self.shared, key, &result) {
-                shared.features.put(&key, features);
+        for (job, result) in batch.into_iter().zip(results) {
+            // Written before the job's callers hear of it, so another replica asked right after
+            // finds it.
+            if let (Some(shared), Some(key), Ok(features)) = (&self.shared, job.share_key, &result)
+            {
+                shared.put(&key, features);
             }
             self.load.fetch_sub(1, Ordering::Relaxed);
             (job.done)(result.map(Arc::new).map_err(|e| e.to_string()));
