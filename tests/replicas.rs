@@ -1,7 +1,8 @@
 //! Three mmgate replicas sharing a real Redis, in front of two upstream servers (real mmgate
 //! processes serving the demo model): an upload made through one replica is used through the
 //! others (and by no other API key); an image encoded on one replica is a shared-cache hit on
-//! another; a key's requests per minute and requests in flight hold in sum across the replicas;
+//! another; a key's requests and tokens per minute and requests in flight hold in sum across the
+//! replicas (tokens as the answers report them, native and relayed);
 //! Redis killed mid-run gets requests that need it a 503 while the rest go on, and the replicas
 //! recover when it returns; a replica sent SIGTERM under load drains (`/ready` 503, then the
 //! listener closes) and no client request fails.
@@ -24,6 +25,7 @@ use common::server::Server;
 use serde_json::{Value, json};
 
 const RPM: usize = 300;
+const TPM: u64 = 12_000;
 const IN_FLIGHT: usize = 4;
 
 /// Demo models are written once into this cache, shared by all the processes.
@@ -42,7 +44,7 @@ fn start(config: &str, dir: &Path, name: &str) -> Server {
 
 fn replica_config(redis: &str, upstreams: [&str; 2]) -> String {
     format!(
-        r#"api_keys = ["sk-alice", "sk-bob", "sk-carol", "sk-dave"]
+        r#"api_keys = ["sk-alice", "sk-bob", "sk-carol", "sk-dave", "sk-erin"]
 drain_seconds = 2
 shutdown_grace_seconds = 2
 models = [
@@ -56,6 +58,7 @@ timeout_ms = 500
 startup_wait_seconds = 10
 [key_limits]
 requests_per_minute = {RPM}
+tokens_per_minute = {TPM}
 concurrent_requests = {IN_FLIGHT}
 "#,
         upstreams[0], upstreams[1]
@@ -266,6 +269,58 @@ fn replicas_share_uploads_features_and_limits_drain_under_load_and_outlive_redis
         3 + 3 * (RPM / 2)
     );
     // Alice's allowance is her own.
+    assert_eq!(get(a, "sk-alice", "/v1/models").0, 200);
+
+    // Erin's tokens per minute hold in sum: long prompts, in turn through A, B and C, to the
+    // native model and to the one relayed upstream, until one is refused.
+    let long = "tell me about the weather today ".repeat(250);
+    let started = Instant::now();
+    let mut used = Vec::new();
+    let refused = loop {
+        assert!(used.len() < 30, "erin was never limited: {used:?}");
+        let replica = [a, b, c][used.len() % 3];
+        let model = ["demo", "proxied"][used.len() % 2];
+        let response = client()
+            .post(url(replica, "/v1/chat/completions"))
+            .bearer_auth("sk-erin")
+            .json(&json!({
+                "model": model,
+                "messages": [{"role": "user", "content": long}],
+                "max_tokens": 4,
+            }))
+            .send()
+            .unwrap();
+        let status = response.status().as_u16();
+        let retry_after = response.headers().get("retry-after").cloned();
+        let body: Value = response.json().unwrap();
+        match status {
+            200 => used.push(body["usage"]["total_tokens"].as_u64().unwrap()),
+            429 => {
+                assert!(retry_after.is_some());
+                break body;
+            }
+            other => panic!("status {other}: {body}"),
+        }
+    };
+    assert_eq!(refused["error"]["code"], json!("rate_limit_exceeded"));
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("tokens per minute"),
+        "{refused}"
+    );
+    let total: u64 = used.iter().sum();
+    let refill = (started.elapsed().as_secs_f64() * TPM as f64 / 60.0).ceil() as u64;
+    assert!(total >= TPM, "refused after {total} tokens: {used:?}");
+    // Let in only while under the limit. A request's tokens are charged as its answer ends, so
+    // the next one may overtake the charge of the one before it: the last two are left out.
+    let before_last_two: u64 = used[..used.len().saturating_sub(2)].iter().sum();
+    assert!(
+        before_last_two < TPM + refill,
+        "let in after {before_last_two} tokens: {used:?}"
+    );
+    // Her tokens are her own.
     assert_eq!(get(a, "sk-alice", "/v1/models").0, 200);
 
     // Dave's requests in flight hold in sum: uploads whose bodies never finish arriving hold his

@@ -18,6 +18,7 @@ use super::{Gateway, Route, UpstreamMedia};
 use crate::chat::{self, ChatServices, Generation, NativeModel, Prepared, Step};
 use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
+use crate::keylimits::TokenTally;
 use crate::model::PromptModel;
 use crate::openai::{self, ChatCompletionRequest};
 use crate::store::Caller;
@@ -51,9 +52,14 @@ struct RoutingFields<'a> {
 }
 
 impl Gateway {
-    pub(super) async fn chat_completions(&self, session: &mut ServerSession) {
+    /// Answers a chat completion; what it used is told to `tally` (the caller's tokens per minute).
+    pub(super) async fn chat_completions(
+        &self,
+        session: &mut ServerSession,
+        tally: Option<&TokenTally>,
+    ) {
         let started = Instant::now();
-        let outcome = self.chat_inner(session).await;
+        let outcome = self.chat_inner(session, tally).await;
         let (route, status) = match &outcome {
             Ok(answered) => *answered,
             Err((route, error)) => (*route, error.status),
@@ -70,10 +76,14 @@ impl Gateway {
     async fn chat_inner(
         &self,
         session: &mut ServerSession,
+        tally: Option<&TokenTally>,
     ) -> Result<(&'static str, StatusCode), (&'static str, ApiError)> {
         let body = read_body(session, self.limits.max_body_bytes)
             .await
             .map_err(|e| ("none", e))?;
+        if let Some(tally) = tally {
+            tally.request(body.len());
+        }
         let routing: RoutingFields =
             serde_json::from_slice(&body).map_err(|e| ("none", invalid_json(&e)))?;
         let caller = self.caller(session);
@@ -94,7 +104,7 @@ impl Gateway {
                 let key = pool.balance_key(&body, routing.user.as_deref());
                 let client = self.client_hop(session.client_addr());
                 match pool
-                    .forward(session, body.clone(), &key, &additions, &client)
+                    .forward(session, body.clone(), &key, &additions, &client, tally)
                     .await
                 {
                     Forwarded::Answered(status) => Ok(("upstream", status)),
@@ -104,7 +114,7 @@ impl Gateway {
             Some(Route::Native(model)) => {
                 let request = chat_request(&body).map_err(|e| ("native", e))?;
                 drop(body);
-                self.native(session, &caller, model, request)
+                self.native(session, &caller, model, request, tally)
                     .await
                     .map(|()| ("native", StatusCode::OK))
                     .map_err(|e| ("native", e))
@@ -257,8 +267,14 @@ impl Gateway {
         caller: &Caller,
         model: &NativeModel,
         request: ChatCompletionRequest,
+        tally: Option<&TokenTally>,
     ) -> Result<(), ApiError> {
         let prepared = self.prepare(caller, model, request).await?;
+        let used = |usage: &Value| {
+            if let (Some(tally), Some(total)) = (tally, usage["total_tokens"].as_u64()) {
+                tally.used(total);
+            }
+        };
         let (stream, include_usage) = (prepared.stream, prepared.include_usage);
         let mut generation = Generation::start(model, prepared)?;
         let id = completion_id();
@@ -273,6 +289,7 @@ impl Gateway {
                 match generation.next().await? {
                     Step::Text(delta) => text.push_str(&delta),
                     Step::Done { finish, usage } => {
+                        used(&usage);
                         let reply =
                             openai::completion_json(&id, created, name, &text, finish, usage);
                         write_json(session, StatusCode::OK, &reply).await;
@@ -306,6 +323,7 @@ impl Gateway {
                     events.send(&chunk).await
                 }
                 Ok(Step::Done { finish, usage }) => {
+                    used(&usage);
                     let last = openai::chunk_json(&id, created, name, json!({}), Some(finish));
                     let mut sent = events.send(&last).await;
                     if include_usage && sent.is_ok() {

@@ -23,7 +23,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::Gateway;
 use crate::error::ApiError;
 use crate::http1::{self, Request, RequestCheck};
-use crate::upstream::Relayed;
+use crate::upstream::{ClientSide, Relayed};
 
 use super::replay::Replay;
 
@@ -114,7 +114,7 @@ impl Gateway {
             return Lane::Pingora;
         };
         let request = buf.split_to(passable.len());
-        let _permit = match self
+        let permit = match self
             .key_limits
             .admit(&self.caller_for(authorization_of(&request, &passable)))
             .await
@@ -143,9 +143,16 @@ impl Gateway {
         let closing = *shutdown.borrow();
         let digest = stream.get_socket_digest();
         let client = self.client_hop(digest.as_deref().and_then(|d| d.peer_addr()));
-        let relayed = pool
-            .relay(stream, &request, &passable, &key, closing, &client)
-            .await;
+        let tally = permit.tally();
+        if let Some(tally) = tally {
+            tally.request(passable.len() - passable.head_len);
+        }
+        let side = ClientSide {
+            hop: &client,
+            closing,
+            tally,
+        };
+        let relayed = pool.relay(stream, &request, &passable, &key, side).await;
         let (status, keep_alive) = match relayed {
             Relayed::Answered { status, keep_alive } => (status, keep_alive),
             Relayed::Failed(error) => {

@@ -23,7 +23,7 @@ use crate::config::RequestLimits;
 use crate::error::ApiError;
 use crate::fetch::Fetcher;
 use crate::files::FileStore;
-use crate::keylimits::KeyLimits;
+use crate::keylimits::{KeyLimits, Permit};
 use crate::metrics::{Metrics, ModelGauges, Snapshot};
 use crate::model::PromptModel;
 use crate::plugins::{LivePlugins, ReloadGuard};
@@ -79,7 +79,7 @@ pub struct Gateway {
     pub metrics: Metrics,
     /// The shared store, when replicas share one (its users hold it too; here for readiness).
     pub redis: Option<Arc<Redis>>,
-    /// Requests per minute and in flight, per API key.
+    /// Requests and tokens per minute and requests in flight, per API key.
     pub key_limits: KeyLimits,
     /// Set on SIGTERM: `/ready` answers 503 so that load balancers stop sending traffic here.
     pub draining: Draining,
@@ -116,7 +116,8 @@ impl Gateway {
         let result: Result<Value, ApiError> = match (method.as_str(), path.as_str()) {
             ("POST", "/v1/chat/completions") => {
                 // Writes its own response (it may stream) and records its own metrics.
-                return self.chat_completions(session).await;
+                let tally = _permit.as_ref().and_then(Permit::tally);
+                return self.chat_completions(session, tally).await;
             }
             ("GET", "/metrics") => {
                 let text = self.metrics.render(self.snapshot());

@@ -23,7 +23,7 @@ mod relay;
 pub mod tls;
 
 pub use forwarded::ClientHop;
-pub use relay::Relayed;
+pub use relay::{ClientSide, Relayed};
 
 use std::borrow::Cow;
 use std::collections::BTreeSet;
@@ -52,6 +52,7 @@ use tokio::io::AsyncWriteExt;
 use crate::config::{Balance, ModelConfig, UpstreamAddr};
 use crate::error::ApiError;
 use crate::http1::HopByHop;
+use crate::keylimits::TokenTally;
 
 /// How long connecting to an upstream server (TLS handshake included) may take before the next
 /// one is tried.
@@ -341,6 +342,7 @@ impl UpstreamPool {
         key: &[u8],
         additions: &ReplyAdditions,
         client: &ClientHop,
+        tally: Option<&TokenTally>,
     ) -> Forwarded {
         if !valid_target(origin_form(downstream.req_header())) {
             return Forwarded::Failed(bad_gateway(
@@ -395,8 +397,9 @@ impl UpstreamPool {
             if let Some(media) = &additions.usage_media
                 && has_content_type(&response, "application/json")
             {
+                let idle_key = (server, target.id);
                 return self
-                    .answer_with_usage_media(downstream, upstream, response, media, server, &target)
+                    .answer_with_usage_media(downstream, upstream, response, media, idle_key, tally)
                     .await;
             }
             let event_stream = has_content_type(&response, "text/event-stream");
@@ -415,6 +418,9 @@ impl UpstreamPool {
                     });
                 match read {
                     Ok(Some(chunk)) => {
+                        if let Some(tally) = tally {
+                            tally.answer(&chunk);
+                        }
                         if let Err(e) = downstream.write_response_body(chunk, false).await {
                             // The client left: the upstream connection is dropped, not reused.
                             tracing::debug!(error = %e, "client went away mid-answer");
@@ -462,9 +468,10 @@ impl UpstreamPool {
         mut upstream: UpstreamSession,
         mut response: ResponseHeader,
         media: &Value,
-        server: SocketAddr,
-        target: &Target,
+        idle_key: idle::Key,
+        tally: Option<&TokenTally>,
     ) -> Forwarded {
+        let (server, _) = idle_key;
         let status = response.status;
         let mut body = Vec::new();
         loop {
@@ -486,6 +493,9 @@ impl UpstreamPool {
             }
         }
         let body = with_usage_media(body, media);
+        if let Some(tally) = tally {
+            tally.answer(&body);
+        }
         let _ = response.remove_header(&http::header::TRANSFER_ENCODING);
         let _ = response.insert_header(http::header::CONTENT_LENGTH, body.len());
         if let Err(e) = downstream.write_response_header(Box::new(response)).await {
@@ -501,7 +511,7 @@ impl UpstreamPool {
         }
         upstream.respect_keepalive();
         if let Some(stream) = upstream.reuse().await {
-            idle::put((server, target.id), stream);
+            idle::put(idle_key, stream);
         }
         Forwarded::Answered(status)
     }

@@ -12,6 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::{Attempts, ClientHop, Connection, Target, UpstreamAuth, UpstreamPool, idle};
 use crate::error::ApiError;
 use crate::http1::{self, Framing, Passable, ResponseHead};
+use crate::keylimits::TokenTally;
 
 /// A response head larger than this is refused (pingora's own limit for a head is about as large).
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
@@ -43,20 +44,33 @@ enum HeadError {
     TooLarge,
 }
 
+/// The client a request is relayed for.
+pub struct ClientSide<'c> {
+    /// Who sent the request, as the upstream is told.
+    pub hop: &'c ClientHop,
+    /// Whether the client's connection closes after this answer.
+    pub closing: bool,
+    /// Where the answer's bytes are told, for the caller's tokens per minute.
+    pub tally: Option<&'c TokenTally>,
+}
+
 impl UpstreamPool {
-    /// Sends `request` (the client's bytes, `passable` says what they hold; `hop` who sent them)
-    /// to a healthy server and relays its answer to `client` (saying the connection closes after
-    /// it when `closing`). Servers are tried as [`UpstreamPool::forward`] tries them
-    /// ([`Attempts`]).
+    /// Sends `request` (the client's bytes, `passable` says what they hold) to a healthy server
+    /// and relays its answer to `client`. Servers are tried as [`UpstreamPool::forward`] tries
+    /// them ([`Attempts`]).
     pub async fn relay(
         &self,
         client: &mut Stream,
         request: &[u8],
         passable: &Passable,
         key: &[u8],
-        closing: bool,
-        hop: &ClientHop,
+        side: ClientSide<'_>,
     ) -> Relayed {
+        let ClientSide {
+            hop,
+            closing,
+            tally,
+        } = side;
         let mut attempts = Attempts::new(self, key);
         while let Some(Connection {
             server,
@@ -89,6 +103,7 @@ impl UpstreamPool {
                         closing,
                         model: &self.model,
                         timeout: self.answer_timeout,
+                        tally,
                     };
                     relay_answer(client, upstream, buf, head, answer).await
                 }
@@ -162,6 +177,7 @@ struct Answer<'m> {
     model: &'m str,
     /// How long the upstream may take to send each next piece.
     timeout: std::time::Duration,
+    tally: Option<&'m TokenTally>,
 }
 
 /// Relays the answer whose head `buf` starts with, then keeps the upstream connection for the
@@ -178,6 +194,7 @@ async fn relay_answer(
         closing,
         model,
         timeout,
+        tally,
     } = answer;
     let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let (server, _) = idle_key;
@@ -201,6 +218,9 @@ async fn relay_answer(
         }
     };
     out.extend_from_slice(&buf[..progress.body]);
+    if let Some(tally) = tally {
+        tally.answer(&buf[..progress.body]);
+    }
     let mut overread = buf.len() > progress.body;
     if let Err(e) = write(client, &out).await {
         return client_gone(status, &e);
@@ -228,6 +248,9 @@ async fn relay_answer(
             }
         };
         overread |= buf.len() > progress.body;
+        if let Some(tally) = tally {
+            tally.answer(&buf[..progress.body]);
+        }
         if let Err(e) = write(client, &buf[..progress.body]).await {
             return client_gone(status, &e);
         }

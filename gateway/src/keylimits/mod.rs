@@ -1,6 +1,7 @@
 //! Per-API-key limits: requests per minute (GCRA: a minute's worth may come at once, then the
-//! allowance refills evenly) and requests in flight. In this process, or in the shared store so
-//! that they hold in sum across replicas. Each [`Caller`] has its own allowance; a gateway without
+//! allowance refills evenly), tokens per minute (the same allowance in tokens, charged when an
+//! answer ends with what it used: see [`tally`]) and requests in flight. In this process, or in the
+//! shared store so that they hold in sum across replicas. Each [`Caller`] has its own allowance; a gateway without
 //! API keys has one caller, `public`, so the limits are then the gateway's as a whole.
 //!
 //! If the shared store is unreachable, requests go through unlimited (and a warning is logged):
@@ -17,11 +18,21 @@ use serde::Deserialize;
 use crate::error::ApiError;
 use crate::store::{Caller, Redis};
 
+mod tally;
+
+pub use tally::TokenTally;
+
+/// The window of both per-minute limits.
+const MINUTE: Duration = Duration::from_secs(60);
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct KeyLimitsConfig {
     /// Requests one API key may make per minute (absent: no limit).
     pub requests_per_minute: Option<u32>,
+    /// Tokens (prompt and completion) one API key may use per minute (absent: no limit). A
+    /// request is let in while the key has tokens left and charged what it used when it ends.
+    pub tokens_per_minute: Option<u64>,
     /// Requests of one API key in flight at once (absent: no limit).
     pub concurrent_requests: Option<u32>,
     /// How long a replica's claim on a concurrent slot lasts in the shared store if the replica dies
@@ -33,6 +44,7 @@ impl Default for KeyLimitsConfig {
     fn default() -> Self {
         KeyLimitsConfig {
             requests_per_minute: None,
+            tokens_per_minute: None,
             concurrent_requests: None,
             // Past the default upstream timeout (10 minutes), so a live request keeps its slot.
             concurrent_lease_seconds: 900,
@@ -42,20 +54,81 @@ impl Default for KeyLimitsConfig {
 
 impl KeyLimitsConfig {
     pub fn validate(&self) -> anyhow::Result<()> {
-        if self.requests_per_minute == Some(0) || self.concurrent_requests == Some(0) {
+        if self.requests_per_minute == Some(0)
+            || self.tokens_per_minute == Some(0)
+            || self.concurrent_requests == Some(0)
+        {
             anyhow::bail!("key_limits must be above 0 (leave a limit out for none)");
         }
         Ok(())
     }
 
     fn is_empty(&self) -> bool {
-        self.requests_per_minute.is_none() && self.concurrent_requests.is_none()
+        self.requests_per_minute.is_none()
+            && self.tokens_per_minute.is_none()
+            && self.concurrent_requests.is_none()
+    }
+
+    /// How long one token holds a caller's allowance (a minute over the limit).
+    fn per_token(&self, tokens_per_minute: u64) -> Duration {
+        MINUTE / u32::try_from(tokens_per_minute).unwrap_or(u32::MAX)
     }
 }
 
-/// A request let in: holds its concurrent slot until dropped.
+/// A request let in: holds its concurrent slot until dropped, and then charges its tokens.
 pub struct Permit {
     release: Option<Release>,
+    tokens: Option<TokenCharge>,
+}
+
+impl Permit {
+    fn unlimited() -> Permit {
+        Permit {
+            release: None,
+            tokens: None,
+        }
+    }
+
+    /// Where the request's tokens are told, when its caller has a tokens-per-minute limit.
+    pub fn tally(&self) -> Option<&TokenTally> {
+        self.tokens.as_ref().map(|charge| &charge.tally)
+    }
+}
+
+/// The tokens a request used, charged to its caller when its permit drops.
+struct TokenCharge {
+    tally: TokenTally,
+    caller: Caller,
+    per_token: Duration,
+    to: ChargeTo,
+}
+
+enum ChargeTo {
+    Memory(Arc<Mutex<MemoryState>>),
+    Redis(Arc<Redis>, String),
+}
+
+impl TokenCharge {
+    fn charge(self) {
+        let tokens = self.tally.tokens();
+        let cost = self
+            .per_token
+            .saturating_mul(u32::try_from(tokens).unwrap_or(u32::MAX));
+        match self.to {
+            ChargeTo::Memory(state) => {
+                let now = Instant::now();
+                let mut state = lock(&state);
+                let tat = state.token_tat.get(&self.caller).copied().unwrap_or(now);
+                state.token_tat.insert(self.caller, tat.max(now) + cost);
+            }
+            ChargeTo::Redis(redis, key) => {
+                let micros = u64::try_from(cost.as_micros()).unwrap_or(u64::MAX);
+                redis.spawn(move |mut c| async move {
+                    CHARGE.key(key).arg(micros).invoke_async::<()>(&mut c).await
+                });
+            }
+        }
+    }
 }
 
 enum Release {
@@ -65,6 +138,9 @@ enum Release {
 
 impl Drop for Permit {
     fn drop(&mut self) {
+        if let Some(charge) = self.tokens.take() {
+            charge.charge();
+        }
         match self.release.take() {
             Some(Release::Memory(state, caller)) => {
                 let mut state = lock(&state);
@@ -101,8 +177,9 @@ enum Backend {
 
 #[derive(Default)]
 struct MemoryState {
-    /// GCRA's theoretical arrival time per caller.
+    /// GCRA's theoretical arrival time per caller, of requests and of tokens.
     tat: HashMap<Caller, Instant>,
+    token_tat: HashMap<Caller, Instant>,
     in_flight: HashMap<Caller, u32>,
 }
 
@@ -127,6 +204,35 @@ static RATE: LazyLock<Script> = LazyLock::new(|| {
         if now < allow_at then return allow_at - now end
         redis.call('SET', KEYS[1], tat + interval, 'PX', math.ceil((tat + interval - now) / 1000) + 1)
         return 0
+        ",
+    )
+});
+
+/// KEYS: the caller's tokens GCRA key. ARGV: the window in microseconds. Returns 0 while the caller
+/// has tokens left, else the microseconds until it has.
+static TOKENS_LEFT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+        local t = redis.call('TIME')
+        local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+        local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+        local wait = tat - now - tonumber(ARGV[1])
+        if wait >= 0 then return wait + 1 end
+        return 0
+        ",
+    )
+});
+
+/// KEYS: the caller's tokens GCRA key. ARGV: the cost of what a request used, in microseconds.
+static CHARGE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+        local t = redis.call('TIME')
+        local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+        local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+        if tat < now then tat = now end
+        tat = tat + tonumber(ARGV[1])
+        redis.call('SET', KEYS[1], tat, 'PX', math.ceil((tat - now) / 1000) + 1)
         ",
     )
 });
@@ -165,7 +271,7 @@ impl KeyLimits {
     /// Lets `caller`'s request in, or refuses it with 429 and when to retry.
     pub async fn admit(&self, caller: &Caller) -> Result<Permit, ApiError> {
         if self.config.is_empty() {
-            return Ok(Permit { release: None });
+            return Ok(Permit::unlimited());
         }
         match &self.backend {
             Backend::Memory(state) => self.admit_in_memory(state, caller, Instant::now()),
@@ -180,6 +286,23 @@ impl KeyLimits {
         now: Instant,
     ) -> Result<Permit, ApiError> {
         let mut guard = lock(state);
+        let tokens = match self.config.tokens_per_minute {
+            Some(tpm) => {
+                if let Some(tat) = guard.token_tat.get(caller)
+                    && let Some(wait) = tat.checked_duration_since(now + MINUTE)
+                {
+                    return Err(tokens_used_up(wait));
+                }
+                guard.token_tat.retain(|_, t| *t > now);
+                Some(TokenCharge {
+                    tally: TokenTally::default(),
+                    caller: caller.clone(),
+                    per_token: self.config.per_token(tpm),
+                    to: ChargeTo::Memory(state.clone()),
+                })
+            }
+            None => None,
+        };
         if let Some(rpm) = self.config.requests_per_minute {
             let interval = Duration::from_secs(60) / rpm;
             let tat = guard.tat.get(caller).copied().unwrap_or(now).max(now);
@@ -202,7 +325,7 @@ impl KeyLimits {
             }
             None => None,
         };
-        Ok(Permit { release })
+        Ok(Permit { release, tokens })
     }
 
     async fn admit_in_redis(
@@ -210,6 +333,34 @@ impl KeyLimits {
         redis: &Arc<Redis>,
         caller: &Caller,
     ) -> Result<Permit, ApiError> {
+        let tokens = match self.config.tokens_per_minute {
+            Some(tpm) => {
+                let key = redis.key(&["limits", caller.as_str(), "tpm"]);
+                let window = MINUTE.as_micros() as u64;
+                let k = key.clone();
+                let wait = redis
+                    .run(move |mut c| async move {
+                        TOKENS_LEFT
+                            .key(k)
+                            .arg(window)
+                            .invoke_async::<u64>(&mut c)
+                            .await
+                    })
+                    .await;
+                match wait {
+                    Ok(0) => {}
+                    Ok(micros) => return Err(tokens_used_up(Duration::from_micros(micros))),
+                    Err(e) => return Ok(unchecked(&e)),
+                }
+                Some(TokenCharge {
+                    tally: TokenTally::default(),
+                    caller: caller.clone(),
+                    per_token: self.config.per_token(tpm),
+                    to: ChargeTo::Redis(redis.clone(), key),
+                })
+            }
+            None => None,
+        };
         if let Some(rpm) = self.config.requests_per_minute {
             let key = redis.key(&["limits", caller.as_str(), "rpm"]);
             let interval = 60_000_000 / u64::from(rpm);
@@ -229,7 +380,10 @@ impl KeyLimits {
             }
         }
         let Some(limit) = self.config.concurrent_requests else {
-            return Ok(Permit { release: None });
+            return Ok(Permit {
+                release: None,
+                tokens,
+            });
         };
         let key = redis.key(&["limits", caller.as_str(), "in-flight"]);
         let lease = format!("{:032x}", rand::random::<u128>());
@@ -249,6 +403,7 @@ impl KeyLimits {
         match taken {
             Ok(1) => Ok(Permit {
                 release: Some(Release::Redis(redis.clone(), key, lease)),
+                tokens,
             }),
             Ok(_) => Err(too_many_in_flight(limit)),
             Err(e) => Ok(unchecked(&e)),
@@ -259,16 +414,24 @@ impl KeyLimits {
 /// The store did not answer: the request goes through unlimited (see the module's note).
 fn unchecked(error: &crate::store::Unavailable) -> Permit {
     tracing::warn!(error = %error, "per-key limits unchecked: the store is unreachable");
-    Permit { release: None }
+    Permit::unlimited()
 }
 
 fn rate_limited(wait: Duration) -> ApiError {
+    used_up("requests", wait)
+}
+
+fn tokens_used_up(wait: Duration) -> ApiError {
+    used_up("tokens", wait)
+}
+
+fn used_up(what: &str, wait: Duration) -> ApiError {
     // Whole seconds, rounded up: a client retrying then is let in.
     let seconds = wait.as_micros().div_ceil(1_000_000).max(1) as u64;
     let mut error = ApiError::new(
         StatusCode::TOO_MANY_REQUESTS,
         "rate_limit_exceeded",
-        format!("this API key's requests per minute are used up; retry in {seconds} s"),
+        format!("this API key's {what} per minute are used up; retry in {seconds} s"),
     );
     error.retry_after = Some(seconds);
     error
@@ -289,10 +452,19 @@ mod tests {
     use super::*;
 
     fn limits(rpm: Option<u32>, concurrent: Option<u32>) -> (KeyLimits, Arc<Mutex<MemoryState>>) {
+        with_tokens(rpm, None, concurrent)
+    }
+
+    fn with_tokens(
+        rpm: Option<u32>,
+        tpm: Option<u64>,
+        concurrent: Option<u32>,
+    ) -> (KeyLimits, Arc<Mutex<MemoryState>>) {
         let state = Arc::<Mutex<MemoryState>>::default();
         let limits = KeyLimits {
             config: KeyLimitsConfig {
                 requests_per_minute: rpm,
+                tokens_per_minute: tpm,
                 concurrent_requests: concurrent,
                 concurrent_lease_seconds: 60,
             },
@@ -336,5 +508,40 @@ mod tests {
         assert_eq!(lock(&state).in_flight.get(&a), Some(&1));
         drop(third);
         assert!(lock(&state).in_flight.is_empty());
+    }
+
+    #[test]
+    fn a_key_is_let_in_while_it_has_tokens_left_and_charged_what_it_used() {
+        let (limits, state) = with_tokens(None, Some(600), None);
+        let (a, b) = (Caller::for_key("a"), Caller::for_key("b"));
+        let now = Instant::now();
+        // Two requests in flight at once may both be let in: tokens are charged when they end.
+        let first = limits.admit_in_memory(&state, &a, now);
+        let second = limits.admit_in_memory(&state, &a, now);
+        let (Ok(first), Ok(second)) = (first, second) else {
+            panic!("a key with its tokens left was refused");
+        };
+        if let Some(tally) = first.tally() {
+            tally.used(500);
+        }
+        drop(first);
+        // 500 of 600 used: still some left.
+        let third = limits.admit_in_memory(&state, &a, Instant::now());
+        assert!(third.is_ok());
+        if let Some(tally) = second.tally() {
+            tally.used(400);
+        }
+        drop(second);
+        // 900 used: 300 over the minute's 600, which take 30 s (10 tokens a second) to refill.
+        let refused = limits.admit_in_memory(&state, &a, Instant::now()).err();
+        assert_eq!(refused.as_ref().map(|e| e.status.as_u16()), Some(429));
+        let retry = refused.and_then(|e| e.retry_after);
+        assert!(matches!(retry, Some(29..=30)), "{retry:?}");
+        // Another key has its own tokens.
+        assert!(limits.admit_in_memory(&state, &b, Instant::now()).is_ok());
+        // 30 s later the key has tokens again.
+        let later = Instant::now() + Duration::from_secs(31);
+        assert!(limits.admit_in_memory(&state, &a, later).is_ok());
+        drop(third);
     }
 }
