@@ -283,6 +283,11 @@ const CHUNKS: [&str; 3] = [
     "9\r\n\ndata: 2\n\r\n",
     "0\r\nx-trailer: t\r\n\r\n",
 ];
+/// What the `flood` case sends at most, and what each flood came to: bytes written, and whether
+/// the gateway dropped the connection before the end.
+const FLOOD_BYTES: usize = 512 << 20;
+static FLOODS: Mutex<Vec<(usize, bool)>> = Mutex::new(Vec::new());
+
 const JSON_BODY: &str = r#"{"object":"chat.completion","model":"demo","choices":[]}"#;
 
 fn serve_scripted(stream: TcpStream, connection: usize, log: &Mutex<Vec<Seen>>) {
@@ -384,6 +389,25 @@ fn serve_scripted(stream: TcpStream, connection: usize, log: &Mutex<Vec<Seen>>) 
             "silent" => {
                 std::thread::sleep(Duration::from_secs(60));
                 false
+            }
+            // A stream of events far larger than any buffer, sent as fast as it is taken; how much
+            // went out, and whether the connection was dropped under it, go to FLOODS.
+            "flood" => {
+                write!(out, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n").unwrap();
+                let event = format!("data: {}\n\n", "x".repeat(64 * 1024 - 8));
+                let chunk = format!("{:x}\r\n{event}\r\n", event.len());
+                let mut written = 0;
+                let dropped = loop {
+                    if written >= FLOOD_BYTES {
+                        break false;
+                    }
+                    if out.write_all(chunk.as_bytes()).is_err() {
+                        break true;
+                    }
+                    written += chunk.len();
+                };
+                FLOODS.lock().unwrap().push((written, dropped));
+                return;
             }
             // A stream of events that dies after its first event (the engine killed mid-stream).
             "dies" => {
@@ -1083,5 +1107,114 @@ fn an_upstream_that_never_answers_times_out() {
             "upstream_timeout",
             "{extra:?}"
         );
+    }
+}
+
+/// A client that reads none of its answer holds no more of it than the sockets' buffers: after
+/// `send_timeout_ms` the gateway drops it, and the upstream connection with it (nothing is kept
+/// for it in memory meanwhile) — through the lane and through pingora's session.
+#[test]
+fn a_client_that_reads_nothing_is_dropped_and_its_answer_is_not_buffered() {
+    let (upstream, _seen) = scripted_upstream();
+    let (front, _d) = start(&format!(
+        "models = [{{ name = \"demo\", upstreams = [\"{upstream}\"], health_check = {{ path = \"\", interval_ms = 3600000 }} }}]\n\
+         [connections]\nsend_timeout_ms = 500\n"
+    ));
+    for (n, extra) in ["", "Connection: close\r\n"].into_iter().enumerate() {
+        let mut client = connect(&front);
+        send(
+            &mut client,
+            &chat_request("demo", &format!("X-Case: flood\r\n{extra}")),
+        );
+        // The client reads nothing until the upstream's flood has ended.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let (written, dropped) = loop {
+            if let Some(&flood) = FLOODS.lock().unwrap().get(n) {
+                break flood;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{extra:?}: the gateway kept reading for a client that reads nothing"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(dropped, "{extra:?}: all {written} bytes were taken");
+        // The sockets' buffers on the way (a few MiB each on loopback), not the flood.
+        assert!(written < 64 << 20, "{extra:?}: {written} bytes taken");
+        let mut received = Vec::new();
+        let _ = client.read_to_end(&mut received);
+        assert!(received.len() <= written + 4096, "{extra:?}");
+    }
+    // The gateway serves on.
+    let (response, _) = answer(&front, b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n");
+    assert_eq!(response.status, 200);
+}
+
+/// Slowloris: a head sent a byte at a time gets 408 `request_timeout` once `head_timeout_ms` has
+/// passed, however often its bytes come, and the connection is closed; a new connection that sends
+/// nothing is closed too.
+#[test]
+fn a_head_sent_a_byte_at_a_time_is_cut_off() {
+    let (front, _d, _, _) = scripted_front_with("connections = { head_timeout_ms = 800 }\n");
+    let mut client = connect(&front);
+    let mut writer = client.get_ref().try_clone().unwrap();
+    let trickle = std::thread::spawn(move || {
+        let head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nX-Slow: ";
+        writer.write_all(head).unwrap();
+        // A byte every 100 ms, for at most a minute: far within any per-read timeout.
+        for _ in 0..600 {
+            if writer.write_all(b"a").is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let response = read_response(&mut client);
+    assert_eq!(response.status, 408);
+    assert_eq!(response.json()["error"]["code"], "request_timeout");
+    let mut rest = Vec::new();
+    let _ = client.read_to_end(&mut rest);
+    trickle.join().unwrap();
+
+    let mut silent = connect(&front);
+    let mut nothing = Vec::new();
+    assert_eq!(silent.read_to_end(&mut nothing).ok(), Some(0));
+}
+
+/// Past `connections.max` open connections a new one is answered 503 `server_busy` with
+/// `Retry-After`; when one closes, its slot comes back.
+#[test]
+fn connections_past_the_cap_are_refused_until_one_closes() {
+    let (front, _d, _, _) = scripted_front_with("connections = { max = 3 }\n");
+    let health = b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n";
+    // Three kept-alive connections, each with a request served (so each is surely open).
+    let mut held: Vec<BufReader<TcpStream>> = (0..3)
+        .map(|_| {
+            let mut client = connect(&front);
+            client.get_mut().write_all(health).unwrap();
+            assert_eq!(read_response(&mut client).status, 200);
+            client
+        })
+        .collect();
+    let (refused, closed) = answer(&front, health);
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.json()["error"]["code"], "server_busy");
+    assert!(refused.header("retry-after").is_some());
+    assert!(closed);
+    // The held connections still work.
+    held[0].get_mut().write_all(health).unwrap();
+    assert_eq!(read_response(&mut held[0]).status, 200);
+    drop(held.pop());
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (response, _) = answer(&front, health);
+        if response.status == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slot never came back"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }

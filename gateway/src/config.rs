@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use mmgate_host::{CompileCache, SandboxLimits};
@@ -54,6 +55,8 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     /// What one request may carry.
     pub limits: RequestLimits,
+    /// How many client connections, and how long a client may take to send and to receive.
+    pub connections: ConnectionsConfig,
     /// Fetching http(s) media URLs.
     pub fetch: FetchConfig,
     /// The `/v1/files` upload store.
@@ -404,6 +407,61 @@ impl Default for RequestLimits {
     }
 }
 
+/// Client connections: how many at once, and the clock each runs on. Clients that hold a
+/// connection without using it (slowloris: a head sent a byte at a time; a client that reads none
+/// of its answer) are cut off instead of holding memory and a slot for ever.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ConnectionsConfig {
+    /// Client connections open at once; one more is answered 503 `server_busy` and closed.
+    pub max: usize,
+    /// How long a request's head may take to arrive, from a new connection's start or a kept-alive
+    /// one's first byte of it (408 `request_timeout`, as nginx's `client_header_timeout`).
+    pub head_timeout_ms: u64,
+    /// How long a kept-alive connection may wait for its next request, and a request body for
+    /// each next piece.
+    pub idle_timeout_ms: u64,
+    /// How long a client may take none of its answer before the connection is dropped (and its
+    /// generation cancelled), as nginx's `send_timeout`.
+    pub send_timeout_ms: u64,
+}
+
+impl Default for ConnectionsConfig {
+    fn default() -> Self {
+        ConnectionsConfig {
+            max: 4096,
+            head_timeout_ms: 30_000,
+            idle_timeout_ms: 60_000,
+            send_timeout_ms: 60_000,
+        }
+    }
+}
+
+impl ConnectionsConfig {
+    fn validate(&self) -> anyhow::Result<()> {
+        if self.max == 0
+            || self.head_timeout_ms == 0
+            || self.idle_timeout_ms == 0
+            || self.send_timeout_ms == 0
+        {
+            bail!("connections: max and the timeouts must be positive");
+        }
+        Ok(())
+    }
+
+    pub fn head_timeout(&self) -> Duration {
+        Duration::from_millis(self.head_timeout_ms)
+    }
+
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.idle_timeout_ms)
+    }
+
+    pub fn send_timeout(&self) -> Duration {
+        Duration::from_millis(self.send_timeout_ms)
+    }
+}
+
 fn default_max_running() -> usize {
     16
 }
@@ -526,6 +584,7 @@ impl Default for Config {
             trusted_proxies: Vec::new(),
             tls: None,
             limits: RequestLimits::default(),
+            connections: ConnectionsConfig::default(),
             fetch: FetchConfig::default(),
             files: FilesConfig::default(),
             key_limits: KeyLimitsConfig::default(),
@@ -608,6 +667,7 @@ impl Config {
         }
         self.store.validate()?;
         self.key_limits.validate()?;
+        self.connections.validate()?;
         if let Some(tls) = &self.tls {
             crate::upstream::tls::check_server_files(&tls.cert, &tls.key).context("tls")?;
         }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use mmgate_host::PluginPool;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use pingora::server::configuration::ServerConf;
@@ -151,6 +151,8 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
         files,
         fetcher: Fetcher::new(config.fetch.clone())?,
         limits: config.limits.clone(),
+        connections: config.connections.clone(),
+        open_connections: AtomicUsize::new(0),
         api_keys: config.api_keys.clone(),
         trusted_proxies: config.trusted_proxies.clone(),
         https: config.tls.is_some(),

@@ -9,6 +9,7 @@
 //! has read; the lane takes the connection back after it.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -21,15 +22,12 @@ use pingora::server::ShutdownWatch;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::Gateway;
+use crate::config::ConnectionsConfig;
 use crate::error::ApiError;
 use crate::http1::{self, Request, RequestCheck};
 use crate::upstream::{ClientSide, Relayed};
 
 use super::replay::Replay;
-
-/// How long a kept-alive connection may sit idle, and a request take to arrive (as pingora's
-/// session waits).
-const READ_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A head the lane has not recognised within this many bytes goes to pingora (which allows more).
 const MAX_LANE_HEAD: usize = 16 * 1024;
@@ -63,16 +61,85 @@ impl ServerApp for App {
         mut stream: Stream,
         shutdown: &ShutdownWatch,
     ) -> Option<Stream> {
+        let gateway = &self.0;
+        let Some(_slot) = ConnectionSlot::take(gateway) else {
+            gateway.refuse_busy(&mut stream).await;
+            return None;
+        };
         let mut buf = BytesMut::new();
+        let mut clock = HeadClock::new_connection(&gateway.connections);
         loop {
-            match self.0.passthrough(&mut stream, &mut buf, shutdown).await {
+            match gateway
+                .passthrough(&mut stream, &mut buf, &mut clock, shutdown)
+                .await
+            {
                 Lane::Served { keep_alive: true } => {}
                 Lane::Served { .. } | Lane::Closed => return None,
                 Lane::Pingora => {
-                    (stream, buf) = self.0.serve_one(stream, buf, shutdown).await?;
+                    (stream, buf) = gateway.serve_one(stream, buf, shutdown).await?;
                 }
             }
+            clock = HeadClock::kept_alive(&gateway.connections);
         }
+    }
+}
+
+/// One of the `connections.max` client connections, given back when dropped.
+struct ConnectionSlot<'g>(&'g AtomicUsize);
+
+impl<'g> ConnectionSlot<'g> {
+    fn take(gateway: &'g Gateway) -> Option<ConnectionSlot<'g>> {
+        let open = &gateway.open_connections;
+        let max = gateway.connections.max;
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| ConnectionSlot(open))
+    }
+}
+
+impl Drop for ConnectionSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// When the head of the request being read must have arrived: `head_timeout` from a new
+/// connection's start, or from a kept-alive connection's first byte of its next request (which it
+/// may wait `idle_timeout` for).
+struct HeadClock {
+    deadline: Option<Instant>,
+    head: Duration,
+    idle: Duration,
+}
+
+impl HeadClock {
+    fn new_connection(config: &ConnectionsConfig) -> HeadClock {
+        HeadClock {
+            deadline: Some(Instant::now() + config.head_timeout()),
+            head: config.head_timeout(),
+            idle: config.idle_timeout(),
+        }
+    }
+
+    fn kept_alive(config: &ConnectionsConfig) -> HeadClock {
+        HeadClock {
+            deadline: None,
+            ..HeadClock::new_connection(config)
+        }
+    }
+
+    /// How long the next read of the head may wait, `buf` holding what has come of it.
+    fn wait(&mut self, buf: &[u8]) -> Duration {
+        if self.deadline.is_none() {
+            if buf.is_empty() {
+                return self.idle;
+            }
+            self.deadline = Some(Instant::now() + self.head);
+        }
+        self.deadline
+            .map_or(self.idle, |d| d.saturating_duration_since(Instant::now()))
     }
 }
 
@@ -83,19 +150,20 @@ impl Gateway {
         &self,
         stream: &mut Stream,
         buf: &mut BytesMut,
+        clock: &mut HeadClock,
         shutdown: &ShutdownWatch,
     ) -> Lane {
         let passable = loop {
             match http1::parse_request(buf, self.limits.max_body_bytes) {
                 Request::Passable(passable) => break passable,
-                Request::Other => return self.check_framing(stream, buf).await,
+                Request::Other => return self.check_framing(stream, buf, clock).await,
                 Request::Partial if buf.len() > MAX_LANE_HEAD => {
-                    return self.check_framing(stream, buf).await;
+                    return self.check_framing(stream, buf, clock).await;
                 }
                 Request::Partial => {}
             }
-            if !read_more(stream, buf).await {
-                return Lane::Closed;
+            if let Some(lane) = self.read_head(stream, buf, clock).await {
+                return lane;
             }
         };
         let started = Instant::now();
@@ -105,7 +173,7 @@ impl Gateway {
             return Lane::Pingora;
         }
         while buf.len() < passable.len() {
-            if !read_more(stream, buf).await {
+            if !self.read_body(stream, buf).await {
                 return Lane::Closed;
             }
         }
@@ -122,10 +190,11 @@ impl Gateway {
             Ok(permit) => permit,
             Err(error) => {
                 let closing = *shutdown.borrow();
-                let written = async {
-                    stream.write_all(&error_response(&error, closing)).await?;
-                    stream.flush().await
-                }
+                let written = send(
+                    stream,
+                    &error_response(&error, closing),
+                    self.connections.send_timeout(),
+                )
                 .await;
                 self.metrics.request_done(
                     "/v1/chat/completions",
@@ -151,15 +220,17 @@ impl Gateway {
             hop: &client,
             closing,
             tally,
+            send_timeout: self.connections.send_timeout(),
         };
         let relayed = pool.relay(stream, &request, &passable, &key, side).await;
         let (status, keep_alive) = match relayed {
             Relayed::Answered { status, keep_alive } => (status, keep_alive),
             Relayed::Failed(error) => {
-                let written = async {
-                    stream.write_all(&error_response(&error, closing)).await?;
-                    stream.flush().await
-                }
+                let written = send(
+                    stream,
+                    &error_response(&error, closing),
+                    self.connections.send_timeout(),
+                )
                 .await;
                 (error.status, written.is_ok() && !closing)
             }
@@ -177,7 +248,12 @@ impl Gateway {
     /// [`http1::RequestCheck`]) before pingora reads it: a request framed ambiguously is refused
     /// and the connection closed, a chunked body is followed to its end (refused if malformed), and
     /// a client that waits for `100 Continue` gets it.
-    async fn check_framing(&self, stream: &mut Stream, buf: &mut BytesMut) -> Lane {
+    async fn check_framing(
+        &self,
+        stream: &mut Stream,
+        buf: &mut BytesMut,
+        clock: &mut HeadClock,
+    ) -> Lane {
         let head = loop {
             match http1::check_request(buf) {
                 RequestCheck::Pass(head) => break head,
@@ -198,8 +274,8 @@ impl Gateway {
                 }
                 RequestCheck::Partial => {}
             }
-            if !read_more(stream, buf).await {
-                return Lane::Closed;
+            if let Some(lane) = self.read_head(stream, buf, clock).await {
+                return lane;
             }
         };
         let max_body = self.limits.max_body_bytes;
@@ -208,10 +284,11 @@ impl Gateway {
         let answered_from_head = head.content_length.is_some_and(|n| n > max_body)
             || self.check_key(head.authorization.map(|r| &buf[r])).is_err();
         if head.expects_continue && !answered_from_head && buf.len() == head.head_len {
-            let written = async {
-                stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
-                stream.flush().await
-            }
+            let written = send(
+                stream,
+                b"HTTP/1.1 100 Continue\r\n\r\n",
+                self.connections.send_timeout(),
+            )
             .await;
             if written.is_err() {
                 return Lane::Closed;
@@ -236,7 +313,7 @@ impl Gateway {
                 if at - head.head_len > max_body {
                     break;
                 }
-                if !read_more(stream, buf).await {
+                if !self.read_body(stream, buf).await {
                     return Lane::Closed;
                 }
             }
@@ -254,10 +331,11 @@ impl Gateway {
         message: &str,
     ) -> Lane {
         let error = ApiError::new(status, code, message);
-        let written = async {
-            stream.write_all(&error_response(&error, true)).await?;
-            stream.flush().await
-        }
+        let written = send(
+            stream,
+            &error_response(&error, true),
+            self.connections.send_timeout(),
+        )
         .await;
         if let Err(e) = written {
             tracing::debug!(error = %e, "answering a refused request");
@@ -265,6 +343,71 @@ impl Gateway {
         self.metrics
             .request_done("other", "none", status, Duration::ZERO);
         Lane::Served { keep_alive: false }
+    }
+
+    /// Reads more of a request's head as `clock` allows. `None` to go on; else the connection's
+    /// end: closed, or a head that did not arrive in time answered 408 (a connection that sent
+    /// nothing of it is closed without a word, as an idle one is).
+    async fn read_head(
+        &self,
+        stream: &mut Stream,
+        buf: &mut BytesMut,
+        clock: &mut HeadClock,
+    ) -> Option<Lane> {
+        match read_more(stream, buf, clock.wait(buf)).await {
+            Read::More => None,
+            Read::Closed => Some(Lane::Closed),
+            Read::TimedOut if buf.is_empty() => Some(Lane::Closed),
+            Read::TimedOut => {
+                let message = format!(
+                    "the request head did not arrive within {} ms",
+                    self.connections.head_timeout_ms
+                );
+                let status = StatusCode::REQUEST_TIMEOUT;
+                Some(
+                    self.refuse(stream, status, "request_timeout", &message)
+                        .await,
+                )
+            }
+        }
+    }
+
+    /// Reads more of a request's body; false when the client closed, failed or went quiet for
+    /// `idle_timeout`.
+    async fn read_body(&self, stream: &mut Stream, buf: &mut BytesMut) -> bool {
+        let wait = self.connections.idle_timeout();
+        matches!(read_more(stream, buf, wait).await, Read::More)
+    }
+
+    /// Answers a connection past `connections.max` with 503 and closes it. What the client sent
+    /// is read first (a little, briefly): closing on unread bytes would reset the connection, and
+    /// the client would see that instead of the answer.
+    async fn refuse_busy(&self, stream: &mut Stream) {
+        const BRIEFLY: Duration = Duration::from_secs(1);
+        let mut error = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_busy",
+            format!(
+                "this gateway has {} connections open, its most; retry shortly",
+                self.connections.max
+            ),
+        );
+        error.retry_after = Some(1);
+        let mut buf = BytesMut::new();
+        if matches!(read_more(stream, &mut buf, BRIEFLY).await, Read::Closed) {
+            return;
+        }
+        if send(stream, &error_response(&error, true), BRIEFLY)
+            .await
+            .is_ok()
+        {
+            let _ = stream.shutdown().await;
+            while buf.len() < MAX_LANE_HEAD
+                && matches!(read_more(stream, &mut buf, BRIEFLY).await, Read::More)
+            {}
+        }
+        self.metrics
+            .request_done("other", "none", error.status, Duration::ZERO);
     }
 
     /// Serves the request at the start of `buf` (and of what follows on `stream`) in a pingora
@@ -288,6 +431,8 @@ impl Gateway {
         };
         // Pipelined requests are served in turn (bytes read past this request come back below).
         session.set_pipelining_enabled(true);
+        session.set_read_timeout(Some(self.connections.idle_timeout()));
+        session.set_write_timeout(Some(self.connections.send_timeout()));
         match session.read_request().await {
             Ok(true) => {}
             Ok(false) => return None,
@@ -302,7 +447,7 @@ impl Gateway {
         if *shutdown.borrow() {
             session.set_keepalive(None);
         } else if session.get_keepalive().is_some() {
-            session.set_keepalive(Some(60));
+            session.set_keepalive(Some(self.connections.idle_timeout().as_secs().max(1)));
         }
         self.handle(&mut session).await;
         match session.finish().await {
@@ -319,17 +464,36 @@ impl Gateway {
     }
 }
 
-/// Reads more of a request into `buf`; false when the client closed, failed or went quiet.
-async fn read_more(stream: &mut Stream, buf: &mut BytesMut) -> bool {
+/// How a read from the client went.
+enum Read {
+    More,
+    Closed,
+    TimedOut,
+}
+
+/// Reads more of a request into `buf`, waiting at most `wait`.
+async fn read_more(stream: &mut Stream, buf: &mut BytesMut, wait: Duration) -> Read {
     buf.reserve(READ_SIZE);
-    match tokio::time::timeout(READ_TIMEOUT, stream.read_buf(buf)).await {
-        Ok(Ok(n)) => n > 0,
+    match tokio::time::timeout(wait, stream.read_buf(buf)).await {
+        Ok(Ok(0)) => Read::Closed,
+        Ok(Ok(_)) => Read::More,
         Ok(Err(e)) => {
             tracing::debug!(error = %e, "reading a request");
-            false
+            Read::Closed
         }
-        Err(_) => false,
+        Err(_) => Read::TimedOut,
     }
+}
+
+/// Writes `bytes` to the client, which must take them within `wait`.
+async fn send(stream: &mut Stream, bytes: &[u8], wait: Duration) -> std::io::Result<()> {
+    let written = async {
+        stream.write_all(bytes).await?;
+        stream.flush().await
+    };
+    tokio::time::timeout(wait, written)
+        .await
+        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
 }
 
 /// The `Authorization` header's value in a request the lane parsed.

@@ -11,6 +11,7 @@ mod replay;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
 use std::time::Instant;
 
 use http::StatusCode;
@@ -19,7 +20,7 @@ use pingora::protocols::http::ServerSession;
 use serde_json::{Value, json};
 
 use crate::chat::NativeModel;
-use crate::config::RequestLimits;
+use crate::config::{ConnectionsConfig, RequestLimits};
 use crate::error::ApiError;
 use crate::fetch::Fetcher;
 use crate::files::FileStore;
@@ -71,6 +72,10 @@ pub struct Gateway {
     pub files: FileStore,
     pub fetcher: Fetcher,
     pub limits: RequestLimits,
+    /// How many client connections, and their timeouts.
+    pub connections: ConnectionsConfig,
+    /// Client connections open now (below `connections.max`).
+    pub open_connections: AtomicUsize,
     pub api_keys: Vec<String>,
     /// Proxies whose forwarding headers are believed (see [`crate::upstream::forwarded`]).
     pub trusted_proxies: Vec<ipnet::IpNet>,

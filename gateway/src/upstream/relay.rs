@@ -52,6 +52,8 @@ pub struct ClientSide<'c> {
     pub closing: bool,
     /// Where the answer's bytes are told, for the caller's tokens per minute.
     pub tally: Option<&'c TokenTally>,
+    /// How long the client may take none of the answer before it is dropped.
+    pub send_timeout: std::time::Duration,
 }
 
 impl UpstreamPool {
@@ -70,6 +72,7 @@ impl UpstreamPool {
             hop,
             closing,
             tally,
+            send_timeout,
         } = side;
         let mut attempts = Attempts::new(self, key);
         while let Some(Connection {
@@ -104,6 +107,7 @@ impl UpstreamPool {
                         model: &self.model,
                         timeout: self.answer_timeout,
                         tally,
+                        send_timeout,
                     };
                     relay_answer(client, upstream, buf, head, answer).await
                 }
@@ -178,6 +182,8 @@ struct Answer<'m> {
     /// How long the upstream may take to send each next piece.
     timeout: std::time::Duration,
     tally: Option<&'m TokenTally>,
+    /// How long the client may take none of the answer.
+    send_timeout: std::time::Duration,
 }
 
 /// Relays the answer whose head `buf` starts with, then keeps the upstream connection for the
@@ -195,6 +201,7 @@ async fn relay_answer(
         model,
         timeout,
         tally,
+        send_timeout,
     } = answer;
     let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let (server, _) = idle_key;
@@ -208,6 +215,7 @@ async fn relay_answer(
         model,
         server,
         status,
+        send_timeout,
     };
     // The head and what came with it leave in one write.
     let mut out = head.client_head;
@@ -222,7 +230,7 @@ async fn relay_answer(
         tally.answer(&buf[..progress.body]);
     }
     let mut overread = buf.len() > progress.body;
-    if let Err(e) = write(client, &out).await {
+    if let Err(e) = write(client, &out, send_timeout).await {
         return client_gone(status, &e);
     }
     while !progress.done {
@@ -251,7 +259,7 @@ async fn relay_answer(
         if let Some(tally) = tally {
             tally.answer(&buf[..progress.body]);
         }
-        if let Err(e) = write(client, &buf[..progress.body]).await {
+        if let Err(e) = write(client, &buf[..progress.body], send_timeout).await {
             return client_gone(status, &e);
         }
     }
@@ -272,6 +280,7 @@ struct Cut<'m> {
     model: &'m str,
     server: std::net::SocketAddr,
     status: StatusCode,
+    send_timeout: std::time::Duration,
 }
 
 impl Cut<'_> {
@@ -294,7 +303,7 @@ impl Cut<'_> {
                 _ => None,
             };
             if let Some(ending) = ending
-                && let Err(e) = write(client, &ending).await
+                && let Err(e) = write(client, &ending, self.send_timeout).await
             {
                 tracing::debug!(error = %e, "client went away before the error event");
             }
@@ -306,9 +315,20 @@ impl Cut<'_> {
     }
 }
 
-async fn write(client: &mut Stream, bytes: &[u8]) -> std::io::Result<()> {
-    client.write_all(bytes).await?;
-    client.flush().await
+/// Writes `bytes` to the client, which must take them within `wait`: a client that reads
+/// nothing holds the answer in the socket buffers only, and then loses it.
+async fn write(
+    client: &mut Stream,
+    bytes: &[u8],
+    wait: std::time::Duration,
+) -> std::io::Result<()> {
+    let written = async {
+        client.write_all(bytes).await?;
+        client.flush().await
+    };
+    tokio::time::timeout(wait, written)
+        .await
+        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
 }
 
 /// The client left: the upstream connection is dropped with its unread answer, not reused.
