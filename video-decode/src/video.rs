@@ -274,9 +274,11 @@ impl Video {
     /// Demux every packet of the video stream once: the exact frame count and each frame's timestamp.
     fn build_index(&mut self, started: Instant) -> Result<(), VideoError> {
         let mut packets = Vec::new();
-        let mut packet = Packet::empty();
         let mut order = 0i64;
         loop {
+            // A packet per read: `av_read_frame` fills a packet without freeing what it held, so
+            // reading into one packet again leaks the buffer of the one before (~100 KB a video).
+            let mut packet = Packet::empty();
             match packet.read(&mut self.input) {
                 Ok(()) => {}
                 Err(ffmpeg::Error::Eof) => break,
@@ -377,7 +379,6 @@ impl Video {
         }
         let budget = self.limits.max_decode_time().saturating_sub(self.spent);
         let mut picture = frame::Video::empty();
-        let mut packet = Packet::empty();
         loop {
             while self.decoder.receive_frame(&mut picture).is_ok() {
                 self.decoded += 1;
@@ -410,6 +411,8 @@ impl Video {
                     "frame {index} could not be decoded: the stream ends before it"
                 )));
             }
+            // A packet per read (see `build_index`).
+            let mut packet = Packet::empty();
             match packet.read(&mut self.input) {
                 Ok(()) if packet.stream() == self.stream => {
                     let before_target = packet.pts().is_some_and(|p| p < target);
