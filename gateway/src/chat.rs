@@ -22,7 +22,9 @@ use crate::feature_cache::{self, SharedCache};
 use crate::files::FileStore;
 use crate::media::sniff_mime_type;
 use crate::model::{MediaKind, ModelRuntime, PromptModel, expand_placeholders};
-use crate::openai::{ByteSource, ChatCompletionRequest, Content, MediaSource, Part};
+use crate::openai::{
+    self, ByteSource, ChatCompletionRequest, Content, MediaSource, Part, PayloadError,
+};
 use crate::pipeline;
 use crate::store::Caller;
 use crate::torchfile;
@@ -649,23 +651,17 @@ pub async fn source_bytes(
     services: &ChatServices<'_>,
 ) -> Result<(Vec<u8>, Option<String>), ApiError> {
     let (data, declared) = match source {
-        ByteSource::Base64 { data, mime_type } => {
-            // Decoded size from the encoded length, before decoding anything.
-            let decoded = data.len() / 4 * 3;
-            if decoded > limit {
-                return Err(too_large(index, decoded, limit));
+        ByteSource::Base64 { data, mime_type } => match openai::decode_payload(&data, limit) {
+            Ok(bytes) => (bytes, mime_type),
+            Err(PayloadError::TooLarge(decoded)) => return Err(too_large(index, decoded, limit)),
+            Err(PayloadError::NotBase64(e)) => {
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_media_url",
+                    format!("media item {index}: the base64 data does not decode: {e}"),
+                ));
             }
-            let bytes = base64::engine::general_purpose::STANDARD
-                .decode(data.trim())
-                .map_err(|e| {
-                    ApiError::new(
-                        StatusCode::BAD_REQUEST,
-                        "invalid_media_url",
-                        format!("media item {index}: the base64 data does not decode: {e}"),
-                    )
-                })?;
-            (bytes, mime_type)
-        }
+        },
         ByteSource::Url(url) => {
             let fetched = services.fetcher.fetch(&url, limit).await.map_err(|e| {
                 let mut api = ApiError::from(&e);

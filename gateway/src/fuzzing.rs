@@ -14,13 +14,19 @@ use crate::http1::{self, Chunked, Request, RequestCheck};
 pub type Target = fn(&[u8]);
 
 /// The fuzz targets, by name: what `./dev fuzz` runs and the corpus replay covers.
-pub const TARGETS: [(&str, Target); 6] = [
+pub const TARGETS: [(&str, Target); 12] = [
     ("lane_request", lane_request),
     ("request_framing", request_framing),
     ("upstream_response", upstream_response),
     ("torch_file", torch_file),
     ("chat_request", chat_request),
     ("multipart_upload", multipart_upload),
+    ("data_url", data_url),
+    ("checkpoint", checkpoint),
+    ("image_plugin", image_plugin),
+    ("audio_plugin", audio_plugin),
+    ("video_plugin", video_plugin),
+    ("video_decoder", video_decoder),
 ];
 
 /// The largest body the targets let a request claim.
@@ -182,5 +188,176 @@ pub fn multipart_upload(data: &[u8]) {
     let parsed = runtime().block_on(crate::api::files::parse_upload(body, boundary.to_owned()));
     if let Ok(upload) = parsed {
         assert!(upload.data.len() <= len, "a file larger than the body");
+    }
+}
+
+/// A media part's URL as every route reads it ([`crate::openai::ByteSource::from_url`]) and a data
+/// URL's payload as it is decoded: never a panic, and never more bytes than the limit checked
+/// before decoding allowed.
+pub fn data_url(data: &[u8]) {
+    const LIMIT: usize = 4096;
+    let url = String::from_utf8_lossy(data);
+    if let crate::openai::ByteSource::Base64 { data, .. } =
+        crate::openai::ByteSource::from_url(&url)
+        && let Ok(bytes) = crate::openai::decode_payload(&data, LIMIT)
+    {
+        assert!(bytes.len() <= LIMIT, "{} bytes past the limit", bytes.len());
+    }
+}
+
+/// A model directory as a native model's start reads it: the input is its `config.json`, a NUL
+/// byte, and its `model.safetensors`. Both configs (vision-language and audio) are read, every
+/// tensor the header lists is taken at its shape: never a panic, and a tensor holds what its
+/// shape says.
+pub fn checkpoint(data: &[u8]) {
+    use mmgate_inference::models::{Qwen2AudioConfig, Qwen2VlConfig};
+    use mmgate_inference::weights::Weights;
+    let Some(nul) = data.iter().position(|&b| b == 0) else {
+        return;
+    };
+    // One directory per process, written again for each input (the targets run one at a time).
+    let dir = std::env::temp_dir().join(format!("mmgate-fuzz-checkpoint-{}", std::process::id()));
+    let written = std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(dir.join("config.json"), &data[..nul]))
+        .and_then(|()| std::fs::write(dir.join("model.safetensors"), &data[nul + 1..]));
+    if let Err(e) = written {
+        panic!("writing the checkpoint: {e}");
+    }
+    let _ = Qwen2VlConfig::read(&dir);
+    let _ = Qwen2AudioConfig::read(&dir);
+    let Ok(mut weights) = Weights::load(&dir, str::to_owned) else {
+        return;
+    };
+    for name in weights.leftover() {
+        let Some(shape) = weights.shape(&name) else {
+            continue;
+        };
+        if let Ok(tensor) = weights.take_host(&name, &shape) {
+            assert_eq!(tensor.data.len(), shape.iter().product::<usize>(), "{name}");
+        }
+    }
+}
+
+/// The built-in image plugin through the real host and sandbox: probe, plan (Qwen2-VL's config, a
+/// 1 024-token budget), preprocess. Errors are answers; a panic in the host is a finding (a trap
+/// in the plugin is an error of that call).
+pub fn image_plugin(data: &[u8]) {
+    run_plugin(
+        "image",
+        data,
+        include_str!("../../tests/fixtures/image/configs/qwen2-vl.json"),
+    );
+}
+
+/// The built-in audio plugin, as [`image_plugin`] (Qwen2-Audio's config).
+pub fn audio_plugin(data: &[u8]) {
+    run_plugin(
+        "audio",
+        data,
+        include_str!("../../tests/fixtures/audio/configs/qwen2-audio.json"),
+    );
+}
+
+/// The built-in video plugin, as [`image_plugin`], through the host's FFmpeg decoder.
+pub fn video_plugin(data: &[u8]) {
+    run_plugin("video", data, "{}");
+}
+
+/// The host's video decoder on its own: open (demux and index within the limits), then decode
+/// the first, a middle and the last frame: never a panic, and a frame is as large as it says.
+pub fn video_decoder(data: &[u8]) {
+    use mmgate_video_decode::{Limits, Video};
+    let limits = Limits {
+        max_decoded_frames: 300,
+        max_decode_ms: 2_000,
+        decoder_threads: 1,
+        ..Limits::default()
+    };
+    let Ok(mut video) = Video::open(data, limits) else {
+        return;
+    };
+    let count = video.info().frame_count;
+    for index in [0, count / 2, count.saturating_sub(1)] {
+        if let Ok(frame) = video.frame(index, None) {
+            assert_eq!(
+                frame.rgb.len(),
+                frame.width as usize * frame.height as usize * 3,
+                "frame {index}"
+            );
+        }
+    }
+}
+
+/// Probe, plan and preprocess `data` with the built-in plugin for `modality`.
+fn run_plugin(modality: &str, data: &[u8], config: &str) {
+    let plugin = builtin_plugin(modality);
+    let media = mmgate_host::Media {
+        data: data.to_vec(),
+        mime_type: None,
+    };
+    let Ok(info) = plugin.probe(&media) else {
+        return;
+    };
+    let budget = mmgate_host::Budget { max_tokens: 1024 };
+    let Ok(plan) = plugin.plan(&info, budget, config) else {
+        return;
+    };
+    if let Ok(tensors) = plugin.preprocess(&media, &plan, config) {
+        for tensor in &tensors {
+            assert!(tensor.validate().is_ok(), "{}", tensor.name);
+        }
+    }
+}
+
+/// The built-in plugin for `modality`, loaded once, in a sandbox with tighter limits than a
+/// gateway's (a fuzzer's input that needs more is an error, not a finding). With the built-in
+/// plugins compiled in (the corpus replay in `cargo test`) those; else (the fuzz targets, built
+/// without them) `$MMGATE_FUZZ_PLUGINS/<modality>.wasm`, which `./dev fuzz` builds.
+fn builtin_plugin(modality: &str) -> std::sync::Arc<mmgate_host::LoadedPlugin> {
+    use mmgate_host::{LoadedPlugin, PluginOrigin, PluginRegistry, Sandbox, SandboxLimits};
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    static PLUGINS: OnceLock<BTreeMap<&str, Arc<LoadedPlugin>>> = OnceLock::new();
+    let plugins = PLUGINS.get_or_init(|| {
+        let limits = SandboxLimits {
+            memory_bytes: 256 << 20,
+            deadline_ms: 5_000,
+            max_instances: 4,
+            ..SandboxLimits::default()
+        };
+        let sandbox = match Sandbox::new(limits) {
+            Ok(sandbox) => Arc::new(sandbox),
+            Err(e) => panic!("a sandbox for the plugin targets: {e}"),
+        };
+        const NAMES: [&str; 3] = ["image", "audio", "video"];
+        match std::env::var_os("MMGATE_FUZZ_PLUGINS") {
+            Some(dir) => NAMES
+                .into_iter()
+                .map(|name| {
+                    let path = std::path::Path::new(&dir).join(format!("{name}.wasm"));
+                    let bytes =
+                        std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                    let plugin =
+                        LoadedPlugin::load(sandbox.clone(), &bytes, PluginOrigin::File(path))
+                            .unwrap_or_else(|e| panic!("loading the {name} plugin: {e}"));
+                    (name, Arc::new(plugin))
+                })
+                .collect(),
+            None => {
+                let registry = PluginRegistry::builtin(&sandbox)
+                    .unwrap_or_else(|e| panic!("loading the built-in plugins: {e}"));
+                NAMES
+                    .into_iter()
+                    .filter_map(|name| Some((name, registry.for_modality(name)?.clone())))
+                    .collect()
+            }
+        }
+    });
+    match plugins.get(modality) {
+        Some(plugin) => plugin.clone(),
+        None => panic!(
+            "no built-in {modality} plugin: build the fuzz targets through ./dev fuzz, which sets \
+             MMGATE_FUZZ_PLUGINS"
+        ),
     }
 }

@@ -250,6 +250,30 @@ impl ByteSource {
     }
 }
 
+/// Why a data URL's payload gave no bytes.
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum PayloadError {
+    /// Its decoded size (from the encoded length, before decoding) is over the limit.
+    #[error("{0} bytes decoded, more than the limit")]
+    TooLarge(usize),
+    /// It is not base64.
+    #[error("{0}")]
+    NotBase64(String),
+}
+
+/// The bytes of a data URL's base64 payload, at most `limit` of them: checked from the encoded
+/// length before anything is decoded (a payload over the limit costs no allocation).
+pub fn decode_payload(data: &str, limit: usize) -> Result<Vec<u8>, PayloadError> {
+    use base64::Engine as _;
+    let decoded = data.len() / 4 * 3;
+    if decoded > limit {
+        return Err(PayloadError::TooLarge(decoded));
+    }
+    base64::engine::general_purpose::STANDARD
+        .decode(data.trim())
+        .map_err(|e| PayloadError::NotBase64(e.to_string()))
+}
+
 /// The reply's `usage`.
 pub fn usage_json(prompt: usize, completion: usize, media: &[Value]) -> Value {
     json!({

@@ -190,6 +190,11 @@ impl Weights {
         self.tensors.contains_key(name)
     }
 
+    /// The shape the checkpoint gives a tensor.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.tensors.get(name).map(|entry| entry.shape.clone())
+    }
+
     /// Removes and returns a tensor, checking its shape.
     pub fn take_host(&mut self, name: &str, shape: &[usize]) -> Result<HostTensor> {
         let entry = self

@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 
-use base64::Engine as _;
 use http::StatusCode;
 use mmgate_host::{LoadedPlugin, Media};
 use pingora::protocols::http::ServerSession;
@@ -16,6 +15,7 @@ use super::io::read_body;
 use crate::budget::BudgetError;
 use crate::error::ApiError;
 use crate::media::sniff_mime_type;
+use crate::openai::{ByteSource, decode_payload};
 use crate::pipeline;
 
 /// Largest request body accepted (base64 makes a 48 MiB item 64 MiB).
@@ -170,29 +170,27 @@ fn empty_object() -> Value {
     json!({})
 }
 
-/// `data:[<mime>][;base64],<data>` → (mime, bytes). Only base64 payloads carry binary media.
+/// `data:<mime>;base64,<data>` → (mime, bytes), decoded as chat requests decode theirs (the body
+/// limit has already bounded it).
 fn decode_data_url(url: &str) -> Result<(Option<String>, Vec<u8>), ApiError> {
-    let invalid = |message: &str| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_media_url",
-            message.to_owned(),
-        )
-    };
-    let rest = url
-        .strip_prefix("data:")
-        .ok_or_else(|| invalid("media must be a data URL (data:<mime>;base64,<bytes>)"))?;
-    let (header, payload) = rest
-        .split_once(',')
-        .ok_or_else(|| invalid("the data URL has no ',' before its payload"))?;
-    let mime = header
-        .strip_suffix(";base64")
-        .ok_or_else(|| invalid("the data URL is not base64 (data:<mime>;base64,<bytes>)"))?;
-    let data = base64::engine::general_purpose::STANDARD
-        .decode(payload.trim())
-        .map_err(|e| invalid(&format!("the data URL's base64 does not decode: {e}")))?;
-    let mime = (!mime.is_empty()).then(|| mime.to_ascii_lowercase());
-    Ok((mime, data))
+    let invalid =
+        |message: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_media_url", message);
+    if !url.starts_with("data:") {
+        return Err(invalid(
+            "media must be a data URL (data:<mime>;base64,<bytes>)".into(),
+        ));
+    }
+    match ByteSource::from_url(url) {
+        ByteSource::Base64 { data, mime_type } => match decode_payload(&data, usize::MAX) {
+            Ok(bytes) => Ok((mime_type, bytes)),
+            Err(e) => Err(invalid(format!(
+                "the data URL's base64 does not decode: {e}"
+            ))),
+        },
+        _ => Err(invalid(
+            "the data URL is not base64 (data:<mime>;base64,<bytes>)".into(),
+        )),
+    }
 }
 
 #[cfg(test)]
