@@ -525,3 +525,43 @@ fn patches_embedded_a_block_at_a_time_give_the_features_of_the_whole() {
         whole.len()
     );
 }
+
+/// An item that fails to encode in the middle of a batch fails alone: the items beside it get the
+/// very features they get encoded on their own (the gateway's drop and error policies then apply
+/// to that item and its request only).
+#[test]
+fn an_item_failing_mid_batch_leaves_the_others_their_own_features() {
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = demo::ensure(dir.path(), DemoFamily::Qwen2Vl).unwrap();
+    let dev = CpuBackend::new("enc", 1).unwrap();
+    let m: Model = Qwen2Vl::load(&model_dir, &dev, &dev).unwrap();
+    // A 3-row grid the 2x2 merge cannot take, between two good items.
+    let inputs = [
+        image(3, Grid { t: 1, h: 4, w: 4 }),
+        image(5, Grid { t: 1, h: 3, w: 4 }),
+        image(9, Grid { t: 1, h: 4, w: 6 }),
+    ];
+    let batch: Vec<&EncodeInput> = inputs.iter().map(AsRef::as_ref).collect();
+    let results = Encoder::encode(&m.vision, &batch);
+    assert_eq!(results.len(), 3);
+    let error = results[1].as_ref().err().map(ToString::to_string);
+    assert!(
+        error.as_deref().is_some_and(|e| e.contains("merge")),
+        "{error:?}"
+    );
+    for i in [0, 2] {
+        let alone = Encoder::encode(&m.vision, &batch[i..=i])
+            .pop()
+            .unwrap()
+            .unwrap();
+        let beside = results[i].as_ref().unwrap();
+        assert!(
+            alone
+                .iter()
+                .zip(beside)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+                && alone.len() == beside.len(),
+            "item {i} changed beside a failing one"
+        );
+    }
+}
