@@ -1038,6 +1038,51 @@ fn an_item_the_model_cannot_encode_is_dropped_or_fails_the_request_as_the_model_
     assert_eq!(status, 200, "{body}");
 }
 
+/// A plugin that traps or runs out of its memory in the middle of a request fails that request
+/// only: an error in OpenAI's shape, while a request with a good image beside it is answered and the
+/// gateway serves on (the sandbox's instance is discarded, not reused).
+#[test]
+fn a_plugin_trapping_or_out_of_memory_mid_request_fails_that_request_only() {
+    let work = tempfile::tempdir().unwrap();
+    let plugins = testing_plugin_dir(work.path());
+    let (server, _dir) = start(&format!(
+        "plugin_dir = {plugins:?}\nmodels = [{{ name = \"demo\", path = \"demo\" }}]\n\
+         [sandbox]\nmemory_bytes = 67108864\n"
+    ));
+    let png = common::fixture("image/images/png-rgba.png");
+    let good = chat(
+        "demo",
+        json!([image_part(&data_url("image/png", &png)), {"type": "text", "text": "What is it?"}]),
+    );
+    // A trap is the plugin's fault (500); media that need more memory than a plugin may have are
+    // the client's (413, as a decompression bomb is).
+    for (command, expected) in [(&b"trap"[..], 500), (b"grow", 413)] {
+        let hostile = chat(
+            "demo",
+            json!([image_part(&data_url("application/x-mmgate-test", command)),
+                   {"type": "text", "text": "Describe this."}]),
+        );
+        let (bad, fine) = std::thread::scope(|s| {
+            let bad = s.spawn(|| post(&server, "/v1/chat/completions", &hostile));
+            let fine = s.spawn(|| post(&server, "/v1/chat/completions", &good));
+            (bad.join().unwrap(), fine.join().unwrap())
+        });
+        let (status, body) = bad;
+        let what = String::from_utf8_lossy(command);
+        assert_eq!(status, expected, "{what}: {body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("media item 0")),
+            "{what}: {body}"
+        );
+        assert_eq!(fine.0, 200, "{what}: the request beside it: {}", fine.1);
+    }
+    // Still serving, the plugin included.
+    let (status, body) = post(&server, "/v1/chat/completions", &good);
+    assert_eq!(status, 200, "{body}");
+}
+
 /// `max_model_len` serves a context below the checkpoint's: `/v1/models` says it, and every budget
 /// uses it (a request that fits the checkpoint but not it is refused before anything runs).
 #[test]
