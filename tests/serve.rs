@@ -37,3 +37,56 @@ fn serves_health_plugins_and_openai_shaped_errors() {
     let (status, _) = request(&server.addr, "GET", "/health", None);
     assert_eq!(status, 200);
 }
+
+/// Started under a low soft limit on open files (as many systems set 1 024), the gateway raises it
+/// to what `connections.max` needs (twice it, plus room), as far as the hard limit allows.
+#[test]
+fn the_open_files_limit_is_raised_for_the_connections_allowed() {
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap();
+    let hard: u64 = open_files(&limits).1;
+    let addr = format!("127.0.0.1:{}", common::server::free_port());
+    let child = std::process::Command::new("prlimit")
+        .arg(format!("--nofile=256:{hard}"))
+        .arg(env!("CARGO_BIN_EXE_mmgate"))
+        .env("RUST_LOG", "warn")
+        .args(["serve", "--listen", &addr])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("prlimit (util-linux)");
+    let mut server = common::server::Server { child, addr };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while request_status(&server.addr) != Some(200) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the gateway did not start"
+        );
+        assert!(
+            server.child.try_wait().unwrap().is_none(),
+            "the gateway exited"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let theirs = std::fs::read_to_string(format!("/proc/{}/limits", server.child.id())).unwrap();
+    let wanted = 4096 * 2 + 256;
+    assert_eq!(open_files(&theirs).0, wanted.min(hard), "{theirs}");
+    drop(server);
+}
+
+/// The (soft, hard) "Max open files" of a /proc/PID/limits text.
+fn open_files(limits: &str) -> (u64, u64) {
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let numbers: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    (numbers[0], numbers[1])
+}
+
+fn request_status(addr: &str) -> Option<u16> {
+    std::net::TcpStream::connect(addr).ok()?;
+    let (status, _) = request(addr, "GET", "/health", None);
+    Some(status)
+}

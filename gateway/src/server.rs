@@ -71,7 +71,27 @@ fn load_model(
     })
 }
 
+/// Each client connection holds a descriptor, and one more to its upstream when it is relayed: the
+/// soft limit on open files (often 1 024) is raised towards what `connections.max` needs, up to
+/// the hard limit, as nginx's `worker_rlimit_nofile` and Go's runtime do. Below it, connections
+/// past the limit would fail to be accepted rather than get their 503.
+fn raise_open_files_limit(max_connections: usize) {
+    let wanted = (max_connections as u64)
+        .saturating_mul(2)
+        .saturating_add(256);
+    match rlimit::increase_nofile_limit(wanted) {
+        Ok(limit) if limit < wanted => tracing::warn!(
+            limit,
+            wanted,
+            "the hard limit on open files is below what connections.max needs"
+        ),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot raise the limit on open files"),
+    }
+}
+
 pub fn serve(config: Config) -> anyhow::Result<()> {
+    raise_open_files_limit(config.connections.max);
     let sandbox = crate::plugins::sandbox(config.sandbox.clone(), &config.plugins)?;
     let plugins = Arc::new(LivePlugins::load(sandbox, config.plugin_dir.as_deref())?);
     let reload = plugins.watch()?;
