@@ -25,7 +25,7 @@ use super::Gateway;
 use crate::config::ConnectionsConfig;
 use crate::error::ApiError;
 use crate::http1::{self, Request, RequestCheck};
-use crate::upstream::{ClientSide, Relayed};
+use crate::upstream::{ClientSide, Relayed, send_within};
 
 use super::replay::Replay;
 
@@ -190,7 +190,7 @@ impl Gateway {
             Ok(permit) => permit,
             Err(error) => {
                 let closing = *shutdown.borrow();
-                let written = send(
+                let written = send_within(
                     stream,
                     &error_response(&error, closing),
                     self.connections.send_timeout(),
@@ -226,7 +226,7 @@ impl Gateway {
         let (status, keep_alive) = match relayed {
             Relayed::Answered { status, keep_alive } => (status, keep_alive),
             Relayed::Failed(error) => {
-                let written = send(
+                let written = send_within(
                     stream,
                     &error_response(&error, closing),
                     self.connections.send_timeout(),
@@ -284,7 +284,7 @@ impl Gateway {
         let answered_from_head = head.content_length.is_some_and(|n| n > max_body)
             || self.check_key(head.authorization.map(|r| &buf[r])).is_err();
         if head.expects_continue && !answered_from_head && buf.len() == head.head_len {
-            let written = send(
+            let written = send_within(
                 stream,
                 b"HTTP/1.1 100 Continue\r\n\r\n",
                 self.connections.send_timeout(),
@@ -331,7 +331,7 @@ impl Gateway {
         message: &str,
     ) -> Lane {
         let error = ApiError::new(status, code, message);
-        let written = send(
+        let written = send_within(
             stream,
             &error_response(&error, true),
             self.connections.send_timeout(),
@@ -397,7 +397,7 @@ impl Gateway {
         if matches!(read_more(stream, &mut buf, BRIEFLY).await, Read::Closed) {
             return;
         }
-        if send(stream, &error_response(&error, true), BRIEFLY)
+        if send_within(stream, &error_response(&error, true), BRIEFLY)
             .await
             .is_ok()
         {
@@ -483,17 +483,6 @@ async fn read_more(stream: &mut Stream, buf: &mut BytesMut, wait: Duration) -> R
         }
         Err(_) => Read::TimedOut,
     }
-}
-
-/// Writes `bytes` to the client, which must take them within `wait`.
-async fn send(stream: &mut Stream, bytes: &[u8], wait: Duration) -> std::io::Result<()> {
-    let written = async {
-        stream.write_all(bytes).await?;
-        stream.flush().await
-    };
-    tokio::time::timeout(wait, written)
-        .await
-        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
 }
 
 /// The `Authorization` header's value in a request the lane parsed.

@@ -23,6 +23,7 @@ mod relay;
 pub mod tls;
 
 pub use forwarded::ClientHop;
+pub(crate) use relay::send_within;
 pub use relay::{ClientSide, Relayed};
 
 use std::borrow::Cow;

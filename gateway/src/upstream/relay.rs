@@ -230,7 +230,7 @@ async fn relay_answer(
         tally.answer(&buf[..progress.body]);
     }
     let mut overread = buf.len() > progress.body;
-    if let Err(e) = write(client, &out, send_timeout).await {
+    if let Err(e) = send_within(client, &out, send_timeout).await {
         return client_gone(status, &e);
     }
     while !progress.done {
@@ -259,7 +259,7 @@ async fn relay_answer(
         if let Some(tally) = tally {
             tally.answer(&buf[..progress.body]);
         }
-        if let Err(e) = write(client, &buf[..progress.body], send_timeout).await {
+        if let Err(e) = send_within(client, &buf[..progress.body], send_timeout).await {
             return client_gone(status, &e);
         }
     }
@@ -303,7 +303,7 @@ impl Cut<'_> {
                 _ => None,
             };
             if let Some(ending) = ending
-                && let Err(e) = write(client, &ending, self.send_timeout).await
+                && let Err(e) = send_within(client, &ending, self.send_timeout).await
             {
                 tracing::debug!(error = %e, "client went away before the error event");
             }
@@ -316,8 +316,8 @@ impl Cut<'_> {
 }
 
 /// Writes `bytes` to the client, which must take them within `wait`: a client that reads
-/// nothing holds the answer in the socket buffers only, and then loses it.
-async fn write(
+/// nothing holds its answer in the socket buffers only, and then loses it.
+pub(crate) async fn send_within(
     client: &mut Stream,
     bytes: &[u8],
     wait: std::time::Duration,
