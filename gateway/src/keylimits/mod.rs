@@ -111,6 +111,10 @@ enum ChargeTo {
 impl TokenCharge {
     fn charge(self) {
         let tokens = self.tally.tokens();
+        if tokens == 0 {
+            // Nothing used (a request that was not a completion): no store round trip.
+            return;
+        }
         let cost = self
             .per_token
             .saturating_mul(u32::try_from(tokens).unwrap_or(u32::MAX));
