@@ -14,7 +14,7 @@ use crate::http1::{self, Chunked, Request, RequestCheck};
 pub type Target = fn(&[u8]);
 
 /// The fuzz targets, by name: what `./dev fuzz` runs and the corpus replay covers.
-pub const TARGETS: [(&str, Target); 12] = [
+pub const TARGETS: [(&str, Target); 13] = [
     ("lane_request", lane_request),
     ("request_framing", request_framing),
     ("upstream_response", upstream_response),
@@ -27,6 +27,7 @@ pub const TARGETS: [(&str, Target); 12] = [
     ("audio_plugin", audio_plugin),
     ("video_plugin", video_plugin),
     ("video_decoder", video_decoder),
+    ("image_decoder", image_decoder),
 ];
 
 /// The largest body the targets let a request claim.
@@ -359,5 +360,27 @@ fn builtin_plugin(modality: &str) -> std::sync::Arc<mmgate_host::LoadedPlugin> {
             "no built-in {modality} plugin: build the fuzz targets through ./dev fuzz, which sets \
              MMGATE_FUZZ_PLUGINS"
         ),
+    }
+}
+
+/// The host's JPEG decoder (libjpeg-turbo) on its own, under limits small enough to keep each run
+/// short: never a panic, and an image is as large as it says and within the limits.
+pub fn image_decoder(data: &[u8]) {
+    use mmgate_image_decode::{Limits, decode_jpeg};
+    let limits = Limits {
+        max_pixels: 4096 * 4096,
+        max_scans: 100,
+        max_decoder_memory_mb: 256,
+        ..Limits::default()
+    };
+    if let Ok(image) = decode_jpeg(data, &limits) {
+        let pixels = u64::from(image.width) * u64::from(image.height);
+        assert!(
+            pixels > 0 && pixels <= limits.max_pixels,
+            "{}x{}",
+            image.width,
+            image.height
+        );
+        assert_eq!(image.rgb.len() as u64, pixels * 3);
     }
 }

@@ -47,7 +47,7 @@ pub use mmgate::modality::video::{Frame, VideoError, VideoInfo};
 pub const CONTRACT_VERSION: Version = Version {
     major: 0,
     minor: 3,
-    patch: 0,
+    patch: 1,
 };
 
 /// Every contract version this host serves plugins of, newest first: the current one, and 0.2 and
@@ -477,6 +477,8 @@ mod tests {
         assert_eq!(v("0.1.0").supported(), Some(v("0.1.0")));
         assert_eq!(v("0.2.0").supported(), Some(v("0.2.0")));
         assert_eq!(v("0.3.0").supported(), Some(CONTRACT_VERSION));
+        assert_eq!(v("0.3.1").supported(), Some(CONTRACT_VERSION));
+        assert_eq!(v("0.3.2").supported(), None);
         assert_eq!(v("0.1.1").supported(), None);
         assert_eq!(v("0.4.0").supported(), None);
         assert_eq!(v("0.0.9").supported(), None);

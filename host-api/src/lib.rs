@@ -8,6 +8,7 @@
 //! - [`component`]: building a plugin crate into a component (`mmgate plugin build`, the SDK's harness);
 //! - [`pool`]: the bounded thread pool plugin calls run on, away from async reactors;
 //! - [`video`]: the FFmpeg video decoder plugins import (contract 0.2);
+//! - [`image`]: the libjpeg-turbo JPEG decoder plugins import (contract 0.3.1);
 //! - [`error`]: what can go wrong, typed.
 //!
 //! This crate knows nothing of HTTP or models: the gateway drives it, the inference core consumes the
@@ -18,6 +19,7 @@ pub mod compile_cache;
 pub mod component;
 pub mod contract;
 pub mod error;
+pub mod image;
 pub mod manifest;
 pub mod plugin;
 pub mod pool;

@@ -46,6 +46,8 @@ pub struct SandboxLimits {
     pub max_instances: u32,
     /// Limits of the host's video decoder (contract 0.2), per opened video.
     pub video: mmgate_video_decode::Limits,
+    /// Limits of the host's JPEG decoder (contract 0.3.1), per image; a plugin may only narrow them.
+    pub image: mmgate_image_decode::Limits,
 }
 
 impl Default for SandboxLimits {
@@ -58,6 +60,7 @@ impl Default for SandboxLimits {
             max_wasm_stack: 1 << 20,
             max_instances: 64,
             video: mmgate_video_decode::Limits::default(),
+            image: mmgate_image_decode::Limits::default(),
         }
     }
 }
@@ -201,6 +204,7 @@ pub struct CallState {
     deadline_at: Instant,
     video_limits: mmgate_video_decode::Limits,
     open_videos: usize,
+    image_limits: mmgate_image_decode::Limits,
 }
 
 impl CallState {
@@ -223,6 +227,7 @@ impl CallState {
             deadline_at: Instant::now() + limits.deadline(),
             video_limits: limits.video.clone(),
             open_videos: 0,
+            image_limits: limits.image.clone(),
         }
     }
 
@@ -237,6 +242,10 @@ impl CallState {
 
     pub(crate) fn video_limits(&self) -> &mmgate_video_decode::Limits {
         &self.video_limits
+    }
+
+    pub(crate) fn image_limits(&self) -> &mmgate_image_decode::Limits {
+        &self.image_limits
     }
 
     pub(crate) fn open_videos(&self) -> usize {

@@ -260,3 +260,31 @@ fn plan_refuses_media_info_without_dimensions() {
         );
     }
 }
+
+/// JPEGs are decoded by the host (contract 0.3.1's `image.decode-jpeg`, libjpeg-turbo) under the
+/// host's limits as well as the plugin's: a host that allows fewer pixels than a JPEG has refuses it
+/// with its own limit (413), though the plugin's probe admitted it; other formats, and CMYK JPEGs,
+/// which the host leaves to the plugin, are decoded in the sandbox as before.
+#[test]
+fn jpegs_are_decoded_by_the_host_within_its_limits() {
+    let strict_host = image_plugin_with(SandboxLimits {
+        image: mmgate_image_decode::Limits {
+            max_pixels: 100 * 100,
+            ..mmgate_image_decode::Limits::default()
+        },
+        ..SandboxLimits::default()
+    });
+    let fixture = |name: &str| {
+        let path = common::fixtures_dir("image").join("images").join(name);
+        media(std::fs::read(path).unwrap())
+    };
+    let photo = fixture("photo-640x480.jpg");
+    let error = failure(preprocess_qwen2_vl(&strict_host, &photo), "the photo");
+    assert!(
+        matches!(&error, CallError::Plugin(PluginError::LimitExceeded(m)) if m.contains("over the limits")),
+        "{error:?}"
+    );
+    assert!(preprocess_qwen2_vl(&strict_host, &fixture("jpeg-cmyk.jpg")).is_ok());
+    assert!(preprocess_qwen2_vl(&strict_host, &media(bmp(300, 200))).is_ok());
+    assert!(preprocess_qwen2_vl(&image_plugin(), &photo).is_ok());
+}

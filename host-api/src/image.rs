@@ -1,0 +1,45 @@
+//! The `image` host capability (since contract 0.3.1): JPEG decoding with libjpeg-turbo through
+//! `mmgate-image-decode`, within the plugin's limits narrowed by the host's, and not begun once the
+//! call's deadline has passed.
+
+use std::time::Instant;
+
+use mmgate_image_decode::{ImageError as DecodeError, Limits};
+
+use crate::contract::mmgate::modality::image::{Host, ImageError, ImageLimits, RgbImage};
+use crate::sandbox::CallState;
+
+fn contract_error(error: DecodeError) -> ImageError {
+    match error {
+        DecodeError::InvalidMedia(m) => ImageError::InvalidMedia(m),
+        DecodeError::Unsupported(m) => ImageError::Unsupported(m),
+        DecodeError::LimitExceeded(m) => ImageError::LimitExceeded(m),
+        DecodeError::Internal(m) => ImageError::Internal(m),
+    }
+}
+
+impl Host for CallState {
+    fn decode_jpeg(&mut self, data: Vec<u8>, limits: ImageLimits) -> Result<RgbImage, ImageError> {
+        // A decode cannot be interrupted half-way; its cost is bounded by the limits, and one
+        // asked for after the deadline is not started (the plugin traps on its next instruction).
+        if Instant::now() >= self.deadline_at() {
+            return Err(ImageError::LimitExceeded(
+                "the call's deadline passed before the image was decoded".into(),
+            ));
+        }
+        let asked = Limits {
+            max_width: limits.max_width,
+            max_height: limits.max_height,
+            max_pixels: limits.max_pixels,
+            max_scans: limits.max_scans,
+            ..Limits::default()
+        };
+        let limits = self.image_limits().narrowed(&asked);
+        let image = mmgate_image_decode::decode_jpeg(&data, &limits).map_err(contract_error)?;
+        Ok(RgbImage {
+            width: image.width,
+            height: image.height,
+            rgb: image.rgb,
+        })
+    }
+}

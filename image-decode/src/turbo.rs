@@ -1,0 +1,168 @@
+//! The few calls of TurboJPEG's C API (libjpeg-turbo 3) the decoder needs, behind a safe handle.
+//! TurboJPEG rather than the libjpeg API: it catches libjpeg's fatal errors itself (libjpeg's
+//! default is `exit()`, its alternative a `longjmp` that Rust cannot take), and it reports warnings
+//! apart from errors, which this decoder needs to treat them as Pillow does.
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, c_int};
+
+use turbojpeg_sys as tj;
+
+use crate::{Colorspace, Header, ImageError, Limits};
+
+/// One TurboJPEG decompressor, destroyed when dropped.
+pub(crate) struct Decoder {
+    handle: tj::tjhandle,
+}
+
+impl Drop for Decoder {
+    fn drop(&mut self) {
+        // SAFETY: `handle` came from `tj3Init`, is not null and is destroyed only here.
+        unsafe { tj::tj3Destroy(self.handle) }
+    }
+}
+
+fn param(value: impl TryInto<c_int>, name: &str) -> Result<c_int, ImageError> {
+    value
+        .try_into()
+        .map_err(|_| ImageError::Internal(format!("the decoder's {name} is out of range")))
+}
+
+impl Decoder {
+    pub(crate) fn new(limits: &Limits) -> Result<Decoder, ImageError> {
+        // SAFETY: no preconditions; a null handle means failure and is not kept.
+        let handle = unsafe { tj::tj3Init(tj::TJINIT_TJINIT_DECOMPRESS as c_int) };
+        if handle.is_null() {
+            return Err(ImageError::Internal("cannot create a JPEG decoder".into()));
+        }
+        let mut decoder = Decoder { handle };
+        decoder.set(
+            tj::TJPARAM_TJPARAM_SCANLIMIT,
+            param(limits.max_scans, "scan limit")?,
+        )?;
+        decoder.set(
+            tj::TJPARAM_TJPARAM_MAXMEMORY,
+            param(limits.max_decoder_memory_mb, "memory limit")?,
+        )?;
+        // The decoder's own check of the pixel count (the header is checked again by the caller):
+        // 0 would mean no limit, so an over-large limit is clamped rather than wrapped.
+        let max_pixels = c_int::try_from(limits.max_pixels)
+            .unwrap_or(c_int::MAX)
+            .max(1);
+        decoder.set(tj::TJPARAM_TJPARAM_MAXPIXELS, max_pixels)?;
+        Ok(decoder)
+    }
+
+    fn set(&mut self, parameter: tj::TJPARAM, value: c_int) -> Result<(), ImageError> {
+        // SAFETY: a live handle; TurboJPEG validates the parameter and value.
+        if unsafe { tj::tj3Set(self.handle, parameter as c_int, value) } != 0 {
+            return Err(ImageError::Internal(format!(
+                "cannot set the JPEG decoder's parameter {parameter}: {}",
+                self.message()
+            )));
+        }
+        Ok(())
+    }
+
+    fn get(&mut self, parameter: tj::TJPARAM) -> c_int {
+        // SAFETY: a live handle; an unknown parameter answers -1.
+        unsafe { tj::tj3Get(self.handle, parameter as c_int) }
+    }
+
+    fn message(&mut self) -> String {
+        // SAFETY: a live handle; TurboJPEG returns a NUL-terminated string it owns, valid until the
+        // handle's next call, copied here before that.
+        let text = unsafe { tj::tj3GetErrorStr(self.handle) };
+        if text.is_null() {
+            return "unknown error".into();
+        }
+        // SAFETY: not null, NUL-terminated (above).
+        unsafe { CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// Whether the last failure was only a warning (the image was decoded; libjpeg's "corrupt
+    /// data" notes, which Pillow ignores too).
+    fn only_warned(&mut self) -> bool {
+        // SAFETY: a live handle.
+        let code = unsafe { tj::tj3GetErrorCode(self.handle) };
+        code == tj::TJERR_TJERR_WARNING as c_int
+    }
+
+    fn failure(&mut self) -> ImageError {
+        let message = self.message();
+        let limit = ["exceeds", "limit", "Maximum supported"]
+            .iter()
+            .any(|m| message.contains(m));
+        let text = format!("cannot decode the jpeg image: {message}");
+        if limit {
+            ImageError::LimitExceeded(text)
+        } else {
+            ImageError::InvalidMedia(text)
+        }
+    }
+
+    pub(crate) fn header(&mut self, data: &[u8]) -> Result<Header, ImageError> {
+        // SAFETY: a live handle; `data` is valid for `data.len()` bytes for the whole call.
+        let status =
+            unsafe { tj::tj3DecompressHeader(self.handle, data.as_ptr(), data.len() as _) };
+        if status != 0 && !self.only_warned() {
+            return Err(self.failure());
+        }
+        let dimension = |v: c_int| u32::try_from(v).unwrap_or(0);
+        let colorspace = match self.get(tj::TJPARAM_TJPARAM_COLORSPACE) as u32 {
+            tj::TJCS_TJCS_YCbCr => Colorspace::YCbCr,
+            tj::TJCS_TJCS_RGB => Colorspace::Rgb,
+            tj::TJCS_TJCS_GRAY => Colorspace::Gray,
+            tj::TJCS_TJCS_CMYK => Colorspace::Cmyk,
+            tj::TJCS_TJCS_YCCK => Colorspace::Ycck,
+            other => {
+                return Err(ImageError::Unsupported(format!(
+                    "JPEG colour space {other} is not supported"
+                )));
+            }
+        };
+        Ok(Header {
+            width: dimension(self.get(tj::TJPARAM_TJPARAM_JPEGWIDTH)),
+            height: dimension(self.get(tj::TJPARAM_TJPARAM_JPEGHEIGHT)),
+            colorspace,
+            precision: dimension(self.get(tj::TJPARAM_TJPARAM_PRECISION)),
+            lossless: self.get(tj::TJPARAM_TJPARAM_LOSSLESS) == 1,
+        })
+    }
+
+    /// Decodes into `rgb`, which must hold exactly `width * height * 3` bytes for the header's
+    /// `width` and `height`.
+    pub(crate) fn decode_rgb(
+        &mut self,
+        data: &[u8],
+        width: u32,
+        height: u32,
+        rgb: &mut [u8],
+    ) -> Result<(), ImageError> {
+        let pitch = param(u64::from(width) * 3, "row pitch")?;
+        if rgb.len() as u64 != u64::from(width) * u64::from(height) * 3 {
+            return Err(ImageError::Internal(
+                "the output buffer does not fit the image".into(),
+            ));
+        }
+        // SAFETY: a live handle; `data` is valid for reading `data.len()` bytes and `rgb` for
+        // writing `pitch * height` bytes (checked above), the size TurboJPEG writes for the
+        // dimensions of the header this handle read last (the caller's `width` and `height`).
+        let status = unsafe {
+            tj::tj3Decompress8(
+                self.handle,
+                data.as_ptr(),
+                data.len() as _,
+                rgb.as_mut_ptr(),
+                pitch,
+                tj::TJPF_TJPF_RGB as c_int,
+            )
+        };
+        if status != 0 && !self.only_warned() {
+            return Err(self.failure());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,195 @@
+//! The host's decoder gives the pixels Pillow gives: byte for byte those of the plugins' own
+//! decoder, which the image parity fixtures hold to Pillow's (`tests/fixtures/image`), on the
+//! fixtures' JPEGs and on JPEGs made here in every layout an encoder writes (chroma subsamplings,
+//! odd sizes whose last block row and column are partial, progressive, arithmetic-coded, restart
+//! markers, greyscale, RGB).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+
+use libjpeg_turbo_rs::{ColorSpace, Decoder, Encoder, PixelFormat, Subsampling};
+use mmgate_image_decode::{ImageError, Limits, decode_jpeg};
+
+fn reference(data: &[u8]) -> Vec<u8> {
+    let mut decoder = Decoder::new(data).unwrap();
+    decoder.set_output_format(PixelFormat::Rgb);
+    decoder.decode_image().unwrap().data
+}
+
+fn assert_same_pixels(name: &str, data: &[u8]) {
+    let ours = decode_jpeg(data, &Limits::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let theirs = reference(data);
+    assert_eq!(ours.rgb.len(), theirs.len(), "{name}");
+    let differing = ours.rgb.iter().zip(&theirs).filter(|(a, b)| a != b).count();
+    assert_eq!(
+        differing,
+        0,
+        "{name}: {differing} of {} samples differ",
+        theirs.len()
+    );
+}
+
+/// A picture with edges, gradients and noise, so every coefficient band carries something.
+fn scene(width: usize, height: usize) -> Vec<u8> {
+    let mut state = 0x2545_f491_u32;
+    let mut rgb = Vec::with_capacity(width * height * 3);
+    for y in 0..height {
+        for x in 0..width {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            let noise = (state % 24) as usize;
+            let stripe = if (x / 7 + y / 5) % 2 == 0 { 60 } else { 0 };
+            rgb.push(((x * 255 / width.max(1)) + noise).min(255) as u8);
+            rgb.push(((y * 255 / height.max(1)) + stripe).min(255) as u8);
+            rgb.push((((x + y) * 3) % 256) as u8);
+        }
+    }
+    rgb
+}
+
+#[test]
+fn the_fixture_jpegs_decode_to_the_reference_pixels() {
+    let images = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/image/images");
+    let mut decoded = 0;
+    for entry in std::fs::read_dir(images).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "jpg") {
+            continue;
+        }
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let data = std::fs::read(&path).unwrap();
+        if name.contains("cmyk") {
+            // Left to the plugin's decoder (Pillow's own CMYK inversion).
+            assert!(
+                matches!(
+                    decode_jpeg(&data, &Limits::default()),
+                    Err(ImageError::Unsupported(_))
+                ),
+                "{name}"
+            );
+            continue;
+        }
+        assert_same_pixels(&name, &data);
+        decoded += 1;
+    }
+    assert!(decoded >= 5, "only {decoded} fixture JPEGs");
+}
+
+#[test]
+fn encoder_layouts_decode_to_the_reference_pixels() {
+    let subsamplings = [
+        Subsampling::S444,
+        Subsampling::S422,
+        Subsampling::S420,
+        Subsampling::S440,
+        Subsampling::S411,
+    ];
+    for (width, height) in [(1, 1), (17, 9), (64, 48), (203, 117)] {
+        let pixels = scene(width, height);
+        for subsampling in subsamplings {
+            for (progressive, arithmetic, restart) in [
+                (false, false, 0),
+                (true, false, 0),
+                (false, true, 0),
+                (false, false, 2),
+            ] {
+                let data = Encoder::new(&pixels, width, height, PixelFormat::Rgb)
+                    .quality(85)
+                    .subsampling(subsampling)
+                    .progressive(progressive)
+                    .arithmetic(arithmetic)
+                    .restart_blocks(restart)
+                    .encode()
+                    .unwrap();
+                let name = format!(
+                    "{width}x{height} {subsampling:?} progressive={progressive} \
+                     arithmetic={arithmetic} restart={restart}"
+                );
+                assert_same_pixels(&name, &data);
+            }
+        }
+        let grey = Encoder::new(&pixels, width, height, PixelFormat::Rgb)
+            .grayscale_from_color(true)
+            .encode()
+            .unwrap();
+        assert_same_pixels(&format!("{width}x{height} grey"), &grey);
+        let rgb = Encoder::new(&pixels, width, height, PixelFormat::Rgb)
+            .colorspace(ColorSpace::Rgb)
+            .encode()
+            .unwrap();
+        assert_same_pixels(&format!("{width}x{height} RGB colour space"), &rgb);
+    }
+}
+
+#[test]
+fn limits_are_applied_before_decoding() {
+    let pixels = scene(64, 48);
+    let data = Encoder::new(&pixels, 64, 48, PixelFormat::Rgb)
+        .encode()
+        .unwrap();
+    let small = Limits {
+        max_pixels: 64 * 48 - 1,
+        ..Limits::default()
+    };
+    assert!(matches!(
+        decode_jpeg(&data, &small),
+        Err(ImageError::LimitExceeded(_))
+    ));
+    let narrow = Limits {
+        max_width: 63,
+        ..Limits::default()
+    };
+    assert!(matches!(
+        decode_jpeg(&data, &narrow),
+        Err(ImageError::LimitExceeded(_))
+    ));
+    let short = Limits {
+        max_bytes: data.len() - 1,
+        ..Limits::default()
+    };
+    assert!(matches!(
+        decode_jpeg(&data, &short),
+        Err(ImageError::LimitExceeded(_))
+    ));
+    let progressive = Encoder::new(&pixels, 64, 48, PixelFormat::Rgb)
+        .progressive(true)
+        .encode()
+        .unwrap();
+    let few_scans = Limits {
+        max_scans: 2,
+        ..Limits::default()
+    };
+    assert!(matches!(
+        decode_jpeg(&progressive, &few_scans),
+        Err(ImageError::LimitExceeded(_) | ImageError::InvalidMedia(_))
+    ));
+}
+
+#[test]
+fn broken_files_are_refused_not_decoded_to_grey() {
+    let pixels = scene(64, 48);
+    let data = Encoder::new(&pixels, 64, 48, PixelFormat::Rgb)
+        .encode()
+        .unwrap();
+    // Cut inside the scan: Pillow refuses a file that ends before its end-of-image marker.
+    let cut = &data[..data.len() / 2];
+    assert!(matches!(
+        decode_jpeg(cut, &Limits::default()),
+        Err(ImageError::InvalidMedia(_))
+    ));
+    // Not a JPEG at all.
+    let png_signature = b"\x89PNG\r\n\x1a\n\xff\xda\xff\xd9";
+    assert!(matches!(
+        decode_jpeg(png_signature, &Limits::default()),
+        Err(ImageError::InvalidMedia(_))
+    ));
+    let truncated =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/image/bad/truncated.jpg");
+    let truncated = std::fs::read(truncated).unwrap();
+    assert!(matches!(
+        decode_jpeg(&truncated, &Limits::default()),
+        Err(ImageError::InvalidMedia(_))
+    ));
+}
