@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use base64::Engine as _;
-use mmgate_host::{Dtype, TABLE_SUFFIX, Tensor, TokenPlan};
+use mmgate_host::{Dtype, Tensor, TokenPlan, companion_of};
 use mmgate_inference::engine::SharedFeatures;
 use serde_json::{Value, json};
 
@@ -166,7 +166,7 @@ pub fn note(tensors: &[Tensor]) -> Vec<u8> {
         .filter(|t| {
             !ENCODER_INPUTS
                 .iter()
-                .any(|n| t.name == *n || t.name.strip_suffix(TABLE_SUFFIX) == Some(n))
+                .any(|n| t.name == *n || companion_of(&t.name) == Some(n))
         })
         .map(|t| {
             json!({

@@ -756,6 +756,7 @@ impl PixelSource for PluginSamples {
 
     fn feed_content(&self, feed: &mut dyn FnMut(&[u8])) {
         let (samples, table) = self.0.parts();
+        feed(&(self.0.repeats() as u64).to_le_bytes());
         feed(samples);
         for v in table {
             feed(&v.to_le_bytes());

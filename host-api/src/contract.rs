@@ -185,6 +185,21 @@ impl Tensor {
 /// Suffix of the companion tensor that gives a `u8` tensor its values (see [`f32_values`]).
 pub const TABLE_SUFFIX: &str = "_table";
 
+/// Suffix of the optional companion of a `u8` tensor with a table that says how many copies of
+/// itself each channel run of its rows stands for (an i64 scalar; 1 when absent): Qwen2-VL's
+/// temporal copies of a still image, which HF's processor writes out, are sent once. The tensor's
+/// values are those of its rows with every channel run repeated in place (see [`ByteSamples`]).
+pub const REPEATS_SUFFIX: &str = "_repeats";
+
+/// Most copies a repeats companion may ask for (Qwen2-VL asks for 2).
+const MAX_REPEATS: i64 = 64;
+
+/// Whether `name` is the table or repeats companion of another tensor, and of which.
+pub fn companion_of(name: &str) -> Option<&str> {
+    name.strip_suffix(TABLE_SUFFIX)
+        .or_else(|| name.strip_suffix(REPEATS_SUFFIX))
+}
+
 /// The f32 values of the tensor `name` in a plugin's output: the tensor itself when it is f32, or
 /// its [`ByteSamples`] mapped to their values when the plugin sent 8-bit samples.
 pub fn f32_values(tensors: &[Tensor], name: &str) -> Result<Vec<f32>, CallError> {
@@ -198,6 +213,27 @@ pub fn f32_values(tensors: &[Tensor], name: &str) -> Result<Vec<f32>, CallError>
     }
 }
 
+/// The copies `<name>_repeats` asks for: 1 when there is no such tensor.
+fn repeats(tensors: &[Tensor], name: &str) -> Result<usize, CallError> {
+    let repeats_name = format!("{name}{REPEATS_SUFFIX}");
+    let Some(tensor) = tensors.iter().find(|t| t.name == repeats_name) else {
+        return Ok(1);
+    };
+    tensor.validate()?;
+    let value = match (tensor.dtype, tensor.data.as_slice()) {
+        (Dtype::I64, bytes) if bytes.len() == 8 => {
+            i64::from_le_bytes(bytes.try_into().unwrap_or_default())
+        }
+        _ => 0,
+    };
+    if !(1..=MAX_REPEATS).contains(&value) {
+        return Err(CallError::Contract(format!(
+            "tensor {repeats_name:?}: must be one i64 from 1 to {MAX_REPEATS}"
+        )));
+    }
+    Ok(value as usize)
+}
+
 fn tensor<'a>(tensors: &'a [Tensor], name: &str) -> Result<&'a Tensor, CallError> {
     tensors
         .iter()
@@ -209,15 +245,19 @@ fn tensor<'a>(tensors: &'a [Tensor], name: &str) -> Result<&'a Tensor, CallError
 /// sandbox and in memory), with what they stand for: the companion `<name>_table`, f32 `[C, 256]`.
 /// Each row (the tensor's last dimension) is C equal runs, one per channel, and sample v in channel
 /// c's run stands for `table[c][v]` — the layout of Qwen2-VL's `pixel_values` rows, whose table is
-/// HF's rescale-and-normalise evaluated exactly, byte by byte.
+/// HF's rescale-and-normalise evaluated exactly, byte by byte. With a `<name>_repeats` companion R,
+/// each run stands for R copies of itself in a row R times as long (a still image's temporal
+/// copies): the values are those of the expanded rows.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ByteSamples {
     samples: Vec<u8>,
     /// `[C * 256]` values.
     table: Vec<f32>,
-    /// Samples per channel run.
+    /// Samples per channel run, as sent.
     run: usize,
     channels: usize,
+    /// Copies each run stands for.
+    repeats: usize,
 }
 
 impl ByteSamples {
@@ -260,12 +300,18 @@ impl ByteSamples {
             table: le_f32s(&table.data),
             run: row / channels,
             channels,
+            repeats: repeats(tensors, name)?,
         }))
     }
 
-    /// How many values the samples stand for (one each).
+    /// How many values the samples stand for.
     pub fn len(&self) -> usize {
-        self.samples.len()
+        self.samples.len() * self.repeats
+    }
+
+    /// How many copies of itself each channel run stands for (1: none).
+    pub fn repeats(&self) -> usize {
+        self.repeats
     }
 
     pub fn is_empty(&self) -> bool {
@@ -285,20 +331,24 @@ impl ByteSamples {
     /// Appends the values the samples stand for.
     pub fn map_into(&self, out: &mut Vec<f32>) {
         let at = out.len();
-        out.resize(at + self.samples.len(), 0.0);
+        out.resize(at + self.len(), 0.0);
         self.map_range_into(0, &mut out[at..]);
     }
 
     /// The values of the samples from `start` on, into `out` (as many as there are samples for).
     pub fn map_range_into(&self, start: usize, out: &mut [f32]) {
+        // `at` counts values; a run of values is `repeats` copies of a run of samples.
+        let values_per_run = self.run * self.repeats;
         let (mut at, mut written) = (start, 0);
         while written < out.len() {
             // Each run of samples is one channel's: one table for all of it.
-            let run = at / self.run;
-            let n = (self.run - at % self.run).min(out.len() - written);
+            let run = at / values_per_run;
+            let offset = at % values_per_run % self.run;
+            let n = (self.run - offset).min(out.len() - written);
             let table = (run % self.channels) * 256;
+            let first = run * self.run + offset;
             let (Some(samples), Some(map)) = (
-                self.samples.get(at..at + n),
+                self.samples.get(first..first + n),
                 self.table.get(table..table + 256),
             ) else {
                 return;
@@ -321,7 +371,8 @@ pub fn le_f32s(data: &[u8]) -> Vec<f32> {
 }
 
 /// The tensors as the model's own processor would give them: every `u8` tensor that has a
-/// `<name>_table` companion replaced by its f32 values (see [`f32_values`]), the tables dropped.
+/// `<name>_table` companion replaced by its f32 values (see [`f32_values`]), rows as long as its
+/// repeats make them, the companions dropped.
 pub fn with_f32_values(tensors: &[Tensor]) -> Result<Vec<Tensor>, CallError> {
     let tabled = |name: &str| {
         tensors
@@ -333,15 +384,19 @@ pub fn with_f32_values(tensors: &[Tensor]) -> Result<Vec<Tensor>, CallError> {
     };
     let mut out = Vec::with_capacity(tensors.len());
     for tensor in tensors {
-        if tensor.name.strip_suffix(TABLE_SUFFIX).is_some_and(&tabled) {
+        if companion_of(&tensor.name).is_some_and(&tabled) {
             continue;
         }
         if tensor.dtype == Dtype::U8 && tabled(&tensor.name) {
             let values = f32_values(tensors, &tensor.name)?;
+            let mut shape = tensor.shape.clone();
+            if let Some(row) = shape.last_mut() {
+                *row *= repeats(tensors, &tensor.name)? as u64;
+            }
             out.push(Tensor {
                 name: tensor.name.clone(),
                 dtype: Dtype::F32,
-                shape: tensor.shape.clone(),
+                shape,
                 data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
             });
         } else {
@@ -435,6 +490,58 @@ mod tests {
         samples.map_range_into(7, &mut past);
         assert_eq!(past[0], 1008.0);
         assert!(past[1].is_nan());
+    }
+
+    #[test]
+    fn repeated_runs_stand_for_their_copies_in_place() {
+        // Rows of 2 channels x 2 samples, each run standing for 3 copies: rows of 12 values.
+        let compact = vec![
+            tensor("x", Dtype::U8, &[2, 4], vec![1, 2, 3, 4, 5, 6, 7, 8]),
+            two_channel_table("x_table"),
+            tensor("x_repeats", Dtype::I64, &[], 3i64.to_le_bytes().to_vec()),
+        ];
+        // The same values written out, as a processor that copies would send them.
+        let written_out = vec![
+            tensor(
+                "x",
+                Dtype::U8,
+                &[2, 12],
+                vec![
+                    1, 2, 1, 2, 1, 2, 3, 4, 3, 4, 3, 4, 5, 6, 5, 6, 5, 6, 7, 8, 7, 8, 7, 8,
+                ],
+            ),
+            two_channel_table("x_table"),
+        ];
+        let expected = f32_values(&written_out, "x").unwrap();
+        assert_eq!(expected.len(), 24);
+        assert_eq!(f32_values(&compact, "x").unwrap(), expected);
+        let samples = ByteSamples::from_tensors(&compact, "x")
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| panic!("no samples"));
+        assert_eq!((samples.len(), samples.repeats()), (24, 3));
+        for start in 0..24 {
+            for len in 0..=24 - start {
+                let mut part = vec![f32::NAN; len];
+                samples.map_range_into(start, &mut part);
+                assert_eq!(part, expected[start..start + len], "{start}+{len}");
+            }
+        }
+        let hf = with_f32_values(&compact).unwrap();
+        let names: Vec<&str> = hf.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["x"]);
+        assert_eq!(hf[0].shape, vec![2, 12]);
+        for bad in [0i64, -1, 65] {
+            let mut tensors = compact.clone();
+            tensors[2].data = bad.to_le_bytes().to_vec();
+            assert!(
+                matches!(f32_values(&tensors, "x"), Err(CallError::Contract(_))),
+                "{bad}"
+            );
+        }
+        let mut wrong_type = compact.clone();
+        wrong_type[2] = tensor("x_repeats", Dtype::I32, &[], 3i32.to_le_bytes().to_vec());
+        assert!(f32_values(&wrong_type, "x").is_err());
     }
 
     #[test]

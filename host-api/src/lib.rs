@@ -30,7 +30,8 @@ pub mod video;
 pub use compile_cache::{CacheError, CompileCache};
 pub use contract::{
     Budget, ByteSamples, CONTRACT_VERSION, Descriptor, Dtype, Media, MediaInfo, PluginError,
-    ReducedItem, TABLE_SUFFIX, Tensor, TokenPlan, Version, f32_values, le_f32s, with_f32_values,
+    REPEATS_SUFFIX, ReducedItem, TABLE_SUFFIX, Tensor, TokenPlan, Version, companion_of,
+    f32_values, le_f32s, with_f32_values,
 };
 pub use error::{CallError, LoadError};
 pub use manifest::Manifest;

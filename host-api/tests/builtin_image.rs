@@ -95,17 +95,34 @@ fn qwen2_vl_plan_and_tensors_agree() {
     let names: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(
         names,
-        ["pixel_values", "pixel_values_table", "image_grid_thw"]
+        [
+            "pixel_values",
+            "pixel_values_table",
+            "pixel_values_repeats",
+            "image_grid_thw"
+        ]
     );
-    // The samples travel as u8 and become the encoder's floats through the table.
+    // The samples travel as u8 and become the encoder's floats through the table; each channel
+    // run travels once and stands for HF's two temporal copies.
     let pixel_values = &tensors[0];
     assert_eq!(pixel_values.dtype, Dtype::U8);
+    assert_eq!(pixel_values.shape, vec![24, 3 * 14 * 14]);
     // grid 1 x 4 x 6 patches of 3·2·14·14 values; tokens = patches / 4.
-    assert_eq!(pixel_values.shape, vec![24, 1176]);
     let floats = mmgate_host::f32_values(&tensors, "pixel_values").unwrap();
     assert_eq!(floats.len(), 24 * 1176);
     assert!(floats.iter().all(|v| v.is_finite() && v.abs() < 3.0));
-    let grid = &tensors[2];
+    let as_hf = mmgate_host::with_f32_values(&tensors).unwrap();
+    assert_eq!(as_hf[0].shape, vec![24, 1176]);
+    for row in floats.chunks_exact(1176) {
+        for channel in row.chunks_exact(2 * 196) {
+            assert_eq!(
+                channel[..196],
+                channel[196..],
+                "the temporal copies are equal"
+            );
+        }
+    }
+    let grid = &tensors[3];
     assert_eq!(grid.name, "image_grid_thw");
     let thw: Vec<i64> = grid
         .data
@@ -238,7 +255,7 @@ fn decompression_bombs_stop_at_the_memory_cap() {
         preprocess_qwen2_vl(&plugin, &media(bmp(30, 20)))
             .unwrap()
             .len(),
-        3
+        4
     );
 }
 

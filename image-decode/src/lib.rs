@@ -109,10 +109,12 @@ pub fn decode_jpeg(data: &[u8], limits: &Limits) -> Result<RgbImage, ImageError>
     let mut decoder = turbo::Decoder::new(limits)?;
     let header = decoder.header(data)?;
     header.check(limits)?;
-    let (width, height) = (header.width, header.height);
-    let mut rgb = vec![0u8; width as usize * height as usize * 3];
-    decoder.decode_rgb(data, width, height, &mut rgb)?;
-    Ok(RgbImage { width, height, rgb })
+    let rgb = decoder.decode_rgb(data, &header)?;
+    Ok(RgbImage {
+        width: header.width,
+        height: header.height,
+        rgb,
+    })
 }
 
 /// JPEG decoders fill a truncated scan with grey (libjpeg only warns); Pillow refuses such files

@@ -10,6 +10,22 @@ use turbojpeg_sys as tj;
 
 use crate::{Colorspace, Header, ImageError, Limits};
 
+/// The beginnings of libjpeg-turbo's warning messages (`JWRN_*` in its `jerror.h`): after any of
+/// these the decoder carries on to the end of the image.
+const WARNINGS: [&str; 7] = [
+    "Corrupt JPEG data",
+    "Premature end of JPEG file",
+    "Warning: unknown JFIF revision number",
+    "Unknown Adobe color transform code",
+    "Inconsistent progression sequence",
+    "Invalid SOS parameters for sequential JPEG",
+    "Application transferred too many scanlines",
+];
+
+fn is_warning(message: &str) -> bool {
+    WARNINGS.iter().any(|w| message.starts_with(w))
+}
+
 /// One TurboJPEG decompressor, destroyed when dropped.
 pub(crate) struct Decoder {
     handle: tj::tjhandle,
@@ -82,12 +98,14 @@ impl Decoder {
             .into_owned()
     }
 
-    /// Whether the last failure was only a warning (the image was decoded; libjpeg's "corrupt
-    /// data" notes, which Pillow ignores too).
+    /// Whether the last failure was only a warning: the image was decoded whole (libjpeg's
+    /// "corrupt data" notes, which Pillow ignores too). TurboJPEG's own code says "warning" for any
+    /// failure once a warning was seen, even an error that stopped the decode after it; the message
+    /// tells them apart, since an error overwrites it and later warnings do not.
     fn only_warned(&mut self) -> bool {
         // SAFETY: a live handle.
         let code = unsafe { tj::tj3GetErrorCode(self.handle) };
-        code == tj::TJERR_TJERR_WARNING as c_int
+        code == tj::TJERR_TJERR_WARNING as c_int && is_warning(&self.message())
     }
 
     fn failure(&mut self) -> ImageError {
@@ -132,24 +150,25 @@ impl Decoder {
         })
     }
 
-    /// Decodes into `rgb`, which must hold exactly `width * height * 3` bytes for the header's
-    /// `width` and `height`.
+    /// Decodes the image whose header this handle read last (from the same `data`) into a new
+    /// buffer of `width * height * 3` bytes. (Zeroed first: a large one comes zeroed from the
+    /// system at no cost, and no byte is ever exposed unwritten if a decode stops half-way.)
     pub(crate) fn decode_rgb(
         &mut self,
         data: &[u8],
-        width: u32,
-        height: u32,
-        rgb: &mut [u8],
-    ) -> Result<(), ImageError> {
-        let pitch = param(u64::from(width) * 3, "row pitch")?;
-        if rgb.len() as u64 != u64::from(width) * u64::from(height) * 3 {
-            return Err(ImageError::Internal(
-                "the output buffer does not fit the image".into(),
-            ));
-        }
-        // SAFETY: a live handle; `data` is valid for reading `data.len()` bytes and `rgb` for
-        // writing `pitch * height` bytes (checked above), the size TurboJPEG writes for the
-        // dimensions of the header this handle read last (the caller's `width` and `height`).
+        header: &Header,
+    ) -> Result<Vec<u8>, ImageError> {
+        let pitch = param(u64::from(header.width) * 3, "row pitch")?;
+        let len = usize::try_from(u64::from(header.width) * u64::from(header.height) * 3)
+            .map_err(|_| ImageError::Internal("the image does not fit in memory".into()))?;
+        let mut rgb: Vec<u8> = Vec::new();
+        rgb.try_reserve_exact(len).map_err(|_| {
+            ImageError::LimitExceeded(format!("cannot allocate {len} bytes for the image"))
+        })?;
+        rgb.resize(len, 0);
+        // SAFETY: a live handle; `data` is valid for reading `data.len()` bytes; `rgb` holds
+        // `len` = `pitch * height` bytes, which is what TurboJPEG writes for the dimensions in
+        // `data`'s header (the one `header` was read from, at scaling factor 1).
         let status = unsafe {
             tj::tj3Decompress8(
                 self.handle,
@@ -163,6 +182,6 @@ impl Decoder {
         if status != 0 && !self.only_warned() {
             return Err(self.failure());
         }
-        Ok(())
+        Ok(rgb)
     }
 }

@@ -167,6 +167,26 @@ fn limits_are_applied_before_decoding() {
     ));
 }
 
+/// Damage inside the entropy-coded data is only a warning to libjpeg, which decodes on; Pillow
+/// hands such an image over, and so does the host.
+#[test]
+fn damaged_scans_decode_as_pillow_decodes_them() {
+    let pixels = scene(64, 48);
+    let mut data = Encoder::new(&pixels, 64, 48, PixelFormat::Rgb)
+        .encode()
+        .unwrap();
+    let scan = data.windows(2).position(|w| w == [0xFF, 0xDA]).unwrap();
+    let middle = scan + (data.len() - scan) / 2;
+    // A restart marker in a scan that has none: libjpeg warns ("premature end of data segment")
+    // and fills the rest of the scan.
+    data[middle..middle + 2].copy_from_slice(&[0xFF, 0xD3]);
+    let image = decode_jpeg(&data, &Limits::default()).unwrap();
+    assert_eq!(
+        (image.width, image.height, image.rgb.len()),
+        (64, 48, 64 * 48 * 3)
+    );
+}
+
 #[test]
 fn broken_files_are_refused_not_decoded_to_grey() {
     let pixels = scene(64, 48);

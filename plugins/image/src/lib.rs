@@ -2,8 +2,10 @@
 //!
 //! Processors (chosen by `image_processor_type` in the model's `preprocessor_config.json`):
 //! - Qwen2-VL / Qwen2.5-VL: `smart_resize` within min/max pixels, bicubic, CLIP mean/std, 14-px
-//!   patches, temporal patch 2, 2x2 merge → `pixel_values` [t·h·w, 1176] as u8 samples with
-//!   `pixel_values_table` (f32 [3, 256], the normalisation per byte) and `image_grid_thw`.
+//!   patches, temporal patch 2, 2x2 merge → `pixel_values` as u8 samples, [h·w, 588]: each channel
+//!   run once, with `pixel_values_repeats` = 2 for HF's temporal copies (the host reads them as
+//!   HF's [h·w, 1176]), `pixel_values_table` (f32 [3, 256], the normalisation per byte) and
+//!   `image_grid_thw`.
 //! - Fixed-size CLIP / SigLIP: resize (shortest edge or exact size), optional centre crop, normalise →
 //!   `pixel_values` [1, 3, H, W] f32.
 

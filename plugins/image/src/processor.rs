@@ -387,19 +387,22 @@ impl Processor {
             } => {
                 check_planned_size(choices, patch * merge)?;
                 // Raw samples plus the exact normalisation table (the host maps them back to HF's
-                // floats): a quarter of the bytes of f32 through the sandbox and in memory.
+                // floats): a quarter of the bytes of f32 through the sandbox and in memory. HF
+                // tiles a still image over the temporal patch; its copies are not written here but
+                // counted (`pixel_values_repeats`): half the bytes again, the same values.
                 let samples = qwen2vl_resized_patch_bytes(
                     &image,
                     (choices.width, choices.height),
                     *filter,
-                    (*patch, *merge, *temporal),
+                    (*patch, *merge, 1),
                 );
                 let (gh, gw) = (choices.height / patch, choices.width / patch);
-                let row = 3 * temporal * patch * patch;
+                let row = 3 * patch * patch;
                 let table: Vec<f32> = normalize.table().into_iter().flatten().collect();
                 Ok(vec![
                     Tensor::from_u8("pixel_values", &[gh * gw, row], samples)?,
                     Tensor::from_f32("pixel_values_table", &[3, 256], &table)?,
+                    Tensor::from_i64("pixel_values_repeats", &[], &[*temporal as i64])?,
                     Tensor::from_i64("image_grid_thw", &[1, 3], &[1, gh as i64, gw as i64])?,
                 ])
             }

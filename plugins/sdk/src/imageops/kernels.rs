@@ -29,15 +29,49 @@ mod simd {
         )
     }
 
-    /// One output pixel: Σ_j kk[j] · pixels[j], per channel.
+    /// A source pixel widened for the horizontal pass: R, G, B and a fourth lane that is never
+    /// read back, one i32 lane each, so that a tap is one multiply-add.
+    pub type Wide = v128;
+
+    /// A zero [`Wide`], to size buffers with.
+    pub const WIDE_ZERO: Wide = u32x4(0, 0, 0, 0);
+
+    /// Widens the packed RGB pixels of `row` into `out`, once per source row: every output pixel
+    /// under a pixel's taps (about four each) then reads it widened already.
     #[inline]
-    pub fn horizontal(pixels: &[[u8; 4]], kk: &[i32]) -> [u8; 4] {
-        let mut acc = i32x4_splat(ROUNDING);
-        for (&k, px) in kk.iter().zip(pixels) {
-            let bytes = u32x4_splat(u32::from_le_bytes(*px));
-            let wide = u32x4_extend_low_u16x8(u16x8_extend_low_u8x16(bytes));
-            acc = i32x4_add(acc, i32x4_mul(wide, i32x4_splat(k)));
+    pub fn widen_rgb(row: &[u8], out: &mut [Wide]) {
+        let pixels = (row.len() / 3).min(out.len());
+        // Four bytes from each pixel (its RGB and the next one's red, which lands in the unread
+        // lane); the last pixel has no next one and is read alone.
+        let whole = pixels.saturating_sub(1);
+        for (x, wide) in out[..whole].iter_mut().enumerate() {
+            let mut word = [0u8; 4];
+            word.copy_from_slice(&row[3 * x..3 * x + 4]);
+            let bytes = u32x4_splat(u32::from_le_bytes(word));
+            *wide = u32x4_extend_low_u16x8(u16x8_extend_low_u8x16(bytes));
         }
+        if let (Some(last), Some(px)) = (out[..pixels].last_mut(), row.chunks_exact(3).nth(whole)) {
+            *last = u32x4(u32::from(px[0]), u32::from(px[1]), u32::from(px[2]), 0);
+        }
+    }
+
+    /// One output pixel: Σ_j kk[j] · pixels[j], per channel (lanes 0..3 of the result). Two
+    /// accumulators, even and odd taps, so consecutive multiply-adds do not wait on each other.
+    #[inline]
+    pub fn horizontal(pixels: &[Wide], kk: &[i32]) -> [u8; 4] {
+        let mut even = i32x4_splat(ROUNDING);
+        let mut odd = i32x4_splat(0);
+        let mut taps = kk.chunks_exact(2).zip(pixels.chunks_exact(2));
+        for (k, px) in &mut taps {
+            even = i32x4_add(even, i32x4_mul(px[0], i32x4_splat(k[0])));
+            odd = i32x4_add(odd, i32x4_mul(px[1], i32x4_splat(k[1])));
+        }
+        if kk.len() % 2 == 1
+            && let (Some(&k), Some(&px)) = (kk.last(), pixels.get(kk.len() - 1))
+        {
+            even = i32x4_add(even, i32x4_mul(px, i32x4_splat(k)));
+        }
+        let acc = i32x4_add(even, odd);
         let packed = narrow(acc, acc, acc, acc);
         u32x4_extract_lane::<0>(packed).to_le_bytes()
     }
@@ -146,12 +180,23 @@ mod portable {
 
     pub const BLOCK: usize = 16;
 
+    pub type Wide = [i32; 4];
+
+    pub const WIDE_ZERO: Wide = [0; 4];
+
     #[inline]
-    pub fn horizontal(pixels: &[[u8; 4]], kk: &[i32]) -> [u8; 4] {
+    pub fn widen_rgb(row: &[u8], out: &mut [Wide]) {
+        for (wide, px) in out.iter_mut().zip(row.chunks_exact(3)) {
+            *wide = [i32::from(px[0]), i32::from(px[1]), i32::from(px[2]), 0];
+        }
+    }
+
+    #[inline]
+    pub fn horizontal(pixels: &[Wide], kk: &[i32]) -> [u8; 4] {
         let mut acc = [ROUNDING; 4];
         for (&k, px) in kk.iter().zip(pixels) {
             for (a, &p) in acc.iter_mut().zip(px) {
-                *a += i32::from(p) * k;
+                *a += p * k;
             }
         }
         acc.map(clip8)

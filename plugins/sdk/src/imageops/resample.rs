@@ -147,8 +147,8 @@ pub struct Resized<'a> {
     ring: Vec<u8>,
     /// Source rows below this have been resampled into the ring (or are never needed again).
     resampled_to: usize,
-    /// A source row padded to 4 bytes a pixel, so a horizontal tap is one 4-lane multiply-add.
-    padded: Vec<[u8; 4]>,
+    /// A source row widened to a lane a channel, so a horizontal tap is one 4-lane multiply-add.
+    padded: Vec<kernels::Wide>,
     /// The output row handed out last.
     row: Vec<u8>,
     next: usize,
@@ -168,7 +168,7 @@ impl<'a> Resized<'a> {
             height,
             ring: vec![0; ring_rows * width * CHANNELS],
             resampled_to: 0,
-            padded: vec![[0; 4]; if horizontal.is_some() { src.width } else { 0 }],
+            padded: vec![kernels::WIDE_ZERO; if horizontal.is_some() { src.width } else { 0 }],
             row: vec![0; width * CHANNELS],
             next: 0,
             horizontal,
@@ -228,10 +228,8 @@ impl<'a> Resized<'a> {
 }
 
 /// One source row resampled horizontally into `out`.
-fn horizontal_row(src: &[u8], axis: &AxisWeights, padded: &mut [[u8; 4]], out: &mut [u8]) {
-    for (p, s) in padded.iter_mut().zip(src.chunks_exact(CHANNELS)) {
-        p[..CHANNELS].copy_from_slice(s);
-    }
+fn horizontal_row(src: &[u8], axis: &AxisWeights, padded: &mut [kernels::Wide], out: &mut [u8]) {
+    kernels::widen_rgb(src, padded);
     for (xx, out) in out.chunks_exact_mut(CHANNELS).enumerate() {
         let (start, kk) = axis.taps(xx);
         let pixel = kernels::horizontal(&padded[start..], kk);
