@@ -76,6 +76,25 @@ mod simd {
         u32x4_extract_lane::<0>(packed).to_le_bytes()
     }
 
+    /// [`horizontal`] with exactly `K` taps (the weights zero past the pixel's own count), so the
+    /// loop unrolls: most output pixels of a row have the axis' full kernel size.
+    #[inline]
+    pub fn horizontal_fixed<const K: usize>(pixels: &[Wide; K], kk: &[i32; K]) -> [u8; 4] {
+        let mut even = i32x4_splat(ROUNDING);
+        let mut odd = i32x4_splat(0);
+        for j in 0..K {
+            let product = i32x4_mul(pixels[j], i32x4_splat(kk[j]));
+            if j % 2 == 0 {
+                even = i32x4_add(even, product);
+            } else {
+                odd = i32x4_add(odd, product);
+            }
+        }
+        let acc = i32x4_add(even, odd);
+        let packed = narrow(acc, acc, acc, acc);
+        u32x4_extract_lane::<0>(packed).to_le_bytes()
+    }
+
     #[inline]
     fn load16(bytes: &[u8]) -> v128 {
         let half = |i: usize| {
@@ -200,6 +219,11 @@ mod portable {
             }
         }
         acc.map(clip8)
+    }
+
+    #[inline]
+    pub fn horizontal_fixed<const K: usize>(pixels: &[Wide; K], kk: &[i32; K]) -> [u8; 4] {
+        horizontal(pixels, kk)
     }
 
     #[inline]
