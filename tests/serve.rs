@@ -85,8 +85,21 @@ fn open_files(limits: &str) -> (u64, u64) {
     (numbers[0], numbers[1])
 }
 
+/// The status of `GET /health`, or `None` while the gateway cannot answer it yet (not listening,
+/// or a connection reset while it starts).
 fn request_status(addr: &str) -> Option<u16> {
-    std::net::TcpStream::connect(addr).ok()?;
-    let (status, _) = request(addr, "GET", "/health", None);
-    Some(status)
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).ok()?;
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .ok()?;
+    write!(
+        stream,
+        "GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).ok()?;
+    let head = String::from_utf8_lossy(&response);
+    head.split(' ').nth(1)?.parse().ok()
 }
