@@ -11,9 +11,12 @@ The verdict (exit status 1 when any fails):
   - resident memory with no upward trend: over the last two thirds of the run, the median of the
     last third of its ten-sample stretches within 5 % above the first third's (single samples
     swing with what is in flight, ±7 % in a 30-minute run here: a leak is a trend, not a swing);
-    the spread of the stretches is printed too;
-  - file descriptors flat: no upward trend under load (the median of the last third of the samples
-    within 16 of the first third's: single samples swing with the connections in flight), and back
+    the spread of the stretches is printed too. Runs under 10 minutes (CI's 2) are a smoke test for
+    gross leaks, their thirds a few samples with warm-up in them: 10 %;
+  - file descriptors flat: no upward trend under load (over the last two thirds of the run, as for
+    memory, the median of the last third of the samples within a connection per sender of the
+    first third's: the connections in flight and the upstream's pool swing with the load, a leak
+    grows with every request), and back
     to the idle count from before the load once it stops (within 8, plus the upstream's idle pool,
     up to a connection per sender for its 60 s);
   - once the load stops, the KV caches and the features pinned for requests in flight are back to 0.
@@ -316,23 +319,29 @@ def main() -> None:
 
     window = [s for s in samples if s[0] - start_time >= duration / 3]
     rss = [s[1] for s in window]
-    fds = [s[2] for s in samples]
+    # Descriptors over the same window: in the first third the upstream's connection pool is still
+    # growing towards the concurrency the load reaches (a 2-minute run is mostly that).
+    fds = [s[2] for s in window]
     stretches = [statistics.median(rss[i:i + 10]) for i in range(0, len(rss), 10) if len(rss[i:i + 10]) >= 5]
     part = max(1, len(stretches) // 3)
     rss_first, rss_last = statistics.median(stretches[:part]), statistics.median(stretches[-part:])
     rss_growth = rss_last / rss_first - 1
     rss_spread = (max(stretches) - min(stretches)) / rss_first
+    # A short run (CI's 2 minutes) is a smoke test for gross leaks, a descriptor or 100 KB a
+    # request (thousands of descriptors, hundreds of MiB): its thirds are a few samples each, with
+    # warm-up still in them, so memory gets twice the room there.
+    rss_room = 0.05 if duration >= 600 else 0.10
     third = max(1, len(fds) // 3)
     fds_first, fds_last = statistics.median(fds[:third]), statistics.median(fds[-third:])
     verdicts = [
         ("no 5xx, no failed request", not tally.failures,
          f"{len(tally.failures)} failed, the first: {tally.failures[:3]}"),
-        ("resident memory with no upward trend", rss_growth <= 0.05,
+        ("resident memory with no upward trend", rss_growth <= rss_room,
          f"medians of the first and last thirds {rss_first / 2**20:.0f} and {rss_last / 2**20:.0f} MiB "
          f"({rss_growth:+.1%}); stretches of 10 samples {min(stretches) / 2**20:.0f}..{max(stretches) / 2**20:.0f} "
          f"MiB (spread {rss_spread:.1%})"),
-        ("file descriptors flat", fds_last <= fds_first + 16 and idle_fds <= idle_fds_before + SENDERS + 8,
-         f"idle {idle_fds_before} before; under load {min(fds)}..{max(fds)}, medians of the first and "
+        ("file descriptors flat", fds_last <= fds_first + SENDERS and idle_fds <= idle_fds_before + SENDERS + 8,
+         f"idle {idle_fds_before} before; over the last two thirds {min(fds)}..{max(fds)}, medians of the first and "
          f"last thirds {fds_first:.0f} and {fds_last:.0f}; idle {idle_fds} after"),
         ("KV and pinned features back to 0 when idle", idle["kv"] == 0 and idle["pinned"] == 0,
          f"KV {idle['kv']:.0f} B, pinned {idle['pinned']:.0f} B"),
