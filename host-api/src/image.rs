@@ -27,14 +27,16 @@ impl Host for CallState {
                 "the call's deadline passed before the image was decoded".into(),
             ));
         }
+        // What the plugin does not set (bytes, decoder memory) is the host's alone.
+        let host = self.image_limits();
         let asked = Limits {
             max_width: limits.max_width,
             max_height: limits.max_height,
             max_pixels: limits.max_pixels,
             max_scans: limits.max_scans,
-            ..Limits::default()
+            ..host.clone()
         };
-        let limits = self.image_limits().narrowed(&asked);
+        let limits = host.narrowed(&asked);
         let image = mmgate_image_decode::decode_jpeg(&data, &limits).map_err(contract_error)?;
         Ok(RgbImage {
             width: image.width,

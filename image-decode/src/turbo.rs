@@ -22,6 +22,17 @@ const WARNINGS: [&str; 7] = [
     "Application transferred too many scanlines",
 ];
 
+/// The beginnings of the messages of a limit being hit: the scan limit and the pixel limit
+/// (TurboJPEG's own), libjpeg's largest dimension, and the memory limit (libjpeg asks for a backing
+/// store, which this build has none of, or fails to allocate).
+const LIMITS: [&str; 5] = [
+    "Progressive JPEG image has more than",
+    "Image is too large",
+    "Maximum supported image dimension",
+    "Backing store not supported",
+    "Insufficient memory",
+];
+
 fn is_warning(message: &str) -> bool {
     WARNINGS.iter().any(|w| message.starts_with(w))
 }
@@ -110,9 +121,7 @@ impl Decoder {
 
     fn failure(&mut self) -> ImageError {
         let message = self.message();
-        let limit = ["exceeds", "limit", "Maximum supported"]
-            .iter()
-            .any(|m| message.contains(m));
+        let limit = LIMITS.iter().any(|m| message.starts_with(m));
         let text = format!("cannot decode the jpeg image: {message}");
         if limit {
             ImageError::LimitExceeded(text)

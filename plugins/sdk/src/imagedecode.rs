@@ -146,10 +146,11 @@ pub fn dimensions(info: &MediaInfo) -> PluginResult<(u32, u32)> {
 pub fn decode_rgb(data: &[u8]) -> PluginResult<RgbImage> {
     let header = probe(data)?;
     if header.format == "jpeg" {
-        check_jpeg_complete(data)?;
+        // The host checks completeness itself; the plugin's own decoder needs the check here.
         if let Some(image) = decode_jpeg_in_host(data, &header)? {
             return Ok(image);
         }
+        check_jpeg_complete(data)?;
         return decode_jpeg(data, &header);
     }
     let mut reader = reader(data)?;

@@ -55,23 +55,13 @@ mod simd {
         }
     }
 
-    /// One output pixel: Σ_j kk[j] · pixels[j], per channel (lanes 0..3 of the result). Two
-    /// accumulators, even and odd taps, so consecutive multiply-adds do not wait on each other.
+    /// One output pixel: Σ_j kk[j] · pixels[j], per channel (lanes 0..3 of the result).
     #[inline]
     pub fn horizontal(pixels: &[Wide], kk: &[i32]) -> [u8; 4] {
-        let mut even = i32x4_splat(ROUNDING);
-        let mut odd = i32x4_splat(0);
-        let mut taps = kk.chunks_exact(2).zip(pixels.chunks_exact(2));
-        for (k, px) in &mut taps {
-            even = i32x4_add(even, i32x4_mul(px[0], i32x4_splat(k[0])));
-            odd = i32x4_add(odd, i32x4_mul(px[1], i32x4_splat(k[1])));
+        let mut acc = i32x4_splat(ROUNDING);
+        for (&k, &px) in kk.iter().zip(pixels) {
+            acc = i32x4_add(acc, i32x4_mul(px, i32x4_splat(k)));
         }
-        if kk.len() % 2 == 1
-            && let (Some(&k), Some(&px)) = (kk.last(), pixels.get(kk.len() - 1))
-        {
-            even = i32x4_add(even, i32x4_mul(px, i32x4_splat(k)));
-        }
-        let acc = i32x4_add(even, odd);
         let packed = narrow(acc, acc, acc, acc);
         u32x4_extract_lane::<0>(packed).to_le_bytes()
     }
