@@ -8,7 +8,10 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::gemm::{MatMut, MatRef, Threads, matmul};
-use super::{Activation, AttentionMask, AttentionShape, Backend, Conv1dShape};
+use super::{
+    Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, check_attention, check_ids,
+    check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
+};
 use crate::error::{Error, Result};
 
 /// Query rows one attention task handles: bounds the scores scratch to `QUERY_BLOCK × keys` floats.
@@ -52,27 +55,6 @@ impl CpuBackend {
     fn run<T: Send>(&self, work: impl FnOnce() -> T + Send) -> T {
         self.pool.install(work)
     }
-}
-
-fn expect_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(Error::shape(
-            op,
-            format!("{what} has {got} elements, expected {want}"),
-        ))
-    }
-}
-
-fn rows_of(op: &'static str, len: usize, dim: usize) -> Result<usize> {
-    if dim == 0 || !len.is_multiple_of(dim) {
-        return Err(Error::shape(
-            op,
-            format!("{len} elements are not rows of {dim}"),
-        ));
-    }
-    Ok(len / dim)
 }
 
 fn activate_one(x: f32, act: Activation) -> f32 {
@@ -268,15 +250,7 @@ impl Backend for CpuBackend {
     }
 
     fn im2col_1d(&self, x: &Vec<f32>, c: &Conv1dShape) -> Result<Vec<f32>> {
-        expect_len(
-            "im2col_1d",
-            "input",
-            x.len(),
-            c.segments * c.len * c.channels,
-        )?;
-        if c.stride == 0 || c.kernel == 0 || c.len + 2 * c.padding < c.kernel {
-            return Err(Error::shape("im2col_1d", format!("{c:?}")));
-        }
+        c.check(x.len())?;
         let out_len = c.out_len();
         let width = c.channels * c.kernel;
         let mut out = vec![0.0f32; c.segments * out_len * width];
@@ -303,14 +277,8 @@ impl Backend for CpuBackend {
     }
 
     fn mean_pool_rows(&self, x: &Vec<f32>, dim: usize, window: usize) -> Result<Vec<f32>> {
-        let rows = rows_of("mean_pool_rows", x.len(), dim)?;
-        if window == 0 || !rows.is_multiple_of(window) {
-            return Err(Error::shape(
-                "mean_pool_rows",
-                format!("{rows} rows in windows of {window}"),
-            ));
-        }
-        let mut out = vec![0.0f32; rows / window * dim];
+        let out_rows = pooled_rows(x.len(), dim, window)?;
+        let mut out = vec![0.0f32; out_rows * dim];
         self.run(|| {
             out.par_chunks_mut(dim)
                 .zip(x.par_chunks(dim * window))
@@ -327,11 +295,7 @@ impl Backend for CpuBackend {
 
     fn gather_rows(&self, table: &Vec<f32>, dim: usize, ids: &[u32]) -> Result<Vec<f32>> {
         let rows = rows_of("gather_rows", table.len(), dim)?;
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= rows) {
-            return Err(Error::Input(format!(
-                "token id {bad} is outside the vocabulary of {rows}"
-            )));
-        }
+        check_ids(ids, rows)?;
         let mut out = vec![0.0; ids.len() * dim];
         for (o, &id) in out.chunks_mut(dim).zip(ids) {
             let id = id as usize;
@@ -349,12 +313,7 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let dst_rows = rows_of("scatter_rows", dst.len(), dim)?;
         expect_len("scatter_rows", "source", src.len(), rows.len() * dim)?;
-        if let Some(bad) = rows.iter().find(|&&r| r as usize >= dst_rows) {
-            return Err(Error::shape(
-                "scatter_rows",
-                format!("row {bad} of {dst_rows}"),
-            ));
-        }
+        check_scatter_rows(rows, dst_rows)?;
         for (&r, s) in rows.iter().zip(src.chunks(dim)) {
             let r = r as usize;
             dst[r * dim..(r + 1) * dim].copy_from_slice(s);
@@ -365,12 +324,7 @@ impl Backend for CpuBackend {
     fn write_rows(&self, dst: &mut Vec<f32>, dim: usize, at: usize, src: &Vec<f32>) -> Result<()> {
         let dst_rows = rows_of("write_rows", dst.len(), dim)?;
         let n = rows_of("write_rows", src.len(), dim)?;
-        if at + n > dst_rows {
-            return Err(Error::shape(
-                "write_rows",
-                format!("rows {at}..{} of {dst_rows}", at + n),
-            ));
-        }
+        check_row_range("write_rows", at, n, dst_rows)?;
         dst[at * dim..(at + n) * dim].copy_from_slice(src);
         Ok(())
     }
@@ -383,12 +337,7 @@ impl Backend for CpuBackend {
         count: usize,
     ) -> Result<Vec<f32>> {
         let rows = rows_of("slice_rows", src.len(), dim)?;
-        if start + count > rows {
-            return Err(Error::shape(
-                "slice_rows",
-                format!("rows {start}..{} of {rows}", start + count),
-            ));
-        }
+        check_row_range("slice_rows", start, count, rows)?;
         Ok(src[start * dim..(start + count) * dim].to_vec())
     }
 }
@@ -411,33 +360,11 @@ fn attention(
     v: &[f32],
     s: &AttentionShape,
 ) -> Result<Vec<f32>> {
+    check_attention(s, q.len(), k.len(), v.len())?;
     let (hd, heads, kv_heads) = (s.head_dim, s.heads, s.kv_heads);
-    if kv_heads == 0 || heads % kv_heads != 0 {
-        return Err(Error::shape(
-            "attention",
-            format!("{heads} heads over {kv_heads} kv heads"),
-        ));
-    }
-    expect_len("attention", "queries", q.len(), s.q_rows * heads * hd)?;
-    let kv_need = s.kv_rows * kv_heads * hd;
-    if k.len() < kv_need || v.len() < kv_need {
-        return Err(Error::shape(
-            "attention",
-            format!("keys/values hold fewer than {} rows", s.kv_rows),
-        ));
-    }
     let mut tasks = Vec::new();
     match &s.mask {
         AttentionMask::Causal { first_query } => {
-            if first_query + s.q_rows > s.kv_rows {
-                return Err(Error::shape(
-                    "attention",
-                    format!(
-                        "{} queries from position {first_query} past {} keys",
-                        s.q_rows, s.kv_rows
-                    ),
-                ));
-            }
             for head in 0..heads {
                 for q0 in (0..s.q_rows).step_by(QUERY_BLOCK) {
                     let q1 = (q0 + QUERY_BLOCK).min(s.q_rows);
@@ -453,25 +380,6 @@ fn attention(
             }
         }
         AttentionMask::Segments(segments) => {
-            let mut next = 0;
-            for seg in segments {
-                let ok = seg.rows.start == next
-                    && seg.rows.end >= seg.rows.start
-                    && (1..=seg.rows.len()).contains(&seg.visible_keys);
-                if !ok {
-                    return Err(Error::shape(
-                        "attention",
-                        format!("segment {seg:?} after row {next}"),
-                    ));
-                }
-                next = seg.rows.end;
-            }
-            if next != s.q_rows || s.q_rows != s.kv_rows {
-                return Err(Error::shape(
-                    "attention",
-                    format!("segments end at {next} of {} rows", s.q_rows),
-                ));
-            }
             for seg in segments {
                 for head in 0..heads {
                     for q0 in seg.rows.clone().step_by(QUERY_BLOCK) {

@@ -11,9 +11,10 @@
 //! receives the dimensions it needs and checks them against the buffer lengths.
 
 pub mod cpu;
+pub mod cuda;
 mod gemm;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The activation functions the supported models use, each exactly as PyTorch computes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,4 +230,144 @@ pub trait Backend: Clone + Send + Sync + 'static {
         start: usize,
         count: usize,
     ) -> Result<Self::Buffer>;
+}
+
+/// `got == want` for a buffer of operation `op`.
+pub(crate) fn expect_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::shape(
+            op,
+            format!("{what} has {got} elements, expected {want}"),
+        ))
+    }
+}
+
+/// How many rows of `dim` a buffer of `len` elements holds (an error if it is not whole rows).
+pub(crate) fn rows_of(op: &'static str, len: usize, dim: usize) -> Result<usize> {
+    if dim == 0 || !len.is_multiple_of(dim) {
+        return Err(Error::shape(
+            op,
+            format!("{len} elements are not rows of {dim}"),
+        ));
+    }
+    Ok(len / dim)
+}
+
+/// Everything an attention call's buffers and mask must satisfy, whatever device runs it: head
+/// groups, buffer lengths, a causal window inside the keys, segments tiling the rows in order.
+pub(crate) fn check_attention(
+    s: &AttentionShape,
+    q_len: usize,
+    k_len: usize,
+    v_len: usize,
+) -> Result<()> {
+    let (hd, heads, kv_heads) = (s.head_dim, s.heads, s.kv_heads);
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(Error::shape(
+            "attention",
+            format!("{heads} heads over {kv_heads} kv heads"),
+        ));
+    }
+    expect_len("attention", "queries", q_len, s.q_rows * heads * hd)?;
+    let kv_need = s.kv_rows * kv_heads * hd;
+    if k_len < kv_need || v_len < kv_need {
+        return Err(Error::shape(
+            "attention",
+            format!("keys/values hold fewer than {} rows", s.kv_rows),
+        ));
+    }
+    match &s.mask {
+        AttentionMask::Causal { first_query } => {
+            if first_query + s.q_rows > s.kv_rows {
+                return Err(Error::shape(
+                    "attention",
+                    format!(
+                        "{} queries from position {first_query} past {} keys",
+                        s.q_rows, s.kv_rows
+                    ),
+                ));
+            }
+        }
+        AttentionMask::Segments(segments) => {
+            let mut next = 0;
+            for seg in segments {
+                let ok = seg.rows.start == next
+                    && seg.rows.end >= seg.rows.start
+                    && (1..=seg.rows.len()).contains(&seg.visible_keys);
+                if !ok {
+                    return Err(Error::shape(
+                        "attention",
+                        format!("segment {seg:?} after row {next}"),
+                    ));
+                }
+                next = seg.rows.end;
+            }
+            if next != s.q_rows || s.q_rows != s.kv_rows {
+                return Err(Error::shape(
+                    "attention",
+                    format!("segments end at {next} of {} rows", s.q_rows),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Conv1dShape {
+    /// The input length and geometry an `im2col_1d` call needs.
+    pub(crate) fn check(&self, input_len: usize) -> Result<()> {
+        expect_len(
+            "im2col_1d",
+            "input",
+            input_len,
+            self.segments * self.len * self.channels,
+        )?;
+        if self.stride == 0 || self.kernel == 0 || self.len + 2 * self.padding < self.kernel {
+            return Err(Error::shape("im2col_1d", format!("{self:?}")));
+        }
+        Ok(())
+    }
+}
+
+/// Rows of a `mean_pool_rows` input, checked to be whole windows.
+pub(crate) fn pooled_rows(len: usize, dim: usize, window: usize) -> Result<usize> {
+    let rows = rows_of("mean_pool_rows", len, dim)?;
+    if window == 0 || !rows.is_multiple_of(window) {
+        return Err(Error::shape(
+            "mean_pool_rows",
+            format!("{rows} rows in windows of {window}"),
+        ));
+    }
+    Ok(rows / window)
+}
+
+/// Row `at` onwards of `dst_rows` has room for `n` rows.
+pub(crate) fn check_row_range(op: &'static str, at: usize, n: usize, rows: usize) -> Result<()> {
+    if at + n > rows {
+        return Err(Error::shape(op, format!("rows {at}..{} of {rows}", at + n)));
+    }
+    Ok(())
+}
+
+/// Token ids of an embedding lookup, each inside the table's `rows`.
+pub(crate) fn check_ids(ids: &[u32], rows: usize) -> Result<()> {
+    match ids.iter().find(|&&i| i as usize >= rows) {
+        Some(bad) => Err(Error::Input(format!(
+            "token id {bad} is outside the vocabulary of {rows}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Destination rows of a scatter, each inside `dst_rows`.
+pub(crate) fn check_scatter_rows(rows: &[u32], dst_rows: usize) -> Result<()> {
+    match rows.iter().find(|&&r| r as usize >= dst_rows) {
+        Some(bad) => Err(Error::shape(
+            "scatter_rows",
+            format!("row {bad} of {dst_rows}"),
+        )),
+        None => Ok(()),
+    }
 }

@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
+pub mod sim_device;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
