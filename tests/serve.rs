@@ -103,3 +103,44 @@ fn request_status(addr: &str) -> Option<u16> {
     let head = String::from_utf8_lossy(&response);
     head.split(' ').nth(1)?.parse().ok()
 }
+
+/// A model placed on a GPU (`cuda:N`) on a machine without the NVIDIA driver (as CI's): the gateway
+/// refuses to start, saying in one line which device of which model needs what. The same config
+/// on a GPU machine loads the encoder on GPU 1 and the LLM on GPU 0 (`./dev gpu-check`).
+#[test]
+fn a_gpu_device_without_a_driver_fails_at_start_with_one_clear_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("mmgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:{}\"\n\
+             [[models]]\nname = \"demo\"\npath = \"demo\"\nllm_device = \"cuda:0\"\n\
+             encoder_devices = [{{ device = \"cuda:1\" }}]\n",
+            common::server::free_port()
+        ),
+    )
+    .unwrap();
+    let out = common::mmgate(&["serve", "--config", config.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started without a GPU: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line, got: {stderr}");
+    for part in ["demo", "encoder device 0", "cuda:1", "cannot be loaded"] {
+        assert!(lines[0].contains(part), "{part:?} missing from: {stderr}");
+    }
+
+    // A device name that is neither is a config error before anything loads.
+    std::fs::write(
+        &config,
+        "[[models]]\nname = \"demo\"\npath = \"demo\"\nencoder_devices = [{ device = \"gpu1\" }]\n",
+    )
+    .unwrap();
+    let out = common::mmgate(&["serve", "--config", config.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("device \"gpu1\": expected \"cpu\" or \"cuda:N\""),
+        "{stderr}"
+    );
+}

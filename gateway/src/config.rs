@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use mmgate_host::{CompileCache, SandboxLimits};
+use mmgate_inference::devices::DeviceName;
 use serde::Deserialize;
 
 use crate::fetch::FetchConfig;
@@ -181,8 +182,10 @@ pub struct ModelConfig {
     /// The context served, when below the checkpoint's (`max_position_embeddings`): as vLLM's
     /// `--max-model-len`, every token budget uses it.
     pub max_model_len: Option<usize>,
-    /// Threads of the LLM's device (default: half the cores).
+    /// Threads of the LLM's device (default: half the cores), when it is the CPU.
     pub llm_threads: Option<usize>,
+    /// The LLM's device: `"cpu"` (default) or `"cuda:N"`.
+    pub llm_device: Option<DeviceName>,
     /// Dedicated encoder devices, each a thread pool of its own (default: one, half the cores).
     #[serde(default)]
     pub encoder_devices: Vec<EncoderDevice>,
@@ -299,7 +302,15 @@ impl TryFrom<String> for UpstreamAddr {
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EncoderDevice {
-    pub threads: usize,
+    /// `"cpu"` (the default: a thread pool of its own, `threads` wide) or `"cuda:N"` (GPU N).
+    #[serde(default = "cpu_device")]
+    pub device: DeviceName,
+    /// Threads of a CPU device (required for one; a GPU takes none).
+    pub threads: Option<usize>,
+}
+
+fn cpu_device() -> DeviceName {
+    DeviceName::Cpu
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -501,6 +512,7 @@ impl ModelConfig {
             upstream_timeout_ms: default_upstream_timeout_ms(),
             max_model_len: None,
             llm_threads: None,
+            llm_device: None,
             encoder_devices: Vec::new(),
             max_running: default_max_running(),
             prefill_chunk: default_prefill_chunk(),
@@ -547,8 +559,25 @@ impl ModelConfig {
             crate::upstream::tls::check_ca_file(ca)
                 .with_context(|| format!("model {name:?}: upstream_ca_file"))?;
         }
-        if self.llm_threads == Some(0) || self.encoder_devices.iter().any(|d| d.threads == 0) {
+        if self.llm_threads == Some(0) || self.encoder_devices.iter().any(|d| d.threads == Some(0))
+        {
             bail!("model {name:?}: a device needs at least one thread");
+        }
+        for d in &self.encoder_devices {
+            match (d.device, d.threads) {
+                (DeviceName::Cpu, None) => {
+                    bail!("model {name:?}: a cpu encoder device needs `threads`")
+                }
+                (DeviceName::Cuda(n), Some(_)) => {
+                    bail!(
+                        "model {name:?}: encoder device cuda:{n}: threads apply to cpu devices only"
+                    )
+                }
+                _ => {}
+            }
+        }
+        if let (Some(DeviceName::Cuda(n)), Some(_)) = (self.llm_device, self.llm_threads) {
+            bail!("model {name:?}: llm_device cuda:{n}: llm_threads applies to a cpu LLM only");
         }
         if self.max_model_len == Some(0) {
             bail!("model {name:?}: max_model_len must be positive");

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, anyhow, bail};
 use mmgate_host::{ByteSamples, Dtype, Tensor};
-use mmgate_inference::CpuBackend;
+use mmgate_inference::devices::{OpenDevice, Placement};
+use mmgate_inference::{Backend, CpuBackend};
 
 use crate::feature_cache::SharedCache;
 use mmgate_inference::demo::{self, DemoFamily};
@@ -80,21 +81,37 @@ impl Family {
     }
 }
 
-/// How many threads each device of a model gets.
+/// Where each part of a model runs: the LLM, and each encoder device.
 #[derive(Debug, Clone)]
-pub struct DeviceThreads {
-    pub llm: usize,
+pub struct Devices {
+    pub llm: Placement,
     /// One entry per encoder device.
-    pub encoders: Vec<usize>,
+    pub encoders: Vec<Placement>,
 }
 
-impl DeviceThreads {
+impl Devices {
     /// Half the cores for the LLM, the other half for one encoder device (at least one each).
     pub fn split_cores() -> Self {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         Self {
-            llm: (cores / 2).max(1),
-            encoders: vec![(cores - cores / 2).max(1)],
+            llm: Placement::Cpu {
+                threads: (cores / 2).max(1),
+            },
+            encoders: vec![Placement::Cpu {
+                threads: (cores - cores / 2).max(1),
+            }],
+        }
+    }
+
+    /// CPU pools of the given sizes.
+    #[cfg(test)]
+    pub fn cpu(llm: usize, encoders: &[usize]) -> Self {
+        Self {
+            llm: Placement::Cpu { threads: llm },
+            encoders: encoders
+                .iter()
+                .map(|&threads| Placement::Cpu { threads })
+                .collect(),
         }
     }
 }
@@ -102,7 +119,7 @@ impl DeviceThreads {
 /// How a model runs: its devices and engine settings.
 #[derive(Clone)]
 pub struct RuntimeOptions {
-    pub threads: DeviceThreads,
+    pub devices: Devices,
     pub max_running: usize,
     pub prefill_chunk: usize,
     pub feature_cache_bytes: usize,
@@ -114,10 +131,18 @@ pub struct RuntimeOptions {
     pub shared_features: Option<Arc<dyn SharedFeatures>>,
 }
 
+/// What every device pairing's load shares.
+struct LoadParts<'a> {
+    name: &'a str,
+    dir: &'a Path,
+    options: &'a RuntimeOptions,
+    encoder_devices: &'a [(String, OpenDevice)],
+}
+
 impl Default for RuntimeOptions {
     fn default() -> Self {
         Self {
-            threads: DeviceThreads::split_cores(),
+            devices: Devices::split_cores(),
             max_running: 16,
             prefill_chunk: 512,
             feature_cache_bytes: 256 << 20,
@@ -257,45 +282,80 @@ impl ModelRuntime {
         observer: Option<BatchObserver>,
         with_llm: bool,
     ) -> anyhow::Result<Self> {
-        let threads = &options.threads;
-        let config = ConfigFile::read(dir)?;
+        let devices = &options.devices;
         let mut encoder_devices = Vec::new();
-        for (i, &n) in threads.encoders.iter().enumerate() {
-            encoder_devices.push((
-                format!("{name}-enc{i}"),
-                CpuBackend::new(&format!("{name}-enc{i}"), n)?,
-            ));
+        for (i, &placement) in devices.encoders.iter().enumerate() {
+            let label = format!("{name}-enc{i}");
+            let device = OpenDevice::open(placement, &label)
+                .with_context(|| format!("encoder device {i}"))?;
+            encoder_devices.push((label, device));
         }
-        let first_encoder = encoder_devices
-            .first()
-            .map(|(_, d)| d.clone())
-            .ok_or_else(|| anyhow!("a model needs at least one encoder device"))?;
         let llm_dev = if with_llm {
-            Some(CpuBackend::new(&format!("{name}-llm"), threads.llm)?)
+            Some(OpenDevice::open(devices.llm, &format!("{name}-llm")).context("LLM device")?)
         } else {
             None
         };
+        // The model code is generic over its two devices' backends: one instance per pair.
+        use OpenDevice::{Cpu, Cuda};
+        let Some((_, first)) = encoder_devices.first() else {
+            bail!("a model needs at least one encoder device");
+        };
+        let parts = LoadParts {
+            name,
+            dir,
+            options,
+            encoder_devices: &encoder_devices,
+        };
+        match (first, &llm_dev) {
+            (Cpu(e), Some(Cpu(l))) => Self::load_on(parts, observer, e, Some(l)),
+            (Cpu(e), Some(Cuda(l))) => Self::load_on(parts, observer, e, Some(l)),
+            (Cuda(e), Some(Cpu(l))) => Self::load_on(parts, observer, e, Some(l)),
+            (Cuda(e), Some(Cuda(l))) => Self::load_on(parts, observer, e, Some(l)),
+            (Cpu(e), None) => Self::load_on::<_, CpuBackend>(parts, observer, e, None),
+            (Cuda(e), None) => Self::load_on::<_, CpuBackend>(parts, observer, e, None),
+        }
+    }
+
+    /// Loads the model with its first encoder on `first_encoder` and its LLM (if any) on `llm`;
+    /// the other encoder devices each load their own copy of the encoder.
+    fn load_on<E: Backend, L: Backend>(
+        parts: LoadParts<'_>,
+        observer: Option<BatchObserver>,
+        first_encoder: &E,
+        llm_dev: Option<&L>,
+    ) -> anyhow::Result<Self> {
+        let LoadParts {
+            name,
+            dir,
+            options,
+            encoder_devices,
+        } = parts;
+        let config = ConfigFile::read(dir)?;
         // Each encoder device holds its own copy of the encoder; the LLM comes from the first load,
         // the other devices read only the encoder's weights.
         let mut encoders: Vec<Arc<dyn Encoder>> = Vec::new();
         let (family, text_config, llm, positions) = match config.model_type() {
             Some(t) if qwen2_vl::MODEL_TYPES.contains(&t) => {
-                let (config, llm) = match &llm_dev {
+                let (config, llm) = match llm_dev {
                     Some(llm_dev) => {
                         let Qwen2Vl {
                             config,
                             vision,
                             llm,
-                        } = Qwen2Vl::<CpuBackend, CpuBackend>::load(dir, &first_encoder, llm_dev)?;
+                        } = Qwen2Vl::<E, L>::load(dir, first_encoder, llm_dev)?;
                         encoders.push(Arc::new(vision));
                         (config, Some(llm))
                     }
-                    None => (Qwen2VlConfig::read(dir)?, None),
+                    None => {
+                        encoders.push(Arc::new(Qwen2Vl::<E, L>::load_vision(dir, first_encoder)?));
+                        (Qwen2VlConfig::read(dir)?, None)
+                    }
                 };
-                for (_, dev) in encoder_devices.iter().skip(encoders.len()) {
-                    encoders.push(Arc::new(Qwen2Vl::<CpuBackend, CpuBackend>::load_vision(
-                        dir, dev,
-                    )?));
+                for (_, dev) in encoder_devices.iter().skip(1) {
+                    encoders.push(match dev {
+                        OpenDevice::Cpu(d) => Arc::new(Qwen2Vl::<_, L>::load_vision(dir, d)?),
+                        OpenDevice::Cuda(d) => Arc::new(Qwen2Vl::<_, L>::load_vision(dir, d)?),
+                    });
                 }
                 let merge = config.vision.merge;
                 (
@@ -306,23 +366,26 @@ impl ModelRuntime {
                 )
             }
             Some("qwen2_audio") => {
-                let (config, llm) = match &llm_dev {
+                let (config, llm) = match llm_dev {
                     Some(llm_dev) => {
                         let Qwen2Audio { config, audio, llm } =
-                            Qwen2Audio::<CpuBackend, CpuBackend>::load(
-                                dir,
-                                &first_encoder,
-                                llm_dev,
-                            )?;
+                            Qwen2Audio::<E, L>::load(dir, first_encoder, llm_dev)?;
                         encoders.push(Arc::new(audio));
                         (config, Some(llm))
                     }
-                    None => (Qwen2AudioConfig::read(dir)?, None),
+                    None => {
+                        encoders.push(Arc::new(Qwen2Audio::<E, L>::load_audio(
+                            dir,
+                            first_encoder,
+                        )?));
+                        (Qwen2AudioConfig::read(dir)?, None)
+                    }
                 };
-                for (_, dev) in encoder_devices.iter().skip(encoders.len()) {
-                    encoders.push(Arc::new(Qwen2Audio::<CpuBackend, CpuBackend>::load_audio(
-                        dir, dev,
-                    )?));
+                for (_, dev) in encoder_devices.iter().skip(1) {
+                    encoders.push(match dev {
+                        OpenDevice::Cpu(d) => Arc::new(Qwen2Audio::<_, L>::load_audio(dir, d)?),
+                        OpenDevice::Cuda(d) => Arc::new(Qwen2Audio::<_, L>::load_audio(dir, d)?),
+                    });
                 }
                 (
                     Family::audio(&config),
@@ -880,10 +943,7 @@ mod tests {
     fn runtime(spec: &str, cache: &Path) -> ModelRuntime {
         let dir = resolve_model_dir(Path::new(spec), cache).unwrap();
         let options = RuntimeOptions {
-            threads: DeviceThreads {
-                llm: 1,
-                encoders: vec![1],
-            },
+            devices: Devices::cpu(1, &[1]),
             ..RuntimeOptions::default()
         };
         ModelRuntime::load(spec, &dir, &options, None).unwrap()

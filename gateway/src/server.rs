@@ -24,11 +24,12 @@ use crate::files::FileStore;
 use crate::keylimits::KeyLimits;
 use crate::metrics::Metrics;
 use crate::model::{
-    DeviceThreads, ModelRuntime, PromptModel, RuntimeOptions, default_cache_dir, resolve_model_dir,
+    Devices, ModelRuntime, PromptModel, RuntimeOptions, default_cache_dir, resolve_model_dir,
 };
 use crate::plugins::LivePlugins;
 use crate::store::{Redis, StoreKind};
 use crate::upstream::UpstreamPool;
+use mmgate_inference::devices::{DeviceName, Placement};
 use mmgate_inference::engine::SharedFeatures;
 
 /// Loads a model onto its devices, its encoders reporting to `metrics`: all of it when it is served
@@ -41,15 +42,21 @@ fn load_model(
     encoders_only: bool,
 ) -> anyhow::Result<NativeModel> {
     let dir = resolve_model_dir(spec, &default_cache_dir())?;
-    let mut threads = DeviceThreads::split_cores();
-    if let Some(n) = model.llm_threads {
-        threads.llm = n;
+    let mut devices = Devices::split_cores();
+    match (model.llm_device, model.llm_threads) {
+        (Some(DeviceName::Cuda(ordinal)), _) => devices.llm = Placement::Cuda { ordinal },
+        (_, Some(threads)) => devices.llm = Placement::Cpu { threads },
+        _ => {}
     }
     if !model.encoder_devices.is_empty() {
-        threads.encoders = model.encoder_devices.iter().map(|d| d.threads).collect();
+        devices.encoders = model
+            .encoder_devices
+            .iter()
+            .map(|d| Placement::new(d.device, d.threads))
+            .collect::<Result<_, _>>()?;
     }
     let options = RuntimeOptions {
-        threads,
+        devices,
         max_running: model.max_running,
         prefill_chunk: model.prefill_chunk,
         feature_cache_bytes: model.feature_cache_bytes,

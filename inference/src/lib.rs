@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod demo;
+pub mod devices;
 pub mod engine;
 pub mod error;
 pub mod merge;

@@ -38,7 +38,10 @@ fn assert_close(what: &str, ours: &[f32], want: &[f32], tolerance: f32) {
         .zip(want)
         .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
         / scale;
-    assert!(err <= tolerance, "{what}: relative error {err:.3e} over {tolerance:.1e}");
+    assert!(
+        err <= tolerance,
+        "{what}: relative error {err:.3e} over {tolerance:.1e}"
+    );
 }
 
 /// f32 kernels against the CPU: only summation order and libm's last bits differ.
@@ -124,8 +127,12 @@ fn every_kernel_matches_the_cpu_backend() {
         let x = random(20 + dim as u64, rows * dim);
         let w = random(21, dim);
         let b = random(22, dim);
-        let want = cpu.rms_norm(&up(&cpu, &x), &up(&cpu, &w), dim, 1e-6).unwrap();
-        let got = gpu.rms_norm(&up(&gpu, &x), &up(&gpu, &w), dim, 1e-6).unwrap();
+        let want = cpu
+            .rms_norm(&up(&cpu, &x), &up(&cpu, &w), dim, 1e-6)
+            .unwrap();
+        let got = gpu
+            .rms_norm(&up(&gpu, &x), &up(&gpu, &w), dim, 1e-6)
+            .unwrap();
         assert_close("rms_norm", &gpu.download(&got).unwrap(), &want, TOL);
         let want = cpu
             .layer_norm(&up(&cpu, &x), &up(&cpu, &w), &up(&cpu, &b), dim, 1e-5)
@@ -153,7 +160,12 @@ fn every_kernel_matches_the_cpu_backend() {
         cpu.activate(&mut want, act).unwrap();
         let mut got = up(&gpu, &a);
         gpu.activate(&mut got, act).unwrap();
-        assert_close(&format!("{act:?}"), &gpu.download(&got).unwrap(), &want, TOL);
+        assert_close(
+            &format!("{act:?}"),
+            &gpu.download(&got).unwrap(),
+            &want,
+            TOL,
+        );
         let mut want = up(&cpu, &a);
         cpu.gated_activate(&mut want, &up(&cpu, &b), act).unwrap();
         let mut got = up(&gpu, &a);
@@ -275,7 +287,11 @@ fn every_kernel_matches_the_cpu_backend() {
     // Each linear is one GEMM; the bf16 ones take bf16 operands and write f32.
     assert_eq!(record.gemms.len(), 4);
     assert_eq!(
-        record.gemms.iter().filter(|g| g.a_type == DType::Bf16).count(),
+        record
+            .gemms
+            .iter()
+            .filter(|g| g.a_type == DType::Bf16)
+            .count(),
         2
     );
 }
@@ -285,7 +301,9 @@ fn every_kernel_matches_the_cpu_backend() {
 fn expand_samples_matches_the_contract(device: &SimDevice) {
     let (run, channels, repeats) = (3usize, 2usize, 2usize);
     let rows = 2;
-    let samples: Vec<u8> = (0..rows * channels * run).map(|i| (i * 37 % 256) as u8).collect();
+    let samples: Vec<u8> = (0..rows * channels * run)
+        .map(|i| (i * 37 % 256) as u8)
+        .collect();
     let table: Vec<f32> = (0..channels * 256).map(|i| i as f32 * 0.5 - 7.0).collect();
     let mut want = Vec::new();
     for which_run in samples.chunks(run).enumerate() {
@@ -330,7 +348,9 @@ fn bad_shapes_are_errors_before_any_launch() {
     let table = up(&gpu, &random(1, 12));
     // A token id outside the table: the same input error as the CPU backend's.
     let err = gpu.gather_rows(&table, 4, &[1, 3]).unwrap_err();
-    let cpu_err = cpu.gather_rows(&up(&cpu, &random(1, 12)), 4, &[1, 3]).unwrap_err();
+    let cpu_err = cpu
+        .gather_rows(&up(&cpu, &random(1, 12)), 4, &[1, 3])
+        .unwrap_err();
     assert!(matches!(err, Error::Input(_)), "{err}");
     assert_eq!(err.to_string(), cpu_err.to_string());
     assert!(matches!(

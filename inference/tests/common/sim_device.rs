@@ -127,7 +127,11 @@ impl Device for SimDevice {
 
     fn download(&self, mem: &SimMem, out: &mut [u8]) -> Result<()> {
         if out.len() != mem.bytes {
-            return Err(refused(format!("download of {} into {}", mem.bytes, out.len())));
+            return Err(refused(format!(
+                "download of {} into {}",
+                mem.bytes,
+                out.len()
+            )));
         }
         out.copy_from_slice(mem.bytes());
         Ok(())

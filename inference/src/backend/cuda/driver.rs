@@ -17,7 +17,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
     PushKernelArg, sys as driver_sys,
 };
-use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
 use super::device::{Arg, DType, Device, GemmCall, LaunchDims, Op};
 use crate::error::{Error, Result};
@@ -27,6 +27,28 @@ use crate::error::{Error, Result};
 pub fn nvrtc_available() -> bool {
     // SAFETY: only tries to open the library by its names (no symbol is called).
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// NVRTC's PTX for one kernel module, compiled for `arch` (`sm_80`, `sm_90`, ...). Works without a
+/// GPU: only `libnvrtc.so` is needed.
+pub fn compile_module(module: &mmgate_cuda_kernels::Module, arch: &str) -> Result<String> {
+    let failed = |reason: String| Error::Device {
+        device: format!("nvrtc ({arch})"),
+        reason,
+    };
+    if !nvrtc_available() {
+        return Err(failed(
+            "NVRTC (libnvrtc.so) cannot be loaded on this machine".into(),
+        ));
+    }
+    let options = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}")],
+        name: Some(format!("{}.cu", module.name)),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(module.program(), options)
+        .map(|ptx| ptx.to_src())
+        .map_err(|e| failed(format!("compiling {}.cu: {e:?}", module.name)))
 }
 
 fn driver_available() -> bool {
@@ -94,15 +116,9 @@ impl DriverDevice {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| failed(label, "cuBLAS", e))?;
         let mut functions = HashMap::new();
         for module in mmgate_cuda_kernels::MODULES {
-            let options = CompileOptions {
-                options: vec![format!("--gpu-architecture=sm_{major}{minor}")],
-                name: Some(format!("{}.cu", module.name)),
-                ..Default::default()
-            };
-            let ptx = compile_ptx_with_opts(module.program(), options)
-                .map_err(|e| failed(label, &format!("compiling {}.cu", module.name), e))?;
+            let ptx = compile_module(module, &format!("sm_{major}{minor}"))?;
             let loaded = context
-                .load_module(ptx)
+                .load_module(Ptx::from_src(ptx))
                 .map_err(|e| failed(label, &format!("loading {}.cu", module.name), e))?;
             for &kernel in module.kernels {
                 let f = loaded
