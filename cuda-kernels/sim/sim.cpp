@@ -1,58 +1,151 @@
 // The simulator's runtime (see sim.h) and the C entry point the Rust side launches kernels through,
 // shaped like the driver's `cuLaunchKernel`: a kernel name, grid and block sizes, and an array of
 // pointers to the arguments.
+//
+// Scheduling: the threads of a block are fibers (ucontext) on the launching OS thread. The
+// scheduler runs every runnable fiber in turn until it waits at a barrier or exits; then it opens
+// the barriers everyone concerned has reached (the block's, a warp's) and goes round again.
 #include "sim.h"
 
-#include <atomic>
+#include <ucontext.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <utility>
 #include <vector>
 
 namespace mmgate_sim {
+namespace {
 
-struct Warp {
-  explicit Warp(unsigned lanes) : lanes(lanes), barrier(lanes) {}
-  const unsigned lanes;
-  std::barrier<> barrier;
-  uint64_t slots[32] = {};
-  std::atomic<uint32_t> exited{0};
+enum class State { Runnable, AtBlockBarrier, AtWarpBarrier, Done };
+
+struct Fiber {
+  ucontext_t context;
+  dim3 index;
+  unsigned warp = 0, lane = 0;
+  State state = State::Runnable;
 };
 
-struct Block {
-  explicit Block(unsigned threads) : barrier(threads) {}
-  std::barrier<> barrier;
+struct WarpSlots {
+  uint64_t values[32] = {};
+  unsigned lanes = 0;
 };
 
-thread_local Warp* current_warp = nullptr;
-thread_local Block* current_block = nullptr;
-thread_local unsigned current_lane = 0;
+// One launch at a time (the statics below, and `__shared__` statics, are the running block's).
+std::mutex one_launch_at_a_time;
+ucontext_t scheduler;
+std::vector<Fiber> fibers;
+std::vector<WarpSlots> warps;
+Fiber* running = nullptr;
+void (*kernel_entry)(void**) = nullptr;
+void** kernel_args = nullptr;
+// Fiber stacks, reused across launches. Kernels use little stack; 256 KiB leaves room for libm.
+constexpr std::size_t stack_bytes = 256 * 1024;
+std::vector<std::unique_ptr<char[]>> stacks;
+
+void wait(State at) {
+  running->state = at;
+  swapcontext(&running->context, &scheduler);
+}
+
+void fiber_main() {
+  kernel_entry(kernel_args);
+  running->state = State::Done;
+  // Returning resumes `scheduler` (uc_link).
+}
+
+uint32_t live_lanes(unsigned warp) {
+  uint32_t live = 0;
+  const unsigned first = warp * 32;
+  for (unsigned lane = 0; lane < warps[warp].lanes; ++lane) {
+    if (fibers[first + lane].state != State::Done) live |= 1u << lane;
+  }
+  return live;
+}
+
+// Runs one block of `threads` fibers to completion.
+void run_block(unsigned threads) {
+  for (unsigned t = 0; t < threads; ++t) {
+    Fiber& f = fibers[t];
+    f.index = dim3{t % blockDim.x, t / blockDim.x % blockDim.y, t / (blockDim.x * blockDim.y)};
+    f.warp = t / 32;
+    f.lane = t % 32;
+    f.state = State::Runnable;
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = stacks[t].get();
+    f.context.uc_stack.ss_size = stack_bytes;
+    f.context.uc_link = &scheduler;
+    makecontext(&f.context, fiber_main, 0);
+  }
+  for (;;) {
+    for (unsigned t = 0; t < threads; ++t) {
+      Fiber& f = fibers[t];
+      if (f.state != State::Runnable) continue;
+      running = &f;
+      threadIdx = f.index;
+      swapcontext(&scheduler, &f.context);
+    }
+    bool all_done = true, block_barrier_full = true, any_at_block_barrier = false;
+    for (unsigned t = 0; t < threads; ++t) {
+      const State s = fibers[t].state;
+      all_done = all_done && s == State::Done;
+      any_at_block_barrier = any_at_block_barrier || s == State::AtBlockBarrier;
+      block_barrier_full = block_barrier_full && (s == State::Done || s == State::AtBlockBarrier);
+    }
+    if (all_done) return;
+    bool opened = false;
+    if (block_barrier_full && any_at_block_barrier) {
+      for (unsigned t = 0; t < threads; ++t) {
+        if (fibers[t].state == State::AtBlockBarrier) fibers[t].state = State::Runnable;
+      }
+      opened = true;
+    }
+    for (unsigned w = 0; w * 32 < threads; ++w) {
+      bool full = true, any = false;
+      for (unsigned lane = 0; lane < warps[w].lanes; ++lane) {
+        const State s = fibers[w * 32 + lane].state;
+        any = any || s == State::AtWarpBarrier;
+        full = full && (s == State::Done || s == State::AtWarpBarrier);
+      }
+      if (full && any) {
+        for (unsigned lane = 0; lane < warps[w].lanes; ++lane) {
+          Fiber& f = fibers[w * 32 + lane];
+          if (f.state == State::AtWarpBarrier) f.state = State::Runnable;
+        }
+        opened = true;
+      }
+    }
+    if (!opened) fail("threads wait at barriers that can never open (divergent __syncthreads/shuffle)");
+  }
+}
+
+}  // namespace
+
+unsigned current_lane() { return running->lane; }
 
 void fail(const char* what) {
-  std::fprintf(stderr,
-               "CUDA simulator: %s (block %u,%u,%u thread %u,%u,%u)\n", what, blockIdx.x,
+  std::fprintf(stderr, "CUDA simulator: %s (block %u,%u,%u thread %u,%u,%u)\n", what, blockIdx.x,
                blockIdx.y, blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z);
   std::abort();
 }
 
-void sync_block() { current_block->barrier.arrive_and_wait(); }
+void sync_block() { wait(State::AtBlockBarrier); }
 
 uint64_t exchange(unsigned mask, uint64_t bits, unsigned src_lane, bool clamp_to_self) {
-  Warp* w = current_warp;
-  const uint32_t live = (w->lanes == 32 ? 0xffffffffu : ((1u << w->lanes) - 1u)) & ~w->exited.load();
-  if (mask != live) fail("a _sync shuffle's mask is not the warp's live lanes");
-  w->slots[current_lane] = bits;
-  w->barrier.arrive_and_wait();
+  WarpSlots& w = warps[running->warp];
+  if (mask != live_lanes(running->warp)) fail("a _sync shuffle's mask is not the warp's live lanes");
+  w.values[running->lane] = bits;
+  wait(State::AtWarpBarrier);
   uint64_t got = bits;
-  if (src_lane < w->lanes) {
-    got = w->slots[src_lane];
+  if (src_lane < w.lanes && (live_lanes(running->warp) >> src_lane & 1u)) {
+    got = w.values[src_lane];
   } else if (!clamp_to_self) {
     fail("a shuffle read a lane the warp does not have");
   }
-  w->barrier.arrive_and_wait();
+  // Nobody overwrites a slot (the next shuffle) before every lane has read this one.
+  wait(State::AtWarpBarrier);
   return got;
 }
 
@@ -70,8 +163,8 @@ void invoke(void (*kernel)(A...), void** args) {
 
 }  // namespace mmgate_sim
 
-thread_local dim3 threadIdx;
-thread_local dim3 blockIdx;
+dim3 threadIdx;
+dim3 blockIdx;
 dim3 blockDim;
 dim3 gridDim;
 
@@ -90,8 +183,6 @@ struct Kernel {
 const Kernel kernels[] = {
 #include "mmgate_sim_registry.inc"
 };
-
-std::mutex one_launch_at_a_time;
 
 int refuse(char* error, std::size_t error_len, const char* what) {
   std::snprintf(error, error_len, "%s", what);
@@ -113,40 +204,30 @@ extern "C" int mmgate_sim_launch(const char* name, const unsigned grid[3], const
   const unsigned long long threads = (unsigned long long)block[0] * block[1] * block[2];
   if (threads == 0 || grid[0] == 0 || grid[1] == 0 || grid[2] == 0)
     return refuse(error, error_len, "a launch dimension is zero");
-  if (threads > 1024 || block[2] > 64) return refuse(error, error_len, "more than 1024 threads per block");
+  if (threads > 1024 || block[2] > 64)
+    return refuse(error, error_len, "more than 1024 threads per block");
   if (grid[0] > 2147483647u || grid[1] > 65535u || grid[2] > 65535u)
     return refuse(error, error_len, "grid dimensions over CUDA's limits");
   if (shared_bytes != 0)
     return refuse(error, error_len, "dynamic shared memory is not simulated (no kernel uses it)");
 
-  std::lock_guard<std::mutex> lock(one_launch_at_a_time);
+  std::lock_guard<std::mutex> lock(mmgate_sim::one_launch_at_a_time);
+  const unsigned n = (unsigned)threads;
+  while (mmgate_sim::stacks.size() < n)
+    mmgate_sim::stacks.push_back(std::make_unique<char[]>(mmgate_sim::stack_bytes));
+  mmgate_sim::fibers.assign(n, mmgate_sim::Fiber{});
+  mmgate_sim::warps.assign((n + 31) / 32, mmgate_sim::WarpSlots{});
+  for (unsigned w = 0; w < mmgate_sim::warps.size(); ++w)
+    mmgate_sim::warps[w].lanes = n - w * 32 < 32 ? n - w * 32 : 32;
+  mmgate_sim::kernel_entry = run;
+  mmgate_sim::kernel_args = args;
   gridDim = dim3{grid[0], grid[1], grid[2]};
   blockDim = dim3{block[0], block[1], block[2]};
-  const unsigned n = (unsigned)threads;
   for (unsigned bz = 0; bz < grid[2]; ++bz)
     for (unsigned by = 0; by < grid[1]; ++by)
       for (unsigned bx = 0; bx < grid[0]; ++bx) {
-        mmgate_sim::Block block_state(n);
-        std::vector<std::unique_ptr<mmgate_sim::Warp>> warps;
-        for (unsigned first = 0; first < n; first += 32)
-          warps.push_back(std::make_unique<mmgate_sim::Warp>(n - first < 32 ? n - first : 32));
-        std::vector<std::thread> workers;
-        workers.reserve(n);
-        for (unsigned t = 0; t < n; ++t) {
-          workers.emplace_back([&, t] {
-            blockIdx = dim3{bx, by, bz};
-            threadIdx = dim3{t % block[0], t / block[0] % block[1], t / (block[0] * block[1])};
-            mmgate_sim::current_block = &block_state;
-            mmgate_sim::current_warp = warps[t / 32].get();
-            mmgate_sim::current_lane = t % 32;
-            run(args);
-            // An exited thread no longer takes part in barriers (as on Volta and later).
-            mmgate_sim::current_warp->exited.fetch_or(1u << (t % 32));
-            mmgate_sim::current_warp->barrier.arrive_and_drop();
-            block_state.barrier.arrive_and_drop();
-          });
-        }
-        for (std::thread& w : workers) w.join();
+        blockIdx = dim3{bx, by, bz};
+        mmgate_sim::run_block(n);
       }
   return 0;
 }

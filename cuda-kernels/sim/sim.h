@@ -1,16 +1,20 @@
 // A small simulator of CUDA's execution model on the CPU, enough to run mmgate's kernels unchanged:
 // the kernel sources compile as C++ against this header instead of under NVRTC.
 //
-// What it models: a launch's grid of blocks and each block's threads (one OS thread per CUDA
-// thread, so code between barriers really runs concurrently); `threadIdx`, `blockIdx`, `blockDim`,
-// `gridDim`; `__shared__` memory per block; `__syncthreads()`; warps of 32 lanes with the shuffles
-// the kernels use. Blocks run one after another (CUDA promises no order between blocks, so a kernel
-// correct on a GPU is correct here), which lets a function-local `static` stand in for a block's
-// `__shared__` variables.
+// What it models: a launch's grid of blocks and each block's threads; `threadIdx`, `blockIdx`,
+// `blockDim`, `gridDim`; `__shared__` memory per block; `__syncthreads()`; warps of 32 lanes with
+// the shuffles the kernels use. Each CUDA thread of a block is a fiber (its own stack and
+// registers) on the launching OS thread; a fiber runs until it reaches a barrier (`__syncthreads`,
+// or the warp-wide exchange inside a shuffle) or exits, and a barrier opens when every live thread
+// it concerns has arrived. So no thread ever reads shared memory a barrier should have protected
+// before the others wrote it, exactly as on a GPU, without thousands of OS threads. Blocks run one
+// after another (CUDA promises no order between blocks, so a kernel correct on a GPU is correct
+// here), which lets a function-local `static` stand in for a block's `__shared__` variables.
 //
 // What it checks, failing the launch loudly instead of computing garbage: launch limits (threads
 // per block, grid dimensions), a shuffle whose mask is not exactly the warp's live lanes (the rule
-// of the `_sync` intrinsics), a shuffle reading an exited or absent lane.
+// of the `_sync` intrinsics), a shuffle reading an exited or absent lane, and threads waiting at
+// barriers that can never open (some at `__syncthreads`, others of the same warp in a shuffle).
 #pragma once
 
 #include <barrier>
@@ -24,12 +28,7 @@ struct dim3 {
 
 namespace mmgate_sim {
 
-struct Warp;
-struct Block;
-
-extern thread_local Warp* current_warp;
-extern thread_local Block* current_block;
-extern thread_local unsigned current_lane;
+unsigned current_lane();
 
 [[noreturn]] void fail(const char* what);
 void sync_block();
@@ -37,8 +36,8 @@ uint64_t exchange(unsigned mask, uint64_t bits, unsigned src_lane, bool clamp_to
 
 }  // namespace mmgate_sim
 
-extern thread_local dim3 threadIdx;
-extern thread_local dim3 blockIdx;
+extern dim3 threadIdx;
+extern dim3 blockIdx;
 extern dim3 blockDim;
 extern dim3 gridDim;
 constexpr int warpSize = 32;
@@ -71,13 +70,13 @@ T __shfl_sync(unsigned mask, T value, int src_lane, int width = 32) {
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
   (void)width;
-  return mmgate_sim_shuffle(mask, value, mmgate_sim::current_lane ^ (unsigned)lane_mask, false);
+  return mmgate_sim_shuffle(mask, value, mmgate_sim::current_lane() ^ (unsigned)lane_mask, false);
 }
 
 template <typename T>
 T __shfl_down_sync(unsigned mask, T value, unsigned delta, int width = 32) {
   (void)width;
-  return mmgate_sim_shuffle(mask, value, mmgate_sim::current_lane + delta, true);
+  return mmgate_sim_shuffle(mask, value, mmgate_sim::current_lane() + delta, true);
 }
 
 inline float __uint_as_float(unsigned bits) {

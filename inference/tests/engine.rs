@@ -9,6 +9,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::sim_device::SimDevice;
+use mmgate_inference::backend::cuda::CudaBackend;
 use mmgate_inference::demo::{self, DemoFamily};
 use mmgate_inference::engine::{
     BatchObserver, DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig, Event,
@@ -19,7 +23,7 @@ use mmgate_inference::models::Qwen2Vl;
 use mmgate_inference::rope::{Grid, MediaSpan, mrope_positions};
 use mmgate_inference::sampling::{SamplingParams, argmax};
 use mmgate_inference::text::TextProcessor;
-use mmgate_inference::{CpuBackend, Tensor};
+use mmgate_inference::{Backend, CpuBackend, Tensor};
 
 type Model = Qwen2Vl<CpuBackend, CpuBackend>;
 
@@ -33,15 +37,26 @@ struct Setup {
 }
 
 fn setup(cache_budget: usize) -> Setup {
-    let dir = tempfile::tempdir().unwrap();
-    let model_dir = demo::ensure(dir.path(), DemoFamily::Qwen2Vl).unwrap();
     let llm_dev = CpuBackend::new("llm", 1).unwrap();
     // Two encoder devices with their own threads and their own copy of the vision tower.
+    let encoder_devs = (0..2)
+        .map(|i| CpuBackend::new(&format!("enc{i}"), 1).unwrap())
+        .collect();
+    setup_on(llm_dev, encoder_devs, cache_budget)
+}
+
+/// The engine with its LLM on `llm_dev` and an encoder device per `encoder_devs`.
+fn setup_on<E: Backend, L: Backend>(
+    llm_dev: L,
+    encoder_devs: Vec<E>,
+    cache_budget: usize,
+) -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = demo::ensure(dir.path(), DemoFamily::Qwen2Vl).unwrap();
     let mut specs = Vec::new();
     let mut llm = None;
-    for i in 0..2 {
-        let dev = CpuBackend::new(&format!("enc{i}"), 1).unwrap();
-        let m: Model = Qwen2Vl::load(&model_dir, &dev, &llm_dev).unwrap();
+    for (i, dev) in encoder_devs.iter().enumerate() {
+        let m: Qwen2Vl<E, L> = Qwen2Vl::load(&model_dir, dev, &llm_dev).unwrap();
         specs.push(DeviceSpec {
             name: format!("enc{i}"),
             encoders: vec![Arc::new(m.vision) as Arc<dyn Encoder>],
@@ -222,22 +237,36 @@ fn wait_idle(engine: &Engine) {
 
 #[test]
 fn batched_requests_match_their_solo_greedy_runs() {
-    let s = setup(1 << 20);
+    batched_requests_match_solo_runs(&setup(1 << 20));
+}
+
+/// The CUDA backend simulated on the CPU (kernels as NVRTC compiles them, GEMMs with cuBLAS's
+/// semantics) behind the real engine: the LLM on "cuda:0", two encoder devices "cuda:1" and
+/// "cuda:2" fed by the encoder pool, text-only and image requests in flight together, each
+/// answered with the tokens the CPU backend's solo run gives.
+#[test]
+fn the_engine_on_simulated_gpus_matches_the_cpu_backend() {
+    let gpu = |name: &str| CudaBackend::new(SimDevice::new(name));
+    let s = setup_on(gpu("cuda:0"), vec![gpu("cuda:1"), gpu("cuda:2")], 1 << 20);
+    batched_requests_match_solo_runs(&s);
+}
+
+fn batched_requests_match_solo_runs(s: &Setup) {
     let g1 = Grid { t: 1, h: 4, w: 6 };
     let g2 = Grid { t: 1, h: 2, w: 2 };
     let cases: Vec<(Vec<u32>, Vec<Arc<EncodeInput>>)> = vec![
-        (prompt(&s, "Hello, how can I help you today?", &[]), vec![]),
+        (prompt(s, "Hello, how can I help you today?", &[]), vec![]),
         (
-            prompt(&s, "What is in this image?", &[g1]),
+            prompt(s, "What is in this image?", &[g1]),
             vec![image(1, g1)],
         ),
         (
-            prompt(&s, "Describe both pictures please.", &[g2, g1]),
+            prompt(s, "Describe both pictures please.", &[g2, g1]),
             vec![image(2, g2), image(3, g1)],
         ),
         (
             prompt(
-                &s,
+                s,
                 "The quick brown fox jumps over the lazy dog. A cat sat on the mat.",
                 &[],
             ),
@@ -249,24 +278,24 @@ fn batched_requests_match_their_solo_greedy_runs() {
         .iter()
         .map(|(ids, imgs)| {
             s.engine
-                .submit(request(&s, ids.clone(), imgs.clone(), 12))
+                .submit(request(s, ids.clone(), imgs.clone(), 12))
                 .unwrap()
         })
         .collect();
     for ((ids, imgs), h) in cases.iter().zip(handles) {
         let (tokens, _, end) = collect(h);
         let (finish, usage) = end.unwrap();
-        let want = solo_greedy(&s, ids, imgs, tokens.len());
+        let want = solo_greedy(s, ids, imgs, tokens.len());
         assert_eq!(tokens, want, "prompt of {} tokens", ids.len());
         assert_eq!(usage.prompt_tokens, ids.len());
         assert_eq!(usage.completion_tokens, tokens.len());
         assert!(finish == FinishReason::Length || tokens.len() < 12);
     }
     // The same image again comes from the feature store.
-    let ids = prompt(&s, "Again?", &[g1]);
+    let ids = prompt(s, "Again?", &[g1]);
     let (_, _, end) = collect(
         s.engine
-            .submit(request(&s, ids, vec![image(1, g1)], 2))
+            .submit(request(s, ids, vec![image(1, g1)], 2))
             .unwrap(),
     );
     assert_eq!(end.unwrap().1.cached_media, 1);

@@ -8,16 +8,18 @@
 mod common;
 
 use common::{Goldens, check_close, check_prefill_and_greedy, devices, family_dir};
-use mmgate_inference::CpuBackend;
 use mmgate_inference::merge::PlaceholderMap;
 use mmgate_inference::models::Qwen2Audio;
-
-type Model = Qwen2Audio<CpuBackend, CpuBackend>;
+use mmgate_inference::{Backend, Tensor};
 
 fn check_model(dir: &str) {
     let (encoder, llm) = devices();
-    let model: Model =
-        Qwen2Audio::load(&family_dir("qwen2-audio").join(dir), &encoder, &llm).unwrap();
+    check_model_on(dir, &encoder, &llm);
+}
+
+fn check_model_on<E: Backend, L: Backend>(dir: &str, encoder: &E, llm: &L) {
+    let model: Qwen2Audio<E, L> =
+        Qwen2Audio::load(&family_dir("qwen2-audio").join(dir), encoder, llm).unwrap();
     let g = Goldens::load("qwen2-audio");
 
     let (_, features) = g.f32("audio.input_features");
@@ -30,7 +32,8 @@ fn check_model(dir: &str) {
     let embeds_audio = model.audio.encode(features, &valid).unwrap();
     check_close("audio embeddings", &embeds_audio, g.f32("audio.embeds"));
     // A second encoder device loads the encoder alone; it must be the same encoder.
-    let alone = Model::load_audio(&family_dir("qwen2-audio").join(dir), &encoder).unwrap();
+    let alone =
+        Qwen2Audio::<E, L>::load_audio(&family_dir("qwen2-audio").join(dir), encoder).unwrap();
     assert_eq!(
         alone.encode(features, &valid).unwrap().to_host().unwrap(),
         embeds_audio.to_host().unwrap()
@@ -44,6 +47,13 @@ fn check_model(dir: &str) {
     // One audio item: its chunks' embeddings are consecutive, as are its placeholders.
     let map = PlaceholderMap::build(&ids, model.config.audio_token_id, &[per_chunk.iter().sum()])
         .unwrap();
+    // The encoder's output crosses to the LLM's device.
+    let embeds_audio = Tensor::from_host(
+        model.llm.device(),
+        &embeds_audio.to_host().unwrap(),
+        embeds_audio.shape(),
+    )
+    .unwrap();
     let mut embeds = model.llm.embed(&ids).unwrap();
     map.merge(&mut embeds, &[&embeds_audio]).unwrap();
     let positions: Vec<[i64; 3]> = (0..ids.len() as i64).map(|p| [p; 3]).collect();

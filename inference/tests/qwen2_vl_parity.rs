@@ -9,13 +9,11 @@
 
 mod common;
 
-use common::{Goldens, check_close, check_prefill_and_greedy, devices, family_dir};
+use common::{Goldens, check_close, check_prefill_and_greedy, devices, family_dir, simulated_gpus};
 use mmgate_inference::merge::PlaceholderMap;
 use mmgate_inference::models::Qwen2Vl;
 use mmgate_inference::rope::{Grid, MediaSpan, mrope_positions};
-use mmgate_inference::{CpuBackend, Tensor};
-
-type Model = Qwen2Vl<CpuBackend, CpuBackend>;
+use mmgate_inference::{Backend, Tensor};
 
 fn grids(g: &Goldens, item: &str) -> Vec<Grid> {
     g.i64(&format!("{item}.grid_thw"))
@@ -28,13 +26,19 @@ fn grids(g: &Goldens, item: &str) -> Vec<Grid> {
         .collect()
 }
 
-fn encode(model: &Model, g: &Goldens, item: &str) -> Tensor<CpuBackend> {
+fn encode<E: Backend, L: Backend>(model: &Qwen2Vl<E, L>, g: &Goldens, item: &str) -> Tensor<E> {
     let (shape, pixels) = g.f32(&format!("{item}.pixel_values"));
     let pixels = Tensor::from_host(model.vision.device(), pixels, shape).unwrap();
     model.vision.encode(&pixels, &grids(g, item)).unwrap()
 }
 
-fn check_prompt(model: &Model, g: &Goldens, prompt: &str, item: &str, token: u32) {
+fn check_prompt<E: Backend, L: Backend>(
+    model: &Qwen2Vl<E, L>,
+    g: &Goldens,
+    prompt: &str,
+    item: &str,
+    token: u32,
+) {
     let ids = g.ids(&format!("{prompt}.input_ids"));
     let grids = grids(g, item);
     let merge = model.config.vision.merge;
@@ -81,7 +85,7 @@ fn check_prompt(model: &Model, g: &Goldens, prompt: &str, item: &str, token: u32
     let per_item: Vec<usize> = grids.iter().map(|g| g.tokens(merge)).collect();
     let map = PlaceholderMap::build(&ids, token, &per_item).unwrap();
     let mut offset = 0;
-    let parts: Vec<Tensor<CpuBackend>> = per_item
+    let parts: Vec<Tensor<L>> = per_item
         .iter()
         .map(|&k| {
             offset += k;
@@ -96,13 +100,17 @@ fn check_prompt(model: &Model, g: &Goldens, prompt: &str, item: &str, token: u32
 
 fn check_model(family: &str, dir: &str) {
     let (encoder, llm) = devices();
+    check_model_on(family, dir, &encoder, &llm);
+}
+
+fn check_model_on<E: Backend, L: Backend>(family: &str, dir: &str, encoder: &E, llm: &L) {
     let dir = family_dir(family).join(dir);
-    let model: Model = Qwen2Vl::load(&dir, &encoder, &llm).unwrap();
+    let model: Qwen2Vl<E, L> = Qwen2Vl::load(&dir, encoder, llm).unwrap();
     let g = Goldens::load(family);
     // A second encoder device loads the tower alone; it must be the same tower.
     let (pixels_shape, pixels) = g.f32("image.pixel_values");
-    let alone = Model::load_vision(&dir, &encoder).unwrap();
-    let pixels = Tensor::from_host(&encoder, pixels, pixels_shape).unwrap();
+    let alone = Qwen2Vl::<E, L>::load_vision(&dir, encoder).unwrap();
+    let pixels = Tensor::from_host(encoder, pixels, pixels_shape).unwrap();
     assert_eq!(
         alone
             .encode(&pixels, &grids(&g, "image"))
@@ -155,4 +163,13 @@ fn qwen2_5_vl_current_layout_matches_transformers() {
 #[test]
 fn qwen2_5_vl_hub_layout_matches_transformers() {
     check_model("qwen2.5-vl", "model-legacy");
+}
+
+/// The CUDA backend, simulated on the CPU (every kernel as NVRTC compiles it, GEMMs with cuBLAS's
+/// semantics), with the tower on "cuda:1" and the LLM on "cuda:0": the same parity as the CPU
+/// backend against transformers. Qwen2.5-VL exercises window attention's reordering on top.
+#[test]
+fn qwen2_5_vl_on_simulated_gpus_matches_transformers() {
+    let (encoder, llm) = simulated_gpus();
+    check_model_on("qwen2.5-vl", "model", &encoder, &llm);
 }

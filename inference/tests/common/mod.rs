@@ -8,9 +8,10 @@ pub mod sim_device;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use mmgate_inference::backend::cuda::CudaBackend;
 use mmgate_inference::models::{KvCache, Qwen2};
 use mmgate_inference::sampling::argmax;
-use mmgate_inference::{CpuBackend, Tensor};
+use mmgate_inference::{Backend, CpuBackend, Tensor};
 use safetensors::{Dtype, SafeTensors};
 
 /// fp32 tolerance: max |ours − HF| relative to the largest |HF| value of the tensor.
@@ -98,12 +99,22 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
 }
 
-pub fn check_close(what: &str, ours: &Tensor<CpuBackend>, (shape, want): (&[usize], &[f32])) {
+pub fn check_close<B: Backend>(what: &str, ours: &Tensor<B>, (shape, want): (&[usize], &[f32])) {
     assert_eq!(ours.shape(), shape, "{what}: shape");
     let err = relative_error(&ours.to_host().unwrap(), want);
     eprintln!("{what}: relative error {err:.2e}");
     assert!(err <= REL_TOLERANCE, "{what}: relative error {err}");
 }
+
+/// The simulated CUDA backend: encoder on "cuda:1", LLM on "cuda:0" (see `sim_device`).
+pub fn simulated_gpus() -> (SimGpu, SimGpu) {
+    (
+        CudaBackend::new(sim_device::SimDevice::new("cuda:1")),
+        CudaBackend::new(sim_device::SimDevice::new("cuda:0")),
+    )
+}
+
+pub type SimGpu = CudaBackend<sim_device::SimDevice>;
 
 pub fn devices() -> (CpuBackend, CpuBackend) {
     (
@@ -115,16 +126,16 @@ pub fn devices() -> (CpuBackend, CpuBackend) {
 /// Prefills the merged prompt `embeds` and compares the logits at the stored rows, then decodes
 /// greedily and compares the 32 tokens. Generated tokens sit at position `len + delta` (the M-RoPE
 /// offset; 0 for plain RoPE).
-pub fn check_prefill_and_greedy(
-    llm: &Qwen2<CpuBackend>,
+pub fn check_prefill_and_greedy<B: Backend>(
+    llm: &Qwen2<B>,
     g: &Goldens,
     prompt: &str,
-    embeds: Tensor<CpuBackend>,
+    embeds: Tensor<B>,
     positions: &[[i64; 3]],
     delta: i64,
 ) {
     let n = embeds.rows();
-    let mut cache: KvCache<CpuBackend> = llm.new_cache(n + GREEDY_TOKENS).unwrap();
+    let mut cache: KvCache<B> = llm.new_cache(n + GREEDY_TOKENS).unwrap();
     let hidden = llm.forward(embeds, positions, &mut cache).unwrap();
     let logits = llm.logits(&hidden).unwrap().to_host().unwrap();
     let vocab = llm.config().vocab_size;
