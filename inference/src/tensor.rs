@@ -3,7 +3,7 @@
 //! Shapes are checked here, before any backend call, so a model bug or a malformed input surfaces as
 //! [`Error::Shape`] naming the operation instead of a panic inside a kernel.
 
-use crate::backend::{Activation, AttentionShape, Backend, Conv1dShape};
+use crate::backend::{Activation, AttentionShape, Backend, Conv1dShape, WeightData};
 use crate::error::{Error, Result};
 
 pub struct Tensor<B: Backend> {
@@ -47,6 +47,17 @@ impl<B: Backend> Tensor<B> {
         check_count("from_host_vec", data.len(), shape)?;
         Ok(Self {
             buffer: device.upload_owned(data)?,
+            shape: shape.to_vec(),
+            device: device.clone(),
+        })
+    }
+
+    /// A weight matrix or embedding table in its checkpoint's precision (see
+    /// [`Backend::upload_weight`]).
+    pub fn from_weight(device: &B, data: WeightData, shape: &[usize]) -> Result<Self> {
+        check_count("from_weight", data.len(), shape)?;
+        Ok(Self {
+            buffer: device.upload_weight(data)?,
             shape: shape.to_vec(),
             device: device.clone(),
         })

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use safetensors::Dtype;
 use safetensors::tensor::Metadata;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, WeightData};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -195,8 +195,8 @@ impl Weights {
         self.tensors.get(name).map(|entry| entry.shape.clone())
     }
 
-    /// Removes and returns a tensor, checking its shape.
-    pub fn take_host(&mut self, name: &str, shape: &[usize]) -> Result<HostTensor> {
+    /// Removes a tensor, checking its shape, and reads its bytes.
+    fn take_bytes(&mut self, name: &str, shape: &[usize]) -> Result<(Entry, Vec<u8>)> {
         let entry = self
             .tensors
             .remove(name)
@@ -211,10 +211,45 @@ impl Weights {
         let mut bytes = vec![0u8; entry.len];
         file.read_exact_at(&mut bytes, entry.offset)
             .map_err(io(path))?;
+        Ok((entry, bytes))
+    }
+
+    /// Removes and returns a tensor, checking its shape.
+    pub fn take_host(&mut self, name: &str, shape: &[usize]) -> Result<HostTensor> {
+        let (entry, bytes) = self.take_bytes(name, shape)?;
         Ok(HostTensor {
-            shape: entry.shape,
             data: to_f32(entry.dtype, &bytes, &entry.stored_name)?,
+            shape: entry.shape,
         })
+    }
+
+    /// Removes a weight matrix (a linear layer's, an embedding table) and uploads it to `device`
+    /// in the checkpoint's own precision: a bf16 checkpoint's matrices take half the memory of
+    /// f32 ones (the backend computes with them, accumulating in f32).
+    pub fn take_weight<B: Backend>(
+        &mut self,
+        device: &B,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Tensor<B>> {
+        let (entry, bytes) = self.take_bytes(name, shape)?;
+        let halves = |b: &[u8]| -> Vec<[u8; 2]> { b.chunks_exact(2).map(|c| [c[0], c[1]]).collect() };
+        let data = match entry.dtype {
+            Dtype::BF16 => WeightData::Bf16(
+                halves(&bytes)
+                    .into_iter()
+                    .map(half::bf16::from_le_bytes)
+                    .collect(),
+            ),
+            Dtype::F16 => WeightData::F16(
+                halves(&bytes)
+                    .into_iter()
+                    .map(half::f16::from_le_bytes)
+                    .collect(),
+            ),
+            other => WeightData::F32(to_f32(other, &bytes, &entry.stored_name)?),
+        };
+        Tensor::from_weight(device, data, shape)
     }
 
     /// Removes a tensor and uploads it to `device`.
@@ -267,9 +302,16 @@ impl<'a, B: Backend> Scope<'a, B> {
             .take(self.device, &format!("{}{name}", self.prefix), shape)
     }
 
-    /// `name.weight` `[out, in]` and, if `bias`, `name.bias` `[out]`.
+    /// A weight matrix, in the checkpoint's precision (see [`Weights::take_weight`]).
+    pub fn matrix(&mut self, name: &str, shape: &[usize]) -> Result<Tensor<B>> {
+        self.weights
+            .take_weight(self.device, &format!("{}{name}", self.prefix), shape)
+    }
+
+    /// `name.weight` `[out, in]` (in the checkpoint's precision) and, if `bias`, `name.bias`
+    /// `[out]`.
     pub fn linear(&mut self, name: &str, out: usize, inp: usize, bias: bool) -> Result<Linear<B>> {
-        let w = self.tensor(&format!("{name}.weight"), &[out, inp])?;
+        let w = self.matrix(&format!("{name}.weight"), &[out, inp])?;
         let b = if bias {
             Some(self.tensor(&format!("{name}.bias"), &[out])?)
         } else {

@@ -1,14 +1,17 @@
-//! The CPU device: buffers are `Vec<f32>`, linears are `gemm` calls, everything else is rayon over
+//! The CPU device: buffers are `Vec<f32>` (weights may stay bf16/f16: [`CpuBuffer`]), linears are `gemm` calls, everything else is rayon over
 //! rows. Each `CpuBackend` owns its own rayon thread pool, so an encoder device and the LLM never
 //! compete for the same threads (the "dedicated devices" of the design): work submitted to one
 //! device runs only on that device's threads.
 
 use std::sync::Arc;
 
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::gemm::{MatMut, MatRef, Threads, matmul};
 use super::{
+    WeightData,
     Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, check_attention, check_ids,
     check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
 };
@@ -70,7 +73,7 @@ fn activate_one(x: f32, act: Activation) -> f32 {
 }
 
 impl Backend for CpuBackend {
-    type Buffer = Vec<f32>;
+    type Buffer = CpuBuffer;
 
     fn name(&self) -> String {
         format!("cpu:{} ({} threads)", self.label, self.threads())
@@ -80,33 +83,55 @@ impl Backend for CpuBackend {
         self.run(work)
     }
 
-    fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
-        Ok(host.to_vec())
+    fn upload(&self, host: &[f32]) -> Result<CpuBuffer> {
+        Ok(CpuBuffer::F32(host.to_vec()))
     }
 
-    fn upload_owned(&self, host: Vec<f32>) -> Result<Vec<f32>> {
-        Ok(host)
+    fn upload_owned(&self, host: Vec<f32>) -> Result<CpuBuffer> {
+        Ok(CpuBuffer::F32(host))
     }
 
-    fn download(&self, buffer: &Vec<f32>) -> Result<Vec<f32>> {
-        Ok(buffer.clone())
+    fn upload_weight(&self, weight: WeightData) -> Result<CpuBuffer> {
+        Ok(match weight {
+            WeightData::F32(v) => CpuBuffer::F32(v),
+            WeightData::Bf16(v) => CpuBuffer::Bf16(v),
+            WeightData::F16(v) => CpuBuffer::F16(v),
+        })
     }
 
-    fn zeros(&self, len: usize) -> Result<Vec<f32>> {
-        Ok(vec![0.0; len])
+    fn download(&self, buffer: &CpuBuffer) -> Result<Vec<f32>> {
+        Ok(match buffer {
+            CpuBuffer::F32(v) => v.clone(),
+            CpuBuffer::Bf16(v) => widened(v),
+            CpuBuffer::F16(v) => widened(v),
+        })
     }
 
-    fn len(&self, buffer: &Vec<f32>) -> usize {
+    fn zeros(&self, len: usize) -> Result<CpuBuffer> {
+        Ok(CpuBuffer::F32(vec![0.0; len]))
+    }
+
+    fn len(&self, buffer: &CpuBuffer) -> usize {
         buffer.len()
+    }
+
+    fn bytes(&self, buffer: &CpuBuffer) -> usize {
+        match buffer {
+            CpuBuffer::F32(v) => 4 * v.len(),
+            CpuBuffer::Bf16(v) => 2 * v.len(),
+            CpuBuffer::F16(v) => 2 * v.len(),
+        }
     }
 
     fn linear(
         &self,
-        x: &Vec<f32>,
-        weight: &Vec<f32>,
-        bias: Option<&Vec<f32>>,
+        x: &CpuBuffer,
+        weight: &CpuBuffer,
+        bias: Option<&CpuBuffer>,
         dims: [usize; 3],
-    ) -> Result<Vec<f32>> {
+    ) -> Result<CpuBuffer> {
+        let x = x.f32s("linear")?;
+        let bias = bias.map(|b| b.f32s("linear")).transpose()?;
         let [m, k, n] = dims;
         expect_len("linear", "input", x.len(), m * k)?;
         expect_len("linear", "weight", weight.len(), n * k)?;
@@ -119,18 +144,24 @@ impl Backend for CpuBackend {
             if let Some(b) = bias {
                 out.par_chunks_mut(n).for_each(|row| row.copy_from_slice(b));
             }
-            matmul(
-                MatMut::row_major(&mut out, m, n),
-                MatRef::row_major(x, m, k),
-                MatRef::row_major(weight, n, k).t(),
-                bias.is_some(),
-                Threads::Pool(threads),
-            )
+            match weight {
+                CpuBuffer::F32(weight) => matmul(
+                    MatMut::row_major(&mut out, m, n),
+                    MatRef::row_major(x, m, k),
+                    MatRef::row_major(weight, n, k).t(),
+                    bias.is_some(),
+                    Threads::Pool(threads),
+                ),
+                CpuBuffer::Bf16(weight) => linear_half(&mut out, x, weight, dims, threads),
+                CpuBuffer::F16(weight) => linear_half(&mut out, x, weight, dims, threads),
+            }
         })?;
-        Ok(out)
+        Ok(out.into())
     }
 
-    fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, dim: usize, eps: f32) -> Result<Vec<f32>> {
+    fn rms_norm(&self, x: &CpuBuffer, weight: &CpuBuffer, dim: usize, eps: f32) -> Result<CpuBuffer> {
+        let x = x.f32s("rms_norm")?;
+        let weight = weight.f32s("rms_norm")?;
         rows_of("rms_norm", x.len(), dim)?;
         expect_len("rms_norm", "weight", weight.len(), dim)?;
         let mut out = vec![0.0; x.len()];
@@ -145,17 +176,20 @@ impl Backend for CpuBackend {
                     }
                 })
         });
-        Ok(out)
+        Ok(out.into())
     }
 
     fn layer_norm(
         &self,
-        x: &Vec<f32>,
-        weight: &Vec<f32>,
-        bias: &Vec<f32>,
+        x: &CpuBuffer,
+        weight: &CpuBuffer,
+        bias: &CpuBuffer,
         dim: usize,
         eps: f32,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<CpuBuffer> {
+        let x = x.f32s("layer_norm")?;
+        let weight = weight.f32s("layer_norm")?;
+        let bias = bias.f32s("layer_norm")?;
         rows_of("layer_norm", x.len(), dim)?;
         expect_len("layer_norm", "weight", weight.len(), dim)?;
         expect_len("layer_norm", "bias", bias.len(), dim)?;
@@ -172,10 +206,12 @@ impl Backend for CpuBackend {
                     }
                 })
         });
-        Ok(out)
+        Ok(out.into())
     }
 
-    fn add_assign(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> Result<()> {
+    fn add_assign(&self, acc: &mut CpuBuffer, x: &CpuBuffer) -> Result<()> {
+        let acc = acc.f32s_mut("add_assign")?;
+        let x = x.f32s("add_assign")?;
         expect_len("add", "addend", x.len(), acc.len())?;
         self.run(|| {
             acc.par_chunks_mut(4096)
@@ -185,7 +221,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn activate(&self, x: &mut Vec<f32>, act: Activation) -> Result<()> {
+    fn activate(&self, x: &mut CpuBuffer, act: Activation) -> Result<()> {
+        let x = x.f32s_mut("activate")?;
         self.run(|| {
             x.par_chunks_mut(4096)
                 .for_each(|c| c.iter_mut().for_each(|v| *v = activate_one(*v, act)))
@@ -193,7 +230,9 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn gated_activate(&self, gate: &mut Vec<f32>, up: &Vec<f32>, act: Activation) -> Result<()> {
+    fn gated_activate(&self, gate: &mut CpuBuffer, up: &CpuBuffer, act: Activation) -> Result<()> {
+        let gate = gate.f32s_mut("gated_activate")?;
+        let up = up.f32s("gated_activate")?;
         expect_len("gated_activate", "up", up.len(), gate.len())?;
         self.run(|| {
             gate.par_chunks_mut(4096)
@@ -209,12 +248,15 @@ impl Backend for CpuBackend {
 
     fn rope(
         &self,
-        x: &mut Vec<f32>,
-        cos: &Vec<f32>,
-        sin: &Vec<f32>,
+        x: &mut CpuBuffer,
+        cos: &CpuBuffer,
+        sin: &CpuBuffer,
         heads: usize,
         head_dim: usize,
     ) -> Result<()> {
+        let x = x.f32s_mut("rope")?;
+        let cos = cos.f32s("rope")?;
+        let sin = sin.f32s("rope")?;
         if !head_dim.is_multiple_of(2) {
             return Err(Error::shape("rope", format!("head_dim {head_dim} is odd")));
         }
@@ -241,15 +283,19 @@ impl Backend for CpuBackend {
 
     fn attention(
         &self,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
+        q: &CpuBuffer,
+        k: &CpuBuffer,
+        v: &CpuBuffer,
         shape: &AttentionShape,
-    ) -> Result<Vec<f32>> {
-        attention(self, q, k, v, shape)
+    ) -> Result<CpuBuffer> {
+        let q = q.f32s("attention")?;
+        let k = k.f32s("attention")?;
+        let v = v.f32s("attention")?;
+        attention(self, q, k, v, shape).map(CpuBuffer::F32)
     }
 
-    fn im2col_1d(&self, x: &Vec<f32>, c: &Conv1dShape) -> Result<Vec<f32>> {
+    fn im2col_1d(&self, x: &CpuBuffer, c: &Conv1dShape) -> Result<CpuBuffer> {
+        let x = x.f32s("im2col_1d")?;
         c.check(x.len())?;
         let out_len = c.out_len();
         let width = c.channels * c.kernel;
@@ -273,10 +319,11 @@ impl Backend for CpuBackend {
                 }
             })
         });
-        Ok(out)
+        Ok(out.into())
     }
 
-    fn mean_pool_rows(&self, x: &Vec<f32>, dim: usize, window: usize) -> Result<Vec<f32>> {
+    fn mean_pool_rows(&self, x: &CpuBuffer, dim: usize, window: usize) -> Result<CpuBuffer> {
+        let x = x.f32s("mean_pool_rows")?;
         let out_rows = pooled_rows(x.len(), dim, window)?;
         let mut out = vec![0.0f32; out_rows * dim];
         self.run(|| {
@@ -290,27 +337,33 @@ impl Backend for CpuBackend {
                     o.iter_mut().for_each(|v| *v *= inv);
                 })
         });
-        Ok(out)
+        Ok(out.into())
     }
 
-    fn gather_rows(&self, table: &Vec<f32>, dim: usize, ids: &[u32]) -> Result<Vec<f32>> {
+    fn gather_rows(&self, table: &CpuBuffer, dim: usize, ids: &[u32]) -> Result<CpuBuffer> {
         let rows = rows_of("gather_rows", table.len(), dim)?;
         check_ids(ids, rows)?;
         let mut out = vec![0.0; ids.len() * dim];
         for (o, &id) in out.chunks_mut(dim).zip(ids) {
-            let id = id as usize;
-            o.copy_from_slice(&table[id * dim..(id + 1) * dim]);
+            let row = id as usize * dim..(id as usize + 1) * dim;
+            match table {
+                CpuBuffer::F32(t) => o.copy_from_slice(&t[row]),
+                CpuBuffer::Bf16(t) => t[row].convert_to_f32_slice(o),
+                CpuBuffer::F16(t) => t[row].convert_to_f32_slice(o),
+            }
         }
-        Ok(out)
+        Ok(out.into())
     }
 
     fn scatter_rows(
         &self,
-        dst: &mut Vec<f32>,
+        dst: &mut CpuBuffer,
         dim: usize,
         rows: &[u32],
-        src: &Vec<f32>,
+        src: &CpuBuffer,
     ) -> Result<()> {
+        let dst = dst.f32s_mut("scatter_rows")?;
+        let src = src.f32s("scatter_rows")?;
         let dst_rows = rows_of("scatter_rows", dst.len(), dim)?;
         expect_len("scatter_rows", "source", src.len(), rows.len() * dim)?;
         check_scatter_rows(rows, dst_rows)?;
@@ -321,7 +374,9 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn write_rows(&self, dst: &mut Vec<f32>, dim: usize, at: usize, src: &Vec<f32>) -> Result<()> {
+    fn write_rows(&self, dst: &mut CpuBuffer, dim: usize, at: usize, src: &CpuBuffer) -> Result<()> {
+        let dst = dst.f32s_mut("write_rows")?;
+        let src = src.f32s("write_rows")?;
         let dst_rows = rows_of("write_rows", dst.len(), dim)?;
         let n = rows_of("write_rows", src.len(), dim)?;
         check_row_range("write_rows", at, n, dst_rows)?;
@@ -331,14 +386,136 @@ impl Backend for CpuBackend {
 
     fn slice_rows(
         &self,
-        src: &Vec<f32>,
+        src: &CpuBuffer,
         dim: usize,
         start: usize,
         count: usize,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<CpuBuffer> {
+        let src = src.f32s("slice_rows")?;
         let rows = rows_of("slice_rows", src.len(), dim)?;
         check_row_range("slice_rows", start, count, rows)?;
-        Ok(src[start * dim..(start + count) * dim].to_vec())
+        Ok(src[start * dim..(start + count) * dim].to_vec().into())
+    }
+}
+
+/// A CPU buffer: f32 values, or a weight kept in its checkpoint's half precision (which only
+/// `linear`, as the weight, and `gather_rows`, as the table, read; every other operation takes and
+/// makes f32).
+#[derive(Debug, Clone, PartialEq)]
+pub enum CpuBuffer {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl From<Vec<f32>> for CpuBuffer {
+    fn from(v: Vec<f32>) -> Self {
+        Self::F32(v)
+    }
+}
+
+impl CpuBuffer {
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+            Self::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn f32s(&self, op: &'static str) -> Result<&[f32]> {
+        match self {
+            Self::F32(v) => Ok(v),
+            _ => Err(Error::shape(op, "a half-precision weight where f32 values go")),
+        }
+    }
+
+    fn f32s_mut(&mut self, op: &'static str) -> Result<&mut [f32]> {
+        match self {
+            Self::F32(v) => Ok(v),
+            _ => Err(Error::shape(op, "a half-precision weight where f32 values go")),
+        }
+    }
+}
+
+fn widened<T: HalfFloat>(v: &[T]) -> Vec<f32> {
+    let mut out = vec![0.0; v.len()];
+    T::convert_to_f32_slice(v, &mut out);
+    out
+}
+
+/// Values of widened weights one linear task holds at a time (1 MiB of f32): a block of output
+/// rows is widened just before it is multiplied, so a half-precision weight is never resident in
+/// f32 and the widened block is still in cache when the GEMM reads it.
+const WIDENED_BLOCK_VALUES: usize = 1 << 18;
+
+/// `out[m, n] += x[m, k] · w[n, k]ᵀ` for a bf16/f16 weight: blocks of output rows of `w` widened
+/// to f32 (exactly: every half value is an f32) and multiplied in parallel, each into its own
+/// columns of `out`. So the result is the f32 product with the rounded weights, accumulated in
+/// f32 like the f32 path.
+fn linear_half<T: HalfFloat>(
+    out: &mut [f32],
+    x: &[f32],
+    w: &[T],
+    [m, k, n]: [usize; 3],
+    threads: usize,
+) -> Result<()> {
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    // Enough blocks for every thread a few times over, none larger than the scratch bound.
+    let rows = (n / (4 * threads.max(1)))
+        .clamp(1, (WIDENED_BLOCK_VALUES / k.max(1)).max(1))
+        .min(n);
+    let blocks: Vec<Result<(usize, Vec<f32>)>> = (0..n.div_ceil(rows))
+        .into_par_iter()
+        .map(|b| {
+            let (n0, n1) = (b * rows, ((b + 1) * rows).min(n));
+            let nb = n1 - n0;
+            let mut wide = vec![0.0f32; nb * k];
+            T::convert_to_f32_slice(&w[n0 * k..n1 * k], &mut wide);
+            let mut part = vec![0.0f32; m * nb];
+            matmul(
+                MatMut::row_major(&mut part, m, nb),
+                MatRef::row_major(x, m, k),
+                MatRef::row_major(&wide, nb, k).t(),
+                false,
+                Threads::One,
+            )?;
+            Ok((n0, part))
+        })
+        .collect();
+    for block in blocks {
+        let (n0, part) = block?;
+        let nb = part.len() / m;
+        for (row, part_row) in out.chunks_mut(n).zip(part.chunks(nb)) {
+            row[n0..n0 + nb]
+                .iter_mut()
+                .zip(part_row)
+                .for_each(|(o, p)| *o += p);
+        }
+    }
+    Ok(())
+}
+
+/// A half-precision float type the CPU computes with by widening.
+trait HalfFloat: Copy + Send + Sync {
+    fn convert_to_f32_slice(slice: &[Self], out: &mut [f32]);
+}
+
+impl HalfFloat for bf16 {
+    fn convert_to_f32_slice(slice: &[Self], out: &mut [f32]) {
+        HalfFloatSliceExt::convert_to_f32_slice(slice, out)
+    }
+}
+
+impl HalfFloat for f16 {
+    fn convert_to_f32_slice(slice: &[Self], out: &mut [f32]) {
+        HalfFloatSliceExt::convert_to_f32_slice(slice, out)
     }
 }
 

@@ -16,6 +16,37 @@ mod gemm;
 
 use crate::error::{Error, Result};
 
+/// A weight's values in the precision its checkpoint stores them.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WeightData {
+    F32(Vec<f32>),
+    Bf16(Vec<half::bf16>),
+    F16(Vec<half::f16>),
+}
+
+impl WeightData {
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+            Self::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values widened to f32 (exactly: every half value is an f32).
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            Self::F32(v) => v,
+            Self::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Self::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+}
+
 /// The activation functions the supported models use, each exactly as PyTorch computes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
@@ -136,6 +167,12 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// takes it as it is instead of copying it.
     fn upload_owned(&self, host: Vec<f32>) -> Result<Self::Buffer> {
         self.upload(&host)
+    }
+    /// A linear layer's weight or an embedding table, kept in its checkpoint's precision where the
+    /// backend computes with it (as `linear`'s weight and `gather_rows`' table; accumulation stays
+    /// f32). The default widens it to f32.
+    fn upload_weight(&self, weight: WeightData) -> Result<Self::Buffer> {
+        self.upload_owned(weight.into_f32())
     }
     fn download(&self, buffer: &Self::Buffer) -> Result<Vec<f32>>;
     fn zeros(&self, len: usize) -> Result<Self::Buffer>;

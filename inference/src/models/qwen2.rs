@@ -86,8 +86,15 @@ impl<B: Backend> Qwen2<B> {
     ) -> Result<Self> {
         let c = &config;
         let (h, q_out, kv_out) = (c.hidden_size, c.heads * c.head_dim, c.kv_heads * c.head_dim);
-        let mut take =
-            |name: &str, shape: &[usize]| weights.take(device, &format!("{prefix}{name}"), shape);
+        // Matrices keep the checkpoint's precision; norms and biases are f32.
+        let mut take = |name: &str, shape: &[usize]| {
+            let name = format!("{prefix}{name}");
+            if shape.len() == 2 {
+                weights.take_weight(device, &name, shape)
+            } else {
+                weights.take(device, &name, shape)
+            }
+        };
         let embed_tokens = take("embed_tokens.weight", &[c.vocab_size, h])?;
         let mut layers = Vec::with_capacity(c.layers);
         for i in 0..c.layers {
@@ -111,7 +118,7 @@ impl<B: Backend> Qwen2<B> {
         let lm_head = if c.tie_word_embeddings && !weights.contains("lm_head.weight") {
             None
         } else {
-            Some(weights.take(device, "lm_head.weight", &[c.vocab_size, h])?)
+            Some(weights.take_weight(device, "lm_head.weight", &[c.vocab_size, h])?)
         };
         let inv_freq = rope::inv_freq(c.head_dim, c.rope_theta);
         Ok(Self {

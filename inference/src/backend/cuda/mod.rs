@@ -17,6 +17,7 @@ pub use driver::{DriverDevice, compile_module, nvrtc_available};
 use std::sync::Arc;
 
 use super::{
+    WeightData,
     Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, check_attention, check_ids,
     check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
 };
@@ -152,9 +153,8 @@ impl<D: Device> CudaBackend<D> {
         self.device.launch(kernel, dims, args)
     }
 
-    /// Uploads a weight matrix in `dtype` (bf16 keeps half the memory; its linears run as bf16
-    /// GEMMs with f32 accumulation).
-    pub fn upload_weight(&self, host: &[f32], dtype: DType) -> Result<CudaBuffer<D::Mem>> {
+    /// Uploads f32 values stored as `dtype` (rounded to nearest even for bf16).
+    pub fn upload_as(&self, host: &[f32], dtype: DType) -> Result<CudaBuffer<D::Mem>> {
         let mem = match dtype {
             DType::F32 => self.device.upload(bytemuck::cast_slice(host))?,
             DType::Bf16 => {
@@ -228,6 +228,21 @@ impl<D: Device> Backend for CudaBackend<D> {
             len: host.len(),
             dtype: DType::F32,
         })
+    }
+
+    /// bf16 weights stay bf16 (their linears run as bf16 GEMMs with f32 accumulation); f16
+    /// weights are widened to f32 (no f16 GEMM path yet: they take f32's memory).
+    fn upload_weight(&self, weight: WeightData) -> Result<Self::Buffer> {
+        match weight {
+            WeightData::Bf16(bits) => Ok(CudaBuffer {
+                mem: self.device.upload(bytemuck::cast_slice(
+                    &bits.iter().map(|b| b.to_bits()).collect::<Vec<u16>>(),
+                ))?,
+                len: bits.len(),
+                dtype: DType::Bf16,
+            }),
+            other => self.upload_owned(other.into_f32()),
+        }
     }
 
     fn download(&self, buffer: &Self::Buffer) -> Result<Vec<f32>> {
