@@ -232,8 +232,14 @@ impl Weights {
         name: &str,
         shape: &[usize],
     ) -> Result<Tensor<B>> {
+        Tensor::from_weight(device, self.take_weight_data(name, shape)?, shape)
+    }
+
+    /// A weight matrix's values on the host, in the checkpoint's precision.
+    pub fn take_weight_data(&mut self, name: &str, shape: &[usize]) -> Result<WeightData> {
         let (entry, bytes) = self.take_bytes(name, shape)?;
-        let halves = |b: &[u8]| -> Vec<[u8; 2]> { b.chunks_exact(2).map(|c| [c[0], c[1]]).collect() };
+        let halves =
+            |b: &[u8]| -> Vec<[u8; 2]> { b.chunks_exact(2).map(|c| [c[0], c[1]]).collect() };
         let data = match entry.dtype {
             Dtype::BF16 => WeightData::Bf16(
                 halves(&bytes)
@@ -249,7 +255,7 @@ impl Weights {
             ),
             other => WeightData::F32(to_f32(other, &bytes, &entry.stored_name)?),
         };
-        Tensor::from_weight(device, data, shape)
+        Ok(data)
     }
 
     /// Removes a tensor and uploads it to `device`.
@@ -320,7 +326,14 @@ impl<'a, B: Backend> Scope<'a, B> {
         Ok((w, b))
     }
 
-    /// `name.weight` `[out, in]` and `name.bias` `[out]` of a layer that always has a bias.
+    /// A weight matrix's values on the host, in the checkpoint's precision (to split it).
+    pub fn matrix_data(&mut self, name: &str, shape: &[usize]) -> Result<WeightData> {
+        self.weights
+            .take_weight_data(&format!("{}{name}", self.prefix), shape)
+    }
+
+    /// `name.weight` `[out, in]` (in the checkpoint's precision) and `name.bias` `[out]` of a layer
+    /// that always has a bias.
     pub fn biased_linear(
         &mut self,
         name: &str,
@@ -328,7 +341,7 @@ impl<'a, B: Backend> Scope<'a, B> {
         inp: usize,
     ) -> Result<(Tensor<B>, Tensor<B>)> {
         Ok((
-            self.tensor(&format!("{name}.weight"), &[out, inp])?,
+            self.matrix(&format!("{name}.weight"), &[out, inp])?,
             self.tensor(&format!("{name}.bias"), &[out])?,
         ))
     }

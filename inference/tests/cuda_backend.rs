@@ -133,14 +133,24 @@ fn every_kernel_matches_the_cpu_backend() {
         let got = gpu
             .rms_norm(&up(&gpu, &x), &up(&gpu, &w), dim, 1e-6)
             .unwrap();
-        assert_close("rms_norm", &gpu.download(&got).unwrap(), &cpu.download(&want).unwrap(), TOL);
+        assert_close(
+            "rms_norm",
+            &gpu.download(&got).unwrap(),
+            &cpu.download(&want).unwrap(),
+            TOL,
+        );
         let want = cpu
             .layer_norm(&up(&cpu, &x), &up(&cpu, &w), &up(&cpu, &b), dim, 1e-5)
             .unwrap();
         let got = gpu
             .layer_norm(&up(&gpu, &x), &up(&gpu, &w), &up(&gpu, &b), dim, 1e-5)
             .unwrap();
-        assert_close("layer_norm", &gpu.download(&got).unwrap(), &cpu.download(&want).unwrap(), TOL);
+        assert_close(
+            "layer_norm",
+            &gpu.download(&got).unwrap(),
+            &cpu.download(&want).unwrap(),
+            TOL,
+        );
     }
 
     let n = 1000;
@@ -149,7 +159,12 @@ fn every_kernel_matches_the_cpu_backend() {
     cpu.add_assign(&mut want, &up(&cpu, &b)).unwrap();
     let mut got = up(&gpu, &a);
     gpu.add_assign(&mut got, &up(&gpu, &b)).unwrap();
-    assert_close("add_assign", &gpu.download(&got).unwrap(), &cpu.download(&want).unwrap(), TOL);
+    assert_close(
+        "add_assign",
+        &gpu.download(&got).unwrap(),
+        &cpu.download(&want).unwrap(),
+        TOL,
+    );
     for act in [
         Activation::Silu,
         Activation::Gelu,
@@ -188,7 +203,12 @@ fn every_kernel_matches_the_cpu_backend() {
     let mut got = up(&gpu, &x);
     gpu.rope(&mut got, &up(&gpu, &cos), &up(&gpu, &sin), heads, head_dim)
         .unwrap();
-    assert_close("rope", &gpu.download(&got).unwrap(), &cpu.download(&want).unwrap(), TOL);
+    assert_close(
+        "rope",
+        &gpu.download(&got).unwrap(),
+        &cpu.download(&want).unwrap(),
+        TOL,
+    );
 
     // Causal decode against a cache with spare rows, grouped-query heads, head_dim 80 (not a
     // multiple of the warp), more than one chunk of 32 keys.
@@ -242,18 +262,31 @@ fn every_kernel_matches_the_cpu_backend() {
     let x = random(50, conv.segments * conv.len * conv.channels);
     let want = cpu.im2col_1d(&up(&cpu, &x), &conv).unwrap();
     let got = gpu.im2col_1d(&up(&gpu, &x), &conv).unwrap();
-    assert_eq!(gpu.download(&got).unwrap(), cpu.download(&want).unwrap(), "im2col_1d");
+    assert_eq!(
+        gpu.download(&got).unwrap(),
+        cpu.download(&want).unwrap(),
+        "im2col_1d"
+    );
     let x = random(51, 12 * 5);
     let want = cpu.mean_pool_rows(&up(&cpu, &x), 5, 3).unwrap();
     let got = gpu.mean_pool_rows(&up(&gpu, &x), 5, 3).unwrap();
-    assert_close("mean_pool_rows", &gpu.download(&got).unwrap(), &cpu.download(&want).unwrap(), TOL);
+    assert_close(
+        "mean_pool_rows",
+        &gpu.download(&got).unwrap(),
+        &cpu.download(&want).unwrap(),
+        TOL,
+    );
 
     let dim = 6;
     let table = random(60, 10 * dim);
     let ids = [3u32, 0, 9, 3];
     let want = cpu.gather_rows(&up(&cpu, &table), dim, &ids).unwrap();
     let got = gpu.gather_rows(&up(&gpu, &table), dim, &ids).unwrap();
-    assert_eq!(gpu.download(&got).unwrap(), cpu.download(&want).unwrap(), "gather_rows");
+    assert_eq!(
+        gpu.download(&got).unwrap(),
+        cpu.download(&want).unwrap(),
+        "gather_rows"
+    );
     let bf16_table = gpu.upload_as(&table, DType::Bf16).unwrap();
     let got = gpu.gather_rows(&bf16_table, dim, &ids).unwrap();
     let rounded: Vec<f32> = cpu
@@ -271,13 +304,25 @@ fn every_kernel_matches_the_cpu_backend() {
     let mut got = up(&gpu, &table);
     gpu.scatter_rows(&mut got, dim, &[7, 2], &up(&gpu, &src))
         .unwrap();
-    assert_eq!(gpu.download(&got).unwrap(), cpu.download(&want).unwrap(), "scatter_rows");
+    assert_eq!(
+        gpu.download(&got).unwrap(),
+        cpu.download(&want).unwrap(),
+        "scatter_rows"
+    );
     cpu.write_rows(&mut want, dim, 8, &up(&cpu, &src)).unwrap();
     gpu.write_rows(&mut got, dim, 8, &up(&gpu, &src)).unwrap();
-    assert_eq!(gpu.download(&got).unwrap(), cpu.download(&want).unwrap(), "write_rows");
+    assert_eq!(
+        gpu.download(&got).unwrap(),
+        cpu.download(&want).unwrap(),
+        "write_rows"
+    );
     let want = cpu.slice_rows(&want, dim, 1, 4).unwrap();
     let got = gpu.slice_rows(&got, dim, 1, 4).unwrap();
-    assert_eq!(gpu.download(&got).unwrap(), cpu.download(&want).unwrap(), "slice_rows");
+    assert_eq!(
+        gpu.download(&got).unwrap(),
+        cpu.download(&want).unwrap(),
+        "slice_rows"
+    );
 
     expand_samples_matches_the_contract(gpu.device());
 

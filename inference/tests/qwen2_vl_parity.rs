@@ -9,7 +9,11 @@
 
 mod common;
 
-use common::{Goldens, check_close, check_prefill_and_greedy, devices, family_dir, simulated_gpus};
+use common::{
+    Goldens, check_close, check_prefill_and_greedy, devices, family_dir, relative_error,
+    simulated_gpus,
+};
+use mmgate_inference::backend::cuda::DType;
 use mmgate_inference::merge::PlaceholderMap;
 use mmgate_inference::models::Qwen2Vl;
 use mmgate_inference::rope::{Grid, MediaSpan, mrope_positions};
@@ -172,4 +176,152 @@ fn qwen2_5_vl_hub_layout_matches_transformers() {
 fn qwen2_5_vl_on_simulated_gpus_matches_transformers() {
     let (encoder, llm) = simulated_gpus();
     check_model_on("qwen2.5-vl", "model", &encoder, &llm);
+}
+
+/// A bf16 checkpoint (the tiny Qwen2-VL saved in bfloat16 by fixtures' bf16.py) stays bf16 in
+/// memory: its weights take about half the bytes of the f32 checkpoint's (norms and biases stay
+/// f32). mmgate computes with bf16 weights, f32 activations and f32 accumulation, so it matches
+/// transformers running the same bf16 weights in f32 within the f32 tolerances, greedy tokens
+/// included. Against transformers in bf16 end to end (activations rounded at every op, as PyTorch
+/// runs a bf16 model on a GPU) the logits differ by bf16's own rounding: stated and bounded here.
+#[test]
+fn bf16_checkpoint_halves_memory_and_matches_transformers() {
+    let (encoder, llm) = devices();
+    let f32_model = Qwen2Vl::load(&family_dir("qwen2-vl").join("model"), &encoder, &llm).unwrap();
+    let dir = family_dir("qwen2-vl").join("model-bf16");
+    let model = Qwen2Vl::load(&dir, &encoder, &llm).unwrap();
+    let bytes = |m: &Qwen2Vl<_, _>| m.vision.weight_bytes() + m.llm.weight_bytes();
+    let (half, full) = (bytes(&model), bytes(&f32_model));
+    // Exactly: every matrix (2-D or more) at 2 bytes a value, every vector at 4.
+    let file = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let (mut matrices, mut vectors) = (0, 0);
+    for (_, t) in safetensors::SafeTensors::deserialize(&file)
+        .unwrap()
+        .tensors()
+    {
+        let n: usize = t.shape().iter().product();
+        if t.shape().len() >= 2 {
+            matrices += n
+        } else {
+            vectors += n
+        }
+    }
+    assert_eq!(full, 4 * (matrices + vectors));
+    assert_eq!(half, 2 * matrices + 4 * vectors);
+    eprintln!(
+        "weights: bf16 checkpoint {half} bytes, f32 {full} bytes ({:.3}x; vectors are {:.1}% of this \
+         tiny model's values)",
+        half as f64 / full as f64,
+        100.0 * vectors as f64 / (matrices + vectors) as f64
+    );
+
+    let g = Goldens::load_file("qwen2-vl", "goldens-bf16.safetensors");
+    let run = image_prompt(&model, &g);
+    check_close("bf16 image embeddings", &run.image, g.f32("image.embeds"));
+    check_prefill_and_greedy(
+        &model.llm,
+        &g,
+        "image_prompt",
+        run.embeds,
+        &run.positions,
+        run.delta,
+    );
+
+    // Transformers in bf16 end to end.
+    let err = relative_error(&run.logits, g.f32("bf16_compute.image_prompt.logits").1);
+    eprintln!(
+        "vs transformers in bf16: logits relative error {err:.2e}, embeddings {:.2e}",
+        relative_error(
+            &run.image.to_host().unwrap(),
+            g.f32("bf16_compute.image.embeds").1
+        )
+    );
+    // bf16 keeps 8 bits of mantissa (relative rounding 2^-9 per op); through a few layers of
+    // rounded activations that compounds to about 1e-2 of the largest logit.
+    assert!(
+        err < 3e-2,
+        "logits vs bf16 transformers: relative error {err}"
+    );
+}
+
+/// The image prompt of the bf16 goldens through `model`: the tower's output, the merged prompt's
+/// embeddings and positions, and the prefill logits at the stored rows.
+struct ImagePromptRun<E: Backend, L: Backend> {
+    image: Tensor<E>,
+    embeds: Tensor<L>,
+    positions: Vec<[i64; 3]>,
+    delta: i64,
+    logits: Vec<f32>,
+}
+
+fn image_prompt<E: Backend, L: Backend>(
+    model: &Qwen2Vl<E, L>,
+    g: &Goldens,
+) -> ImagePromptRun<E, L> {
+    let inputs = Goldens::load("qwen2-vl");
+    let image = encode(model, &inputs, "image");
+    let ids = g.ids("image_prompt.input_ids");
+    let grids = grids(&inputs, "image");
+    let token = model.config.image_token_id;
+    let media: Vec<MediaSpan> = grids
+        .iter()
+        .map(|&grid| MediaSpan {
+            token,
+            grid,
+            time_interval: 1.0,
+        })
+        .collect();
+    let (positions, delta) = mrope_positions(&ids, &media, model.config.vision.merge).unwrap();
+    let per_item: Vec<usize> = grids.iter().map(|g| g.tokens(2)).collect();
+    let map = PlaceholderMap::build(&ids, token, &per_item).unwrap();
+    let crossed =
+        Tensor::from_host(model.llm.device(), &image.to_host().unwrap(), image.shape()).unwrap();
+    let parts = [
+        crossed.slice_rows(0, per_item[0]).unwrap(),
+        crossed.slice_rows(per_item[0], per_item[1]).unwrap(),
+    ];
+    let merged = || {
+        let mut embeds = model.llm.embed(&ids).unwrap();
+        map.merge(&mut embeds, &parts.iter().collect::<Vec<_>>())
+            .unwrap();
+        embeds
+    };
+    let mut cache = model.llm.new_cache(ids.len()).unwrap();
+    let hidden = model.llm.forward(merged(), &positions, &mut cache).unwrap();
+    let all = model.llm.logits(&hidden).unwrap().to_host().unwrap();
+    let vocab = model.config.text.vocab_size;
+    let logits = g
+        .i64("image_prompt.logit_rows")
+        .iter()
+        .flat_map(|&r| all[r as usize * vocab..(r as usize + 1) * vocab].to_vec())
+        .collect();
+    ImagePromptRun {
+        image,
+        embeds: merged(),
+        positions,
+        delta,
+        logits,
+    }
+}
+
+/// The bf16 checkpoint on the simulated CUDA backend: bf16 weights on the device, linears as
+/// bf16 GEMMs (cuBLAS's: the input rounded to bf16 too, f32 accumulation and output). That sits
+/// between transformers' two runs: further from its f32 compute than the CPU backend (the rounded
+/// inputs), nearer its bf16 compute (activations stay f32 between ops).
+#[test]
+fn bf16_checkpoint_on_simulated_gpus_matches_transformers_within_bf16_rounding() {
+    let (encoder, llm) = simulated_gpus();
+    let model = Qwen2Vl::load(&family_dir("qwen2-vl").join("model-bf16"), &encoder, &llm).unwrap();
+    let g = Goldens::load_file("qwen2-vl", "goldens-bf16.safetensors");
+    let run = image_prompt(&model, &g);
+    let gemms = llm.device().record.lock().unwrap().gemms.clone();
+    assert!(!gemms.is_empty() && gemms.iter().all(|c| c.a_type == DType::Bf16));
+    let vs_f32 = relative_error(&run.logits, g.f32("image_prompt.logits").1);
+    let vs_bf16 = relative_error(&run.logits, g.f32("bf16_compute.image_prompt.logits").1);
+    let embeds = relative_error(&run.image.to_host().unwrap(), g.f32("image.embeds").1);
+    eprintln!(
+        "simulated GPUs, bf16: logits vs transformers f32 compute {vs_f32:.2e}, vs bf16 compute \
+         {vs_bf16:.2e}; embeddings vs f32 compute {embeds:.2e}"
+    );
+    assert!(vs_f32 < 1e-2 && vs_bf16 < 3e-2 && embeds < 1e-2);
 }

@@ -11,9 +11,8 @@ use rayon::prelude::*;
 
 use super::gemm::{MatMut, MatRef, Threads, matmul};
 use super::{
-    WeightData,
-    Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, check_attention, check_ids,
-    check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
+    Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, WeightData, check_attention,
+    check_ids, check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
 };
 use crate::error::{Error, Result};
 
@@ -159,7 +158,13 @@ impl Backend for CpuBackend {
         Ok(out.into())
     }
 
-    fn rms_norm(&self, x: &CpuBuffer, weight: &CpuBuffer, dim: usize, eps: f32) -> Result<CpuBuffer> {
+    fn rms_norm(
+        &self,
+        x: &CpuBuffer,
+        weight: &CpuBuffer,
+        dim: usize,
+        eps: f32,
+    ) -> Result<CpuBuffer> {
         let x = x.f32s("rms_norm")?;
         let weight = weight.f32s("rms_norm")?;
         rows_of("rms_norm", x.len(), dim)?;
@@ -374,7 +379,13 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn write_rows(&self, dst: &mut CpuBuffer, dim: usize, at: usize, src: &CpuBuffer) -> Result<()> {
+    fn write_rows(
+        &self,
+        dst: &mut CpuBuffer,
+        dim: usize,
+        at: usize,
+        src: &CpuBuffer,
+    ) -> Result<()> {
         let dst = dst.f32s_mut("write_rows")?;
         let src = src.f32s("write_rows")?;
         let dst_rows = rows_of("write_rows", dst.len(), dim)?;
@@ -430,14 +441,20 @@ impl CpuBuffer {
     fn f32s(&self, op: &'static str) -> Result<&[f32]> {
         match self {
             Self::F32(v) => Ok(v),
-            _ => Err(Error::shape(op, "a half-precision weight where f32 values go")),
+            _ => Err(Error::shape(
+                op,
+                "a half-precision weight where f32 values go",
+            )),
         }
     }
 
     fn f32s_mut(&mut self, op: &'static str) -> Result<&mut [f32]> {
         match self {
             Self::F32(v) => Ok(v),
-            _ => Err(Error::shape(op, "a half-precision weight where f32 values go")),
+            _ => Err(Error::shape(
+                op,
+                "a half-precision weight where f32 values go",
+            )),
         }
     }
 }

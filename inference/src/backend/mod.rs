@@ -37,6 +37,15 @@ impl WeightData {
         self.len() == 0
     }
 
+    /// Values `range` (to split a packed matrix), in the same precision.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Option<Self> {
+        Some(match self {
+            Self::F32(v) => Self::F32(v.get(range)?.to_vec()),
+            Self::Bf16(v) => Self::Bf16(v.get(range)?.to_vec()),
+            Self::F16(v) => Self::F16(v.get(range)?.to_vec()),
+        })
+    }
+
     /// The values widened to f32 (exactly: every half value is an f32).
     pub fn into_f32(self) -> Vec<f32> {
         match self {

@@ -136,6 +136,37 @@ impl<B: Backend> Qwen2<B> {
         &self.config
     }
 
+    /// Bytes of device memory the weights hold.
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [
+                    &l.input_norm,
+                    &l.q,
+                    &l.q_bias,
+                    &l.k,
+                    &l.k_bias,
+                    &l.v,
+                    &l.v_bias,
+                    &l.o,
+                    &l.post_attention_norm,
+                    &l.gate,
+                    &l.up,
+                    &l.down,
+                ]
+                .iter()
+                .map(|t| t.bytes())
+                .sum::<usize>()
+            })
+            .sum();
+        self.embed_tokens.bytes()
+            + layers
+            + self.norm.bytes()
+            + self.lm_head.as_ref().map_or(0, |t| t.bytes())
+    }
+
     pub fn device(&self) -> &B {
         &self.device
     }

@@ -317,11 +317,17 @@ impl<B: Backend> VisionTower<B> {
                 },
             };
             // The checkpoint packs q, k and v into one [3d, d] projection; split it once here.
-            let (qkv_w, qkv_b) = l.biased_linear(&format!("{b}attn.qkv"), 3 * d, d)?;
-            let (w, bias) = (qkv_w.to_host()?, qkv_b.to_host()?);
+            // The weight keeps the checkpoint's precision through the split.
+            let w = l.matrix_data(&format!("{b}attn.qkv.weight"), &[3 * d, d])?;
+            let bias = l
+                .tensor(&format!("{b}attn.qkv.bias"), &[3 * d])?
+                .to_host()?;
             let part = |j: usize| -> Result<Linear<B>> {
+                let rows = w
+                    .slice(j * d * d..(j + 1) * d * d)
+                    .ok_or_else(|| Error::shape("qkv split", format!("part {j} of {}", w.len())))?;
                 Ok((
-                    Tensor::from_host(device, &w[j * d * d..(j + 1) * d * d], &[d, d])?,
+                    Tensor::from_weight(device, rows, &[d, d])?,
                     Tensor::from_host(device, &bias[j * d..(j + 1) * d], &[d])?,
                 ))
             };
@@ -340,7 +346,7 @@ impl<B: Backend> VisionTower<B> {
         let merger_fc1 = l.biased_linear("merger.mlp.0", merged, merged)?;
         let merger_fc2 = l.biased_linear("merger.mlp.2", c.out_dim, merged)?;
         // Conv3d with stride = kernel over exactly one patch is a linear map of the flattened patch.
-        let conv = weights.take_host(
+        let conv = weights.take_weight_data(
             &format!("{prefix}patch_embed.proj.weight"),
             &[
                 d,
@@ -350,7 +356,7 @@ impl<B: Backend> VisionTower<B> {
                 c.patch_size,
             ],
         )?;
-        let patch_embed = Tensor::from_host(device, &conv.data, &[d, c.patch_len()])?;
+        let patch_embed = Tensor::from_weight(device, conv, &[d, c.patch_len()])?;
         Ok(Self {
             config,
             patch_embed,
@@ -364,6 +370,37 @@ impl<B: Backend> VisionTower<B> {
 
     pub fn config(&self) -> &VisionConfig {
         &self.config
+    }
+
+    /// Bytes of device memory the weights hold.
+    pub fn weight_bytes(&self) -> usize {
+        let linear = |(w, b): &Linear<B>| w.bytes() + b.bytes();
+        let norm = |n: &Norm<B>| match n {
+            Norm::Layer(w, b) => w.bytes() + b.bytes(),
+            Norm::Rms(w) => w.bytes(),
+        };
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .map(|b| {
+                let mlp = match &b.mlp {
+                    Mlp::Plain { fc1, fc2 } => linear(fc1) + linear(fc2),
+                    Mlp::Gated { gate, up, down } => linear(gate) + linear(up) + linear(down),
+                };
+                norm(&b.norm1)
+                    + norm(&b.norm2)
+                    + linear(&b.q)
+                    + linear(&b.k)
+                    + linear(&b.v)
+                    + linear(&b.proj)
+                    + mlp
+            })
+            .sum();
+        self.patch_embed.bytes()
+            + blocks
+            + norm(&self.merger_norm)
+            + linear(&self.merger_fc1)
+            + linear(&self.merger_fc2)
     }
 
     pub fn device(&self) -> &B {

@@ -33,7 +33,11 @@ pub struct Goldens(HashMap<String, Golden>);
 
 impl Goldens {
     pub fn load(family: &str) -> Self {
-        let bytes = std::fs::read(family_dir(family).join("goldens.safetensors")).unwrap();
+        Self::load_file(family, "goldens.safetensors")
+    }
+
+    pub fn load_file(family: &str, file: &str) -> Self {
+        let bytes = std::fs::read(family_dir(family).join(file)).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let mut map = HashMap::new();
         for (name, view) in st.tensors() {

@@ -17,9 +17,8 @@ pub use driver::{DriverDevice, compile_module, nvrtc_available};
 use std::sync::Arc;
 
 use super::{
-    WeightData,
-    Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, check_attention, check_ids,
-    check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
+    Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, WeightData, check_attention,
+    check_ids, check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
 };
 use crate::error::{Error, Result};
 
