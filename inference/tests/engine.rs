@@ -251,6 +251,16 @@ fn the_engine_on_simulated_gpus_matches_the_cpu_backend() {
     batched_requests_match_solo_runs(&s);
 }
 
+/// The same on real GPUs (`./dev gpu-check`): LLM on cuda:0, the encoder on cuda:1 where there is
+/// one.
+#[test]
+#[ignore = "needs an NVIDIA GPU: ./dev gpu-check"]
+fn the_engine_on_real_gpus_matches_the_cpu_backend() {
+    let (encoder, llm) = common::real_gpus();
+    let s = setup_on(llm, vec![encoder], 1 << 20);
+    batched_requests_match_solo_runs(&s);
+}
+
 fn batched_requests_match_solo_runs(s: &Setup) {
     let g1 = Grid { t: 1, h: 4, w: 6 };
     let g2 = Grid { t: 1, h: 2, w: 2 };

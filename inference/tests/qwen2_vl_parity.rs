@@ -325,3 +325,22 @@ fn bf16_checkpoint_on_simulated_gpus_matches_transformers_within_bf16_rounding()
     );
     assert!(vs_f32 < 1e-2 && vs_bf16 < 3e-2 && embeds < 1e-2);
 }
+
+/// On real GPUs (`./dev gpu-check`; never run in this project's CI, which has none): the same
+/// parity as the simulated and CPU backends, f32 and bf16.
+#[test]
+#[ignore = "needs an NVIDIA GPU: ./dev gpu-check"]
+fn on_real_gpus_matches_transformers() {
+    let (encoder, llm) = real_gpus();
+    check_model_on("qwen2-vl", "model", &encoder, &llm);
+    check_model_on("qwen2.5-vl", "model", &encoder, &llm);
+    let model = Qwen2Vl::load(&family_dir("qwen2-vl").join("model-bf16"), &encoder, &llm).unwrap();
+    let g = Goldens::load_file("qwen2-vl", "goldens-bf16.safetensors");
+    let run = image_prompt(&model, &g);
+    let vs_f32 = relative_error(&run.logits, g.f32("image_prompt.logits").1);
+    let vs_bf16 = relative_error(&run.logits, g.f32("bf16_compute.image_prompt.logits").1);
+    eprintln!(
+        "GPU bf16: logits vs transformers f32 compute {vs_f32:.2e}, bf16 compute {vs_bf16:.2e}"
+    );
+    assert!(vs_f32 < 1e-2 && vs_bf16 < 3e-2);
+}

@@ -3,12 +3,14 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
+pub mod gpu_ops;
 pub mod sim_device;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use mmgate_inference::backend::cuda::CudaBackend;
+use mmgate_inference::backend::cuda::{CudaBackend, DriverDevice};
+use mmgate_inference::devices::CudaGpu;
 use mmgate_inference::models::{KvCache, Qwen2};
 use mmgate_inference::sampling::argmax;
 use mmgate_inference::{Backend, CpuBackend, Tensor};
@@ -119,6 +121,19 @@ pub fn simulated_gpus() -> (SimGpu, SimGpu) {
 }
 
 pub type SimGpu = CudaBackend<sim_device::SimDevice>;
+
+/// Real GPUs (`./dev gpu-check`): the encoder on cuda:1 and the LLM on cuda:0 when there are two,
+/// both on cuda:0 otherwise.
+pub fn real_gpus() -> (CudaGpu, CudaGpu) {
+    let count = mmgate_inference::backend::cuda::device_count().expect("a CUDA driver");
+    assert!(count > 0, "the driver sees no GPU");
+    let open = |label: &str, ordinal: usize| {
+        CudaBackend::new(DriverDevice::open(label, ordinal).expect("open the GPU"))
+    };
+    let encoder = open("encoder", if count > 1 { 1 } else { 0 });
+    eprintln!("GPUs: {count}; encoder on {}", encoder.name());
+    (encoder, open("llm", 0))
+}
 
 pub fn devices() -> (CpuBackend, CpuBackend) {
     (

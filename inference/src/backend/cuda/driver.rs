@@ -51,6 +51,22 @@ pub fn compile_module(module: &mmgate_cuda_kernels::Module, arch: &str) -> Resul
         .map_err(|e| failed(format!("compiling {}.cu: {e:?}", module.name)))
 }
 
+/// How many GPUs the driver sees; an error where there is no driver.
+pub fn device_count() -> Result<usize> {
+    let failed = |reason: String| Error::Device {
+        device: "cuda".into(),
+        reason,
+    };
+    if !driver_available() {
+        return Err(failed(
+            "the CUDA driver (libcuda.so) cannot be loaded on this machine".into(),
+        ));
+    }
+    CudaContext::device_count()
+        .map(|n| n.max(0) as usize)
+        .map_err(|e| failed(format!("{e:?}")))
+}
+
 fn driver_available() -> bool {
     // SAFETY: as above, for libcuda.
     unsafe { driver_sys::is_culib_present() }

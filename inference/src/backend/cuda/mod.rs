@@ -12,7 +12,7 @@ mod device;
 mod driver;
 
 pub use device::{Arg, DType, Device, GemmCall, LaunchDims, Op};
-pub use driver::{DriverDevice, compile_module, nvrtc_available};
+pub use driver::{DriverDevice, compile_module, device_count, nvrtc_available};
 
 use std::sync::Arc;
 
