@@ -10,7 +10,7 @@
 mod common;
 
 use common::{
-    Goldens, check_close, check_prefill_and_greedy, devices, family_dir, relative_error,
+    Goldens, check_close, check_prefill_and_greedy, devices, family_dir, real_gpus, relative_error,
     simulated_gpus,
 };
 use mmgate_inference::backend::cuda::DType;
