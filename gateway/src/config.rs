@@ -743,6 +743,34 @@ mod tests {
     }
 
     #[test]
+    fn devices_are_cpu_pools_or_gpus_and_threads_go_only_with_cpus() {
+        let model = |devices: &str| {
+            parse(&format!(
+                "[[models]]\nname = \"m\"\npath = \"demo\"\n{devices}\n"
+            ))
+        };
+        let config = model(
+            "llm_device = \"cuda:0\"\nencoder_devices = [{ threads = 2 }, { device = \"cuda:1\" }]",
+        )
+        .unwrap();
+        let m = &config.models[0];
+        assert_eq!(m.llm_device, Some(DeviceName::Cuda(0)));
+        assert_eq!(m.encoder_devices[0].device, DeviceName::Cpu);
+        assert_eq!(m.encoder_devices[0].threads, Some(2));
+        assert_eq!(m.encoder_devices[1].device, DeviceName::Cuda(1));
+        for bad in [
+            "encoder_devices = [{ device = \"cpu\" }]",
+            "encoder_devices = [{ device = \"cuda:1\", threads = 2 }]",
+            "encoder_devices = [{ threads = 0 }]",
+            "encoder_devices = [{ device = \"tpu:0\" }]",
+            "llm_device = \"cuda:0\"\nllm_threads = 2",
+            "llm_device = \"cuda\"",
+        ] {
+            assert!(model(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn the_example_config_is_valid_and_matches_the_defaults() {
         let example = include_str!("../../examples/mmgate.toml");
         let config = parse(example).unwrap_or_else(|e| panic!("{e:#}"));

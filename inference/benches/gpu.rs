@@ -54,8 +54,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for round in 0..6 {
         let mut cache = model.llm.new_cache(ids.len() + 65)?;
         let start = Instant::now();
-        let h = model.llm.forward(model.llm.embed(&ids)?, &positions, &mut cache)?;
-        let last = model.llm.logits(&h.slice_rows(ids.len() - 1, 1)?)?.to_host()?;
+        let h = model
+            .llm
+            .forward(model.llm.embed(&ids)?, &positions, &mut cache)?;
+        let last = model
+            .llm
+            .logits(&h.slice_rows(ids.len() - 1, 1)?)?
+            .to_host()?;
         if round >= 1 {
             prefill.push(start.elapsed());
         }
@@ -63,7 +68,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let start = Instant::now();
         for _ in 0..64 {
             let pos = cache.len() as i64;
-            let h = model.llm.forward(model.llm.embed(&[next])?, &[[pos; 3]], &mut cache)?;
+            let h = model
+                .llm
+                .forward(model.llm.embed(&[next])?, &[[pos; 3]], &mut cache)?;
             next = mmgate_inference::sampling::argmax(&model.llm.logits(&h)?.to_host()?);
         }
         if round >= 1 {
