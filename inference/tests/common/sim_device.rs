@@ -1,7 +1,10 @@
 //! The CUDA backend's device, simulated: kernels run on the CPU by `mmgate-cuda-kernels`' simulator
 //! (the same sources NVRTC compiles), GEMMs by a reference implementation of `cublasGemmEx`'s
 //! column-major semantics. Every launch and GEMM is recorded, so tests can say which kernels they
-//! ran. Device memory is host memory here, 8-byte aligned as CUDA allocations are (more, in truth).
+//! ran. Device memory is host memory here: each buffer is mapped so that it ends exactly where a
+//! page that may not be touched begins (and one precedes it), so a kernel that reads or writes past
+//! its buffer faults, as a GPU reports an illegal address, instead of silently using a neighbour's
+//! bytes.
 #![allow(unsafe_code, dead_code)]
 
 use std::collections::BTreeMap;
@@ -13,17 +16,76 @@ use mmgate_inference::backend::cuda::{Arg, DType, Device, GemmCall, LaunchDims, 
 use mmgate_inference::{Error, Result};
 
 pub struct SimMem {
-    words: Vec<u64>,
+    /// The whole mapping: a guard page, the data pages, a guard page.
+    map: *mut u8,
+    map_len: usize,
+    /// The buffer: its last byte is the last before the trailing guard page.
+    data: *mut u8,
     bytes: usize,
 }
 
+// SAFETY: the mapping is owned by this value alone (as a Vec's heap block is).
+unsafe impl Send for SimMem {}
+unsafe impl Sync for SimMem {}
+
+fn page() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize }
+}
+
 impl SimMem {
+    fn new(bytes: usize) -> Result<Self> {
+        let page = page();
+        let data_pages = bytes.div_ceil(page);
+        let map_len = (data_pages + 2) * page;
+        // SAFETY: an anonymous private mapping (zero-filled), then both ends made inaccessible;
+        // every pointer used below stays inside it.
+        unsafe {
+            let map = libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            if map == libc::MAP_FAILED {
+                return Err(refused("mmap failed"));
+            }
+            let map = map as *mut u8;
+            let trailing = map.add((data_pages + 1) * page);
+            if libc::mprotect(map as *mut c_void, page, libc::PROT_NONE) != 0
+                || libc::mprotect(trailing as *mut c_void, page, libc::PROT_NONE) != 0
+            {
+                libc::munmap(map as *mut c_void, map_len);
+                return Err(refused("mprotect failed"));
+            }
+            Ok(Self {
+                map,
+                map_len,
+                data: trailing.sub(bytes),
+                bytes,
+            })
+        }
+    }
+
     fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.bytes]
+        // SAFETY: `data..data + bytes` is inside the readable part of the mapping.
+        unsafe { std::slice::from_raw_parts(self.data, self.bytes) }
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.bytes]
+        // SAFETY: as above, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.data, self.bytes) }
+    }
+}
+
+impl Drop for SimMem {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once.
+        unsafe {
+            libc::munmap(self.map as *mut c_void, self.map_len);
+        }
     }
 }
 
@@ -113,10 +175,7 @@ impl Device for SimDevice {
     }
 
     fn alloc_zeroed(&self, bytes: usize) -> Result<SimMem> {
-        Ok(SimMem {
-            words: vec![0; bytes.div_ceil(8)],
-            bytes,
-        })
+        SimMem::new(bytes)
     }
 
     fn upload(&self, bytes: &[u8]) -> Result<SimMem> {
@@ -166,8 +225,8 @@ impl Device for SimDevice {
         let sim_args: Vec<sim::Arg> = args
             .iter_mut()
             .map(|a| match a {
-                Arg::In(m) => sim::Arg::Ptr(m.words.as_ptr() as *mut c_void),
-                Arg::Out(m) => sim::Arg::Ptr(m.words.as_mut_ptr() as *mut c_void),
+                Arg::In(m) => sim::Arg::Ptr(m.data as *mut c_void),
+                Arg::Out(m) => sim::Arg::Ptr(m.data as *mut c_void),
                 Arg::U32(v) => sim::Arg::U32(*v),
                 Arg::I32(v) => sim::Arg::I32(*v),
                 Arg::U64(v) => sim::Arg::U64(*v),
