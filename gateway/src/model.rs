@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, anyhow, bail};
 use mmgate_host::{ByteSamples, Dtype, Tensor};
+use mmgate_inference::backend::ByteSamplesView;
 use mmgate_inference::devices::{OpenDevice, Placement};
 use mmgate_inference::{Backend, CpuBackend};
 
@@ -832,6 +833,17 @@ impl PixelSource for PluginSamples {
 
     fn write_f32(&self, start: usize, out: &mut [f32]) {
         self.0.map_range_into(start, out);
+    }
+
+    fn byte_samples(&self) -> Option<ByteSamplesView<'_>> {
+        let (samples, table) = self.0.parts();
+        Some(ByteSamplesView {
+            samples,
+            table,
+            run: self.0.run(),
+            channels: self.0.channels(),
+            repeats: self.0.repeats(),
+        })
     }
 }
 

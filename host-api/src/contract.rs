@@ -314,6 +314,16 @@ impl ByteSamples {
         self.repeats
     }
 
+    /// Samples per channel run, as sent.
+    pub fn run(&self) -> usize {
+        self.run
+    }
+
+    /// Channel runs per row (the table's rows).
+    pub fn channels(&self) -> usize {
+        self.channels
+    }
+
     pub fn is_empty(&self) -> bool {
         self.samples.is_empty()
     }

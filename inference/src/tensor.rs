@@ -63,6 +63,16 @@ impl<B: Backend> Tensor<B> {
         })
     }
 
+    /// A buffer already on `device`, as a tensor of `shape`.
+    pub fn from_buffer(device: &B, buffer: B::Buffer, shape: &[usize]) -> Result<Self> {
+        check_count("from_buffer", device.len(&buffer), shape)?;
+        Ok(Self {
+            buffer,
+            shape: shape.to_vec(),
+            device: device.clone(),
+        })
+    }
+
     pub fn zeros(device: &B, shape: &[usize]) -> Result<Self> {
         Ok(Self {
             buffer: device.zeros(shape.iter().product())?,

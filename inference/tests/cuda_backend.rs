@@ -8,9 +8,16 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use common::gpu_ops;
 use common::sim_device::SimDevice;
+use mmgate_inference::backend::ByteSamplesView;
 use mmgate_inference::backend::cuda::{Arg, CudaBackend, DType, Device, LaunchDims};
+use mmgate_inference::demo::{self, DemoFamily};
+use mmgate_inference::engine::{EncodeInput, Encoder, PixelSource, PixelValues};
+use mmgate_inference::models::Qwen2Vl;
+use mmgate_inference::rope::Grid;
 use mmgate_inference::{AttentionMask, AttentionShape, Backend, CpuBackend, Error};
 
 type Sim = CudaBackend<SimDevice>;
@@ -103,4 +110,85 @@ fn the_simulator_refuses_launches_a_gpu_would_refuse() {
         )
         .unwrap_err();
     assert!(err.to_string().contains("1024 threads"), "{err}");
+}
+
+/// A plugin's 8-bit pixel samples, as the gateway hands them over: three channel runs per row,
+/// each standing for two temporal copies of itself (a still image), and one table per channel.
+#[derive(Debug)]
+struct Samples {
+    samples: Vec<u8>,
+    table: Vec<f32>,
+}
+
+const RUN: usize = 196;
+
+impl PixelSource for Samples {
+    fn value_count(&self) -> usize {
+        self.samples.len() * 2
+    }
+    fn bytes(&self) -> usize {
+        self.samples.len()
+    }
+    fn feed_content(&self, feed: &mut dyn FnMut(&[u8])) {
+        feed(&self.samples);
+    }
+    fn extend_f32(&self, out: &mut Vec<f32>) {
+        let at = out.len();
+        out.resize(at + self.value_count(), 0.0);
+        self.write_f32(0, &mut out[at..]);
+    }
+    fn write_f32(&self, start: usize, out: &mut [f32]) {
+        for (i, o) in out.iter_mut().enumerate() {
+            let v = start + i;
+            let run = v / (2 * RUN);
+            let sample = self.samples[run * RUN + v % (2 * RUN) % RUN];
+            *o = self.table[(run % 3) * 256 + usize::from(sample)];
+        }
+    }
+    fn byte_samples(&self) -> Option<ByteSamplesView<'_>> {
+        Some(ByteSamplesView {
+            samples: &self.samples,
+            table: &self.table,
+            run: RUN,
+            channels: 3,
+            repeats: 2,
+        })
+    }
+}
+
+/// The vision tower on a GPU takes a plugin's 8-bit samples as they are (a quarter of the bytes
+/// cross to the device) and expands them there: the same features as the CPU backend expanding
+/// them on the host, for one item and for a batch of two.
+#[test]
+fn the_vision_encoder_expands_byte_samples_on_the_device() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = demo::ensure(tmp.path(), DemoFamily::Qwen2Vl).unwrap();
+    let (cpu, gpu) = backends();
+    let on_cpu = Qwen2Vl::<CpuBackend, CpuBackend>::load_vision(&dir, &cpu).unwrap();
+    let on_gpu = Qwen2Vl::<Sim, Sim>::load_vision(&dir, &gpu).unwrap();
+    let item = |seed: u64, grid: Grid| {
+        let n = grid.patches() * 3 * RUN;
+        let samples = random(seed, n)
+            .iter()
+            .map(|v| ((v + 2.0) * 63.0) as u8)
+            .collect();
+        let table = (0..3 * 256)
+            .map(|i| (i % 256) as f32 / 127.5 - 1.0 + (i / 256) as f32 * 0.1)
+            .collect();
+        EncodeInput::Vision {
+            pixel_values: PixelValues::Source(Arc::new(Samples { samples, table })),
+            grid,
+        }
+    };
+    let a = item(1, Grid { t: 1, h: 4, w: 6 });
+    let b = item(2, Grid { t: 1, h: 2, w: 2 });
+    for batch in [vec![&a], vec![&a, &b]] {
+        let want = Encoder::encode(&on_cpu, &batch);
+        let got = Encoder::encode(&on_gpu, &batch);
+        for (w, g) in want.into_iter().zip(got) {
+            gpu_ops::assert_close("features", &g.unwrap(), &w.unwrap(), 1e-5);
+        }
+    }
+    let launches = gpu.device().record.lock().unwrap().launches.clone();
+    assert_eq!(launches.get("expand_samples"), Some(&3), "{launches:?}");
 }

@@ -56,6 +56,25 @@ impl WeightData {
     }
 }
 
+/// 8-bit samples standing for f32 values through a table, as plugins send pixel values (the host
+/// contract's `ByteSamples` layout): each row is `channels` runs of `run` samples; sample v in
+/// channel c's run stands for `table[c * 256 + v]`; each run stands for `repeats` copies of itself.
+#[derive(Debug, Clone, Copy)]
+pub struct ByteSamplesView<'a> {
+    pub samples: &'a [u8],
+    pub table: &'a [f32],
+    pub run: usize,
+    pub channels: usize,
+    pub repeats: usize,
+}
+
+impl ByteSamplesView<'_> {
+    /// How many values the samples stand for.
+    pub fn value_count(&self) -> usize {
+        self.samples.len() * self.repeats
+    }
+}
+
 /// The activation functions the supported models use, each exactly as PyTorch computes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
@@ -184,6 +203,17 @@ pub trait Backend: Clone + Send + Sync + 'static {
         self.upload_owned(weight.into_f32())
     }
     fn download(&self, buffer: &Self::Buffer) -> Result<Vec<f32>>;
+    /// The values 8-bit samples stand for, expanded on the device (a quarter of the bytes cross
+    /// to it), or `None` where the device leaves that to the host (the CPU, which expands a block
+    /// at a time as it packs patches).
+    fn expand_samples(&self, _samples: &ByteSamplesView<'_>) -> Result<Option<Self::Buffer>> {
+        Ok(None)
+    }
+    /// Pixel values the vision encoders pack per block: bounded on the host (4 MiB of f32 at a time,
+    /// cache-sized; a 12 MP photo's f32 patches are 290 MB), a whole batch at once on a GPU.
+    fn pixel_block_values(&self) -> usize {
+        1 << 20
+    }
     fn zeros(&self, len: usize) -> Result<Self::Buffer>;
     fn len(&self, buffer: &Self::Buffer) -> usize;
     /// Bytes of device memory the buffer holds (for accounting).

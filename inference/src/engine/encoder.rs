@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, ByteSamplesView};
 use crate::error::{Error, Result};
 use crate::models::qwen2_audio::AudioEncoder;
 use crate::models::qwen2_vl::VisionTower;
@@ -53,6 +53,10 @@ pub trait PixelSource: std::fmt::Debug + Send + Sync {
     fn extend_f32(&self, out: &mut Vec<f32>);
     /// Writes the values from `start` on into `out` (as many as it holds; past the end, nothing).
     fn write_f32(&self, start: usize, out: &mut [f32]);
+    /// The 8-bit samples and table the values come from, for a device that expands them itself.
+    fn byte_samples(&self) -> Option<ByteSamplesView<'_>> {
+        None
+    }
 }
 
 impl PixelValues {
@@ -220,10 +224,6 @@ fn packed_or_each(
         .collect()
 }
 
-/// About how many pixel values are expanded and embedded at a time (4 MiB of f32: cache-sized, and
-/// enough rows for the embedding's GEMM to run at full speed).
-const PATCH_BLOCK_VALUES: usize = 1 << 20;
-
 /// The embeddings of `items`' patches (each its pixel values and how many patches of `patch_len`
 /// values they hold, in order), `embed` run on a block of rows at a time: the pixel values are
 /// expanded (8-bit samples to f32) one block at a time into one buffer, never all at once. Blocks
@@ -237,7 +237,12 @@ pub fn embed_blockwise<B: Backend>(
     embed: impl Fn(&Tensor<B>) -> Result<Tensor<B>>,
 ) -> Result<Vec<f32>> {
     let patches: usize = items.iter().map(|(_, rows)| rows).sum();
-    let rows_per_block = patch_block_rows(patch_len);
+    let rows_per_block = patch_block_rows(patch_len, device.pixel_block_values());
+    if rows_per_block >= patches
+        && let Some(input) = expanded_on_device(device, items, patch_len)?
+    {
+        return embed(&input)?.to_host();
+    }
     let mut block = vec![0.0; rows_per_block.min(patches) * patch_len];
     let mut embedded = Vec::new();
     let (mut item, mut item_row) = (0, 0);
@@ -268,10 +273,52 @@ pub fn embed_blockwise<B: Backend>(
     Ok(embedded)
 }
 
-/// Rows of patches per block: a multiple of 64, so that the blocks' GEMMs tile the rows as one GEMM
+/// Rows of patches per block (the device's [`Backend::pixel_block_values`]; on the CPU 4 MiB of f32:
+/// cache-sized, and enough rows for the embedding's GEMM to run at full speed): a multiple of 64, so that the blocks' GEMMs tile the rows as one GEMM
 /// over all of them does, and give the same values.
-fn patch_block_rows(patch_len: usize) -> usize {
-    (PATCH_BLOCK_VALUES / patch_len.max(1) / 64).max(1) * 64
+fn patch_block_rows(patch_len: usize, block_values: usize) -> usize {
+    (block_values / patch_len.max(1) / 64)
+        .max(1)
+        .saturating_mul(64)
+}
+
+/// The batch's pixel values as one tensor made on `device`, when the device expands 8-bit samples
+/// itself and every item has them (`None` otherwise: the host packs them).
+fn expanded_on_device<B: Backend>(
+    device: &B,
+    items: &[(&PixelValues, usize)],
+    patch_len: usize,
+) -> Result<Option<Tensor<B>>> {
+    let mut parts = Vec::with_capacity(items.len());
+    for (pixels, rows) in items {
+        let PixelValues::Source(source) = pixels else {
+            return Ok(None);
+        };
+        let Some(view) = source.byte_samples() else {
+            return Ok(None);
+        };
+        if view.value_count() != rows * patch_len {
+            return Err(Error::Input("pixel values ran out".into()));
+        }
+        let Some(buffer) = device.expand_samples(&view)? else {
+            return Ok(None);
+        };
+        parts.push((
+            Tensor::from_buffer(device, buffer, &[*rows, patch_len])?,
+            *rows,
+        ));
+    }
+    let patches: usize = items.iter().map(|(_, rows)| rows).sum();
+    if parts.len() == 1 {
+        return Ok(parts.pop().map(|(t, _)| t));
+    }
+    let mut all = Tensor::zeros(device, &[patches, patch_len])?;
+    let mut at = 0;
+    for (part, rows) in &parts {
+        all.write_rows(at, part)?;
+        at += rows;
+    }
+    Ok(Some(all))
 }
 
 fn wrong_kind(kind: EncoderKind) -> Error {

@@ -14,7 +14,7 @@ pub fn random(seed: u64, n: usize) -> Vec<f32> {
 }
 
 /// Largest |a − b| relative to the largest |b| (the parity tests' measure).
-fn assert_close(what: &str, ours: &[f32], want: &[f32], tolerance: f32) {
+pub fn assert_close(what: &str, ours: &[f32], want: &[f32], tolerance: f32) {
     assert_eq!(ours.len(), want.len(), "{what}: length");
     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-30);
     let err = ours

@@ -17,8 +17,9 @@ pub use driver::{DriverDevice, compile_module, device_count, nvrtc_available};
 use std::sync::Arc;
 
 use super::{
-    Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, WeightData, check_attention,
-    check_ids, check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
+    Activation, AttentionMask, AttentionShape, Backend, ByteSamplesView, Conv1dShape, WeightData,
+    check_attention, check_ids, check_row_range, check_scatter_rows, expect_len, pooled_rows,
+    rows_of,
 };
 use crate::error::{Error, Result};
 
@@ -242,6 +243,43 @@ impl<D: Device> Backend for CudaBackend<D> {
             }),
             other => self.upload_owned(other.into_f32()),
         }
+    }
+
+    fn expand_samples(&self, view: &ByteSamplesView<'_>) -> Result<Option<Self::Buffer>> {
+        let ok = view.channels > 0
+            && view.run > 0
+            && view.repeats > 0
+            && view.table.len() == view.channels * 256
+            && view.samples.len().is_multiple_of(view.run);
+        if !ok {
+            return Err(Error::shape("expand_samples", format!("{view:?}")));
+        }
+        let values = view.value_count();
+        let mut out = self.alloc(values, DType::F32)?;
+        if values == 0 {
+            return Ok(Some(out));
+        }
+        let samples = self.device.upload(view.samples)?;
+        let table = self.device.upload(bytemuck::cast_slice(view.table))?;
+        let u = |what, v| u32_of("expand_samples", what, v);
+        self.launch(
+            "expand_samples",
+            self.elementwise(values),
+            &mut [
+                Arg::In(&samples),
+                Arg::In(&table),
+                Arg::Out(&mut out.mem),
+                Arg::U64(values as u64),
+                Arg::U32(u("run", view.run)?),
+                Arg::U32(u("channels", view.channels)?),
+                Arg::U32(u("repeats", view.repeats)?),
+            ],
+        )?;
+        Ok(Some(out))
+    }
+
+    fn pixel_block_values(&self) -> usize {
+        usize::MAX
     }
 
     fn download(&self, buffer: &Self::Buffer) -> Result<Vec<f32>> {
