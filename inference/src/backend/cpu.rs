@@ -9,7 +9,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::gemm::{MatMut, MatRef, Threads, matmul};
+use super::gemm::{self, MatMut, MatRef, Threads, matmul};
 use super::{
     Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, WeightData, check_attention,
     check_ids, check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
@@ -484,6 +484,10 @@ fn linear_half<T: HalfFloat>(
     if m == 0 || n == 0 {
         return Ok(());
     }
+    if m <= GEMV_ROWS {
+        linear_half_gemv(out, x, w, [m, k, n], threads);
+        return Ok(());
+    }
     // Enough blocks for every thread a few times over, none larger than the scratch bound.
     let rows = (n / (4 * threads.max(1)))
         .clamp(1, (WIDENED_BLOCK_VALUES / k.max(1)).max(1))
@@ -519,20 +523,74 @@ fn linear_half<T: HalfFloat>(
     Ok(())
 }
 
+/// Input rows up to which a half-precision linear reads each weight row once and dots it with every
+/// input row (decode: a GEMV is memory-bound, so the weights must be read once, at 2 bytes a value)
+/// instead of widening blocks for the GEMM. Measured by `benches/linear_precision.rs`.
+const GEMV_ROWS: usize = 4;
+
+/// `out[m, n] += x[m, k] · w[n, k]ᵀ` for a few input rows, a block of weight rows per task.
+fn linear_half_gemv<T: HalfFloat>(
+    out: &mut [f32],
+    x: &[f32],
+    w: &[T],
+    [m, k, n]: [usize; 3],
+    threads: usize,
+) {
+    let rows = n.div_ceil(4 * threads.max(1)).max(1);
+    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(rows))
+        .into_par_iter()
+        .map(|b| {
+            let (n0, n1) = (b * rows, ((b + 1) * rows).min(n));
+            let mut scratch = Vec::new();
+            // [m, n1 - n0]: this block's columns of the output.
+            let mut part = vec![0.0f32; m * (n1 - n0)];
+            for j in n0..n1 {
+                let row = &w[j * k..(j + 1) * k];
+                for r in 0..m {
+                    part[r * (n1 - n0) + (j - n0)] =
+                        T::dot_row(&x[r * k..(r + 1) * k], row, &mut scratch);
+                }
+            }
+            (n0, part)
+        })
+        .collect();
+    for (n0, part) in parts {
+        let nb = part.len() / m;
+        for (row, part_row) in out.chunks_mut(n).zip(part.chunks(nb)) {
+            row[n0..n0 + nb]
+                .iter_mut()
+                .zip(part_row)
+                .for_each(|(o, p)| *o += p);
+        }
+    }
+}
+
 /// A half-precision float type the CPU computes with by widening.
 trait HalfFloat: Copy + Send + Sync {
     fn convert_to_f32_slice(slice: &[Self], out: &mut [f32]);
+    /// `x · row`, `row` widened (into `scratch` where that takes a pass of its own).
+    fn dot_row(x: &[f32], row: &[Self], scratch: &mut Vec<f32>) -> f32;
 }
 
 impl HalfFloat for bf16 {
     fn convert_to_f32_slice(slice: &[Self], out: &mut [f32]) {
         HalfFloatSliceExt::convert_to_f32_slice(slice, out)
     }
+
+    fn dot_row(x: &[f32], row: &[Self], _: &mut Vec<f32>) -> f32 {
+        gemm::dot_bf16(x, row)
+    }
 }
 
 impl HalfFloat for f16 {
     fn convert_to_f32_slice(slice: &[Self], out: &mut [f32]) {
         HalfFloatSliceExt::convert_to_f32_slice(slice, out)
+    }
+
+    fn dot_row(x: &[f32], row: &[Self], scratch: &mut Vec<f32>) -> f32 {
+        scratch.resize(row.len(), 0.0);
+        HalfFloatSliceExt::convert_to_f32_slice(row, scratch);
+        gemm::dot(x, scratch)
     }
 }
 

@@ -1,4 +1,5 @@
-//! A bounds-checked view API over the `gemm` crate, the only unsafe code of the crate.
+//! A bounds-checked view API over the `gemm` crate, and the dot products of the half-precision
+//! GEMV compiled for AVX2/FMA where the CPU has them: the only unsafe code of the crate.
 //!
 //! `gemm::gemm` takes raw pointers and strides. The wrappers here take slices with explicit
 //! row/column strides, check that every element the multiplication touches lies inside its slice,
@@ -183,8 +184,115 @@ pub fn matmul(
     Ok(())
 }
 
+/// `Σ a[i] · b[i]` over equal-length slices (the shorter length otherwise), with eight
+/// accumulators; AVX2 + FMA where the CPU has them (the baseline x86-64 build has SSE2 only).
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has the features the function is compiled for.
+        return unsafe { dot_avx2(a, b) };
+    }
+    dot_with(a, b, |_, y| y)
+}
+
+/// `Σ x[i] · w[i]` for a bf16 row `w`, widened in registers (a bf16 is the top half of the f32
+/// of the same value): the weights are read once, at 2 bytes a value.
+pub fn dot_bf16(x: &[f32], w: &[half::bf16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: as above.
+        return unsafe { dot_bf16_avx2(x, w) };
+    }
+    dot_with(x, w, |_, w| f32::from_bits(u32::from(w.to_bits()) << 16))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    dot_fma(a, b, |x| x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn dot_bf16_avx2(x: &[f32], w: &[half::bf16]) -> f32 {
+    dot_fma(x, w, |w| f32::from_bits(u32::from(w.to_bits()) << 16))
+}
+
+/// The portable loop: `widen(a[i], b[i])` is `b[i]` as f32.
+#[inline(always)]
+fn dot_with<T: Copy>(a: &[f32], b: &[T], widen: impl Fn(f32, T) -> f32) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = a8
+        .remainder()
+        .iter()
+        .zip(b8.remainder())
+        .map(|(&x, &y)| x * widen(x, y))
+        .sum();
+    for (x, y) in a8.zip(b8) {
+        for i in 0..8 {
+            acc[i] += x[i] * widen(x[i], y[i]);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// The same with fused multiply-adds (inlined into the AVX2 + FMA functions above).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn dot_fma<T: Copy>(a: &[f32], b: &[T], widen: impl Fn(T) -> f32) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let (a16, b16) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = a16
+        .remainder()
+        .iter()
+        .zip(b16.remainder())
+        .map(|(&x, &y)| x * widen(y))
+        .sum();
+    for (x, y) in a16.zip(b16) {
+        for i in 0..16 {
+            acc[i] = x[i].mul_add(widen(y[i]), acc[i]);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn dot_products_match_a_plain_sum_on_every_path() {
+        for n in [0usize, 1, 7, 8, 15, 16, 17, 100, 1536] {
+            let a: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01)
+                .collect();
+            let b: Vec<f32> = (0..n)
+                .map(|i| ((i * 11 % 53) as f32 - 26.0) * 0.02)
+                .collect();
+            let w: Vec<half::bf16> = b.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let plain: f64 = a.iter().zip(&b).map(|(&x, &y)| f64::from(x * y)).sum();
+            let plain_bf16: f64 = a
+                .iter()
+                .zip(&w)
+                .map(|(&x, &y)| f64::from(x * y.to_f32()))
+                .sum();
+            let close =
+                |got: f32, want: f64| (f64::from(got) - want).abs() <= 1e-4 * (1.0 + want.abs());
+            // Whatever this CPU dispatches to, and the portable loops.
+            assert!(close(dot(&a, &b), plain), "dot, {n}");
+            assert!(
+                close(dot_with(&a, &b, |_, y| y), plain),
+                "portable dot, {n}"
+            );
+            assert!(close(dot_bf16(&a, &w), plain_bf16), "dot_bf16, {n}");
+            let widen = |_, y: half::bf16| f32::from_bits(u32::from(y.to_bits()) << 16);
+            assert!(
+                close(dot_with(&a, &w, widen), plain_bf16),
+                "portable dot_bf16, {n}"
+            );
+        }
+    }
+
     use super::*;
 
     fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
