@@ -15,7 +15,7 @@ use std::sync::Arc;
 use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg, sys as driver_sys,
+    PinnedHostSlice, PushKernelArg, sys as driver_sys,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 
@@ -83,13 +83,21 @@ pub struct DeviceMem {
     bytes: usize,
 }
 
+/// Uploads of at least this many bytes go through the device's pinned staging buffer (page-locked
+/// host memory the GPU reads by DMA at full speed; a pageable upload is staged by the driver).
+const STAGED_UPLOAD_BYTES: usize = 1 << 20;
+/// The staging buffer's size: larger uploads go through it in pieces.
+const STAGING_BYTES: usize = 64 << 20;
+
 pub struct DriverDevice {
     label: String,
+    /// Pinned host memory for uploads, allocated on first use and reused.
+    staging: std::sync::Mutex<Option<PinnedHostSlice<u8>>>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     functions: HashMap<&'static str, CudaFunction>,
     max_blocks: u32,
-    _context: Arc<CudaContext>,
+    context: Arc<CudaContext>,
 }
 
 fn failed(label: &str, what: &str, e: impl std::fmt::Debug) -> Error {
@@ -145,11 +153,12 @@ impl DriverDevice {
         }
         Ok(Self {
             label: format!("{label} (cuda:{ordinal}, sm_{major}{minor}, {sms} SMs)"),
+            staging: std::sync::Mutex::new(None),
             stream,
             blas,
             functions,
             max_blocks: (sms.max(1) as u32) * 8,
-            _context: context,
+            context,
         })
     }
 
@@ -195,14 +204,47 @@ impl Device for DriverDevice {
         if bytes.is_empty() {
             return self.alloc_zeroed(0);
         }
-        let slice = self
-            .stream
-            .clone_htod(bytes)
-            .map_err(|e| self.fail("upload", e))?;
-        Ok(DeviceMem {
-            slice,
-            bytes: bytes.len(),
-        })
+        if bytes.len() < STAGED_UPLOAD_BYTES {
+            let slice = self
+                .stream
+                .clone_htod(bytes)
+                .map_err(|e| self.fail("upload", e))?;
+            return Ok(DeviceMem {
+                slice,
+                bytes: bytes.len(),
+            });
+        }
+        let mut mem = self.alloc_zeroed(bytes.len())?;
+        let mut staging = self
+            .staging
+            .lock()
+            .map_err(|_| self.fail("upload", "staging buffer poisoned"))?;
+        if staging.is_none() {
+            // SAFETY: page-locked memory the driver allocates; every byte copied out of it below
+            // is written first.
+            let pinned = unsafe { self.context.alloc_pinned::<u8>(STAGING_BYTES) }
+                .map_err(|e| self.fail("pinned staging buffer", e))?;
+            *staging = Some(pinned);
+        }
+        let Some(pinned) = staging.as_mut() else {
+            return Err(self.fail("upload", "no staging buffer"));
+        };
+        for start in (0..bytes.len()).step_by(STAGING_BYTES) {
+            let piece = &bytes[start..(start + STAGING_BYTES).min(bytes.len())];
+            let host = pinned.as_mut_slice().map_err(|e| self.fail("staging", e))?;
+            host[..piece.len()].copy_from_slice(piece);
+            self.stream
+                .memcpy_htod(
+                    &host[..piece.len()],
+                    &mut mem.slice.slice_mut(start..start + piece.len()),
+                )
+                .map_err(|e| self.fail("upload", e))?;
+            // The next piece (or upload) rewrites the staging buffer: the copy must be done.
+            self.stream
+                .synchronize()
+                .map_err(|e| self.fail("synchronize", e))?;
+        }
+        Ok(mem)
     }
 
     fn download(&self, mem: &DeviceMem, out: &mut [u8]) -> Result<()> {
