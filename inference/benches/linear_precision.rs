@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use mmgate_inference::backend::WeightData;
+use mmgate_inference::backend::Values;
 use mmgate_inference::{Backend, CpuBackend, Result, Tensor};
 
 fn median(mut v: Vec<Duration>) -> f64 {
@@ -21,8 +21,8 @@ fn main() -> Result<()> {
         .map(|i| ((i % 977) as f32 - 488.0) * 1e-3)
         .collect();
     let bf16: Vec<half::bf16> = values.iter().map(|&v| half::bf16::from_f32(v)).collect();
-    let w32 = Tensor::from_weight(&dev, WeightData::F32(values), &[n, k])?;
-    let w16 = Tensor::from_weight(&dev, WeightData::Bf16(bf16), &[n, k])?;
+    let w32 = Tensor::from_weight(&dev, Values::F32(values), &[n, k])?;
+    let w16 = Tensor::from_weight(&dev, Values::Bf16(bf16), &[n, k])?;
     println!(
         "weights {n}x{k}: f32 {} MiB, bf16 {} MiB",
         w32.bytes() >> 20,

@@ -3,7 +3,7 @@
 //! Shapes are checked here, before any backend call, so a model bug or a malformed input surfaces as
 //! [`Error::Shape`] naming the operation instead of a panic inside a kernel.
 
-use crate::backend::{Activation, AttentionShape, Backend, Conv1dShape, WeightData};
+use crate::backend::{Activation, AttentionShape, Backend, Conv1dShape, Values};
 use crate::error::{Error, Result};
 
 pub struct Tensor<B: Backend> {
@@ -54,7 +54,7 @@ impl<B: Backend> Tensor<B> {
 
     /// A weight matrix or embedding table in its checkpoint's precision (see
     /// [`Backend::upload_weight`]).
-    pub fn from_weight(device: &B, data: WeightData, shape: &[usize]) -> Result<Self> {
+    pub fn from_weight(device: &B, data: Values, shape: &[usize]) -> Result<Self> {
         check_count("from_weight", data.len(), shape)?;
         Ok(Self {
             buffer: device.upload_weight(data)?,

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use safetensors::Dtype;
 use safetensors::tensor::Metadata;
 
-use crate::backend::{Backend, WeightData};
+use crate::backend::{Backend, Values};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -236,24 +236,24 @@ impl Weights {
     }
 
     /// A weight matrix's values on the host, in the checkpoint's precision.
-    pub fn take_weight_data(&mut self, name: &str, shape: &[usize]) -> Result<WeightData> {
+    pub fn take_weight_data(&mut self, name: &str, shape: &[usize]) -> Result<Values> {
         let (entry, bytes) = self.take_bytes(name, shape)?;
         let halves =
             |b: &[u8]| -> Vec<[u8; 2]> { b.chunks_exact(2).map(|c| [c[0], c[1]]).collect() };
         let data = match entry.dtype {
-            Dtype::BF16 => WeightData::Bf16(
+            Dtype::BF16 => Values::Bf16(
                 halves(&bytes)
                     .into_iter()
                     .map(half::bf16::from_le_bytes)
                     .collect(),
             ),
-            Dtype::F16 => WeightData::F16(
+            Dtype::F16 => Values::F16(
                 halves(&bytes)
                     .into_iter()
                     .map(half::f16::from_le_bytes)
                     .collect(),
             ),
-            other => WeightData::F32(to_f32(other, &bytes, &entry.stored_name)?),
+            other => Values::F32(to_f32(other, &bytes, &entry.stored_name)?),
         };
         Ok(data)
     }
@@ -327,7 +327,7 @@ impl<'a, B: Backend> Scope<'a, B> {
     }
 
     /// A weight matrix's values on the host, in the checkpoint's precision (to split it).
-    pub fn matrix_data(&mut self, name: &str, shape: &[usize]) -> Result<WeightData> {
+    pub fn matrix_data(&mut self, name: &str, shape: &[usize]) -> Result<Values> {
         self.weights
             .take_weight_data(&format!("{}{name}", self.prefix), shape)
     }

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use super::gemm::{self, MatMut, MatRef, Threads, matmul};
 use super::{
-    Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, WeightData, check_attention,
+    Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, Values, check_attention,
     check_ids, check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
 };
 use crate::error::{Error, Result};
@@ -90,20 +90,13 @@ impl Backend for CpuBackend {
         Ok(CpuBuffer::F32(host))
     }
 
-    fn upload_weight(&self, weight: WeightData) -> Result<CpuBuffer> {
-        Ok(match weight {
-            WeightData::F32(v) => CpuBuffer::F32(v),
-            WeightData::Bf16(v) => CpuBuffer::Bf16(v),
-            WeightData::F16(v) => CpuBuffer::F16(v),
-        })
+    /// Kept as it is: the CPU computes with half-precision weights directly.
+    fn upload_weight(&self, weight: Values) -> Result<CpuBuffer> {
+        Ok(weight)
     }
 
     fn download(&self, buffer: &CpuBuffer) -> Result<Vec<f32>> {
-        Ok(match buffer {
-            CpuBuffer::F32(v) => v.clone(),
-            CpuBuffer::Bf16(v) => widened(v),
-            CpuBuffer::F16(v) => widened(v),
-        })
+        Ok(buffer.to_f32())
     }
 
     fn zeros(&self, len: usize) -> Result<CpuBuffer> {
@@ -115,11 +108,7 @@ impl Backend for CpuBackend {
     }
 
     fn bytes(&self, buffer: &CpuBuffer) -> usize {
-        match buffer {
-            CpuBuffer::F32(v) => 4 * v.len(),
-            CpuBuffer::Bf16(v) => 2 * v.len(),
-            CpuBuffer::F16(v) => 2 * v.len(),
-        }
+        buffer.bytes()
     }
 
     fn linear(
@@ -412,32 +401,9 @@ impl Backend for CpuBackend {
 /// A CPU buffer: f32 values, or a weight kept in its checkpoint's half precision (which only
 /// `linear`, as the weight, and `gather_rows`, as the table, read; every other operation takes and
 /// makes f32).
-#[derive(Debug, Clone, PartialEq)]
-pub enum CpuBuffer {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
-    F16(Vec<f16>),
-}
+pub type CpuBuffer = Values;
 
-impl From<Vec<f32>> for CpuBuffer {
-    fn from(v: Vec<f32>) -> Self {
-        Self::F32(v)
-    }
-}
-
-impl CpuBuffer {
-    pub fn len(&self) -> usize {
-        match self {
-            Self::F32(v) => v.len(),
-            Self::Bf16(v) => v.len(),
-            Self::F16(v) => v.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
+impl Values {
     fn f32s(&self, op: &'static str) -> Result<&[f32]> {
         match self {
             Self::F32(v) => Ok(v),
@@ -457,12 +423,6 @@ impl CpuBuffer {
             )),
         }
     }
-}
-
-fn widened<T: HalfFloat>(v: &[T]) -> Vec<f32> {
-    let mut out = vec![0.0; v.len()];
-    T::convert_to_f32_slice(v, &mut out);
-    out
 }
 
 /// Values of widened weights one linear task holds at a time (1 MiB of f32): a block of output

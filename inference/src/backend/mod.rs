@@ -16,15 +16,22 @@ mod gemm;
 
 use crate::error::{Error, Result};
 
-/// A weight's values in the precision its checkpoint stores them.
+/// Values in one of the precisions the backends hold: f32, or a checkpoint's bf16/f16 (a weight
+/// kept as stored). The CPU backend's buffers are these.
 #[derive(Debug, Clone, PartialEq)]
-pub enum WeightData {
+pub enum Values {
     F32(Vec<f32>),
     Bf16(Vec<half::bf16>),
     F16(Vec<half::f16>),
 }
 
-impl WeightData {
+impl From<Vec<f32>> for Values {
+    fn from(v: Vec<f32>) -> Self {
+        Self::F32(v)
+    }
+}
+
+impl Values {
     pub fn len(&self) -> usize {
         match self {
             Self::F32(v) => v.len(),
@@ -35,6 +42,15 @@ impl WeightData {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::F32(v) => 4 * v.len(),
+            Self::Bf16(v) => 2 * v.len(),
+            Self::F16(v) => 2 * v.len(),
+        }
     }
 
     /// Values `range` (to split a packed matrix), in the same precision.
@@ -50,8 +66,17 @@ impl WeightData {
     pub fn into_f32(self) -> Vec<f32> {
         match self {
             Self::F32(v) => v,
-            Self::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            Self::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            other => other.to_f32(),
+        }
+    }
+
+    /// A copy widened to f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        use half::slice::HalfFloatSliceExt;
+        match self {
+            Self::F32(v) => v.clone(),
+            Self::Bf16(v) => v.to_f32_vec(),
+            Self::F16(v) => v.to_f32_vec(),
         }
     }
 }
@@ -199,7 +224,7 @@ pub trait Backend: Clone + Send + Sync + 'static {
     /// A linear layer's weight or an embedding table, kept in its checkpoint's precision where the
     /// backend computes with it (as `linear`'s weight and `gather_rows`' table; accumulation stays
     /// f32). The default widens it to f32.
-    fn upload_weight(&self, weight: WeightData) -> Result<Self::Buffer> {
+    fn upload_weight(&self, weight: Values) -> Result<Self::Buffer> {
         self.upload_owned(weight.into_f32())
     }
     fn download(&self, buffer: &Self::Buffer) -> Result<Vec<f32>>;

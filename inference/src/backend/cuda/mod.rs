@@ -17,7 +17,7 @@ pub use driver::{DriverDevice, compile_module, device_count, nvrtc_available};
 use std::sync::Arc;
 
 use super::{
-    Activation, AttentionMask, AttentionShape, Backend, ByteSamplesView, Conv1dShape, WeightData,
+    Activation, AttentionMask, AttentionShape, Backend, ByteSamplesView, Conv1dShape, Values,
     check_attention, check_ids, check_row_range, check_scatter_rows, expect_len, pooled_rows,
     rows_of,
 };
@@ -232,9 +232,9 @@ impl<D: Device> Backend for CudaBackend<D> {
 
     /// bf16 weights stay bf16 (their linears run as bf16 GEMMs with f32 accumulation); f16
     /// weights are widened to f32 (no f16 GEMM path yet: they take f32's memory).
-    fn upload_weight(&self, weight: WeightData) -> Result<Self::Buffer> {
+    fn upload_weight(&self, weight: Values) -> Result<Self::Buffer> {
         match weight {
-            WeightData::Bf16(bits) => Ok(CudaBuffer {
+            Values::Bf16(bits) => Ok(CudaBuffer {
                 mem: self.device.upload(bytemuck::cast_slice(
                     &bits.iter().map(|b| b.to_bits()).collect::<Vec<u16>>(),
                 ))?,
