@@ -207,11 +207,11 @@ pub fn data_url(data: &[u8]) {
 }
 
 /// A model directory as a native model's start reads it: the input is its `config.json`, a NUL
-/// byte, and its `model.safetensors`. Both configs (vision-language and audio) are read, every
+/// byte, and its `model.safetensors`. Every family's config reader reads it, every
 /// tensor the header lists is taken at its shape: never a panic, and a tensor holds what its
 /// shape says.
 pub fn checkpoint(data: &[u8]) {
-    use mmgate_inference::models::{Qwen2AudioConfig, Qwen2VlConfig};
+    use mmgate_inference::families;
     use mmgate_inference::weights::Weights;
     let Some(nul) = data.iter().position(|&b| b == 0) else {
         return;
@@ -224,8 +224,9 @@ pub fn checkpoint(data: &[u8]) {
     if let Err(e) = written {
         panic!("writing the checkpoint: {e}");
     }
-    let _ = Qwen2VlConfig::read(&dir);
-    let _ = Qwen2AudioConfig::read(&dir);
+    for family in families::registry() {
+        let _ = family.read(&dir);
+    }
     let Ok(mut weights) = Weights::load(&dir, str::to_owned) else {
         return;
     };

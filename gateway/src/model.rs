@@ -8,86 +8,28 @@ use std::sync::Arc;
 
 use anyhow::{Context, anyhow, bail};
 use mmgate_host::{ByteSamples, Dtype, Tensor};
+use mmgate_inference::Error as InferenceError;
 use mmgate_inference::backend::ByteSamplesView;
-use mmgate_inference::devices::{OpenDevice, Placement};
-use mmgate_inference::{Backend, CpuBackend};
+use mmgate_inference::demo::{self, DemoFamily};
+use mmgate_inference::devices::{OpenDevice, Placement as DevicePlacement};
+use mmgate_inference::engine::{
+    BatchObserver, DeviceSpec, EncodeInput, EncoderPool, Engine, EngineConfig, FeatureStore,
+    MediaItem, PixelSource, PixelValues, SharedFeatures,
+};
+use mmgate_inference::families::{self, FamilyModel, LoadedModel, Placement, PluginTensors};
+use mmgate_inference::models::GenerationConfig;
+use mmgate_inference::text::TextProcessor;
 
 use crate::feature_cache::SharedCache;
-use mmgate_inference::demo::{self, DemoFamily};
-use mmgate_inference::engine::{
-    BatchObserver, DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig,
-    FeatureStore, MediaItem, PixelSource, PixelValues, PositionScheme, SharedFeatures,
-};
-use mmgate_inference::models::config::{ConfigFile, TextConfig};
-use mmgate_inference::models::qwen2_audio::{AudioEncoderConfig, Qwen2AudioConfig};
-use mmgate_inference::models::qwen2_vl::{self, Qwen2VlConfig, VisionConfig};
-use mmgate_inference::models::{GenerationConfig, Qwen2Audio, Qwen2Vl};
-use mmgate_inference::rope::Grid;
-use mmgate_inference::text::{ContentPart, TextProcessor};
 
-/// The kinds of media a request can carry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MediaKind {
-    Image,
-    Video,
-    Audio,
-}
-
-impl MediaKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Image => "image",
-            Self::Video => "video",
-            Self::Audio => "audio",
-        }
-    }
-
-    pub fn content_part(self) -> ContentPart {
-        match self {
-            Self::Image => ContentPart::Image,
-            Self::Video => ContentPart::Video,
-            Self::Audio => ContentPart::Audio,
-        }
-    }
-}
-
-/// Placeholder tokens per media kind, from the model's config.
-#[derive(Debug, Clone)]
-enum Family {
-    Vision {
-        image_token: u32,
-        video_token: u32,
-        vision: Box<VisionConfig>,
-    },
-    Audio {
-        audio_token: u32,
-        encoder: AudioEncoderConfig,
-    },
-}
-
-impl Family {
-    fn vision(config: &Qwen2VlConfig) -> Family {
-        Family::Vision {
-            image_token: config.image_token_id,
-            video_token: config.video_token_id,
-            vision: Box::new(config.vision.clone()),
-        }
-    }
-
-    fn audio(config: &Qwen2AudioConfig) -> Family {
-        Family::Audio {
-            audio_token: config.audio_token_id,
-            encoder: config.audio.clone(),
-        }
-    }
-}
+pub use mmgate_inference::families::MediaKind;
 
 /// Where each part of a model runs: the LLM, and each encoder device.
 #[derive(Debug, Clone)]
 pub struct Devices {
-    pub llm: Placement,
+    pub llm: DevicePlacement,
     /// One entry per encoder device.
-    pub encoders: Vec<Placement>,
+    pub encoders: Vec<DevicePlacement>,
 }
 
 impl Devices {
@@ -95,10 +37,10 @@ impl Devices {
     pub fn split_cores() -> Self {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         Self {
-            llm: Placement::Cpu {
+            llm: DevicePlacement::Cpu {
                 threads: (cores / 2).max(1),
             },
-            encoders: vec![Placement::Cpu {
+            encoders: vec![DevicePlacement::Cpu {
                 threads: (cores - cores / 2).max(1),
             }],
         }
@@ -108,10 +50,10 @@ impl Devices {
     #[cfg(test)]
     pub fn cpu(llm: usize, encoders: &[usize]) -> Self {
         Self {
-            llm: Placement::Cpu { threads: llm },
+            llm: DevicePlacement::Cpu { threads: llm },
             encoders: encoders
                 .iter()
-                .map(|&threads| Placement::Cpu { threads })
+                .map(|&threads| DevicePlacement::Cpu { threads })
                 .collect(),
         }
     }
@@ -130,14 +72,6 @@ pub struct RuntimeOptions {
     /// An encoder feature cache beyond this process (replicas'), under this model's name and its
     /// weights' fingerprint.
     pub shared_features: Option<Arc<dyn SharedFeatures>>,
-}
-
-/// What every device pairing's load shares.
-struct LoadParts<'a> {
-    name: &'a str,
-    dir: &'a Path,
-    options: &'a RuntimeOptions,
-    encoder_devices: &'a [(String, OpenDevice)],
 }
 
 impl Default for RuntimeOptions {
@@ -193,7 +127,8 @@ fn weights_fingerprint(dir: &Path) -> anyhow::Result<String> {
 /// tokens and plan its media: a model whose server preprocesses for itself needs no more here.
 pub struct PromptModel {
     pub name: String,
-    family: Family,
+    /// What the model's family makes of its media (the registry's answer for its config).
+    family: Arc<dyn FamilyModel>,
     pub text: Arc<TextProcessor>,
     /// `preprocessor_config.json`, handed to the plugins.
     pub processor_config: String,
@@ -283,132 +218,33 @@ impl ModelRuntime {
         observer: Option<BatchObserver>,
         with_llm: bool,
     ) -> anyhow::Result<Self> {
+        let family = families::read(dir)?;
         let devices = &options.devices;
+        let mut device_names = Vec::new();
         let mut encoder_devices = Vec::new();
         for (i, &placement) in devices.encoders.iter().enumerate() {
             let label = format!("{name}-enc{i}");
             let device = OpenDevice::open(placement, &label)
                 .with_context(|| format!("encoder device {i}"))?;
-            encoder_devices.push((label, device));
+            device_names.push(label);
+            encoder_devices.push(device);
         }
         let llm_dev = if with_llm {
             Some(OpenDevice::open(devices.llm, &format!("{name}-llm")).context("LLM device")?)
         } else {
             None
         };
-        // The model code is generic over its two devices' backends: one instance per pair.
-        use OpenDevice::{Cpu, Cuda};
-        let Some((_, first)) = encoder_devices.first() else {
-            bail!("a model needs at least one encoder device");
-        };
-        let parts = LoadParts {
-            name,
-            dir,
-            options,
-            encoder_devices: &encoder_devices,
-        };
-        match (first, &llm_dev) {
-            (Cpu(e), Some(Cpu(l))) => Self::load_on(parts, observer, e, Some(l)),
-            (Cpu(e), Some(Cuda(l))) => Self::load_on(parts, observer, e, Some(l)),
-            (Cuda(e), Some(Cpu(l))) => Self::load_on(parts, observer, e, Some(l)),
-            (Cuda(e), Some(Cuda(l))) => Self::load_on(parts, observer, e, Some(l)),
-            (Cpu(e), None) => Self::load_on::<_, CpuBackend>(parts, observer, e, None),
-            (Cuda(e), None) => Self::load_on::<_, CpuBackend>(parts, observer, e, None),
-        }
-    }
-
-    /// Loads the model with its first encoder on `first_encoder` and its LLM (if any) on `llm`;
-    /// the other encoder devices each load their own copy of the encoder.
-    fn load_on<E: Backend, L: Backend>(
-        parts: LoadParts<'_>,
-        observer: Option<BatchObserver>,
-        first_encoder: &E,
-        llm_dev: Option<&L>,
-    ) -> anyhow::Result<Self> {
-        let LoadParts {
-            name,
-            dir,
-            options,
-            encoder_devices,
-        } = parts;
-        let config = ConfigFile::read(dir)?;
-        // Each encoder device holds its own copy of the encoder; the LLM comes from the first load,
-        // the other devices read only the encoder's weights.
-        let mut encoders: Vec<Arc<dyn Encoder>> = Vec::new();
-        let (family, text_config, llm, positions) = match config.model_type() {
-            Some(t) if qwen2_vl::MODEL_TYPES.contains(&t) => {
-                let (config, llm) = match llm_dev {
-                    Some(llm_dev) => {
-                        let Qwen2Vl {
-                            config,
-                            vision,
-                            llm,
-                        } = Qwen2Vl::<E, L>::load(dir, first_encoder, llm_dev)?;
-                        encoders.push(Arc::new(vision));
-                        (config, Some(llm))
-                    }
-                    None => {
-                        encoders.push(Arc::new(Qwen2Vl::<E, L>::load_vision(dir, first_encoder)?));
-                        (Qwen2VlConfig::read(dir)?, None)
-                    }
-                };
-                for (_, dev) in encoder_devices.iter().skip(1) {
-                    encoders.push(match dev {
-                        OpenDevice::Cpu(d) => Arc::new(Qwen2Vl::<_, L>::load_vision(dir, d)?),
-                        OpenDevice::Cuda(d) => Arc::new(Qwen2Vl::<_, L>::load_vision(dir, d)?),
-                    });
-                }
-                let merge = config.vision.merge;
-                (
-                    Family::vision(&config),
-                    config.text,
-                    llm,
-                    PositionScheme::MRope { merge },
-                )
-            }
-            Some("qwen2_audio") => {
-                let (config, llm) = match llm_dev {
-                    Some(llm_dev) => {
-                        let Qwen2Audio { config, audio, llm } =
-                            Qwen2Audio::<E, L>::load(dir, first_encoder, llm_dev)?;
-                        encoders.push(Arc::new(audio));
-                        (config, Some(llm))
-                    }
-                    None => {
-                        encoders.push(Arc::new(Qwen2Audio::<E, L>::load_audio(
-                            dir,
-                            first_encoder,
-                        )?));
-                        (Qwen2AudioConfig::read(dir)?, None)
-                    }
-                };
-                for (_, dev) in encoder_devices.iter().skip(1) {
-                    encoders.push(match dev {
-                        OpenDevice::Cpu(d) => Arc::new(Qwen2Audio::<_, L>::load_audio(dir, d)?),
-                        OpenDevice::Cuda(d) => Arc::new(Qwen2Audio::<_, L>::load_audio(dir, d)?),
-                    });
-                }
-                (
-                    Family::audio(&config),
-                    config.text,
-                    llm,
-                    PositionScheme::Plain,
-                )
-            }
-            other => bail!(
-                "{}: model_type {other:?} is not supported (qwen2_vl, qwen2_5_vl, qwen2_audio)",
-                config.path.display()
-            ),
-        };
-        let specs = encoder_devices
-            .iter()
+        let LoadedModel { encoders, llm } = family.load(dir, &encoder_devices, llm_dev.as_ref())?;
+        let positions = family.positions();
+        let specs = device_names
+            .into_iter()
             .zip(encoders)
-            .map(|((name, _), encoder)| DeviceSpec {
-                name: name.clone(),
+            .map(|(name, encoder)| DeviceSpec {
+                name,
                 encoders: vec![encoder],
             })
             .collect();
-        let prompt = PromptModel::assemble(name, dir, family, &text_config, options.max_model_len)?;
+        let prompt = PromptModel::assemble(name, dir, family, options.max_model_len)?;
         let shared = match &options.shared_features {
             Some(features) => Some(SharedCache {
                 features: features.clone(),
@@ -429,13 +265,7 @@ impl ModelRuntime {
                     kv_budget_tokens: prompt.context_length.max(1) * 4,
                     eos_token_ids: prompt.generation.eos_token_ids.clone(),
                 };
-                Some(Engine::start(
-                    engine_config,
-                    llm,
-                    prompt.text.clone(),
-                    pool.clone(),
-                    store,
-                )?)
+                Some(llm.start(engine_config, prompt.text.clone(), pool.clone(), store)?)
             }
             None => None,
         };
@@ -462,22 +292,7 @@ impl PromptModel {
     /// Reads a model directory's config, tokenizer, chat template, processor and generation
     /// configs; weights, if any, are not read. `max_model_len` as in [`RuntimeOptions`].
     pub fn load(name: &str, dir: &Path, max_model_len: Option<usize>) -> anyhow::Result<Self> {
-        let config = ConfigFile::read(dir)?;
-        let (family, text_config) = match config.model_type() {
-            Some(t) if qwen2_vl::MODEL_TYPES.contains(&t) => {
-                let config = Qwen2VlConfig::read(dir)?;
-                (Family::vision(&config), config.text)
-            }
-            Some("qwen2_audio") => {
-                let config = Qwen2AudioConfig::read(dir)?;
-                (Family::audio(&config), config.text)
-            }
-            other => bail!(
-                "{}: model_type {other:?} is not supported (qwen2_vl, qwen2_5_vl, qwen2_audio)",
-                config.path.display()
-            ),
-        };
-        Self::assemble(name, dir, family, &text_config, max_model_len)
+        Self::assemble(name, dir, families::read(dir)?, max_model_len)
     }
 
     /// For a model whose server runs its own processor (`media = "preprocess"`): the processor
@@ -499,11 +314,11 @@ impl PromptModel {
     fn assemble(
         name: &str,
         dir: &Path,
-        family: Family,
-        text_config: &TextConfig,
+        family: Arc<dyn FamilyModel>,
         max_model_len: Option<usize>,
     ) -> anyhow::Result<Self> {
-        let checkpoint_context = text_config.max_position_embeddings;
+        let hidden_size = family.text_config().hidden_size;
+        let checkpoint_context = family.text_config().max_position_embeddings;
         let context_length = match max_model_len {
             Some(n) if n > checkpoint_context => bail!(
                 "max_model_len {n} is over the checkpoint's context of {checkpoint_context} tokens \
@@ -522,16 +337,13 @@ impl PromptModel {
             processor_config,
             generation: GenerationConfig::read(dir)?,
             context_length,
-            hidden_size: text_config.hidden_size,
+            hidden_size,
         })
     }
 
     /// The media kinds this model takes.
     pub fn media_kinds(&self) -> &'static [MediaKind] {
-        match self.family {
-            Family::Vision { .. } => &[MediaKind::Image, MediaKind::Video],
-            Family::Audio { .. } => &[MediaKind::Audio],
-        }
+        self.family.media_kinds()
     }
 
     /// Tokens of a templated prompt that are not media placeholders (each media item is one
@@ -547,12 +359,9 @@ impl PromptModel {
 
     /// The placeholder token for a media kind, or why this model does not take it.
     pub fn placeholder(&self, kind: MediaKind) -> anyhow::Result<u32> {
-        match (&self.family, kind) {
-            (Family::Vision { image_token, .. }, MediaKind::Image) => Ok(*image_token),
-            (Family::Vision { video_token, .. }, MediaKind::Video) => Ok(*video_token),
-            (Family::Audio { audio_token, .. }, MediaKind::Audio) => Ok(*audio_token),
-            _ => bail!("model {} does not take {} input", self.name, kind.name()),
-        }
+        self.family
+            .placeholder(kind)
+            .ok_or_else(|| anyhow!("model {} does not take {} input", self.name, kind.name()))
     }
 
     /// The engine's input for one preprocessed item (the plugin's tensors), checking that the
@@ -564,95 +373,27 @@ impl PromptModel {
         tensors: &[Tensor],
     ) -> anyhow::Result<MediaItem> {
         let placeholder = self.placeholder(kind)?;
-        let find = |name: &str| {
-            tensors.iter().find(|t| t.name == name).ok_or_else(|| {
-                anyhow!(
+        let view = PluginView {
+            tensors,
+            lacks: |name| {
+                format!(
                     "the plugin's output lacks {name}: does this model's processor config match?"
                 )
-            })
+            },
         };
-        let mut time_interval = 1.0;
-        let (input, expected) = match &self.family {
-            Family::Vision { vision, .. } => {
-                let patch_len = vision.patch_len();
-                let grid_name = if kind == MediaKind::Video {
-                    "video_grid_thw"
-                } else {
-                    "image_grid_thw"
-                };
-                let pixels_name = if kind == MediaKind::Video {
-                    "pixel_values_videos"
-                } else {
-                    "pixel_values"
-                };
-                // The grid comes from a plugin: check it against the merge and the patches before
-                // trusting it.
-                let grid = merged_grid(find(grid_name)?, vision.merge)?;
-                let pixels = find(pixels_name)?; // for its explanation when the tensor is missing
-                // 8-bit samples stay bytes until the encoder packs its batch.
-                let pixel_values = match ByteSamples::from_tensors(tensors, pixels_name)? {
-                    Some(samples) => PixelValues::Source(Arc::new(PluginSamples(samples))),
-                    None => PixelValues::F32(f32s(pixels)?),
-                };
-                let patches = grid
-                    .t
-                    .checked_mul(grid.h)
-                    .and_then(|p| p.checked_mul(grid.w));
-                if patches.and_then(|p| p.checked_mul(patch_len)) != Some(pixel_values.len()) {
-                    bail!(
-                        "{pixels_name} holds {} values, not the {}x{}x{} grid's patches of {patch_len}",
-                        pixel_values.len(),
-                        grid.t,
-                        grid.h,
-                        grid.w
-                    );
-                }
-                // Qwen2.5-VL places a video's frames in time: it needs the seconds between them.
-                if kind == MediaKind::Video && vision.tokens_per_second.is_some() {
-                    let seconds = f32s(find("second_per_grid_ts")?)?;
-                    let [seconds] = seconds[..] else {
-                        bail!("second_per_grid_ts has {} values, not 1", seconds.len())
-                    };
-                    if !(seconds.is_finite() && seconds >= 0.0) {
-                        bail!("second_per_grid_ts {seconds} is not a duration");
-                    }
-                    time_interval = vision.time_interval(seconds);
-                }
-                let input = EncodeInput::Vision { pixel_values, grid };
-                (input, grid.tokens(vision.merge))
-            }
-            Family::Audio { encoder, .. } => {
-                let mask = find("feature_attention_mask")?;
-                let frames = mask.shape.last().copied().unwrap_or(0) as usize;
-                if frames != encoder.frames() {
-                    bail!(
-                        "feature_attention_mask has chunks of {frames} frames; the model takes {}",
-                        encoder.frames()
-                    );
-                }
-                let valid: Vec<usize> = i64s(mask)?
-                    .chunks(frames.max(1))
-                    .map(|c| c.iter().filter(|&&v| v != 0).count())
-                    .collect();
-                let expected = valid.iter().map(|&v| encoder.output_len(v)).sum();
-                (
-                    EncodeInput::Audio {
-                        features: f32s(find("input_features")?)?,
-                        valid_frames: valid,
-                    },
-                    expected,
-                )
-            }
-        };
-        if expected != tokens as usize {
-            bail!("the plugin planned {tokens} tokens but its tensors make {expected}");
+        let planned = self.family.plan_input(kind, &view)?;
+        if planned.tokens != tokens as usize {
+            bail!(
+                "the plugin planned {tokens} tokens but its tensors make {}",
+                planned.tokens
+            );
         }
         Ok(MediaItem {
-            input: Arc::new(input),
+            input: Arc::new(planned.input),
             placeholder,
-            tokens: expected,
+            tokens: planned.tokens,
             processor_config: self.processor_config.clone(),
-            time_interval,
+            time_interval: planned.time_interval,
             share_key: None,
         })
     }
@@ -670,32 +411,16 @@ impl PromptModel {
         features: Arc<Vec<f32>>,
     ) -> anyhow::Result<MediaItem> {
         let placeholder = self.placeholder(kind)?;
-        let find = |name: &str| {
-            small
-                .iter()
-                .find(|t| t.name == name)
-                .ok_or_else(|| anyhow!("the shared entry lacks {name}"))
+        let view = PluginView {
+            tensors: small,
+            lacks: |name| format!("the shared entry lacks {name}"),
         };
-        let (grid, time_interval) = match &self.family {
-            Family::Vision { vision, .. } => {
-                let name = if kind == MediaKind::Video {
-                    "video_grid_thw"
-                } else {
-                    "image_grid_thw"
-                };
-                let grid = merged_grid(find(name)?, vision.merge)?;
-                if grid.tokens(vision.merge) != tokens as usize {
-                    bail!("the shared entry's grid does not make the planned {tokens} tokens");
-                }
-                let mut time_interval = 1.0;
-                if kind == MediaKind::Video && vision.tokens_per_second.is_some() {
-                    let seconds = f32s(find("second_per_grid_ts")?)?;
-                    time_interval = vision.time_interval(seconds.first().copied().unwrap_or(1.0));
-                }
-                (Some(grid), time_interval)
-            }
-            Family::Audio { .. } => (None, 1.0),
-        };
+        let Placement {
+            grid,
+            time_interval,
+        } = self
+            .family
+            .place_embeddings(kind, Some(&view), tokens as usize)?;
         if tokens == 0 || !features.len().is_multiple_of(tokens as usize) {
             bail!("the shared entry's features do not split into {tokens} tokens");
         }
@@ -722,11 +447,9 @@ impl PromptModel {
         grid: Option<&Tensor>,
     ) -> anyhow::Result<MediaItem> {
         let placeholder = self.placeholder(kind)?;
-        if matches!(self.family, Family::Vision { .. }) && grid.is_none() {
-            bail!(
-                "image_embeds for model {} need image_grid_thw: it places image tokens by their grid",
-                self.name
-            );
+        if grid.is_none() {
+            // A family that places embeddings by a grid says so before anything else is read.
+            self.family.place_embeddings(kind, None, 0)?;
         }
         let [tokens, hidden] = embeddings.shape[..] else {
             bail!(
@@ -768,28 +491,22 @@ impl PromptModel {
         if !values.iter().all(|v| v.is_finite()) {
             bail!("image_embeds holds values that are not finite");
         }
-        let grid = match &self.family {
-            Family::Vision { vision, .. } => {
-                let grid = grid.ok_or_else(|| anyhow!("image_grid_thw is missing"))?;
-                let merge = vision.merge;
-                let grid = merged_grid(grid, merge)?;
-                let planned = grid
-                    .t
-                    .checked_mul(grid.h / merge)
-                    .and_then(|n| n.checked_mul(grid.w / merge));
-                if planned != Some(tokens) {
-                    bail!(
-                        "image_grid_thw {}x{}x{} makes {} tokens, but image_embeds holds {tokens}",
-                        grid.t,
-                        grid.h,
-                        grid.w,
-                        planned.map_or_else(|| "too many".into(), |n| n.to_string())
-                    );
-                }
-                Some(grid)
-            }
-            Family::Audio { .. } => None,
-        };
+        // The client's grid, under the name the family reads it by.
+        let grid: Option<Vec<Tensor>> = grid.map(|g| {
+            vec![Tensor {
+                name: "image_grid_thw".into(),
+                ..g.clone()
+            }]
+        });
+        let views = grid.as_deref().map(|tensors| PluginView {
+            tensors,
+            lacks: |name| format!("{name} is missing"),
+        });
+        let Placement { grid, .. } = self.family.place_embeddings(
+            kind,
+            views.as_ref().map(|v| v as &dyn PluginTensors),
+            tokens,
+        )?;
         Ok(MediaItem {
             input: Arc::new(EncodeInput::Embeddings {
                 embeddings: Arc::new(values),
@@ -847,52 +564,70 @@ impl PixelSource for PluginSamples {
     }
 }
 
-fn f32s(t: &Tensor) -> anyhow::Result<Vec<f32>> {
-    if t.dtype != Dtype::F32 {
-        bail!("{} is {:?}, expected f32", t.name, t.dtype);
-    }
-    Ok(mmgate_host::le_f32s(&t.data))
+/// A plugin's tensors as the model families read them; `lacks` words the error for a tensor that
+/// is not there (a plugin's output, a shared entry, a client's part).
+struct PluginView<'a> {
+    tensors: &'a [Tensor],
+    lacks: fn(&str) -> String,
 }
 
-/// A `*_grid_thw` tensor (`t, h, w` in patches; i64 as HF's processors make it, or i32) checked
-/// against the model's patch merge.
-fn merged_grid(tensor: &Tensor, merge: usize) -> anyhow::Result<Grid> {
-    let name = &tensor.name;
-    let thw = match tensor.dtype {
-        Dtype::I32 => tensor
-            .data
-            .chunks_exact(4)
-            .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
-            .collect(),
-        _ => i64s(tensor)?,
-    };
-    let [t, h, w] = thw[..] else {
-        bail!("{name} has {} values, not 3", thw.len())
-    };
-    let grid = Grid {
-        t: usize::try_from(t)?,
-        h: usize::try_from(h)?,
-        w: usize::try_from(w)?,
-    };
-    if grid.t == 0 || !grid.h.is_multiple_of(merge) || !grid.w.is_multiple_of(merge) {
-        bail!(
-            "{name} {}x{}x{} is not a grid of the model's {merge}x{merge} merged patches",
-            grid.t,
-            grid.h,
-            grid.w
-        );
+impl PluginView<'_> {
+    fn find(&self, name: &str) -> mmgate_inference::Result<&Tensor> {
+        self.tensors
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| InferenceError::Input((self.lacks)(name)))
     }
-    Ok(grid)
 }
 
-fn i64s(t: &Tensor) -> anyhow::Result<Vec<i64>> {
-    if t.dtype != Dtype::I64 {
-        bail!("{} is {:?}, expected i64", t.name, t.dtype);
+fn wrong_type(t: &Tensor, expected: &str) -> InferenceError {
+    InferenceError::Input(format!("{} is {:?}, expected {expected}", t.name, t.dtype))
+}
+
+impl PluginTensors for PluginView<'_> {
+    fn has(&self, name: &str) -> bool {
+        self.tensors.iter().any(|t| t.name == name)
     }
-    Ok(t.data
-        .chunks_exact(8)
-        .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
-        .collect())
+
+    fn shape(&self, name: &str) -> mmgate_inference::Result<Vec<u64>> {
+        Ok(self.find(name)?.shape.clone())
+    }
+
+    fn f32s(&self, name: &str) -> mmgate_inference::Result<Vec<f32>> {
+        let t = self.find(name)?;
+        if t.dtype != Dtype::F32 {
+            return Err(wrong_type(t, "f32"));
+        }
+        Ok(mmgate_host::le_f32s(&t.data))
+    }
+
+    fn ints(&self, name: &str) -> mmgate_inference::Result<Vec<i64>> {
+        let t = self.find(name)?;
+        Ok(match t.dtype {
+            Dtype::I64 => t
+                .data
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+                .collect(),
+            Dtype::I32 => t
+                .data
+                .chunks_exact(4)
+                .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+                .collect(),
+            _ => return Err(wrong_type(t, "i64")),
+        })
+    }
+
+    fn pixel_values(&self, name: &str) -> mmgate_inference::Result<PixelValues> {
+        let t = self.find(name)?; // for its explanation when the tensor is missing
+        match ByteSamples::from_tensors(self.tensors, name)
+            .map_err(|e| InferenceError::Input(e.to_string()))?
+        {
+            Some(samples) => Ok(PixelValues::Source(Arc::new(PluginSamples(samples)))),
+            None if t.dtype == Dtype::F32 => Ok(PixelValues::F32(mmgate_host::le_f32s(&t.data))),
+            None => Err(wrong_type(t, "f32")),
+        }
+    }
 }
 
 /// Replaces each media item's single placeholder in the templated prompt by `tokens` copies, items

@@ -8,6 +8,7 @@ pub mod demo;
 pub mod devices;
 pub mod engine;
 pub mod error;
+pub mod families;
 pub mod merge;
 pub mod models;
 pub mod rope;

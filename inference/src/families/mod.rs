@@ -1,0 +1,271 @@
+//! Model families: everything mmgate knows of one architecture, one file each behind [`Family`].
+//!
+//! A family says which `config.json` it serves (`model_type`), which media it takes and their
+//! placeholder tokens, how a plugin's tensors for an item become its encoder's input (and how many
+//! tokens they make), where embeddings made elsewhere go in the prompt (M-RoPE), and how its
+//! encoder and LLM load onto their devices. The gateway asks [`read`] for a model directory's
+//! family and names none itself. Adding a family is a file here and a line in [`registry`].
+//!
+//! The inference core knows nothing of HTTP or of the plugin host: plugin tensors arrive through
+//! [`PluginTensors`], which the gateway implements over the host's tensors.
+
+mod qwen2_audio;
+mod qwen2_vl;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::backend::cpu::CpuBackend;
+use crate::devices::{CudaGpu, OpenDevice};
+use crate::engine::{
+    EncodeInput, Encoder, EncoderPool, Engine, EngineConfig, FeatureStore, PixelValues,
+    PositionScheme,
+};
+use crate::error::{Error, Result};
+use crate::models::Qwen2;
+use crate::models::config::{ConfigFile, TextConfig};
+use crate::rope::Grid;
+use crate::text::{ContentPart, TextProcessor};
+
+/// The kinds of media a request can carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MediaKind {
+    Image,
+    Video,
+    Audio,
+}
+
+impl MediaKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Image => "image",
+            Self::Video => "video",
+            Self::Audio => "audio",
+        }
+    }
+
+    pub fn content_part(self) -> ContentPart {
+        match self {
+            Self::Image => ContentPart::Image,
+            Self::Video => ContentPart::Video,
+            Self::Audio => ContentPart::Audio,
+        }
+    }
+}
+
+/// A plugin's output tensors for one item, by name. Each reader fails with an input error naming
+/// the tensor when it is missing or of another type.
+pub trait PluginTensors {
+    fn has(&self, name: &str) -> bool;
+    /// The tensor's dimensions.
+    fn shape(&self, name: &str) -> Result<Vec<u64>>;
+    fn f32s(&self, name: &str) -> Result<Vec<f32>>;
+    /// Integers: i64, or i32 widened.
+    fn ints(&self, name: &str) -> Result<Vec<i64>>;
+    /// Pixel values: f32, or 8-bit samples the encoder expands (a quarter of the memory).
+    fn pixel_values(&self, name: &str) -> Result<PixelValues>;
+}
+
+/// What a family makes of an item's plugin tensors.
+#[derive(Debug)]
+pub struct PlannedInput {
+    pub input: EncodeInput,
+    /// Tokens the encoder makes of it.
+    pub tokens: usize,
+    /// M-RoPE's temporal step (1 but for Qwen2.5-VL videos).
+    pub time_interval: f32,
+}
+
+/// Where an item's embeddings go in the prompt when they were made elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Placement {
+    /// A vision item's merged grid (M-RoPE); `None` for audio.
+    pub grid: Option<Grid>,
+    pub time_interval: f32,
+}
+
+/// An LLM loaded on its device.
+pub enum LoadedLlm {
+    Cpu(Qwen2<CpuBackend>),
+    Cuda(Qwen2<CudaGpu>),
+}
+
+impl LoadedLlm {
+    /// Starts the engine that runs this LLM.
+    pub fn start(
+        self,
+        config: EngineConfig,
+        text: Arc<TextProcessor>,
+        pool: Arc<EncoderPool>,
+        store: Arc<FeatureStore>,
+    ) -> Result<Engine> {
+        match self {
+            Self::Cpu(llm) => Engine::start(config, llm, text, pool, store),
+            Self::Cuda(llm) => Engine::start(config, llm, text, pool, store),
+        }
+    }
+}
+
+/// A model's encoders (one per encoder device) and its LLM, unless that runs elsewhere.
+pub struct LoadedModel {
+    pub encoders: Vec<Arc<dyn Encoder>>,
+    pub llm: Option<LoadedLlm>,
+}
+
+/// A registry entry: a family, matched by `config.json`'s `model_type`.
+pub trait Family: Send + Sync {
+    fn model_types(&self) -> &'static [&'static str];
+    /// The model in `dir`, from its configs (no weights are read).
+    fn read(&self, dir: &Path) -> Result<Arc<dyn FamilyModel>>;
+}
+
+/// One model of a family, as its config describes it.
+pub trait FamilyModel: Send + Sync {
+    fn text_config(&self) -> &TextConfig;
+    fn media_kinds(&self) -> &'static [MediaKind];
+    /// The token that stands for one item of `kind` in a templated prompt.
+    fn placeholder(&self, kind: MediaKind) -> Option<u32>;
+    fn positions(&self) -> PositionScheme;
+    /// The encoder input for an item's plugin tensors, checked against the model's shapes.
+    fn plan_input(&self, kind: MediaKind, tensors: &dyn PluginTensors) -> Result<PlannedInput>;
+    /// Where `tokens` embeddings of an item made elsewhere go, from the small tensors that place
+    /// it (a vision item's grid, a video's seconds between temporal patches); `None` when there
+    /// are none.
+    fn place_embeddings(
+        &self,
+        kind: MediaKind,
+        tensors: Option<&dyn PluginTensors>,
+        tokens: usize,
+    ) -> Result<Placement>;
+    /// Loads the encoder onto every encoder device and the LLM onto `llm` if given (the first
+    /// encoder and the LLM from one read of the weights, which warns of tensors neither took).
+    fn load(
+        &self,
+        dir: &Path,
+        encoders: &[OpenDevice],
+        llm: Option<&OpenDevice>,
+    ) -> Result<LoadedModel>;
+}
+
+/// Every family mmgate serves.
+pub fn registry() -> &'static [&'static dyn Family] {
+    &[&qwen2_vl::Qwen2VlFamily, &qwen2_audio::Qwen2AudioFamily]
+}
+
+/// The family model of the checkpoint in `dir`.
+pub fn read(dir: &Path) -> Result<Arc<dyn FamilyModel>> {
+    let config = ConfigFile::read(dir)?;
+    let model_type = config.model_type();
+    let family = registry()
+        .iter()
+        .find(|f| model_type.is_some_and(|t| f.model_types().contains(&t)))
+        .ok_or_else(|| {
+            let known: Vec<&str> = registry()
+                .iter()
+                .flat_map(|f| f.model_types().iter().copied())
+                .collect();
+            Error::Config {
+                path: config.path.clone(),
+                reason: format!(
+                    "model_type {model_type:?} is not supported ({})",
+                    known.join(", ")
+                ),
+            }
+        })?;
+    family.read(dir)
+}
+
+/// A model's first encoder and, unless it runs elsewhere, its LLM.
+type EncoderAndLlm<L> = (Arc<dyn Encoder>, Option<Qwen2<L>>);
+
+/// A family's loaders, generic over the devices' backends; [`load_on_devices`] picks the
+/// instance for each pair of devices a config can name.
+trait Loader {
+    /// The encoder on `encoder` and, if given, the LLM on `llm`, from one read of the weights.
+    fn load<E: Backend, L: Backend>(
+        &self,
+        encoder: &E,
+        llm: Option<&L>,
+    ) -> Result<EncoderAndLlm<L>>;
+    /// Only the encoder, reading nothing of the LLM's weights.
+    fn load_encoder<E: Backend>(&self, device: &E) -> Result<Arc<dyn Encoder>>;
+}
+
+fn load_on_devices(
+    loader: &impl Loader,
+    encoders: &[OpenDevice],
+    llm: Option<&OpenDevice>,
+) -> Result<LoadedModel> {
+    use OpenDevice::{Cpu, Cuda};
+    let Some((first, others)) = encoders.split_first() else {
+        return Err(Error::Input(
+            "a model needs at least one encoder device".into(),
+        ));
+    };
+    let (encoder, llm) = match (first, llm) {
+        (Cpu(e), Some(Cpu(l))) => loaded(loader.load(e, Some(l))?, LoadedLlm::Cpu),
+        (Cpu(e), Some(Cuda(l))) => loaded(loader.load(e, Some(l))?, LoadedLlm::Cuda),
+        (Cuda(e), Some(Cpu(l))) => loaded(loader.load(e, Some(l))?, LoadedLlm::Cpu),
+        (Cuda(e), Some(Cuda(l))) => loaded(loader.load(e, Some(l))?, LoadedLlm::Cuda),
+        (Cpu(e), None) => (loader.load_encoder(e)?, None),
+        (Cuda(e), None) => (loader.load_encoder(e)?, None),
+    };
+    let mut all = vec![encoder];
+    for device in others {
+        all.push(match device {
+            Cpu(d) => loader.load_encoder(d)?,
+            Cuda(d) => loader.load_encoder(d)?,
+        });
+    }
+    Ok(LoadedModel { encoders: all, llm })
+}
+
+fn loaded<L: Backend>(
+    (encoder, llm): EncoderAndLlm<L>,
+    wrap: fn(Qwen2<L>) -> LoadedLlm,
+) -> (Arc<dyn Encoder>, Option<LoadedLlm>) {
+    (encoder, llm.map(wrap))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(family: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/models")
+            .join(family)
+            .join("model")
+    }
+
+    #[test]
+    fn the_registry_finds_each_fixture_family_by_its_model_type() {
+        let vl = read(&fixture("qwen2-vl")).unwrap();
+        assert_eq!(vl.media_kinds(), [MediaKind::Image, MediaKind::Video]);
+        assert_eq!(vl.placeholder(MediaKind::Image), Some(500));
+        assert_eq!(vl.placeholder(MediaKind::Audio), None);
+        assert_eq!(vl.positions(), PositionScheme::MRope { merge: 2 });
+        assert!(read(&fixture("qwen2.5-vl")).is_ok());
+        let audio = read(&fixture("qwen2-audio")).unwrap();
+        assert_eq!(audio.media_kinds(), [MediaKind::Audio]);
+        assert_eq!(audio.placeholder(MediaKind::Audio), Some(504));
+        assert_eq!(audio.positions(), PositionScheme::Plain);
+    }
+
+    #[test]
+    fn an_unknown_model_type_names_the_supported_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), r#"{"model_type": "llava"}"#).unwrap();
+        let err = read(dir.path()).err().unwrap().to_string();
+        for part in [
+            "\"llava\"",
+            "is not supported",
+            "qwen2_vl",
+            "qwen2_5_vl",
+            "qwen2_audio",
+        ] {
+            assert!(err.contains(part), "{err}");
+        }
+    }
+}
