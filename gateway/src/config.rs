@@ -9,9 +9,9 @@ use mmgate_host::{CompileCache, SandboxLimits};
 use mmgate_inference::devices::DeviceName;
 use serde::Deserialize;
 
-use crate::fetch::FetchConfig;
-use crate::files::FilesConfig;
 use crate::keylimits::KeyLimitsConfig;
+use crate::media::fetch::FetchConfig;
+use crate::media::files::FilesConfig;
 use crate::store::StoreConfig;
 
 /// Default listen address: local only, so a first `mmgate serve` exposes nothing.
@@ -649,7 +649,7 @@ impl Config {
                 }
                 if let Some(dir) = &model.path
                     && dir.is_relative()
-                    && !crate::model::is_demo_model(dir)
+                    && !crate::native::model::is_demo_model(dir)
                 {
                     model.path = Some(base.join(dir));
                 }

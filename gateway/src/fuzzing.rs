@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 use pingora::protocols::http::ServerSession;
 
-use crate::http1::{self, Chunked, Request, RequestCheck};
+use crate::wire::http1::{self, Chunked, Request, RequestCheck};
 
 /// A fuzz target: any bytes in; a panic is a finding.
 pub type Target = fn(&[u8]);
@@ -152,7 +152,7 @@ pub fn upstream_response(data: &[u8]) {
 /// The `torch.save` reader behind `image_embeds` parts (a pickle: only the layout of a tensor is
 /// ever read, nothing is executed): never a panic, and a tensor it reads holds what its shape says.
 pub fn torch_file(data: &[u8]) {
-    if let Ok(tensor) = crate::torchfile::read(data, "fuzz", MAX_BODY) {
+    if let Ok(tensor) = crate::wire::torchfile::read(data, "fuzz", MAX_BODY) {
         assert!(
             tensor.validate().is_ok(),
             "an inconsistent tensor: {tensor:?}"
@@ -163,11 +163,12 @@ pub fn torch_file(data: &[u8]) {
 /// A chat completion body and its content parts, as every route parses them, and each media
 /// part's source (data URL, URL, upload) as it is resolved: never a panic.
 pub fn chat_request(data: &[u8]) {
-    let Ok(request) = serde_json::from_slice::<crate::openai::ChatCompletionRequest>(data) else {
+    let Ok(request) = serde_json::from_slice::<crate::wire::openai::ChatCompletionRequest>(data)
+    else {
         return;
     };
     for message in &request.messages {
-        if let Some(crate::openai::Content::Parts(parts)) = &message.content {
+        if let Some(crate::wire::openai::Content::Parts(parts)) = &message.content {
             for part in parts {
                 let _ = part.media();
             }
@@ -192,15 +193,15 @@ pub fn multipart_upload(data: &[u8]) {
     }
 }
 
-/// A media part's URL as every route reads it ([`crate::openai::ByteSource::from_url`]) and a data
+/// A media part's URL as every route reads it ([`crate::wire::openai::ByteSource::from_url`]) and a data
 /// URL's payload as it is decoded: never a panic, and never more bytes than the limit checked
 /// before decoding allowed.
 pub fn data_url(data: &[u8]) {
     const LIMIT: usize = 4096;
     let url = String::from_utf8_lossy(data);
-    if let crate::openai::ByteSource::Base64 { data, .. } =
-        crate::openai::ByteSource::from_url(&url)
-        && let Ok(bytes) = crate::openai::decode_payload(&data, LIMIT)
+    if let crate::wire::openai::ByteSource::Base64 { data, .. } =
+        crate::wire::openai::ByteSource::from_url(&url)
+        && let Ok(bytes) = crate::wire::openai::decode_payload(&data, LIMIT)
     {
         assert!(bytes.len() <= LIMIT, "{} bytes past the limit", bytes.len());
     }

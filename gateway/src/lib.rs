@@ -3,25 +3,18 @@
 //! through [`fuzzing`]. Everything else is private to the crate.
 
 mod api;
-mod budget;
-mod chat;
 pub mod cli;
 mod config;
 mod error;
-mod feature_cache;
-mod fetch;
-mod files;
 pub mod fuzzing;
-mod http1;
 mod keylimits;
 pub mod logging;
-mod media;
 mod metrics;
-mod model;
-mod openai;
-mod pipeline;
-mod plugins;
 mod server;
 mod store;
-mod torchfile;
 mod upstream;
+// The three layers a request passes: formats on the wire, media through the plugins, and
+// native serving on this machine's devices.
+mod media;
+mod native;
+mod wire;

@@ -16,17 +16,17 @@ use pingora::services::ServiceWithDependents;
 use pingora::services::listening::Service as ListeningService;
 
 use crate::api::{App, Gateway, Route, UpstreamMedia};
-use crate::chat::NativeModel;
 use crate::config::{Config, MediaMode, ModelConfig};
-use crate::feature_cache::RedisFeatures;
-use crate::fetch::Fetcher;
-use crate::files::FileStore;
 use crate::keylimits::KeyLimits;
+use crate::media::feature_cache::RedisFeatures;
+use crate::media::fetch::Fetcher;
+use crate::media::files::FileStore;
+use crate::media::plugins::LivePlugins;
 use crate::metrics::Metrics;
-use crate::model::{
+use crate::native::chat::NativeModel;
+use crate::native::model::{
     Devices, ModelRuntime, PromptModel, RuntimeOptions, default_cache_dir, resolve_model_dir,
 };
-use crate::plugins::LivePlugins;
 use crate::store::{Redis, StoreKind};
 use crate::upstream::UpstreamPool;
 use mmgate_inference::devices::{DeviceName, Placement};
@@ -99,7 +99,7 @@ fn raise_open_files_limit(max_connections: usize) {
 
 pub fn serve(config: Config) -> anyhow::Result<()> {
     raise_open_files_limit(config.connections.max);
-    let sandbox = crate::plugins::sandbox(config.sandbox.clone(), &config.plugins)?;
+    let sandbox = crate::media::plugins::sandbox(config.sandbox.clone(), &config.plugins)?;
     let plugins = Arc::new(LivePlugins::load(sandbox, config.plugin_dir.as_deref())?);
     let reload = plugins.watch()?;
     let pool = PluginPool::new(config.plugins.threads(), config.plugins.queue())

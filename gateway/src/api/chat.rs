@@ -15,15 +15,15 @@ use serde_json::{Value, json};
 
 use super::io::{EventStream, read_body, write_error, write_json};
 use super::{Gateway, Route, UpstreamMedia};
-use crate::chat::{self, ChatServices, Generation, NativeModel, Prepared, Step};
 use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
-use crate::model::PromptModel;
-use crate::openai::{self, ChatCompletionRequest};
+use crate::native::chat::{self, ChatServices, Generation, NativeModel, Prepared, Step};
+use crate::native::model::PromptModel;
 use crate::store::Caller;
 use crate::upstream::parts::{self, Rewrite};
 use crate::upstream::{Forwarded, ReplyAdditions, UpstreamPool, embeds, inline, planned};
+use crate::wire::openai::{self, ChatCompletionRequest};
 
 /// The reply header that carries the media accounts of a request whose media were planned or
 /// encoded here for an upstream model (the reply itself is the upstream's).

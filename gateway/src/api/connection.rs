@@ -2,7 +2,7 @@
 //! keeps it open.
 //!
 //! A plain chat completion for an upstream model (text, data URLs) is relayed as bytes: the
-//! passthrough lane ([`crate::http1`], [`crate::upstream::UpstreamPool::relay`]). It is most of an
+//! passthrough lane ([`crate::wire::http1`], [`crate::upstream::UpstreamPool::relay`]). It is most of an
 //! inference proxy's traffic, and pingora's session types (a header map built and serialised again
 //! on each side) cost more than the rest of such a request. Every other request, or one the lane
 //! cannot be sure of, is served by pingora's HTTP/1 session, which starts from the bytes the lane
@@ -24,8 +24,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::Gateway;
 use crate::config::ConnectionsConfig;
 use crate::error::ApiError;
-use crate::http1::{self, Request, RequestCheck};
 use crate::upstream::{ClientSide, Relayed, send_within};
+use crate::wire::http1::{self, Request, RequestCheck};
 
 use super::replay::Replay;
 

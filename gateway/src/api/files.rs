@@ -8,8 +8,8 @@ use serde_json::{Value, json};
 use super::Gateway;
 use super::io::read_body;
 use crate::error::ApiError;
-use crate::files::{FileMeta, FilesError, NewFile};
-use crate::media::sniff_mime_type;
+use crate::media::files::{FileMeta, FilesError, NewFile};
+use crate::media::sniff::sniff_mime_type;
 use crate::store::Caller;
 
 /// Room for the multipart framing and the other fields around the file itself.

@@ -12,11 +12,11 @@ use serde_json::{Value, json};
 
 use super::Gateway;
 use super::io::read_body;
-use crate::budget::BudgetError;
 use crate::error::ApiError;
-use crate::media::sniff_mime_type;
-use crate::openai::{ByteSource, decode_payload};
-use crate::pipeline;
+use crate::media::budget::BudgetError;
+use crate::media::pipeline;
+use crate::media::sniff::sniff_mime_type;
+use crate::wire::openai::{ByteSource, decode_payload};
 
 /// Largest request body accepted (base64 makes a 48 MiB item 64 MiB).
 const MAX_BODY_BYTES: usize = 64 << 20;

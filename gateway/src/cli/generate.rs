@@ -13,14 +13,16 @@ use mmgate_host::{PluginPool, PluginRegistry, SandboxLimits};
 use mmgate_inference::engine::{Event, FinishReason};
 use serde_json::{Value, json};
 
-use crate::chat::{self, ChatServices, NativeModel};
 use crate::config::{EncodeErrorPolicy, PluginsConfig, RequestLimits};
-use crate::fetch::{FetchConfig, Fetcher};
-use crate::files::{FileStore, FilesConfig};
-use crate::media::sniff_mime_type;
-use crate::model::{MediaKind, ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir};
-use crate::openai::ChatCompletionRequest;
+use crate::media::fetch::{FetchConfig, Fetcher};
+use crate::media::files::{FileStore, FilesConfig};
+use crate::media::sniff::sniff_mime_type;
+use crate::native::chat::{self, ChatServices, NativeModel};
+use crate::native::model::{
+    MediaKind, ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir,
+};
 use crate::store::Caller;
+use crate::wire::openai::ChatCompletionRequest;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -105,7 +107,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
     let request: ChatCompletionRequest = serde_json::from_value(chat_request(&args, &files)?)?;
 
     let plugins = PluginsConfig::default();
-    let sandbox = crate::plugins::sandbox(SandboxLimits::default(), &plugins)?;
+    let sandbox = crate::media::plugins::sandbox(SandboxLimits::default(), &plugins)?;
     let registry = Arc::new(match &args.plugin_dir {
         Some(dir) => PluginRegistry::with_dir(&sandbox, dir),
         None => PluginRegistry::builtin(&sandbox),

@@ -66,7 +66,8 @@ pub enum PluginCommand {
 }
 
 pub fn run(command: PluginCommand) -> anyhow::Result<ExitCode> {
-    let sandbox = crate::plugins::sandbox(SandboxLimits::default(), &PluginsConfig::default())?;
+    let sandbox =
+        crate::media::plugins::sandbox(SandboxLimits::default(), &PluginsConfig::default())?;
     match command {
         PluginCommand::New { name, dir, sdk } => {
             let dir = dir.unwrap_or_else(|| PathBuf::from(&name));

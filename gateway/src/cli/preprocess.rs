@@ -10,11 +10,11 @@ use clap::Args;
 use mmgate_host::{Dtype, Media, PluginRegistry, SandboxLimits, Tensor};
 use serde_json::{Value, json};
 
-use crate::budget::BudgetError;
 use crate::config::PluginsConfig;
 use crate::error::ApiError;
-use crate::media::sniff_mime_type;
-use crate::pipeline;
+use crate::media::budget::BudgetError;
+use crate::media::pipeline;
+use crate::media::sniff::sniff_mime_type;
 
 use super::render;
 
@@ -55,7 +55,8 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
     let data = std::fs::read(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
 
-    let sandbox = crate::plugins::sandbox(SandboxLimits::default(), &PluginsConfig::default())?;
+    let sandbox =
+        crate::media::plugins::sandbox(SandboxLimits::default(), &PluginsConfig::default())?;
     let registry = match &args.plugin_dir {
         Some(dir) => PluginRegistry::with_dir(&sandbox, dir),
         None => PluginRegistry::builtin(&sandbox),

@@ -2,7 +2,7 @@
 //! several replicas behind one load balancer see the same uploads, share encoder outputs and hold
 //! per-key limits in sum.
 //!
-//! Each user of the store ([`crate::files`], [`crate::keylimits`], [`crate::feature_cache`]) has a
+//! Each user of the store ([`crate::media::files`], [`crate::keylimits`], [`crate::media::feature_cache`]) has a
 //! memory backend and a Redis backend of its own; this module holds what they share: the config,
 //! the connection ([`Redis`]) and its error.
 

@@ -7,7 +7,7 @@ use mmgate_host::{Dtype, Tensor};
 use mmgate_inference::rope::Grid;
 use serde_json::{Value, json};
 
-use crate::torchfile::{self, TorchFileError};
+use crate::wire::torchfile::{self, TorchFileError};
 
 /// Whether the request is encoded here: it has media and all of them are images (image URLs,
 /// uploads, or embeddings already). Video and audio have no embeddings form upstream engines take,

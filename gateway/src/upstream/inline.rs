@@ -11,11 +11,11 @@ use memchr::memmem;
 use serde_json::{Value, json};
 
 use super::UpstreamPool;
-use crate::chat::{ChatServices, MediaTally, embeds_refused, source_bytes};
 use crate::error::ApiError;
-use crate::media::sniff_mime_type;
-use crate::model::MediaKind;
-use crate::openai::ByteSource;
+use crate::media::sniff::sniff_mime_type;
+use crate::native::chat::{ChatServices, MediaTally, embeds_refused, source_bytes};
+use crate::native::model::MediaKind;
+use crate::wire::openai::ByteSource;
 
 /// Whether the body needs a look: it may hold a part whose bytes are elsewhere, or (when the model
 /// takes none) `image_embeds`. A cheap scan that lets the common requests (text, data URLs) go on

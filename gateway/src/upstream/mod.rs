@@ -52,8 +52,8 @@ use tokio::io::AsyncWriteExt;
 
 use crate::config::{Balance, ModelConfig, UpstreamAddr};
 use crate::error::ApiError;
-use crate::http1::HopByHop;
 use crate::keylimits::TokenTally;
+use crate::wire::http1::HopByHop;
 
 /// How long connecting to an upstream server (TLS handshake included) may take before the next
 /// one is tried.

@@ -12,8 +12,8 @@ use base64::Engine as _;
 use mmgate_host::{Media, ReducedItem};
 use serde_json::{Value, json};
 
-use crate::media::sniff_mime_type;
-use crate::model::MediaKind;
+use crate::media::sniff::sniff_mime_type;
+use crate::native::model::MediaKind;
 
 /// The part that carries `item` (a `kind` item reduced to files) upstream; `None` when the files
 /// are not what that kind goes as (an image or audio item is one file).

@@ -2,7 +2,7 @@
 //! the client sent (its head rewritten as [`UpstreamPool::forward`] does), and the server's
 //! response comes back as the bytes it sent, its head less the hop-by-hop headers, its body (SSE
 //! streams included) relayed read by read. No header maps are built on either side:
-//! [`crate::http1`] finds where the head and the body end.
+//! [`crate::wire::http1`] finds where the head and the body end.
 
 use bytes::{Buf, BytesMut};
 use http::StatusCode;
@@ -11,8 +11,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{Attempts, ClientHop, Connection, Target, UpstreamAuth, UpstreamPool, idle};
 use crate::error::ApiError;
-use crate::http1::{self, Framing, Passable, ResponseHead};
 use crate::keylimits::TokenTally;
+use crate::wire::http1::{self, Framing, Passable, ResponseHead};
 
 /// A response head larger than this is refused (pingora's own limit for a head is about as large).
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
@@ -346,7 +346,7 @@ mod tests {
 
     use super::*;
     use crate::config::UpstreamAddr;
-    use crate::http1::Request;
+    use crate::wire::http1::Request;
 
     #[test]
     fn the_relayed_request_names_the_server_and_carries_the_key_the_pool_says() {

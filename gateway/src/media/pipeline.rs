@@ -13,7 +13,7 @@ use mmgate_host::{
 };
 use serde_json::{Value, json};
 
-use crate::budget::{self, BudgetError};
+use crate::media::budget::{self, BudgetError};
 
 /// The plugin for `media`: the one that lists its MIME type (a directory plugin before a built-in),
 /// else the first whose probe accepts it. Plugins that serve the model's processor come first
@@ -146,7 +146,7 @@ pub struct Timings {
     pub preprocess: Duration,
 }
 
-/// Items of one request planned together within one budget (see [`crate::budget`]): probe each,
+/// Items of one request planned together within one budget (see [`crate::media::budget`]): probe each,
 /// share the budget, preprocess each with its plan; each step a sandboxed call.
 pub fn process_together(
     items: &[(Arc<LoadedPlugin>, Media)],

@@ -20,7 +20,7 @@ use mmgate_inference::families::{self, FamilyModel, LoadedModel, Placement, Plug
 use mmgate_inference::models::GenerationConfig;
 use mmgate_inference::text::TextProcessor;
 
-use crate::feature_cache::SharedCache;
+use crate::media::feature_cache::SharedCache;
 
 pub use mmgate_inference::families::MediaKind;
 

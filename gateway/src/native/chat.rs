@@ -15,19 +15,19 @@ use mmgate_inference::sampling::SamplingParams;
 use mmgate_inference::text::{ChatMessage, ContentPart};
 use serde_json::{Value, json};
 
-use crate::budget::BudgetError;
 use crate::config::{EncodeErrorPolicy, RequestLimits};
 use crate::error::ApiError;
-use crate::feature_cache::{self, SharedCache};
-use crate::files::FileStore;
-use crate::media::sniff_mime_type;
-use crate::model::{MediaKind, ModelRuntime, PromptModel, expand_placeholders};
-use crate::openai::{
+use crate::media::budget::BudgetError;
+use crate::media::feature_cache::{self, SharedCache};
+use crate::media::files::FileStore;
+use crate::media::pipeline;
+use crate::media::sniff::sniff_mime_type;
+use crate::native::model::{MediaKind, ModelRuntime, PromptModel, expand_placeholders};
+use crate::store::Caller;
+use crate::wire::openai::{
     self, ByteSource, ChatCompletionRequest, Content, MediaSource, Part, PayloadError,
 };
-use crate::pipeline;
-use crate::store::Caller;
-use crate::torchfile;
+use crate::wire::torchfile;
 
 /// Most stop strings a request may give (OpenAI allows 4).
 const MAX_STOP_STRINGS: usize = 16;
@@ -48,7 +48,7 @@ pub struct ChatServices<'a> {
     pub pool: &'a PluginPool,
     pub limits: &'a RequestLimits,
     pub files: &'a FileStore,
-    pub fetcher: &'a crate::fetch::Fetcher,
+    pub fetcher: &'a crate::media::fetch::Fetcher,
 }
 
 /// One media part of the request, resolved: bytes for a plugin, or embeddings ready to merge.
@@ -863,7 +863,7 @@ impl<'m> Generation<'m> {
         };
         Step::Done {
             finish,
-            usage: crate::openai::usage_json(
+            usage: crate::wire::openai::usage_json(
                 usage.prompt_tokens,
                 usage.completion_tokens,
                 &self.media,

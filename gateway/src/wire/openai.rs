@@ -1,10 +1,10 @@
 //! The OpenAI chat completions wire format: what a request may hold, and the JSON of replies and
-//! stream chunks. Parsing only; what a request means is decided in [`crate::chat`].
+//! stream chunks. Parsing only; what a request means is decided in [`crate::native::chat`].
 
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::model::MediaKind;
+use crate::native::model::MediaKind;
 
 /// The fields the native core uses (`model` and `user` are read when routing).
 #[derive(Debug, Deserialize)]
