@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::media::account::MediaAccount;
 use http::StatusCode;
 use mmgate_inference::engine::{BatchObserver, BatchReport};
 use prometheus_client::encoding::EncodeLabelSet;
@@ -13,7 +14,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use serde_json::Value;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -280,19 +280,19 @@ impl Metrics {
     }
 
     /// One request's media accounts (`usage.media` entries).
-    pub fn media_prepared(&self, media: &[Value]) {
+    pub fn media_prepared(&self, media: &[MediaAccount]) {
         for item in media {
             let modality = ModalityLabels {
-                modality: item["kind"].as_str().unwrap_or("unknown").to_owned(),
+                modality: item.kind.name().to_owned(),
             };
             self.media_items.get_or_create(&modality).inc();
             self.media_tokens
                 .get_or_create(&modality)
-                .inc_by(item["tokens"].as_u64().unwrap_or(0));
-            if item["reduced"].as_bool() == Some(true) {
+                .inc_by(item.tokens as u64);
+            if item.reduced {
                 self.budget_cuts.get_or_create(&modality).inc();
             }
-            if let Some(ms) = item["plugin_ms"].as_f64() {
+            if let Some(ms) = item.plugin_ms {
                 self.plugin_seconds
                     .get_or_create(&modality)
                     .observe(ms / 1e3);

@@ -18,8 +18,9 @@ use super::{Gateway, Route, UpstreamMedia};
 use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
+use crate::media::account::{self, MediaAccount};
 use crate::native::chat::{self, ChatServices, Generation, NativeModel, Prepared, Step};
-use crate::native::model::PromptModel;
+use crate::native::model::{MediaKind, PromptModel};
 use crate::store::Caller;
 use crate::upstream::parts::{self, Rewrite};
 use crate::upstream::{Forwarded, ReplyAdditions, UpstreamPool, embeds, inline, planned};
@@ -35,8 +36,8 @@ const PROMPT_TOKENS_HEADER: &str = "x-mmgate-prompt-tokens";
 
 /// The accounts as a header value. A header carries visible ASCII only: accounts that hold
 /// anything else are left out.
-fn accounts_header(accounts: &[Value]) -> Option<HeaderValue> {
-    serde_json::to_string(accounts)
+fn accounts_header(accounts: &[MediaAccount]) -> Option<HeaderValue> {
+    serde_json::to_string(&account::render(accounts))
         .ok()
         .and_then(|a| HeaderValue::from_str(&a).ok())
 }
@@ -241,7 +242,7 @@ impl Gateway {
                 PROMPT_TOKENS_HEADER,
                 HeaderValue::from(planned.prompt_tokens),
             )],
-            usage_media: Some(Value::Array(planned.accounts.clone())),
+            usage_media: Some(Value::Array(account::render(&planned.accounts))),
         };
         if let Some(accounts) = accounts_header(&planned.accounts) {
             additions.headers.push((MEDIA_HEADER, accounts));
@@ -387,7 +388,7 @@ impl Gateway {
         let mut encoding = encoding.into_iter();
         let mut rewrites = Vec::with_capacity(accounts.len());
         for (index, account) in accounts.iter().enumerate() {
-            if account["dropped"] == true {
+            if account.dropped.is_some() {
                 rewrites.push(Rewrite::Drop);
                 continue;
             }
@@ -398,14 +399,14 @@ impl Gateway {
                 EncodeInput::Vision { grid, .. }
                 | EncodeInput::Embeddings {
                     grid: Some(grid), ..
-                } if account["kind"] == "image" => *grid,
+                } if account.kind == MediaKind::Image => *grid,
                 _ => {
                     return Err(ApiError::new(
                         StatusCode::BAD_REQUEST,
                         "invalid_request",
                         format!(
                             "media item {index} is {}: model {} encodes only images for its upstream; send video and audio as video_url, audio_url or input_audio parts",
-                            account["kind"].as_str().unwrap_or("not an image"),
+                            account.kind.name(),
                             model.runtime.prompt.name
                         ),
                     ));

@@ -146,13 +146,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
                 .collect();
             anyhow!("{} (media items: {})", e.message, items.join(", "))
         })?;
-    let (request, mut media_report) = prepared.into_request();
+    let (request, accounts) = prepared.into_request();
     // A run's output repeats exactly for a seed: its plugins' timings are left out.
-    for account in &mut media_report {
-        if let Some(fields) = account.as_object_mut() {
-            fields.remove("plugin_ms");
-        }
-    }
+    let media_report: Vec<Value> = accounts.iter().map(|a| a.to_json(false)).collect();
     let mut handle = model.runtime.engine()?.submit(request)?;
 
     let (mut token_ids, mut text) = (Vec::new(), String::new());

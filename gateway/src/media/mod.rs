@@ -2,6 +2,7 @@
 //! pools, the per-request pipeline (probe, plan, preprocess), token budgets, and the encoder
 //! feature cache shared by replicas.
 
+pub mod account;
 pub mod budget;
 pub mod feature_cache;
 pub mod fetch;

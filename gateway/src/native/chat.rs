@@ -13,10 +13,11 @@ use mmgate_inference::engine::{
 use mmgate_inference::models::GenerationConfig;
 use mmgate_inference::sampling::SamplingParams;
 use mmgate_inference::text::{ChatMessage, ContentPart};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::config::{EncodeErrorPolicy, RequestLimits};
 use crate::error::ApiError;
+use crate::media::account::{self, MediaAccount};
 use crate::media::budget::BudgetError;
 use crate::media::feature_cache::{self, SharedCache};
 use crate::media::files::FileStore;
@@ -72,7 +73,7 @@ pub struct Prepared {
     /// The conversation with its media parts, for the text-only rerun of the drop policy.
     messages: Vec<ChatMessage>,
     /// Per media item: the account `usage.media` shows.
-    pub media: Vec<Value>,
+    pub media: Vec<MediaAccount>,
     pub stream: bool,
     pub include_usage: bool,
 }
@@ -241,27 +242,6 @@ async fn gather(
     })
 }
 
-/// The account of one item run through its plugin, as `usage.media` shows it.
-fn plugin_account(
-    index: usize,
-    kind: MediaKind,
-    plugin: &LoadedPlugin,
-    processed: &pipeline::Processed,
-) -> Value {
-    let mut account = serde_json::Map::new();
-    account.insert("index".into(), json!(index));
-    account.insert("kind".into(), json!(kind.name()));
-    for (key, value) in pipeline::report(plugin, processed) {
-        if !matches!(key.as_str(), "tensors" | "time_ms" | "choices") {
-            account.insert(key, value);
-        }
-    }
-    let t = &processed.timings;
-    let plugin_ms = (t.probe + t.plan + t.preprocess).as_secs_f64() * 1e3;
-    account.insert("plugin_ms".into(), json!((plugin_ms * 1e3).round() / 1e3));
-    Value::Object(account)
-}
-
 /// Looks items up among the encoder outputs other replicas made (see
 /// [`feature_cache::item_key`]).
 fn shared_lookup(shared: &SharedCache, processor_config: &str) -> pipeline::Lookup {
@@ -281,16 +261,6 @@ fn shared_lookup(shared: &SharedCache, processor_config: &str) -> pipeline::Look
             })
         });
         pipeline::Looked { key, hit }
-    })
-}
-
-/// The account of an `image_embeds` item.
-fn embeddings_account(index: usize, kind: MediaKind, tokens: usize) -> Value {
-    json!({
-        "index": index,
-        "kind": kind.name(),
-        "source": "image_embeds",
-        "tokens": tokens,
     })
 }
 
@@ -323,7 +293,7 @@ pub async fn prepare(
     for (index, item) in items.into_iter().enumerate() {
         let (plugin, processed) = match item.input {
             ItemInput::Embeddings(input) => {
-                report.push(embeddings_account(index, item.kind, input.tokens));
+                report.push(MediaAccount::embeddings(index, item.kind, input.tokens));
                 media.push(input);
                 continue;
             }
@@ -374,9 +344,9 @@ pub async fn prepare(
                 ));
             }
         };
-        let mut account = plugin_account(index, item.kind, &plugin, processed);
+        let mut account = MediaAccount::plugin(index, item.kind, &plugin, processed);
         if let Some(reason) = unencodable {
-            mark_dropped(&mut account, &reason);
+            account.drop_for(&reason);
         }
         report.push(account);
     }
@@ -424,7 +394,7 @@ pub struct PlannedUpstream {
     /// that goes as it came (`image_embeds`, which cost what they hold).
     pub parts: Vec<(MediaKind, Option<ReducedItem>)>,
     /// Per media part: the account `usage.media` shows.
-    pub accounts: Vec<Value>,
+    pub accounts: Vec<MediaAccount>,
     /// The prompt's tokens as the server's processor will count them: text and every item.
     pub prompt_tokens: usize,
 }
@@ -450,7 +420,7 @@ pub async fn plan_for_upstream(
         match &item.input {
             ItemInput::Embeddings(input) => {
                 media_tokens += input.tokens;
-                accounts.push(embeddings_account(index, item.kind, input.tokens));
+                accounts.push(MediaAccount::embeddings(index, item.kind, input.tokens));
                 parts.push((item.kind, None));
             }
             ItemInput::Plugin { plugin, .. } => {
@@ -458,7 +428,7 @@ pub async fn plan_for_upstream(
                     .next()
                     .ok_or_else(|| internal("a media item was not processed"))?;
                 media_tokens += done.plan.tokens as usize;
-                accounts.push(plugin_account(index, item.kind, plugin, &done));
+                accounts.push(MediaAccount::plugin(index, item.kind, plugin, &done));
                 let files = done
                     .files
                     .take()
@@ -486,12 +456,12 @@ pub async fn plan_for_upstream(
 
 impl Prepared {
     /// The request as the engine takes it, and every media item's account.
-    pub fn into_request(self) -> (GenerateRequest, Vec<Value>) {
+    pub fn into_request(self) -> (GenerateRequest, Vec<MediaAccount>) {
         (self.request, self.media)
     }
 
     /// The media as the engine takes them (dropped items left out), and every item's account.
-    pub fn into_media(self) -> (Vec<MediaItem>, Vec<Value>) {
+    pub fn into_media(self) -> (Vec<MediaItem>, Vec<MediaAccount>) {
         (self.request.media, self.media)
     }
 }
@@ -788,7 +758,7 @@ pub struct Generation<'m> {
     stop: Vec<String>,
     sampling: SamplingParams,
     /// The media accounts, updated when items are dropped.
-    pub media: Vec<Value>,
+    pub media: Vec<MediaAccount>,
     produced: bool,
 }
 
@@ -866,7 +836,7 @@ impl<'m> Generation<'m> {
             usage: crate::wire::openai::usage_json(
                 usage.prompt_tokens,
                 usage.completion_tokens,
-                &self.media,
+                &account::render(&self.media),
             ),
         }
     }
@@ -874,8 +844,8 @@ impl<'m> Generation<'m> {
     /// The drop policy: the same conversation with its media parts removed.
     fn rerun_without_media(&mut self, reason: &str) -> Result<(), ApiError> {
         for account in &mut self.media {
-            if account["dropped"] != true {
-                mark_dropped(account, reason);
+            if account.dropped.is_none() {
+                account.drop_for(reason);
             }
         }
         let prompt = prompt_ids(
@@ -937,15 +907,6 @@ fn without_media(messages: &[ChatMessage], drop: impl Fn(usize) -> bool) -> Vec<
                 .collect(),
         })
         .collect()
-}
-
-/// A media account under the drop policy: no tokens, and why.
-fn mark_dropped(account: &mut Value, reason: &str) {
-    if let Value::Object(fields) = account {
-        fields.insert("tokens".into(), json!(0));
-        fields.insert("dropped".into(), json!(true));
-        fields.insert("reason".into(), json!(format!("encoding failed: {reason}")));
-    }
 }
 
 fn failure_error(failure: &Failure) -> ApiError {
