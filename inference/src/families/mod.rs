@@ -176,18 +176,15 @@ pub fn read(dir: &Path) -> Result<Arc<dyn FamilyModel>> {
     family.read(dir)
 }
 
-/// A model's first encoder and, unless it runs elsewhere, its LLM.
-type EncoderAndLlm<L> = (Arc<dyn Encoder>, Option<Qwen2<L>>);
-
 /// A family's loaders, generic over the devices' backends; [`load_on_devices`] picks the
 /// instance for each pair of devices a config can name.
 trait Loader {
-    /// The encoder on `encoder` and, if given, the LLM on `llm`, from one read of the weights.
+    /// The encoder on `encoder` and the LLM on `llm`, from one read of the weights.
     fn load<E: Backend, L: Backend>(
         &self,
         encoder: &E,
-        llm: Option<&L>,
-    ) -> Result<EncoderAndLlm<L>>;
+        llm: &L,
+    ) -> Result<(Arc<dyn Encoder>, Qwen2<L>)>;
     /// Only the encoder, reading nothing of the LLM's weights.
     fn load_encoder<E: Backend>(&self, device: &E) -> Result<Arc<dyn Encoder>>;
 }
@@ -204,10 +201,10 @@ fn load_on_devices(
         ));
     };
     let (encoder, llm) = match (first, llm) {
-        (Cpu(e), Some(Cpu(l))) => loaded(loader.load(e, Some(l))?, LoadedLlm::Cpu),
-        (Cpu(e), Some(Cuda(l))) => loaded(loader.load(e, Some(l))?, LoadedLlm::Cuda),
-        (Cuda(e), Some(Cpu(l))) => loaded(loader.load(e, Some(l))?, LoadedLlm::Cpu),
-        (Cuda(e), Some(Cuda(l))) => loaded(loader.load(e, Some(l))?, LoadedLlm::Cuda),
+        (Cpu(e), Some(Cpu(l))) => loaded(loader.load(e, l)?, LoadedLlm::Cpu),
+        (Cpu(e), Some(Cuda(l))) => loaded(loader.load(e, l)?, LoadedLlm::Cuda),
+        (Cuda(e), Some(Cpu(l))) => loaded(loader.load(e, l)?, LoadedLlm::Cpu),
+        (Cuda(e), Some(Cuda(l))) => loaded(loader.load(e, l)?, LoadedLlm::Cuda),
         (Cpu(e), None) => (loader.load_encoder(e)?, None),
         (Cuda(e), None) => (loader.load_encoder(e)?, None),
     };
@@ -222,10 +219,10 @@ fn load_on_devices(
 }
 
 fn loaded<L: Backend>(
-    (encoder, llm): EncoderAndLlm<L>,
+    (encoder, llm): (Arc<dyn Encoder>, Qwen2<L>),
     wrap: fn(Qwen2<L>) -> LoadedLlm,
 ) -> (Arc<dyn Encoder>, Option<LoadedLlm>) {
-    (encoder, llm.map(wrap))
+    (encoder, Some(wrap(llm)))
 }
 
 #[cfg(test)]

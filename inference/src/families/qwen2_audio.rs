@@ -5,16 +5,16 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    EncoderAndLlm, Family, FamilyModel, LoadedModel, Loader, MediaKind, Placement, PlannedInput,
-    PluginTensors, load_on_devices,
+    Family, FamilyModel, LoadedModel, Loader, MediaKind, Placement, PlannedInput, PluginTensors,
+    load_on_devices,
 };
 use crate::backend::Backend;
 use crate::devices::OpenDevice;
 use crate::engine::{EncodeInput, Encoder, PositionScheme};
 use crate::error::{Error, Result};
-use crate::models::Qwen2Audio;
 use crate::models::config::TextConfig;
 use crate::models::qwen2_audio::Qwen2AudioConfig;
+use crate::models::{Qwen2, Qwen2Audio};
 
 pub(super) struct Qwen2AudioFamily;
 
@@ -111,15 +111,10 @@ impl Loader for AudioLoader<'_> {
     fn load<E: Backend, L: Backend>(
         &self,
         encoder: &E,
-        llm: Option<&L>,
-    ) -> Result<EncoderAndLlm<L>> {
-        match llm {
-            Some(llm) => {
-                let model = Qwen2Audio::<E, L>::load(self.0, encoder, llm)?;
-                Ok((Arc::new(model.audio), Some(model.llm)))
-            }
-            None => Ok((self.load_encoder(encoder)?, None)),
-        }
+        llm: &L,
+    ) -> Result<(Arc<dyn Encoder>, Qwen2<L>)> {
+        let model = Qwen2Audio::<E, L>::load(self.0, encoder, llm)?;
+        Ok((Arc::new(model.audio), model.llm))
     }
 
     fn load_encoder<E: Backend>(&self, device: &E) -> Result<Arc<dyn Encoder>> {

@@ -6,16 +6,16 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    EncoderAndLlm, Family, FamilyModel, LoadedModel, Loader, MediaKind, Placement, PlannedInput,
-    PluginTensors, load_on_devices,
+    Family, FamilyModel, LoadedModel, Loader, MediaKind, Placement, PlannedInput, PluginTensors,
+    load_on_devices,
 };
 use crate::backend::Backend;
 use crate::devices::OpenDevice;
 use crate::engine::{EncodeInput, Encoder, PositionScheme};
 use crate::error::{Error, Result};
-use crate::models::Qwen2Vl;
 use crate::models::config::TextConfig;
 use crate::models::qwen2_vl::{MODEL_TYPES, Qwen2VlConfig};
+use crate::models::{Qwen2, Qwen2Vl};
 use crate::rope::Grid;
 
 pub(super) struct Qwen2VlFamily;
@@ -200,15 +200,10 @@ impl Loader for VlLoader<'_> {
     fn load<E: Backend, L: Backend>(
         &self,
         encoder: &E,
-        llm: Option<&L>,
-    ) -> Result<EncoderAndLlm<L>> {
-        match llm {
-            Some(llm) => {
-                let model = Qwen2Vl::<E, L>::load(self.0, encoder, llm)?;
-                Ok((Arc::new(model.vision), Some(model.llm)))
-            }
-            None => Ok((self.load_encoder(encoder)?, None)),
-        }
+        llm: &L,
+    ) -> Result<(Arc<dyn Encoder>, Qwen2<L>)> {
+        let model = Qwen2Vl::<E, L>::load(self.0, encoder, llm)?;
+        Ok((Arc::new(model.vision), model.llm))
     }
 
     fn load_encoder<E: Backend>(&self, device: &E) -> Result<Arc<dyn Encoder>> {
