@@ -11,28 +11,57 @@ pub fn inv_freq(dim: usize, theta: f32) -> Vec<f32> {
         .collect()
 }
 
-/// cos/sin tables `[rows, head_dim]` for positions with up to three components.
+/// Which position component (0 temporal, 1 height, 2 width) turns each of `half` frequencies.
 ///
-/// `sections` splits the `head_dim / 2` frequencies among the components (M-RoPE's
-/// `mrope_section`, e.g. `[16, 24, 24]`: the first 16 frequencies rotate by the temporal position,
-/// the next 24 by the height, the last 24 by the width); plain RoPE is one section of all of them.
-/// Each half of the table repeats the frequencies (PyTorch's `cat((freqs, freqs))`).
-pub fn tables(
-    positions: &[[i64; 3]],
-    inv_freq: &[f32],
-    sections: &[usize],
-) -> Result<(Vec<f32>, Vec<f32>)> {
-    let half = inv_freq.len();
+/// `sections` is M-RoPE's `mrope_section` (e.g. `[16, 24, 24]`), `None` for plain RoPE (all
+/// temporal). Contiguous (Qwen2-VL): the first 16 frequencies turn by the temporal position, the
+/// next 24 by the height, the last 24 by the width. Interleaved (Qwen3-VL's `mrope_interleaved`):
+/// frequency j turns by the height when j % 3 == 1 and j < 3 · sections[1], by the width when
+/// j % 3 == 2 and j < 3 · sections[2], by the temporal position otherwise.
+pub fn frequency_components(
+    half: usize,
+    sections: Option<&[usize]>,
+    interleaved: bool,
+) -> Result<Vec<usize>> {
+    let Some(sections) = sections else {
+        return Ok(vec![0; half]);
+    };
     if sections.iter().sum::<usize>() != half || sections.is_empty() || sections.len() > 3 {
         return Err(Error::Input(format!(
             "rope sections {sections:?} for {half} frequencies"
         )));
     }
-    let component: Vec<usize> = sections
-        .iter()
-        .enumerate()
-        .flat_map(|(c, &n)| std::iter::repeat_n(c, n))
-        .collect();
+    if !interleaved {
+        return Ok(sections
+            .iter()
+            .enumerate()
+            .flat_map(|(c, &n)| std::iter::repeat_n(c, n))
+            .collect());
+    }
+    let limit = |c: usize| sections.get(c).map_or(0, |&n| 3 * n);
+    Ok((0..half)
+        .map(|j| match j % 3 {
+            1 if j < limit(1) => 1,
+            2 if j < limit(2) => 2,
+            _ => 0,
+        })
+        .collect())
+}
+
+/// cos/sin tables `[rows, head_dim]` for positions with up to three components, `component[i]`
+/// saying which turns frequency i (see [`frequency_components`]). Each half of the table repeats
+/// the frequencies (PyTorch's `cat((freqs, freqs))`).
+pub fn tables(
+    positions: &[[i64; 3]],
+    inv_freq: &[f32],
+    component: &[usize],
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let half = inv_freq.len();
+    if component.len() != half || component.iter().any(|&c| c > 2) {
+        return Err(Error::Input(format!(
+            "rope components {component:?} for {half} frequencies"
+        )));
+    }
     let dim = 2 * half;
     let mut cos = vec![0.0f32; positions.len() * dim];
     let mut sin = vec![0.0f32; positions.len() * dim];
@@ -102,7 +131,9 @@ pub fn vision_tables(
             positions.extend_from_slice(&frame);
         }
     }
-    tables(&positions, &freqs, &[ladder.len(), ladder.len()])
+    let components =
+        frequency_components(2 * ladder.len(), Some(&[ladder.len(), ladder.len()]), false)?;
+    tables(&positions, &freqs, &components)
 }
 
 /// Where the media items of a prompt are: the placeholder token and the grid of each item, in order.

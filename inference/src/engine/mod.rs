@@ -571,6 +571,7 @@ impl<L: Backend> Scheduler<L> {
                 embeds,
                 positions,
                 cache,
+                deepstack: None,
             });
         }
         let llm = &self.llm;

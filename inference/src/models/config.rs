@@ -147,6 +147,15 @@ impl ConfigFile {
         self.value.get("model_type").and_then(|v| v.as_str())
     }
 
+    /// The LLM's config: the `text_config` object, or the top level of a flat config.
+    pub fn text_config(&self) -> Result<TextConfig> {
+        let root = self.root();
+        match root.sub("text_config", "text_config") {
+            Some(t) => TextConfig::parse(&t, &root),
+            None => TextConfig::parse(&root, &root),
+        }
+    }
+
     /// A config error naming this file.
     pub(crate) fn error(&self, reason: String) -> Error {
         Error::Config {
@@ -188,6 +197,9 @@ pub struct TextConfig {
     /// M-RoPE's split of the rotary frequencies among (temporal, height, width); `None` for plain
     /// 1-D RoPE.
     pub mrope_section: Option<Vec<usize>>,
+    /// Qwen3-VL's interleaved assignment of the M-RoPE frequencies (see
+    /// [`crate::rope::frequency_components`]).
+    pub mrope_interleaved: bool,
     pub activation: Activation,
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: usize,
@@ -266,6 +278,9 @@ impl TextConfig {
             head_dim,
             rms_norm_eps: text.f32_or("rms_norm_eps", 1e-6)?,
             rope_theta,
+            mrope_interleaved: rope
+                .as_ref()
+                .map_or(Ok(false), |r| r.bool_or("mrope_interleaved", false))?,
             mrope_section,
             activation: text.activation("hidden_act", "silu")?,
             tie_word_embeddings: root.bool_or(

@@ -1,6 +1,9 @@
 //! The Qwen2 decoder-only LLM (RMSNorm, grouped-query attention with q/k/v biases, RoPE or M-RoPE,
-//! SwiGLU MLP) and its KV cache. It takes input embeddings rather than token ids so that encoder
-//! outputs can be merged in before the prefill.
+//! SwiGLU MLP) and its KV cache; also Qwen3's (no q/k/v biases, an RMSNorm over each head of q and
+//! k, interleaved M-RoPE, and Qwen3-VL's deepstack: vision features added to the hidden states of
+//! the image tokens after each of the first layers). Which of them a checkpoint is, its tensors
+//! and config say. It takes input embeddings rather than token ids so that encoder outputs can be
+//! merged in before the prefill.
 
 use crate::backend::{AttentionMask, AttentionShape, Backend};
 use crate::error::{Error, Result};
@@ -12,11 +15,14 @@ use crate::weights::Weights;
 struct DecoderLayer<B: Backend> {
     input_norm: Tensor<B>,
     q: Tensor<B>,
-    q_bias: Tensor<B>,
+    q_bias: Option<Tensor<B>>,
     k: Tensor<B>,
-    k_bias: Tensor<B>,
+    k_bias: Option<Tensor<B>>,
     v: Tensor<B>,
-    v_bias: Tensor<B>,
+    v_bias: Option<Tensor<B>>,
+    /// Qwen3: RMSNorm over each head of q and k, before the rotary embedding.
+    q_norm: Option<Tensor<B>>,
+    k_norm: Option<Tensor<B>>,
     o: Tensor<B>,
     post_attention_norm: Tensor<B>,
     gate: Tensor<B>,
@@ -32,6 +38,8 @@ pub struct Qwen2<B: Backend> {
     /// `None` when the output head is tied to the embedding table.
     lm_head: Option<Tensor<B>>,
     inv_freq: Vec<f32>,
+    /// Which position component turns each rotary frequency.
+    rope_components: Vec<usize>,
     device: B,
 }
 
@@ -41,6 +49,14 @@ pub struct SeqStep<'a, B: Backend> {
     pub embeds: Tensor<B>,
     pub positions: &'a [[i64; 3]],
     pub cache: &'a mut KvCache<B>,
+    /// Qwen3-VL's deepstack: after decoder layer i, `features[i]` (`[rows.len(), hidden]`) is added
+    /// to the hidden states of the step's rows `rows` (its image tokens).
+    pub deepstack: Option<Deepstack<'a, B>>,
+}
+
+pub struct Deepstack<'a, B: Backend> {
+    pub rows: &'a [u32],
+    pub features: &'a [Tensor<B>],
 }
 
 /// Keys and values of every layer for one sequence: `[capacity, kv_heads · head_dim]` per layer,
@@ -87,7 +103,7 @@ impl<B: Backend> Qwen2<B> {
         let c = &config;
         let (h, q_out, kv_out) = (c.hidden_size, c.heads * c.head_dim, c.kv_heads * c.head_dim);
         // Matrices keep the checkpoint's precision; norms and biases are f32.
-        let mut take = |name: &str, shape: &[usize]| {
+        let take = |weights: &mut Weights, name: &str, shape: &[usize]| {
             let name = format!("{prefix}{name}");
             if shape.len() == 2 {
                 weights.take_weight(device, &name, shape)
@@ -95,18 +111,39 @@ impl<B: Backend> Qwen2<B> {
                 weights.take(device, &name, shape)
             }
         };
-        let embed_tokens = take("embed_tokens.weight", &[c.vocab_size, h])?;
+        let embed_tokens = take(weights, "embed_tokens.weight", &[c.vocab_size, h])?;
         let mut layers = Vec::with_capacity(c.layers);
         for i in 0..c.layers {
-            let mut t = |name: &str, shape: &[usize]| take(&format!("layers.{i}.{name}"), shape);
+            // Qwen2 has q/k/v biases, Qwen3 q/k norms instead: the checkpoint says which.
+            let attn = format!("{prefix}layers.{i}.self_attn.");
+            let has = |name: &str| weights.contains(&format!("{attn}{name}"));
+            let (biases, norms) = (has("q_proj.bias"), has("q_norm.weight"));
+            let mut t =
+                |name: &str, shape: &[usize]| take(weights, &format!("layers.{i}.{name}"), shape);
+            let mut optional = |present: bool, name: &str, shape: &[usize]| {
+                present
+                    .then(|| t(&format!("self_attn.{name}"), shape))
+                    .transpose()
+            };
+            let (q_bias, k_bias, v_bias) = (
+                optional(biases, "q_proj.bias", &[q_out])?,
+                optional(biases, "k_proj.bias", &[kv_out])?,
+                optional(biases, "v_proj.bias", &[kv_out])?,
+            );
+            let (q_norm, k_norm) = (
+                optional(norms, "q_norm.weight", &[c.head_dim])?,
+                optional(norms, "k_norm.weight", &[c.head_dim])?,
+            );
             layers.push(DecoderLayer {
                 input_norm: t("input_layernorm.weight", &[h])?,
                 q: t("self_attn.q_proj.weight", &[q_out, h])?,
-                q_bias: t("self_attn.q_proj.bias", &[q_out])?,
+                q_bias,
                 k: t("self_attn.k_proj.weight", &[kv_out, h])?,
-                k_bias: t("self_attn.k_proj.bias", &[kv_out])?,
+                k_bias,
                 v: t("self_attn.v_proj.weight", &[kv_out, h])?,
-                v_bias: t("self_attn.v_proj.bias", &[kv_out])?,
+                v_bias,
+                q_norm,
+                k_norm,
                 o: t("self_attn.o_proj.weight", &[h, q_out])?,
                 post_attention_norm: t("post_attention_layernorm.weight", &[h])?,
                 gate: t("mlp.gate_proj.weight", &[c.intermediate_size, h])?,
@@ -114,14 +151,20 @@ impl<B: Backend> Qwen2<B> {
                 down: t("mlp.down_proj.weight", &[h, c.intermediate_size])?,
             });
         }
-        let norm = take("norm.weight", &[h])?;
+        let norm = take(weights, "norm.weight", &[h])?;
         let lm_head = if c.tie_word_embeddings && !weights.contains("lm_head.weight") {
             None
         } else {
             Some(weights.take_weight(device, "lm_head.weight", &[c.vocab_size, h])?)
         };
         let inv_freq = rope::inv_freq(c.head_dim, c.rope_theta);
+        let rope_components = rope::frequency_components(
+            inv_freq.len(),
+            c.mrope_section.as_deref(),
+            c.mrope_interleaved,
+        )?;
         Ok(Self {
+            rope_components,
             config,
             embed_tokens,
             layers,
@@ -143,20 +186,23 @@ impl<B: Backend> Qwen2<B> {
             .iter()
             .map(|l| {
                 [
-                    &l.input_norm,
-                    &l.q,
-                    &l.q_bias,
-                    &l.k,
-                    &l.k_bias,
-                    &l.v,
-                    &l.v_bias,
-                    &l.o,
-                    &l.post_attention_norm,
-                    &l.gate,
-                    &l.up,
-                    &l.down,
+                    Some(&l.input_norm),
+                    Some(&l.q),
+                    l.q_bias.as_ref(),
+                    Some(&l.k),
+                    l.k_bias.as_ref(),
+                    Some(&l.v),
+                    l.v_bias.as_ref(),
+                    l.q_norm.as_ref(),
+                    l.k_norm.as_ref(),
+                    Some(&l.o),
+                    Some(&l.post_attention_norm),
+                    Some(&l.gate),
+                    Some(&l.up),
+                    Some(&l.down),
                 ]
                 .iter()
+                .flatten()
                 .map(|t| t.bytes())
                 .sum::<usize>()
             })
@@ -206,6 +252,7 @@ impl<B: Backend> Qwen2<B> {
             embeds,
             positions,
             cache,
+            deepstack: None,
         }])?;
         out.pop()
             .ok_or_else(|| Error::shape("qwen2 forward", "no output"))
@@ -242,28 +289,38 @@ impl<B: Backend> Qwen2<B> {
         let mut x = Tensor::zeros(&self.device, &[total, c.hidden_size])?;
         let mut positions = Vec::with_capacity(total);
         let mut seqs = Vec::with_capacity(steps.len());
+        let mut deepstacks = Vec::new();
         for (s, &at) in steps.into_iter().zip(&offsets) {
             x.write_rows(at, &s.embeds)?;
             positions.extend_from_slice(s.positions);
+            if let Some(d) = s.deepstack {
+                let n = s.embeds.rows() as u32;
+                if d.rows.iter().any(|&r| r >= n) {
+                    return Err(Error::shape("deepstack", "a row past the step's tokens"));
+                }
+                let rows: Vec<u32> = d.rows.iter().map(|&r| r + at as u32).collect();
+                deepstacks.push((rows, d.features));
+            }
             seqs.push((at, s.embeds.rows(), s.cache));
         }
-        let sections = match &c.mrope_section {
-            Some(s) => s.clone(),
-            None => vec![c.head_dim / 2],
-        };
-        let (cos, sin) = rope::tables(&positions, &self.inv_freq, &sections)?;
+        let (cos, sin) = rope::tables(&positions, &self.inv_freq, &self.rope_components)?;
         let cos = Tensor::from_host(&self.device, &cos, &[total, c.head_dim])?;
         let sin = Tensor::from_host(&self.device, &sin, &[total, c.head_dim])?;
         let q_width = c.heads * c.head_dim;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = x.rms_norm(&layer.input_norm, c.rms_norm_eps)?;
-            let q = h
-                .linear(&layer.q, Some(&layer.q_bias))?
+            let head_norm = |t: Tensor<B>, norm: &Option<Tensor<B>>| -> Result<Tensor<B>> {
+                let Some(norm) = norm else { return Ok(t) };
+                let shape = t.shape().to_vec();
+                let heads = t.len() / c.head_dim;
+                let per_head = t.reshape(&[heads, c.head_dim])?;
+                per_head.rms_norm(norm, c.rms_norm_eps)?.reshape(&shape)
+            };
+            let q = head_norm(h.linear(&layer.q, layer.q_bias.as_ref())?, &layer.q_norm)?
                 .rope(&cos, &sin, c.head_dim)?;
-            let k = h
-                .linear(&layer.k, Some(&layer.k_bias))?
+            let k = head_norm(h.linear(&layer.k, layer.k_bias.as_ref())?, &layer.k_norm)?
                 .rope(&cos, &sin, c.head_dim)?;
-            let v = h.linear(&layer.v, Some(&layer.v_bias))?;
+            let v = h.linear(&layer.v, layer.v_bias.as_ref())?;
             let mut attn = Tensor::zeros(&self.device, &[total, q_width])?;
             for (at, n, cache) in seqs.iter_mut() {
                 let (at, n) = (*at, *n);
@@ -293,6 +350,13 @@ impl<B: Backend> Qwen2<B> {
                 .linear(&layer.gate, None)?
                 .gated(&h.linear(&layer.up, None)?, c.activation)?;
             x.add_assign(&gated.linear(&layer.down, None)?)?;
+            for (rows, features) in &deepstacks {
+                if let Some(add) = features.get(i) {
+                    let mut at_rows = x.gather_rows(rows)?;
+                    at_rows.add_assign(add)?;
+                    x.scatter_rows(rows, &at_rows)?;
+                }
+            }
         }
         let x = x.rms_norm(&self.norm, c.rms_norm_eps)?;
         let mut out = Vec::with_capacity(seqs.len());

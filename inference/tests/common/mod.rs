@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use mmgate_inference::backend::cuda::{CudaBackend, DriverDevice};
 use mmgate_inference::devices::CudaGpu;
+use mmgate_inference::models::qwen2::{Deepstack, SeqStep};
 use mmgate_inference::models::{KvCache, Qwen2};
 use mmgate_inference::sampling::argmax;
 use mmgate_inference::{Backend, CpuBackend, Tensor};
@@ -153,9 +154,31 @@ pub fn check_prefill_and_greedy<B: Backend>(
     positions: &[[i64; 3]],
     delta: i64,
 ) {
+    check_prefill_and_greedy_with(llm, g, prompt, embeds, positions, delta, None);
+}
+
+/// [`check_prefill_and_greedy`] with Qwen3-VL's deepstack features added in the prefill.
+pub fn check_prefill_and_greedy_with<B: Backend>(
+    llm: &Qwen2<B>,
+    g: &Goldens,
+    prompt: &str,
+    embeds: Tensor<B>,
+    positions: &[[i64; 3]],
+    delta: i64,
+    deepstack: Option<Deepstack<'_, B>>,
+) {
     let n = embeds.rows();
     let mut cache: KvCache<B> = llm.new_cache(n + GREEDY_TOKENS).unwrap();
-    let hidden = llm.forward(embeds, positions, &mut cache).unwrap();
+    let hidden = llm
+        .forward_batch(vec![SeqStep {
+            embeds,
+            positions,
+            cache: &mut cache,
+            deepstack,
+        }])
+        .unwrap()
+        .pop()
+        .unwrap();
     let logits = llm.logits(&hidden).unwrap().to_host().unwrap();
     let vocab = llm.config().vocab_size;
     let rows = g.i64(&format!("{prompt}.logit_rows"));
