@@ -10,25 +10,14 @@
 mod common;
 
 use common::{
-    Goldens, check_close, check_prefill_and_greedy, devices, family_dir, real_gpus, relative_error,
-    simulated_gpus,
+    Goldens, check_close, check_prefill_and_greedy, devices, family_dir, grids, real_gpus,
+    relative_error, simulated_gpus,
 };
 use mmgate_inference::backend::cuda::DType;
 use mmgate_inference::merge::PlaceholderMap;
 use mmgate_inference::models::Qwen2Vl;
-use mmgate_inference::rope::{Grid, MediaSpan, mrope_positions};
+use mmgate_inference::rope::{MediaSpan, mrope_positions};
 use mmgate_inference::{Backend, Tensor};
-
-fn grids(g: &Goldens, item: &str) -> Vec<Grid> {
-    g.i64(&format!("{item}.grid_thw"))
-        .chunks(3)
-        .map(|v| Grid {
-            t: v[0] as usize,
-            h: v[1] as usize,
-            w: v[2] as usize,
-        })
-        .collect()
-}
 
 fn encode<E: Backend, L: Backend>(model: &Qwen2Vl<E, L>, g: &Goldens, item: &str) -> Tensor<E> {
     let (shape, pixels) = g.f32(&format!("{item}.pixel_values"));

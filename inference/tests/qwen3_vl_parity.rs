@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{Goldens, check_prefill_and_greedy_with, devices, family_dir};
+use common::{Goldens, check_prefill_and_greedy_with, devices, family_dir, grids};
 use mmgate_inference::Tensor;
 use mmgate_inference::models::Qwen2;
 use mmgate_inference::models::config::ConfigFile;
@@ -17,17 +17,6 @@ use mmgate_inference::weights::Weights;
 
 const IMAGE_TOKEN: u32 = 500;
 const VIDEO_TOKEN: u32 = 501;
-
-fn grids(g: &Goldens, item: &str) -> Vec<Grid> {
-    g.i64(&format!("{item}.grid_thw"))
-        .chunks(3)
-        .map(|v| Grid {
-            t: v[0] as usize,
-            h: v[1] as usize,
-            w: v[2] as usize,
-        })
-        .collect()
-}
 
 /// The media spans of `item` for M-RoPE: a video as one block per temporal patch.
 fn spans(g: &Goldens, item: &str, token: u32) -> Vec<MediaSpan> {

@@ -13,6 +13,7 @@ use mmgate_inference::backend::cuda::{CudaBackend, DriverDevice};
 use mmgate_inference::devices::CudaGpu;
 use mmgate_inference::models::qwen2::{Deepstack, SeqStep};
 use mmgate_inference::models::{KvCache, Qwen2};
+use mmgate_inference::rope::Grid;
 use mmgate_inference::sampling::argmax;
 use mmgate_inference::{Backend, CpuBackend, Tensor};
 use safetensors::{Dtype, SafeTensors};
@@ -92,6 +93,18 @@ impl Goldens {
     pub fn ids(&self, name: &str) -> Vec<u32> {
         self.i64(name).iter().map(|&i| i as u32).collect()
     }
+}
+
+/// The grids of `item` (`{item}.grid_thw`, rows of t, h, w).
+pub fn grids(g: &Goldens, item: &str) -> Vec<Grid> {
+    g.i64(&format!("{item}.grid_thw"))
+        .chunks(3)
+        .map(|v| Grid {
+            t: v[0] as usize,
+            h: v[1] as usize,
+            w: v[2] as usize,
+        })
+        .collect()
 }
 
 pub fn relative_error(ours: &[f32], reference: &[f32]) -> f32 {
