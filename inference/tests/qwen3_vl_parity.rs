@@ -1,22 +1,51 @@
 //! Qwen3-VL against transformers (fixtures: tests/fixtures/models/qwen3-vl, made by qwen3_vl.py with
-//! the pinned transformers): the prompt positions, and the Qwen3 LLM (q/k norms, interleaved
-//! M-RoPE, deepstack) fed the vision tower's outputs as transformers computed them. The vision tower
-//! itself (learned position embeddings, deepstack mergers) is not built yet (issue 30).
+//! the pinned transformers): the vision tower (learned position embeddings resampled to each grid,
+//! deepstack taps), the prompt positions, and the Qwen3 LLM (q/k norms, interleaved M-RoPE,
+//! deepstack) fed the tower's outputs as transformers computed them. Not yet served: the family,
+//! the plugin's processor entry and the engine's deepstack merge are issue 30's next steps.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
-use common::{Goldens, check_prefill_and_greedy_with, devices, family_dir, grids};
+use common::{Goldens, check_close, check_prefill_and_greedy_with, devices, family_dir, grids};
 use mmgate_inference::Tensor;
 use mmgate_inference::models::Qwen2;
 use mmgate_inference::models::config::ConfigFile;
 use mmgate_inference::models::qwen2::Deepstack;
+use mmgate_inference::models::qwen3_vl::Qwen3VisionTower;
 use mmgate_inference::rope::{Grid, MediaSpan, mrope_positions};
 use mmgate_inference::weights::Weights;
 
 const IMAGE_TOKEN: u32 = 500;
 const VIDEO_TOKEN: u32 = 501;
+
+/// The vision tower on transformers' pixel values: the merged output and both deepstack features
+/// of two images in one call and of a two-frame video.
+#[test]
+fn the_vision_tower_and_its_deepstack_taps_match_transformers() {
+    let (encoder, _) = devices();
+    let tower = Qwen3VisionTower::load(&family_dir("qwen3-vl").join("model"), &encoder).unwrap();
+    let g = Goldens::load("qwen3-vl");
+    for item in ["image", "video"] {
+        let (shape, values) = g.f32(&format!("{item}.pixel_values"));
+        let pixels = Tensor::from_host(&encoder, values, shape).unwrap();
+        let (merged, deepstack) = tower.encode(&pixels, &grids(&g, item)).unwrap();
+        check_close(
+            &format!("{item} embeddings"),
+            &merged,
+            g.f32(&format!("{item}.embeds")),
+        );
+        assert_eq!(deepstack.len(), 2);
+        for (i, features) in deepstack.iter().enumerate() {
+            check_close(
+                &format!("{item} deepstack {i}"),
+                features,
+                g.f32(&format!("{item}.deepstack.{i}")),
+            );
+        }
+    }
+}
 
 /// The media spans of `item` for M-RoPE: a video as one block per temporal patch.
 fn spans(g: &Goldens, item: &str, token: u32) -> Vec<MediaSpan> {

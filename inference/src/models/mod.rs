@@ -5,6 +5,7 @@ pub mod generation;
 pub mod qwen2;
 pub mod qwen2_audio;
 pub mod qwen2_vl;
+pub mod qwen3_vl;
 
 pub use generation::GenerationConfig;
 pub use qwen2::{KvCache, Qwen2};
