@@ -346,6 +346,23 @@ impl<'a, B: Backend> Scope<'a, B> {
         ))
     }
 
+    /// The q, k and v projections of a vision block's packed `name` (`[3d, d]` weight, `[3d]`
+    /// bias), split once at load; the weights keep the checkpoint's precision through the split.
+    pub fn packed_qkv(&mut self, name: &str, d: usize) -> Result<[(Tensor<B>, Tensor<B>); 3]> {
+        let w = self.matrix_data(&format!("{name}.weight"), &[3 * d, d])?;
+        let bias = self.tensor(&format!("{name}.bias"), &[3 * d])?.to_host()?;
+        let part = |j: usize| -> Result<(Tensor<B>, Tensor<B>)> {
+            let rows = w
+                .slice(j * d * d..(j + 1) * d * d)
+                .ok_or_else(|| Error::Weights(format!("{name}: part {j} of {} values", w.len())))?;
+            Ok((
+                Tensor::from_weight(self.device, rows, &[d, d])?,
+                Tensor::from_host(self.device, &bias[j * d..(j + 1) * d], &[d])?,
+            ))
+        };
+        Ok([part(0)?, part(1)?, part(2)?])
+    }
+
     /// An RMSNorm's `name.weight` `[dim]`.
     pub fn rms_norm(&mut self, name: &str, dim: usize) -> Result<Tensor<B>> {
         self.tensor(&format!("{name}.weight"), &[dim])

@@ -316,27 +316,13 @@ impl<B: Backend> VisionTower<B> {
                     down: l.biased_linear(&format!("{b}mlp.down_proj"), d, *h)?,
                 },
             };
-            // The checkpoint packs q, k and v into one [3d, d] projection; split it once here.
-            // The weight keeps the checkpoint's precision through the split.
-            let w = l.matrix_data(&format!("{b}attn.qkv.weight"), &[3 * d, d])?;
-            let bias = l
-                .tensor(&format!("{b}attn.qkv.bias"), &[3 * d])?
-                .to_host()?;
-            let part = |j: usize| -> Result<Linear<B>> {
-                let rows = w
-                    .slice(j * d * d..(j + 1) * d * d)
-                    .ok_or_else(|| Error::shape("qkv split", format!("part {j} of {}", w.len())))?;
-                Ok((
-                    Tensor::from_weight(device, rows, &[d, d])?,
-                    Tensor::from_host(device, &bias[j * d..(j + 1) * d], &[d])?,
-                ))
-            };
+            let [q, k, v] = l.packed_qkv(&format!("{b}attn.qkv"), d)?;
             blocks.push(VisionBlock {
                 norm1: Norm::load(&mut l, &format!("{b}norm1"), d, rms)?,
                 norm2: Norm::load(&mut l, &format!("{b}norm2"), d, rms)?,
-                q: part(0)?,
-                k: part(1)?,
-                v: part(2)?,
+                q,
+                k,
+                v,
                 proj: l.biased_linear(&format!("{b}attn.proj"), d, d)?,
                 mlp,
             });
@@ -410,15 +396,7 @@ impl<B: Backend> VisionTower<B> {
     /// Encodes the patches of one or more items (`pixel_values` rows in item order) into
     /// `[Σ tokens, out_dim]`, each item's tokens in placeholder order.
     pub fn encode(&self, pixel_values: &Tensor<B>, grids: &[Grid]) -> Result<Tensor<B>> {
-        let c = &self.config;
-        let patches: usize = grids.iter().map(Grid::patches).sum();
-        if pixel_values.shape() != [patches, c.patch_len()] {
-            return Err(Error::Input(format!(
-                "pixel_values {:?} do not match grids {grids:?} ({patches} patches of {})",
-                pixel_values.shape(),
-                c.patch_len()
-            )));
-        }
+        check_pixel_values(pixel_values, grids, self.config.patch_len())?;
         self.encode_embedded(self.embed_patches(pixel_values)?, grids)
     }
 
@@ -488,15 +466,14 @@ impl<B: Backend> VisionTower<B> {
                 _ => &per_frame,
             };
             let h = b.norm1.apply(&x)?;
-            let q = h
-                .linear(&b.q.0, Some(&b.q.1))?
-                .rope(&cos, &sin, c.head_dim())?;
-            let k = h
-                .linear(&b.k.0, Some(&b.k.1))?
-                .rope(&cos, &sin, c.head_dim())?;
-            let v = h.linear(&b.v.0, Some(&b.v.1))?;
-            let attn = q.attention(&k, &v, attention_shape)?;
-            x.add_assign(&attn.linear(&b.proj.0, Some(&b.proj.1))?)?;
+            let qkv = [&b.q, &b.k, &b.v];
+            x.add_assign(&self_attention(
+                &h,
+                qkv,
+                &b.proj,
+                [&cos, &sin],
+                attention_shape,
+            )?)?;
             let h = b.norm2.apply(&x)?;
             let h = match &b.mlp {
                 Mlp::Plain { fc1, fc2 } => h
@@ -523,6 +500,37 @@ impl<B: Backend> VisionTower<B> {
             None => Ok(x),
         }
     }
+}
+
+/// A vision block's attention over `h`: q, k, v projections (q and k turned by the rotary
+/// `cos`/`sin`), attention under `shape`, the output projection.
+pub(crate) fn self_attention<B: Backend>(
+    h: &Tensor<B>,
+    [q, k, v]: [&Linear<B>; 3],
+    proj: &Linear<B>,
+    [cos, sin]: [&Tensor<B>; 2],
+    shape: &AttentionShape,
+) -> Result<Tensor<B>> {
+    let q = h.linear(&q.0, Some(&q.1))?.rope(cos, sin, shape.head_dim)?;
+    let k = h.linear(&k.0, Some(&k.1))?.rope(cos, sin, shape.head_dim)?;
+    let v = h.linear(&v.0, Some(&v.1))?;
+    q.attention(&k, &v, shape)?.linear(&proj.0, Some(&proj.1))
+}
+
+/// The patches `pixel_values` (`[patches, patch_len]`) must hold for `grids`.
+pub(crate) fn check_pixel_values<B: Backend>(
+    pixel_values: &Tensor<B>,
+    grids: &[Grid],
+    patch_len: usize,
+) -> Result<usize> {
+    let patches: usize = grids.iter().map(Grid::patches).sum();
+    if pixel_values.shape() != [patches, patch_len] {
+        return Err(Error::Input(format!(
+            "pixel_values {:?} do not match grids {grids:?} ({patches} patches of {patch_len})",
+            pixel_values.shape(),
+        )));
+    }
+    Ok(patches)
 }
 
 /// Qwen2.5-VL's regrouping of merged patches (`merge²` consecutive rows each) into windows.

@@ -11,6 +11,7 @@ use std::path::Path;
 use crate::backend::{Activation, AttentionMask, AttentionShape, Backend};
 use crate::error::{Error, Result};
 use crate::models::config::ConfigFile;
+use crate::models::qwen2_vl::{check_pixel_values, self_attention};
 use crate::rope::{self, Grid};
 use crate::tensor::Tensor;
 use crate::weights::{Scope, Weights};
@@ -207,26 +208,13 @@ impl<B: Backend> Qwen3VisionTower<B> {
         let mut blocks = Vec::with_capacity(c.depth);
         for i in 0..c.depth {
             let b = format!("blocks.{i}.");
-            // q, k and v are packed in one [3d, d] projection: split it once here.
-            let w = s.matrix_data(&format!("{b}attn.qkv.weight"), &[3 * d, d])?;
-            let bias = s
-                .tensor(&format!("{b}attn.qkv.bias"), &[3 * d])?
-                .to_host()?;
-            let part = |j: usize| -> Result<Biased<B>> {
-                let rows = w
-                    .slice(j * d * d..(j + 1) * d * d)
-                    .ok_or_else(|| Error::shape("qkv split", format!("part {j}")))?;
-                Ok((
-                    Tensor::from_weight(device, rows, &[d, d])?,
-                    Tensor::from_host(device, &bias[j * d..(j + 1) * d], &[d])?,
-                ))
-            };
+            let [q, k, v] = s.packed_qkv(&format!("{b}attn.qkv"), d)?;
             blocks.push(Block {
                 norm1: s.layer_norm(&format!("{b}norm1"), d)?,
                 norm2: s.layer_norm(&format!("{b}norm2"), d)?,
-                q: part(0)?,
-                k: part(1)?,
-                v: part(2)?,
+                q,
+                k,
+                v,
                 proj: s.biased_linear(&format!("{b}attn.proj"), d, d)?,
                 fc1: s.biased_linear(&format!("{b}mlp.linear_fc1"), c.mlp_hidden, d)?,
                 fc2: s.biased_linear(&format!("{b}mlp.linear_fc2"), d, c.mlp_hidden)?,
@@ -302,14 +290,7 @@ impl<B: Backend> Qwen3VisionTower<B> {
         grids: &[Grid],
     ) -> Result<(Tensor<B>, Vec<Tensor<B>>)> {
         let c = &self.config;
-        let patches: usize = grids.iter().map(Grid::patches).sum();
-        if pixel_values.shape() != [patches, c.patch_len()] {
-            return Err(Error::Input(format!(
-                "pixel_values {:?} do not match grids {grids:?} ({patches} patches of {})",
-                pixel_values.shape(),
-                c.patch_len()
-            )));
-        }
+        let patches = check_pixel_values(pixel_values, grids, c.patch_len())?;
         let mut x = pixel_values.linear(&self.patch_embed.0, Some(&self.patch_embed.1))?;
         x.add_assign(&Tensor::from_host_vec(
             &self.device,
@@ -337,15 +318,8 @@ impl<B: Backend> Qwen3VisionTower<B> {
         let mut deepstack = Vec::with_capacity(self.deepstack.len());
         for (i, b) in self.blocks.iter().enumerate() {
             let h = x.layer_norm(&b.norm1.0, &b.norm1.1, EPS)?;
-            let q = h
-                .linear(&b.q.0, Some(&b.q.1))?
-                .rope(&cos, &sin, c.head_dim())?;
-            let k = h
-                .linear(&b.k.0, Some(&b.k.1))?
-                .rope(&cos, &sin, c.head_dim())?;
-            let v = h.linear(&b.v.0, Some(&b.v.1))?;
-            let attn = q.attention(&k, &v, &shape)?;
-            x.add_assign(&attn.linear(&b.proj.0, Some(&b.proj.1))?)?;
+            let qkv = [&b.q, &b.k, &b.v];
+            x.add_assign(&self_attention(&h, qkv, &b.proj, [&cos, &sin], &shape)?)?;
             let h = x
                 .layer_norm(&b.norm2.0, &b.norm2.1, EPS)?
                 .linear(&b.fc1.0, Some(&b.fc1.1))?
