@@ -45,6 +45,10 @@ fn the_vision_tower_and_its_deepstack_taps_match_transformers() {
             );
         }
     }
+    // A grid that is not whole merged patches is an error, not a panic.
+    let odd = Grid { t: 1, h: 2, w: 1 };
+    let pixels = Tensor::zeros(&encoder, &[2, tower.config().patch_len()]).unwrap();
+    assert!(tower.encode(&pixels, &[odd]).is_err());
 }
 
 /// The media spans of `item` for M-RoPE: a video as one block per temporal patch.

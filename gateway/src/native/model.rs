@@ -585,10 +585,6 @@ fn wrong_type(t: &Tensor, expected: &str) -> InferenceError {
 }
 
 impl PluginTensors for PluginView<'_> {
-    fn has(&self, name: &str) -> bool {
-        self.tensors.iter().any(|t| t.name == name)
-    }
-
     fn shape(&self, name: &str) -> mmgate_inference::Result<Vec<u64>> {
         Ok(self.find(name)?.shape.clone())
     }

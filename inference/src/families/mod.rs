@@ -57,7 +57,6 @@ impl MediaKind {
 /// A plugin's output tensors for one item, by name. Each reader fails with an input error naming
 /// the tensor when it is missing or of another type.
 pub trait PluginTensors {
-    fn has(&self, name: &str) -> bool;
     /// The tensor's dimensions.
     fn shape(&self, name: &str) -> Result<Vec<u64>>;
     fn f32s(&self, name: &str) -> Result<Vec<f32>>;

@@ -291,13 +291,15 @@ impl<B: Backend> Qwen3VisionTower<B> {
     ) -> Result<(Tensor<B>, Vec<Tensor<B>>)> {
         let c = &self.config;
         let patches = check_pixel_values(pixel_values, grids, c.patch_len())?;
+        // The rotary tables first: they check every grid against the merge, which the position
+        // resampling's block order relies on.
+        let (cos, sin) = rope::vision_tables(grids, c.merge, c.head_dim(), c.rope_theta)?;
         let mut x = pixel_values.linear(&self.patch_embed.0, Some(&self.patch_embed.1))?;
         x.add_assign(&Tensor::from_host_vec(
             &self.device,
             self.position_embeddings(grids),
             &[patches, c.embed_dim],
         )?)?;
-        let (cos, sin) = rope::vision_tables(grids, c.merge, c.head_dim(), c.rope_theta)?;
         let cos = Tensor::from_host_vec(&self.device, cos, &[patches, c.head_dim()])?;
         let sin = Tensor::from_host_vec(&self.device, sin, &[patches, c.head_dim()])?;
         let shape = AttentionShape {

@@ -39,12 +39,6 @@ impl<M> std::fmt::Debug for CudaBuffer<M> {
     }
 }
 
-impl<M> CudaBuffer<M> {
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-}
-
 /// The backend over one device.
 pub struct CudaBackend<D: Device> {
     device: Arc<D>,
