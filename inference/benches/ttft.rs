@@ -64,6 +64,7 @@ fn main() -> Result<()> {
         prefill_chunk: 512,
         kv_budget_tokens: 8192,
         eos_token_ids: Vec::new(),
+        deepstack_levels: 0,
     };
     let engine = Engine::start(
         config,

@@ -78,6 +78,7 @@ fn setup_on<E: Backend, L: Backend>(
         prefill_chunk: 24,
         kv_budget_tokens: 4096,
         eos_token_ids: Vec::new(),
+        deepstack_levels: 0,
     };
     let engine = Engine::start(config, llm.unwrap(), text.clone(), pool, store).unwrap();
     let ref_dev = CpuBackend::new("reference", 1).unwrap();

@@ -414,7 +414,7 @@ impl Gateway {
             };
             let failure = match result.await {
                 Ok(Ok(features)) => {
-                    let part = embeds::part(&features, model.runtime.prompt.hidden_size, grid)
+                    let part = embeds::part(&features, model.runtime.prompt.embedding_width, grid)
                         .map_err(|e| encode_failed(&e.to_string()))?;
                     rewrites.push(Rewrite::Replace(part));
                     continue;

@@ -671,7 +671,7 @@ fn embeddings_item(
 ) -> anyhow::Result<MediaItem> {
     let max_bytes = runtime
         .context_length
-        .saturating_mul(runtime.hidden_size)
+        .saturating_mul(runtime.embedding_width)
         .saturating_mul(4);
     let read = |b64: &str, name: &str, max: usize| -> anyhow::Result<mmgate_host::Tensor> {
         // Base64 is 4 characters per 3 bytes; a torch file adds a few kB around its storage.

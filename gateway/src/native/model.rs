@@ -136,8 +136,9 @@ pub struct PromptModel {
     /// defaults of requests that leave them out.
     pub generation: GenerationConfig,
     pub context_length: usize,
-    /// The LLM's embedding width: what each media token's embedding holds.
-    pub hidden_size: usize,
+    /// Values per media token in the encoder's output (the LLM's width, once per feature set:
+    /// Qwen3-VL's deepstack adds some).
+    pub embedding_width: usize,
 }
 
 /// A model on this machine's devices: its prompts, its encoders, and its LLM unless that runs
@@ -264,6 +265,7 @@ impl ModelRuntime {
                     prefill_chunk: options.prefill_chunk,
                     kv_budget_tokens: prompt.context_length.max(1) * 4,
                     eos_token_ids: prompt.generation.eos_token_ids.clone(),
+                    deepstack_levels: prompt.family.deepstack_levels(),
                 };
                 Some(llm.start(engine_config, prompt.text.clone(), pool.clone(), store)?)
             }
@@ -317,7 +319,7 @@ impl PromptModel {
         family: Arc<dyn FamilyModel>,
         max_model_len: Option<usize>,
     ) -> anyhow::Result<Self> {
-        let hidden_size = family.text_config().hidden_size;
+        let embedding_width = family.embedding_width();
         let checkpoint_context = family.text_config().max_position_embeddings;
         let context_length = match max_model_len {
             Some(n) if n > checkpoint_context => bail!(
@@ -337,7 +339,7 @@ impl PromptModel {
             processor_config,
             generation: GenerationConfig::read(dir)?,
             context_length,
-            hidden_size,
+            embedding_width,
         })
     }
 
@@ -458,11 +460,11 @@ impl PromptModel {
             )
         };
         let tokens = usize::try_from(tokens)?;
-        if hidden != self.hidden_size as u64 {
+        if hidden != self.embedding_width as u64 {
             bail!(
                 "image_embeds are {hidden} wide; model {} embeds tokens in {}",
                 self.name,
-                self.hidden_size
+                self.embedding_width
             );
         }
         if tokens == 0 {
@@ -482,7 +484,7 @@ impl PromptModel {
                 .collect(),
             other => bail!("image_embeds are {}; floats are expected", other.name()),
         };
-        if values.len() != tokens * self.hidden_size {
+        if values.len() != tokens * self.embedding_width {
             bail!(
                 "image_embeds holds {} values, not {tokens}x{hidden}",
                 values.len()

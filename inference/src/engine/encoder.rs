@@ -7,6 +7,7 @@ use crate::backend::{Backend, ByteSamplesView};
 use crate::error::{Error, Result};
 use crate::models::qwen2_audio::AudioEncoder;
 use crate::models::qwen2_vl::VisionTower;
+use crate::models::qwen3_vl::Qwen3VisionTower;
 use crate::rope::Grid;
 use crate::tensor::Tensor;
 
@@ -325,63 +326,149 @@ fn wrong_kind(kind: EncoderKind) -> Error {
     Error::Input(format!("input is not for the {kind:?} encoder"))
 }
 
+/// What a vision tower offers the encoder pool: patches embedded a block at a time, then the rest
+/// of the tower over every item's embeddings at once.
+trait PatchTower<B: Backend> {
+    fn device(&self) -> &B;
+    fn patch_len(&self) -> usize;
+    fn embed_dim(&self) -> usize;
+    fn merge(&self) -> usize;
+    fn embed_patches(&self, pixels: &Tensor<B>) -> Result<Tensor<B>>;
+    /// Every item's output rows, `[Σ tokens, width]` on the host.
+    fn encode_embedded(&self, embedded: Tensor<B>, grids: &[Grid]) -> Result<Vec<f32>>;
+}
+
+impl<B: Backend> PatchTower<B> for VisionTower<B> {
+    fn device(&self) -> &B {
+        VisionTower::device(self)
+    }
+    fn patch_len(&self) -> usize {
+        self.config().patch_len()
+    }
+    fn embed_dim(&self) -> usize {
+        self.config().embed_dim
+    }
+    fn merge(&self) -> usize {
+        self.config().merge
+    }
+    fn embed_patches(&self, pixels: &Tensor<B>) -> Result<Tensor<B>> {
+        VisionTower::embed_patches(self, pixels)
+    }
+    fn encode_embedded(&self, embedded: Tensor<B>, grids: &[Grid]) -> Result<Vec<f32>> {
+        VisionTower::encode_embedded(self, embedded, grids)?.to_host()
+    }
+}
+
+impl<B: Backend> PatchTower<B> for Qwen3VisionTower<B> {
+    fn device(&self) -> &B {
+        Qwen3VisionTower::device(self)
+    }
+    fn patch_len(&self) -> usize {
+        self.config().patch_len()
+    }
+    fn embed_dim(&self) -> usize {
+        self.config().embed_dim
+    }
+    fn merge(&self) -> usize {
+        self.config().merge
+    }
+    fn embed_patches(&self, pixels: &Tensor<B>) -> Result<Tensor<B>> {
+        Qwen3VisionTower::embed_patches(self, pixels)
+    }
+    /// Each token's row is its merged embedding followed by its deepstack features, level by level
+    /// (the layout vLLM's Qwen3-VL uses too): one row per token keeps the pool, the feature store
+    /// and the shared cache unaware of deepstack; the engine splits the row at the merge.
+    fn encode_embedded(&self, embedded: Tensor<B>, grids: &[Grid]) -> Result<Vec<f32>> {
+        let (merged, deepstack) = Qwen3VisionTower::encode_embedded(self, embedded, grids)?;
+        let merged = merged.to_host()?;
+        let deepstack = deepstack
+            .iter()
+            .map(Tensor::to_host)
+            .collect::<Result<Vec<_>>>()?;
+        let width = self.config().out_dim;
+        let mut rows = Vec::with_capacity(merged.len() * (1 + deepstack.len()));
+        for (token, row) in merged.chunks_exact(width).enumerate() {
+            rows.extend_from_slice(row);
+            for level in &deepstack {
+                rows.extend_from_slice(&level[token * width..(token + 1) * width]);
+            }
+        }
+        Ok(rows)
+    }
+}
+
 impl<B: Backend> Encoder for VisionTower<B> {
     fn kind(&self) -> EncoderKind {
         EncoderKind::Vision
     }
-
-    /// Packs every item's patches into one call (attention stays within each frame) and splits the
-    /// output by each grid's token count. The pixel values are expanded (8-bit samples to f32) and
-    /// embedded a block of patches at a time: the f32 pixels of a whole batch (290 MB for a 12 MP
-    /// photo) are never held, only their embedding, which the tower needs anyway.
     fn encode(&self, batch: &[&EncodeInput]) -> Vec<Result<Vec<f32>>> {
-        self.device().run_on(|| {
-            packed_or_each(batch, |items| {
-                let c = self.config();
-                let patch_len = c.patch_len();
-                let mut grids = Vec::with_capacity(items.len());
-                let mut sources = Vec::with_capacity(items.len());
-                for item in items {
-                    let EncodeInput::Vision { pixel_values, grid } = item else {
-                        return Err(wrong_kind(EncoderKind::Vision));
-                    };
-                    if pixel_values.len() != grid.patches() * patch_len {
-                        return Err(Error::Input(format!(
-                            "{} pixel values for a {}x{}x{} grid of patches of {patch_len}",
-                            pixel_values.len(),
-                            grid.t,
-                            grid.h,
-                            grid.w
-                        )));
-                    }
-                    grids.push(*grid);
-                    sources.push(pixel_values);
-                }
-                let patches: usize = grids.iter().map(Grid::patches).sum();
-                let items: Vec<(&PixelValues, usize)> = sources
-                    .iter()
-                    .copied()
-                    .zip(grids.iter().map(Grid::patches))
-                    .collect();
-                let embedded = embed_blockwise(self.device(), &items, patch_len, |pixels| {
-                    self.embed_patches(pixels)
-                })?;
-                let embedded =
-                    Tensor::from_host_vec(self.device(), embedded, &[patches, c.embed_dim])?;
-                let out = self.encode_embedded(embedded, &grids)?.to_host()?;
-                let width = c.out_dim;
-                let mut at = 0;
-                Ok(grids
-                    .iter()
-                    .map(|g| {
-                        let n = g.tokens(c.merge) * width;
-                        at += n;
-                        out[at - n..at].to_vec()
-                    })
-                    .collect())
-            })
-        })
+        encode_patches(self, batch)
     }
+}
+
+impl<B: Backend> Encoder for Qwen3VisionTower<B> {
+    fn kind(&self) -> EncoderKind {
+        EncoderKind::Vision
+    }
+    fn encode(&self, batch: &[&EncodeInput]) -> Vec<Result<Vec<f32>>> {
+        encode_patches(self, batch)
+    }
+}
+
+/// Packs every item's patches into one call (attention stays within each frame) and splits the
+/// output by each grid's token count. The pixel values are expanded (8-bit samples to f32) and
+/// embedded a block of patches at a time: the f32 pixels of a whole batch (290 MB for a 12 MP
+/// photo) are never held, only their embedding, which the tower needs anyway.
+fn encode_patches<B: Backend>(
+    tower: &(impl PatchTower<B> + Sync),
+    batch: &[&EncodeInput],
+) -> Vec<Result<Vec<f32>>> {
+    tower.device().run_on(|| {
+        packed_or_each(batch, |items| {
+            let patch_len = tower.patch_len();
+            let mut grids = Vec::with_capacity(items.len());
+            let mut sources = Vec::with_capacity(items.len());
+            for item in items {
+                let EncodeInput::Vision { pixel_values, grid } = item else {
+                    return Err(wrong_kind(EncoderKind::Vision));
+                };
+                if pixel_values.len() != grid.patches() * patch_len {
+                    return Err(Error::Input(format!(
+                        "{} pixel values for a {}x{}x{} grid of patches of {patch_len}",
+                        pixel_values.len(),
+                        grid.t,
+                        grid.h,
+                        grid.w
+                    )));
+                }
+                grids.push(*grid);
+                sources.push(pixel_values);
+            }
+            let patches: usize = grids.iter().map(Grid::patches).sum();
+            let items: Vec<(&PixelValues, usize)> = sources
+                .iter()
+                .copied()
+                .zip(grids.iter().map(Grid::patches))
+                .collect();
+            let embedded = embed_blockwise(tower.device(), &items, patch_len, |pixels| {
+                tower.embed_patches(pixels)
+            })?;
+            let embedded =
+                Tensor::from_host_vec(tower.device(), embedded, &[patches, tower.embed_dim()])?;
+            let out = tower.encode_embedded(embedded, &grids)?;
+            let tokens: usize = grids.iter().map(|g| g.tokens(tower.merge())).sum();
+            let width = out.len() / tokens.max(1);
+            let mut at = 0;
+            Ok(grids
+                .iter()
+                .map(|g| {
+                    let n = g.tokens(tower.merge()) * width;
+                    at += n;
+                    out[at - n..at].to_vec()
+                })
+                .collect())
+        })
+    })
 }
 
 impl<B: Backend> Encoder for AudioEncoder<B> {

@@ -30,7 +30,8 @@ pub use store::{FeatureState, FeatureStore, StoreStats};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::merge::PlaceholderMap;
-use crate::models::{KvCache, Qwen2, qwen2::SeqStep};
+use crate::models::qwen2::{Deepstack, SeqStep};
+use crate::models::{KvCache, Qwen2};
 use crate::rope::{MediaSpan, mrope_positions};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tensor::Tensor;
@@ -59,6 +60,18 @@ pub struct EngineConfig {
     /// Ids that end a generation besides `config.json`'s and the tokenizer's `eos_token`
     /// (`generation_config.json` lists them).
     pub eos_token_ids: Vec<u32>,
+    /// Feature sets an encoder output carries beside the merged embeddings (Qwen3-VL's deepstack):
+    /// each media row is `hidden · (1 + deepstack_levels)` wide, the embeddings first, then one
+    /// `hidden`-wide row per level that the LLM adds to its hidden states after that layer.
+    pub deepstack_levels: usize,
+}
+
+/// One sequence's input to a forward step.
+struct StepInput<L: Backend> {
+    embeds: Tensor<L>,
+    positions: Vec<[i64; 3]>,
+    /// Rows of the step that are media tokens, and each deepstack level's features for them.
+    deepstack: Option<(Vec<u32>, Vec<Tensor<L>>)>,
 }
 
 /// One media item of a request: its encoder input and where its embeddings go.
@@ -561,9 +574,18 @@ impl<L: Backend> Scheduler<L> {
             .iter_mut()
             .map(|s| Some(&mut s.cache))
             .collect();
-        let (embeds, positions): (Vec<_>, Vec<_>) = inputs.into_iter().unzip();
+        let mut embeds = Vec::with_capacity(inputs.len());
+        let mut positions = Vec::with_capacity(inputs.len());
+        let mut deepstacks = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            embeds.push(input.embeds);
+            positions.push(input.positions);
+            deepstacks.push(input.deepstack);
+        }
         let mut steps = Vec::with_capacity(plan.len());
-        for (((i, _, _), embeds), positions) in plan.iter().zip(embeds).zip(&positions) {
+        for ((((i, _, _), embeds), positions), deepstack) in
+            plan.iter().zip(embeds).zip(&positions).zip(&deepstacks)
+        {
             let cache = caches[*i]
                 .take()
                 .ok_or_else(|| Error::Input("sequence planned twice".into()))?;
@@ -571,7 +593,9 @@ impl<L: Backend> Scheduler<L> {
                 embeds,
                 positions,
                 cache,
-                deepstack: None,
+                deepstack: deepstack
+                    .as_ref()
+                    .map(|(rows, features)| Deepstack { rows, features }),
             });
         }
         let llm = &self.llm;
@@ -600,19 +624,24 @@ impl<L: Backend> Scheduler<L> {
         Ok(true)
     }
 
-    /// Embeddings and positions of prompt rows `rows` (media rows replaced by their features), or
-    /// of the pending sampled token when `rows` is empty.
-    fn input_rows(
-        &self,
-        seq: &Sequence<L>,
-        rows: Range<usize>,
-    ) -> Result<(Tensor<L>, Vec<[i64; 3]>)> {
+    /// Embeddings and positions of prompt rows `rows` (media rows replaced by their features, with
+    /// their deepstack rows if the model has them), or of the pending sampled token when `rows` is
+    /// empty.
+    fn input_rows(&self, seq: &Sequence<L>, rows: Range<usize>) -> Result<StepInput<L>> {
         if let Some(token) = seq.next {
             let pos = seq.cache.len() as i64 + seq.delta;
-            return Ok((self.llm.embed(&[token])?, vec![[pos; 3]]));
+            return Ok(StepInput {
+                embeds: self.llm.embed(&[token])?,
+                positions: vec![[pos; 3]],
+                deepstack: None,
+            });
         }
         let mut embeds = self.llm.embed(&seq.ids[rows.clone()])?;
         let hidden = self.llm.config().hidden_size;
+        let levels = self.config.deepstack_levels;
+        let width = hidden * (1 + levels);
+        let mut deepstack_rows = Vec::new();
+        let mut deepstack = vec![Vec::new(); levels];
         for ((key, _), item_rows) in seq.media.iter().zip(&seq.media_rows) {
             let (start, end) = (item_rows.start.max(rows.start), item_rows.end.min(rows.end));
             if start >= end {
@@ -623,19 +652,42 @@ impl<L: Backend> Scheduler<L> {
                     "media features vanished before the merge".into(),
                 ));
             };
-            if features.len() != item_rows.len() * hidden {
+            if features.len() != item_rows.len() * width {
                 return Err(Error::Input(format!(
-                    "an encoder produced {} embeddings for {} placeholders",
-                    features.len() / hidden.max(1),
+                    "an encoder produced {} values for {} placeholders of {width}",
+                    features.len(),
                     item_rows.len()
                 )));
             }
             let part =
-                &features[(start - item_rows.start) * hidden..(end - item_rows.start) * hidden];
-            let part = Tensor::from_host(self.llm.device(), part, &[end - start, hidden])?;
-            embeds.write_rows(start - rows.start, &part)?;
+                &features[(start - item_rows.start) * width..(end - item_rows.start) * width];
+            let mut main = Vec::with_capacity((end - start) * hidden);
+            for row in part.chunks_exact(width) {
+                let (first, rest) = row.split_at(hidden);
+                main.extend_from_slice(first);
+                for (level, values) in deepstack.iter_mut().zip(rest.chunks_exact(hidden)) {
+                    level.extend_from_slice(values);
+                }
+            }
+            deepstack_rows.extend((start - rows.start) as u32..(end - rows.start) as u32);
+            let main = Tensor::from_host_vec(self.llm.device(), main, &[end - start, hidden])?;
+            embeds.write_rows(start - rows.start, &main)?;
         }
-        Ok((embeds, seq.positions[rows].to_vec()))
+        let deepstack = if levels > 0 && !deepstack_rows.is_empty() {
+            let n = deepstack_rows.len();
+            let features = deepstack
+                .into_iter()
+                .map(|values| Tensor::from_host_vec(self.llm.device(), values, &[n, hidden]))
+                .collect::<Result<Vec<_>>>()?;
+            Some((deepstack_rows, features))
+        } else {
+            None
+        };
+        Ok(StepInput {
+            embeds,
+            positions: seq.positions[rows].to_vec(),
+            deepstack,
+        })
     }
 
     /// Ends sequences that finished, failed or were cancelled: final event, pins and cache freed.

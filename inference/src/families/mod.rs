@@ -11,6 +11,8 @@
 
 mod qwen2_audio;
 mod qwen2_vl;
+mod qwen3_vl;
+mod vision;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -126,6 +128,15 @@ pub trait FamilyModel: Send + Sync {
     /// The token that stands for one item of `kind` in a templated prompt.
     fn placeholder(&self, kind: MediaKind) -> Option<u32>;
     fn positions(&self) -> PositionScheme;
+    /// Feature sets the encoder makes beside each token's embedding (Qwen3-VL's deepstack), which
+    /// the LLM adds to its first layers' hidden states: see [`EngineConfig::deepstack_levels`].
+    fn deepstack_levels(&self) -> usize {
+        0
+    }
+    /// Values per media token in the encoder's output: the LLM's width, once per feature set.
+    fn embedding_width(&self) -> usize {
+        self.text_config().hidden_size * (1 + self.deepstack_levels())
+    }
     /// The encoder input for an item's plugin tensors, checked against the model's shapes.
     fn plan_input(&self, kind: MediaKind, tensors: &dyn PluginTensors) -> Result<PlannedInput>;
     /// Where `tokens` embeddings of an item made elsewhere go, from the small tensors that place
@@ -149,7 +160,11 @@ pub trait FamilyModel: Send + Sync {
 
 /// Every family mmgate serves.
 pub fn registry() -> &'static [&'static dyn Family] {
-    &[&qwen2_vl::Qwen2VlFamily, &qwen2_audio::Qwen2AudioFamily]
+    &[
+        &qwen2_vl::Qwen2VlFamily,
+        &qwen2_audio::Qwen2AudioFamily,
+        &qwen3_vl::Qwen3VlFamily,
+    ]
 }
 
 /// The family model of the checkpoint in `dir`.

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use crate::backend::{Activation, AttentionMask, AttentionShape, Backend};
 use crate::error::{Error, Result};
-use crate::models::config::ConfigFile;
+use crate::models::config::{ConfigFile, TextConfig};
 use crate::models::qwen2_vl::{check_pixel_values, self_attention};
 use crate::rope::{self, Grid};
 use crate::tensor::Tensor;
@@ -68,7 +68,7 @@ impl Qwen3VisionConfig {
                 "num_position_embeddings {positions} is not a square"
             )));
         }
-        let deepstack = v
+        let deepstack: Vec<usize> = v
             .get("deepstack_visual_indexes")
             .and_then(|d| d.as_array())
             .map(|a| {
@@ -87,8 +87,17 @@ impl Qwen3VisionConfig {
             .and_then(|r| r.get("rope_theta"))
             .and_then(|t| t.as_f64())
             .map_or(10000.0, |t| t as f32);
+        let depth = num("depth")?;
+        let mut taps: Vec<usize> = deepstack.clone();
+        taps.sort_unstable();
+        taps.dedup();
+        if taps.len() != deepstack.len() || taps.last().is_some_and(|&t| t >= depth) {
+            return Err(err(format!(
+                "deepstack_visual_indexes {deepstack:?} are not distinct blocks of {depth}"
+            )));
+        }
         Ok(Self {
-            depth: num("depth")?,
+            depth,
             embed_dim,
             out_dim: num("out_hidden_size")?,
             heads,
@@ -110,6 +119,42 @@ impl Qwen3VisionConfig {
 
     pub fn head_dim(&self) -> usize {
         self.embed_dim / self.heads
+    }
+}
+
+/// The `model_type`s this module loads.
+pub const MODEL_TYPES: [&str; 1] = ["qwen3_vl"];
+
+/// A Qwen3-VL checkpoint's configuration: its LLM, its tower and its placeholder tokens.
+#[derive(Debug, Clone)]
+pub struct Qwen3VlConfig {
+    pub text: TextConfig,
+    pub vision: Qwen3VisionConfig,
+    pub image_token_id: u32,
+    pub video_token_id: u32,
+}
+
+impl Qwen3VlConfig {
+    pub fn read(dir: &Path) -> Result<Self> {
+        let file = ConfigFile::read_of_types(dir, &MODEL_TYPES)?;
+        let text = file.text_config()?;
+        let vision = Qwen3VisionConfig::read(dir)?;
+        if vision.out_dim != text.hidden_size {
+            return Err(file.error(format!(
+                "vision out_hidden_size {} does not match the LLM's hidden size {}",
+                vision.out_dim, text.hidden_size
+            )));
+        }
+        let root = file.root();
+        let token = |key: &str, default: u32| -> Result<u32> {
+            Ok(root.token_ids(key)?.first().copied().unwrap_or(default))
+        };
+        Ok(Self {
+            text,
+            vision,
+            image_token_id: token("image_token_id", 151655)?,
+            video_token_id: token("video_token_id", 151656)?,
+        })
     }
 }
 
@@ -182,9 +227,15 @@ pub struct Qwen3VisionTower<B: Backend> {
 }
 
 impl<B: Backend> Qwen3VisionTower<B> {
+    /// The tower alone from a checkpoint directory.
     pub fn load(dir: &Path, device: &B) -> Result<Self> {
         let c = Qwen3VisionConfig::read(dir)?;
         let mut weights = Weights::load(dir, str::to_owned)?;
+        Self::from_weights(c, &mut weights, device)
+    }
+
+    /// The tower from checkpoint weights read already (`model.visual.*`), taking its tensors.
+    pub fn from_weights(c: Qwen3VisionConfig, weights: &mut Weights, device: &B) -> Result<Self> {
         let d = c.embed_dim;
         let conv = weights.take_weight_data(
             "model.visual.patch_embed.proj.weight",
@@ -204,7 +255,7 @@ impl<B: Backend> Qwen3VisionTower<B> {
         let positions = weights
             .take_host("model.visual.pos_embed.weight", &[side * side, d])?
             .data;
-        let mut s = Scope::new(&mut weights, device, "model.visual.");
+        let mut s = Scope::new(weights, device, "model.visual.");
         let mut blocks = Vec::with_capacity(c.depth);
         for i in 0..c.depth {
             let b = format!("blocks.{i}.");
@@ -282,6 +333,10 @@ impl<B: Backend> Qwen3VisionTower<B> {
         out
     }
 
+    pub fn device(&self) -> &B {
+        &self.device
+    }
+
     /// Encodes the patches of one or more items into the merged output `[Σ tokens, out_dim]` and
     /// one deepstack feature set of the same shape per deepstack tap.
     pub fn encode(
@@ -289,12 +344,34 @@ impl<B: Backend> Qwen3VisionTower<B> {
         pixel_values: &Tensor<B>,
         grids: &[Grid],
     ) -> Result<(Tensor<B>, Vec<Tensor<B>>)> {
+        check_pixel_values(pixel_values, grids, self.config.patch_len())?;
+        self.encode_embedded(self.embed_patches(pixel_values)?, grids)
+    }
+
+    /// The patch embedding (with its bias) of `[rows, patch_len]` pixel values: `[rows,
+    /// embed_dim]`. Row by row, so patches may be embedded a block at a time.
+    pub fn embed_patches(&self, pixel_values: &Tensor<B>) -> Result<Tensor<B>> {
+        pixel_values.linear(&self.patch_embed.0, Some(&self.patch_embed.1))
+    }
+
+    /// [`Self::encode`] from the patches' embeddings (`[Σ patches, embed_dim]`).
+    pub fn encode_embedded(
+        &self,
+        mut x: Tensor<B>,
+        grids: &[Grid],
+    ) -> Result<(Tensor<B>, Vec<Tensor<B>>)> {
         let c = &self.config;
-        let patches = check_pixel_values(pixel_values, grids, c.patch_len())?;
+        let patches: usize = grids.iter().map(Grid::patches).sum();
+        if x.shape() != [patches, c.embed_dim] {
+            return Err(Error::Input(format!(
+                "patch embeddings {:?} do not match grids {grids:?} ({patches} patches of {})",
+                x.shape(),
+                c.embed_dim
+            )));
+        }
         // The rotary tables first: they check every grid against the merge, which the position
         // resampling's block order relies on.
         let (cos, sin) = rope::vision_tables(grids, c.merge, c.head_dim(), c.rope_theta)?;
-        let mut x = pixel_values.linear(&self.patch_embed.0, Some(&self.patch_embed.1))?;
         x.add_assign(&Tensor::from_host_vec(
             &self.device,
             self.position_embeddings(grids),
