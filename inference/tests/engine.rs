@@ -146,6 +146,7 @@ fn request(
                 processor_config: "{}".into(),
                 time_interval: 1.0,
                 share_key: None,
+                part: None,
             }
         })
         .collect();

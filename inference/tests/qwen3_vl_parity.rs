@@ -1,21 +1,36 @@
 //! Qwen3-VL against transformers (fixtures: tests/fixtures/models/qwen3-vl, made by qwen3_vl.py with
 //! the pinned transformers): the vision tower (learned position embeddings resampled to each grid,
 //! deepstack taps), the prompt positions, and the Qwen3 LLM (q/k norms, interleaved M-RoPE,
-//! deepstack) fed the tower's outputs as transformers computed them. Not yet served: the family,
-//! the plugin's processor entry and the engine's deepstack merge are issue 30's next steps.
+//! deepstack) fed the tower's outputs as transformers computed them; and the model as it is served:
+//! loaded through the family registry, its tower an encoder device of the engine, which merges the
+//! embeddings and adds the deepstack features (a video's temporal patches as separate runs of one
+//! encoded input) and generates transformers' greedy tokens.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
-use common::{Goldens, check_close, check_prefill_and_greedy_with, devices, family_dir, grids};
-use mmgate_inference::Tensor;
+use common::{
+    GREEDY_TOKENS, Goldens, check_close, check_prefill_and_greedy_with, devices, family_dir, grids,
+};
+use std::sync::Arc;
+
+use mmgate_inference::demo::{self, DemoFamily};
+use mmgate_inference::devices::OpenDevice;
+use mmgate_inference::engine::{
+    DeviceSpec, EncoderPool, EngineConfig, Event, FeatureStore, GenerateRequest, InputPart,
+    MediaItem, PixelValues, RequestHandle,
+};
+use mmgate_inference::families::{self, LoadedModel, MediaKind, PluginTensors};
 use mmgate_inference::models::Qwen2;
 use mmgate_inference::models::config::ConfigFile;
 use mmgate_inference::models::qwen2::Deepstack;
 use mmgate_inference::models::qwen3_vl::Qwen3VisionTower;
 use mmgate_inference::rope::{Grid, MediaSpan, mrope_positions};
+use mmgate_inference::sampling::SamplingParams;
+use mmgate_inference::text::TextProcessor;
 use mmgate_inference::weights::Weights;
+use mmgate_inference::{CpuBackend, Tensor};
 
 const IMAGE_TOKEN: u32 = 500;
 const VIDEO_TOKEN: u32 = 501;
@@ -127,5 +142,171 @@ fn prompt_positions_match_transformers_with_video_frames_as_blocks() {
             );
         }
         assert_eq!(delta, g.i64(&format!("{prompt}.rope_delta"))[0], "{prompt}");
+    }
+}
+
+/// Goldens' tensors for one item, as a plugin would hand them over.
+struct ItemTensors {
+    grid: Vec<i64>,
+    pixels: Vec<f32>,
+    frame_indices: Vec<i64>,
+    fps: f64,
+}
+
+impl PluginTensors for ItemTensors {
+    fn shape(&self, name: &str) -> mmgate_inference::Result<Vec<u64>> {
+        Err(mmgate_inference::Error::Input(format!(
+            "no shape of {name}"
+        )))
+    }
+    fn f32s(&self, name: &str) -> mmgate_inference::Result<Vec<f32>> {
+        Err(mmgate_inference::Error::Input(format!("no {name}")))
+    }
+    fn ints(&self, name: &str) -> mmgate_inference::Result<Vec<i64>> {
+        match name {
+            "image_grid_thw" | "video_grid_thw" => Ok(self.grid.clone()),
+            "frame_indices" => Ok(self.frame_indices.clone()),
+            "video_fps_f64_bits" => Ok(vec![self.fps.to_bits() as i64]),
+            _ => Err(mmgate_inference::Error::Input(format!("no {name}"))),
+        }
+    }
+    fn pixel_values(&self, _name: &str) -> mmgate_inference::Result<PixelValues> {
+        Ok(PixelValues::F32(self.pixels.clone()))
+    }
+}
+
+/// The served model: the registry loads the checkpoint onto an encoder device and an LLM device,
+/// the engine encodes the goldens' pixel values and generates. Both images of the image prompt
+/// and the video's two temporal patches (two runs of one input, encoded once) give
+/// transformers' 32 greedy tokens; the video's runs carry the processor's timestamps.
+#[test]
+fn the_served_model_generates_transformers_tokens() {
+    let fixture = family_dir("qwen3-vl").join("model");
+    // The engine streams text: the fixture has no tokenizer, so the demo's stands in (the
+    // fixture's ids are all within its vocabulary; only ids are compared).
+    let dir = tempfile::tempdir().unwrap();
+    let demo = tempfile::tempdir().unwrap();
+    demo::write(demo.path(), DemoFamily::Qwen2Vl, 1).unwrap();
+    for (from, name) in [
+        (&fixture, "config.json"),
+        (&fixture, "model.safetensors"),
+        (&fixture, "generation_config.json"),
+        (&demo.path().to_owned(), "tokenizer.json"),
+        (&demo.path().to_owned(), "tokenizer_config.json"),
+    ] {
+        std::fs::copy(from.join(name), dir.path().join(name)).unwrap();
+    }
+    let family = families::read(dir.path()).unwrap();
+    assert_eq!(family.deepstack_levels(), 2);
+    assert_eq!(
+        family.embedding_width(),
+        3 * family.text_config().hidden_size
+    );
+    let encoder = OpenDevice::Cpu(CpuBackend::new("enc", 1).unwrap());
+    let llm = OpenDevice::Cpu(CpuBackend::new("llm", 1).unwrap());
+    let LoadedModel { encoders, llm } = family.load(dir.path(), &[encoder], Some(&llm)).unwrap();
+    let specs = vec![DeviceSpec {
+        name: "enc0".into(),
+        encoders,
+    }];
+    let pool = Arc::new(EncoderPool::with_observer(specs, 4, None).unwrap());
+    let config = EngineConfig {
+        model_name: "qwen3-vl".into(),
+        positions: family.positions(),
+        max_running: 4,
+        prefill_chunk: 16,
+        kv_budget_tokens: 4096,
+        eos_token_ids: Vec::new(),
+        deepstack_levels: family.deepstack_levels(),
+    };
+    let text = Arc::new(TextProcessor::load(dir.path()).unwrap());
+    let store = Arc::new(FeatureStore::new(64 << 20));
+    let engine = llm.unwrap().start(config, text, pool, store).unwrap();
+
+    let g = Goldens::load("qwen3-vl");
+    let cases: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(family_dir("qwen3-vl").join("cases.json")).unwrap())
+            .unwrap();
+    for (prompt, item, kind) in [
+        ("image_prompt", "image", MediaKind::Image),
+        ("video_prompt", "video", MediaKind::Video),
+    ] {
+        let (_, pixels) = g.f32(&format!("{item}.pixel_values"));
+        let patch_len = 3 * 2 * 16 * 16;
+        let mut media = Vec::new();
+        let mut first_row = 0;
+        for grid in grids(&g, item) {
+            let rows = grid.patches();
+            let tensors = ItemTensors {
+                grid: vec![grid.t as i64, grid.h as i64, grid.w as i64],
+                pixels: pixels[first_row * patch_len..(first_row + rows) * patch_len].to_vec(),
+                frame_indices: (0..2 * grid.t as i64).map(|i| 3 * i).collect(),
+                fps: 6.0,
+            };
+            first_row += rows;
+            let planned = family.plan_input(kind, &tensors).unwrap();
+            let input = Arc::new(planned.input);
+            let placeholder = family.placeholder(kind).unwrap();
+            let item = |tokens, part| MediaItem {
+                input: input.clone(),
+                placeholder,
+                tokens,
+                processor_config: "{}".into(),
+                time_interval: planned.time_interval,
+                share_key: None,
+                part,
+            };
+            if planned.runs.is_empty() {
+                media.push(item(planned.tokens, None));
+                continue;
+            }
+            // Frames 0, 3 and 6, 9 at 6 fps: temporal patches at 0.25 s and 1.25 s.
+            let texts: Vec<&str> = planned.runs.iter().map(|r| r.before.as_str()).collect();
+            assert_eq!(
+                texts,
+                [
+                    "<0.2 seconds><|vision_start|>",
+                    "<1.2 seconds><|vision_start|>"
+                ]
+            );
+            let mut first_token = 0;
+            for run in &planned.runs {
+                let part = InputPart {
+                    first_token,
+                    grid: run.grid,
+                };
+                media.push(item(run.tokens, Some(part)));
+                first_token += run.tokens;
+            }
+        }
+        let handle = engine
+            .submit(GenerateRequest {
+                prompt: g.ids(&format!("{prompt}.input_ids")),
+                media,
+                sampling: SamplingParams::greedy(),
+                max_tokens: GREEDY_TOKENS,
+                stop: Vec::new(),
+            })
+            .unwrap();
+        let generated = collect_ids(handle);
+        let want: Vec<u32> = cases["cases"][format!("qwen3-vl/{prompt}")]["generated"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(generated, want, "{prompt}");
+    }
+}
+
+fn collect_ids(mut handle: RequestHandle) -> Vec<u32> {
+    let mut ids = Vec::new();
+    loop {
+        match handle.events.blocking_recv() {
+            Some(Event::Token { id, .. }) => ids.push(id),
+            Some(Event::Done { .. }) => return ids,
+            Some(Event::Failed(failure)) => panic!("{failure:?}"),
+            None => panic!("the engine stopped"),
+        }
     }
 }

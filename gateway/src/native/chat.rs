@@ -23,7 +23,7 @@ use crate::media::feature_cache::{self, SharedCache};
 use crate::media::files::FileStore;
 use crate::media::pipeline;
 use crate::media::sniff::sniff_mime_type;
-use crate::native::model::{MediaKind, ModelRuntime, PromptModel, expand_placeholders};
+use crate::native::model::{MediaKind, ModelRuntime, PlacedItem, PromptModel, expand_placeholders};
 use crate::store::Caller;
 use crate::wire::openai::{
     self, ByteSource, ChatCompletionRequest, Content, MediaSource, Part, PayloadError,
@@ -294,7 +294,7 @@ pub async fn prepare(
         let (plugin, processed) = match item.input {
             ItemInput::Embeddings(input) => {
                 report.push(MediaAccount::embeddings(index, item.kind, input.tokens));
-                media.push(input);
+                media.push(PlacedItem::single(input));
                 continue;
             }
             ItemInput::Plugin { plugin, .. } => match processed.next() {
@@ -313,14 +313,16 @@ pub async fn prepare(
                 let made = prompt.media_item(item.kind, processed.plan.tokens, &processed.tensors);
                 // Other replicas will look this item up by its key: the pool writes its output
                 // there, and the note that places it goes beside it.
-                made.map(|mut input| {
+                made.map(|mut placed| {
                     if let (Some(shared), Some(key)) = (shared, processed.share_key) {
                         shared
                             .features
                             .put_note(&key, feature_cache::note(&processed.tensors));
-                        input.share_key = Some(key);
+                        for item in &mut placed.items {
+                            item.share_key = Some(key);
+                        }
                     }
-                    input
+                    placed
                 })
             }
         };
@@ -369,7 +371,7 @@ pub async fn prepare(
     Ok(Prepared {
         request: GenerateRequest {
             prompt: prompt_ids,
-            media,
+            media: media.into_iter().flat_map(|placed| placed.items).collect(),
             sampling: sampling(
                 &prompt.generation,
                 request.temperature,
@@ -462,7 +464,14 @@ impl Prepared {
 
     /// The media as the engine takes them (dropped items left out), and every item's account.
     pub fn into_media(self) -> (Vec<MediaItem>, Vec<MediaAccount>) {
-        (self.request.media, self.media)
+        // One per item: the parts of an input split over several runs share it.
+        let media = self
+            .request
+            .media
+            .into_iter()
+            .filter(|item| item.part.is_none_or(|p| p.first_token == 0))
+            .collect();
+        (media, self.media)
     }
 }
 

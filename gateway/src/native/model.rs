@@ -14,7 +14,7 @@ use mmgate_inference::demo::{self, DemoFamily};
 use mmgate_inference::devices::{OpenDevice, Placement as DevicePlacement};
 use mmgate_inference::engine::{
     BatchObserver, DeviceSpec, EncodeInput, EncoderPool, Engine, EngineConfig, FeatureStore,
-    MediaItem, PixelSource, PixelValues, SharedFeatures,
+    InputPart, MediaItem, PixelSource, PixelValues, SharedFeatures,
 };
 use mmgate_inference::families::{self, FamilyModel, LoadedModel, Placement, PluginTensors};
 use mmgate_inference::models::GenerationConfig;
@@ -373,8 +373,7 @@ impl PromptModel {
         kind: MediaKind,
         tokens: u32,
         tensors: &[Tensor],
-    ) -> anyhow::Result<MediaItem> {
-        let placeholder = self.placeholder(kind)?;
+    ) -> anyhow::Result<PlacedItem> {
         let view = PluginView {
             tensors,
             lacks: |name| {
@@ -390,14 +389,70 @@ impl PromptModel {
                 planned.tokens
             );
         }
-        Ok(MediaItem {
-            input: Arc::new(planned.input),
+        self.place(
+            kind,
+            planned.input,
+            planned.tokens,
+            Placement {
+                grid: None,
+                time_interval: planned.time_interval,
+                runs: planned.runs,
+            },
+        )
+    }
+
+    /// The engine's items for an item's input and the prompt ids that replace its templated
+    /// placeholder: one run of `tokens` placeholders, or the family's runs between their texts,
+    /// each an item taking its share of the input's tokens.
+    fn place(
+        &self,
+        kind: MediaKind,
+        input: EncodeInput,
+        tokens: usize,
+        placement: Placement,
+    ) -> anyhow::Result<PlacedItem> {
+        let placeholder = self.placeholder(kind)?;
+        let item = |input: Arc<EncodeInput>, tokens, part| MediaItem {
+            input,
             placeholder,
-            tokens: planned.tokens,
+            tokens,
             processor_config: self.processor_config.clone(),
-            time_interval: planned.time_interval,
+            time_interval: placement.time_interval,
             share_key: None,
-        })
+            part,
+        };
+        let input = Arc::new(input);
+        if placement.runs.is_empty() {
+            return Ok(PlacedItem {
+                ids: vec![placeholder; tokens],
+                items: vec![item(input, tokens, None)],
+            });
+        }
+        let in_runs: usize = placement.runs.iter().map(|r| r.tokens).sum();
+        if in_runs != tokens {
+            bail!("the item's runs hold {in_runs} tokens, not its {tokens}");
+        }
+        let mut placed = PlacedItem {
+            items: Vec::with_capacity(placement.runs.len()),
+            ids: Vec::with_capacity(tokens + 8 * placement.runs.len()),
+        };
+        let mut first_token = 0;
+        for run in &placement.runs {
+            placed.ids.extend(self.text.encode(&run.before)?);
+            placed
+                .ids
+                .extend(std::iter::repeat_n(placeholder, run.tokens));
+            placed.ids.extend(self.text.encode(&run.after)?);
+            let part = InputPart {
+                first_token,
+                grid: run.grid,
+            };
+            placed
+                .items
+                .push(item(input.clone(), run.tokens, Some(part)));
+            first_token += run.tokens;
+        }
+        Ok(placed)
     }
 }
 
@@ -411,32 +466,22 @@ impl PromptModel {
         tokens: u32,
         small: &[Tensor],
         features: Arc<Vec<f32>>,
-    ) -> anyhow::Result<MediaItem> {
-        let placeholder = self.placeholder(kind)?;
+    ) -> anyhow::Result<PlacedItem> {
         let view = PluginView {
             tensors: small,
             lacks: |name| format!("the shared entry lacks {name}"),
         };
-        let Placement {
-            grid,
-            time_interval,
-        } = self
+        let placement = self
             .family
             .place_embeddings(kind, Some(&view), tokens as usize)?;
         if tokens == 0 || !features.len().is_multiple_of(tokens as usize) {
             bail!("the shared entry's features do not split into {tokens} tokens");
         }
-        Ok(MediaItem {
-            input: Arc::new(EncodeInput::Embeddings {
-                embeddings: features,
-                grid,
-            }),
-            placeholder,
-            tokens: tokens as usize,
-            processor_config: self.processor_config.clone(),
-            time_interval,
-            share_key: None,
-        })
+        let input = EncodeInput::Embeddings {
+            embeddings: features,
+            grid: placement.grid,
+        };
+        self.place(kind, input, tokens as usize, placement)
     }
 
     /// The engine's input for embeddings an encoder of this model made elsewhere (vLLM's
@@ -519,6 +564,7 @@ impl PromptModel {
             processor_config: self.processor_config.clone(),
             time_interval: 1.0,
             share_key: None,
+            part: None,
         })
     }
 }
@@ -628,18 +674,40 @@ impl PluginTensors for PluginView<'_> {
     }
 }
 
-/// Replaces each media item's single placeholder in the templated prompt by `tokens` copies, items
-/// taken in prompt order per placeholder token.
-pub fn expand_placeholders(ids: &[u32], media: &[MediaItem]) -> anyhow::Result<Vec<u32>> {
-    let mut out = Vec::with_capacity(ids.len() + media.iter().map(|m| m.tokens).sum::<usize>());
+/// A media item as the prompt holds it: the engine's items for it (one, or one per run of its
+/// tokens) and the ids that replace its one placeholder in the templated prompt.
+#[derive(Debug, Clone)]
+pub struct PlacedItem {
+    pub items: Vec<MediaItem>,
+    pub ids: Vec<u32>,
+}
+
+impl PlacedItem {
+    /// One item in one run of its placeholders.
+    pub fn single(item: MediaItem) -> Self {
+        Self {
+            ids: vec![item.placeholder; item.tokens],
+            items: vec![item],
+        }
+    }
+
+    fn placeholder(&self) -> Option<u32> {
+        self.items.first().map(|i| i.placeholder)
+    }
+}
+
+/// Replaces each media item's single placeholder in the templated prompt by its ids, items taken
+/// in prompt order per placeholder token.
+pub fn expand_placeholders(ids: &[u32], media: &[PlacedItem]) -> anyhow::Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(ids.len() + media.iter().map(|m| m.ids.len()).sum::<usize>());
     let mut used = vec![false; media.len()];
     for &id in ids {
-        match (0..media.len()).find(|&i| !used[i] && media[i].placeholder == id) {
+        match (0..media.len()).find(|&i| !used[i] && media[i].placeholder() == Some(id)) {
             Some(i) => {
                 used[i] = true;
-                out.extend(std::iter::repeat_n(id, media[i].tokens));
+                out.extend_from_slice(&media[i].ids);
             }
-            None if media.iter().any(|m| m.placeholder == id) => {
+            None if media.iter().any(|m| m.placeholder() == Some(id)) => {
                 bail!("the prompt has more media placeholders than media items")
             }
             None => out.push(id),
@@ -703,7 +771,7 @@ mod tests {
             .prompt
             .media_item(MediaKind::Video, 12, &video(Some(0.75)))
             .unwrap();
-        assert_eq!(item.time_interval, 1.5);
+        assert_eq!(item.items[0].time_interval, 1.5);
         let err = model
             .prompt
             .media_item(MediaKind::Video, 12, &video(None))
@@ -721,6 +789,6 @@ mod tests {
             .prompt
             .media_item(MediaKind::Video, 12, &video(Some(0.75)))
             .unwrap();
-        assert_eq!(item.time_interval, 1.0);
+        assert_eq!(item.items[0].time_interval, 1.0);
     }
 }

@@ -25,14 +25,14 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 pub use encoder::{EncodeInput, Encoder, EncoderKind, PixelSource, PixelValues};
 pub use pool::{BatchObserver, BatchReport, DeviceSpec, EncoderPool, SharedFeatures};
-pub use store::{FeatureState, FeatureStore, StoreStats};
+pub use store::{FeatureKey, FeatureState, FeatureStore, StoreStats};
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::merge::PlaceholderMap;
 use crate::models::qwen2::{Deepstack, SeqStep};
 use crate::models::{KvCache, Qwen2};
-use crate::rope::{MediaSpan, mrope_positions};
+use crate::rope::{Grid, MediaSpan, mrope_positions};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tensor::Tensor;
 use crate::text::{TextProcessor, TextStream};
@@ -89,6 +89,20 @@ pub struct MediaItem {
     /// (by the media and its plan, so that other replicas find it before preprocessing); `None`:
     /// under the encoder input's hash.
     pub share_key: Option<[u8; 32]>,
+    /// Which of the input's encoder output tokens this item's placeholders take, when one input
+    /// fills several runs of the prompt (a Qwen3-VL video: one run per temporal patch, each after
+    /// its timestamp). Such items follow each other in the request and share the input's `Arc`,
+    /// which is encoded once. `None`: all of them.
+    pub part: Option<InputPart>,
+}
+
+/// A run of an input's encoder output tokens (see [`MediaItem::part`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct InputPart {
+    /// The first of the input's output tokens this run takes.
+    pub first_token: usize,
+    /// The grid that places the run's tokens (M-RoPE).
+    pub grid: Grid,
 }
 
 #[derive(Debug, Clone)]
@@ -460,31 +474,51 @@ impl<L: Backend> Scheduler<L> {
         let reserved = r.prompt.len() + r.max_tokens;
         let cache = self.llm.new_cache(reserved)?;
 
-        // Pin every item's features; encode what nobody has encoded yet.
+        // Pin every item's features; encode what nobody has encoded yet (after every pin is
+        // taken, so that an input whose submission fails is failed for all of its parts).
         let mut media = Vec::with_capacity(r.media.len());
         let mut cached_media = 0;
+        let mut to_encode = Vec::new();
+        let mut previous: Option<(Arc<EncodeInput>, FeatureKey)> = None;
         for item in r.media {
-            let key =
-                store::feature_key(&self.config.model_name, &item.processor_config, &item.input);
-            match self.store.pin(key) {
-                store::Pinned::Shared => cached_media += 1,
-                store::Pinned::MustEncode => {
-                    let store = self.store.clone();
-                    let wake = self.wake_tx.clone();
-                    let submitted = self.pool.submit_shared(
-                        item.input.clone(),
-                        item.share_key,
-                        move |result| {
-                            store.complete(key, result);
-                            let _ = wake.send(());
-                        },
+            // The parts of one input share its features: hashed, pinned and encoded as one.
+            let part_of_previous = previous
+                .as_ref()
+                .filter(|(input, _)| item.part.is_some() && Arc::ptr_eq(input, &item.input))
+                .map(|&(_, key)| key);
+            let key = match part_of_previous {
+                Some(key) => key,
+                None => {
+                    let key = store::feature_key(
+                        &self.config.model_name,
+                        &item.processor_config,
+                        &item.input,
                     );
-                    if let Err(e) = submitted {
-                        self.store.complete(key, Err(e.to_string()));
+                    match self.store.pin(key) {
+                        store::Pinned::Shared => cached_media += 1,
+                        store::Pinned::MustEncode => {
+                            to_encode.push((key, item.input.clone(), item.share_key));
+                        }
                     }
+                    previous = Some((item.input.clone(), key));
+                    key
                 }
+            };
+            if part_of_previous.is_some() {
+                self.store.pin(key);
             }
             media.push((key, item));
+        }
+        for (key, input, share_key) in to_encode {
+            let store = self.store.clone();
+            let wake = self.wake_tx.clone();
+            let submitted = self.pool.submit_shared(input, share_key, move |result| {
+                store.complete(key, result);
+                let _ = wake.send(());
+            });
+            if let Err(e) = submitted {
+                self.store.complete(key, Err(e.to_string()));
+            }
         }
         Ok(Sequence {
             ids: r.prompt,
@@ -642,7 +676,7 @@ impl<L: Backend> Scheduler<L> {
         let width = hidden * (1 + levels);
         let mut deepstack_rows = Vec::new();
         let mut deepstack = vec![Vec::new(); levels];
-        for ((key, _), item_rows) in seq.media.iter().zip(&seq.media_rows) {
+        for ((key, item), item_rows) in seq.media.iter().zip(&seq.media_rows) {
             let (start, end) = (item_rows.start.max(rows.start), item_rows.end.min(rows.end));
             if start >= end {
                 continue;
@@ -652,15 +686,21 @@ impl<L: Backend> Scheduler<L> {
                     "media features vanished before the merge".into(),
                 ));
             };
-            if features.len() != item_rows.len() * width {
+            let made = features.len() / width;
+            let first = item.part.map_or(0, |p| p.first_token);
+            let fits = match item.part {
+                Some(_) => first + item_rows.len() <= made,
+                None => made == item_rows.len(),
+            };
+            if !features.len().is_multiple_of(width) || !fits {
                 return Err(Error::Input(format!(
-                    "an encoder produced {} values for {} placeholders of {width}",
+                    "an encoder produced {} values ({width} a token) for {} placeholders from token {first}",
                     features.len(),
                     item_rows.len()
                 )));
             }
-            let part =
-                &features[(start - item_rows.start) * width..(end - item_rows.start) * width];
+            let from = first + start - item_rows.start;
+            let part = &features[from * width..(from + end - start) * width];
             let mut main = Vec::with_capacity((end - start) * hidden);
             for row in part.chunks_exact(width) {
                 let (first, rest) = row.split_at(hidden);
@@ -753,7 +793,7 @@ fn media_spans(media: &[MediaItem], rows: &[Range<usize>]) -> Result<Vec<MediaSp
                 grid: Some(grid), ..
             } => Ok(MediaSpan {
                 token: media[i].placeholder,
-                grid: *grid,
+                grid: media[i].part.map_or(*grid, |part| part.grid),
                 time_interval: media[i].time_interval,
             }),
             EncodeInput::Embeddings { grid: None, .. } => Err(Error::Input(

@@ -76,14 +76,33 @@ pub struct PlannedInput {
     pub tokens: usize,
     /// M-RoPE's temporal step (1 but for Qwen2.5-VL videos).
     pub time_interval: f32,
+    /// How the item's tokens sit in the prompt in place of its one templated placeholder: empty
+    /// for one run of `tokens` placeholders; otherwise runs of the encoder's tokens in order, each
+    /// between texts the model's processor writes (a Qwen3-VL video: a run per temporal patch,
+    /// after its timestamp).
+    pub runs: Vec<PromptRun>,
+}
+
+/// One run of an item's placeholder tokens in the prompt (see [`PlannedInput::runs`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptRun {
+    /// Text before the run, as the tokenizer reads a prompt (special tokens included).
+    pub before: String,
+    pub tokens: usize,
+    /// The grid that places the run's tokens (M-RoPE).
+    pub grid: Grid,
+    /// Text after the run.
+    pub after: String,
 }
 
 /// Where an item's embeddings go in the prompt when they were made elsewhere.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Placement {
     /// A vision item's merged grid (M-RoPE); `None` for audio.
     pub grid: Option<Grid>,
     pub time_interval: f32,
+    /// As [`PlannedInput::runs`].
+    pub runs: Vec<PromptRun>,
 }
 
 /// An LLM loaded on its device.

@@ -80,6 +80,7 @@ impl FamilyModel for Qwen2AudioModel {
             },
             tokens,
             time_interval: 1.0,
+            runs: Vec::new(),
         })
     }
 
@@ -92,6 +93,7 @@ impl FamilyModel for Qwen2AudioModel {
         Ok(Placement {
             grid: None,
             time_interval: 1.0,
+            runs: Vec::new(),
         })
     }
 

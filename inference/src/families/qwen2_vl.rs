@@ -84,12 +84,12 @@ impl FamilyModel for Qwen2VlModel {
 
     fn plan_input(&self, kind: MediaKind, tensors: &dyn PluginTensors) -> Result<PlannedInput> {
         let vision = &self.config.vision;
-        let (input, tokens) =
-            vision::plan_patches(kind, tensors, vision.patch_len(), vision.merge)?;
+        let (input, grid) = vision::plan_patches(kind, tensors, vision.patch_len(), vision.merge)?;
         Ok(PlannedInput {
             time_interval: self.time_interval(kind, tensors)?,
-            tokens,
+            tokens: grid.tokens(vision.merge),
             input,
+            runs: Vec::new(),
         })
     }
 
@@ -104,6 +104,7 @@ impl FamilyModel for Qwen2VlModel {
         Ok(Placement {
             grid: Some(grid),
             time_interval: self.time_interval(kind, tensors)?,
+            runs: Vec::new(),
         })
     }
 

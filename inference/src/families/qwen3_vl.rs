@@ -1,22 +1,25 @@
-//! Qwen3-VL: images as patches of 16 over a grid (as Qwen2-VL's, merged 2×2), a tower whose
-//! deepstack mergers add features to the LLM's first layers at the image tokens, and the Qwen3 LLM
-//! (q/k norms, interleaved M-RoPE). Each token's encoder output row carries its deepstack features
-//! after its embedding.
+//! Qwen3-VL: images and videos as patches of 16 over a grid (as Qwen2-VL's, merged 2×2), a tower
+//! whose deepstack mergers add features to the LLM's first layers at the media tokens, and the
+//! Qwen3 LLM (q/k norms, interleaved M-RoPE). Each token's encoder output row carries its deepstack
+//! features after its embedding. A video sits in the prompt as one block per temporal patch, each
+//! after its timestamp (`<1.5 seconds><|vision_start|>…<|vision_end|>`, as the model's processor
+//! writes it), and each block is placed by M-RoPE as a one-frame grid.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use super::{
     Family, FamilyModel, LoadedModel, Loader, MediaKind, Placement, PlannedInput, PluginTensors,
-    load_on_devices, vision,
+    PromptRun, load_on_devices, vision,
 };
 use crate::backend::Backend;
 use crate::devices::OpenDevice;
 use crate::engine::{Encoder, PositionScheme};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::models::Qwen2;
 use crate::models::config::TextConfig;
 use crate::models::qwen3_vl::{MODEL_TYPES, Qwen3VisionTower, Qwen3VlConfig};
+use crate::rope::Grid;
 use crate::weights::Weights;
 
 pub(super) struct Qwen3VlFamily;
@@ -37,19 +40,76 @@ struct Qwen3VlModel {
     config: Qwen3VlConfig,
 }
 
+/// The processor's text around each temporal patch of a video.
+const VISION_START: &str = "<|vision_start|>";
+const VISION_END: &str = "<|vision_end|>";
+
+impl Qwen3VlModel {
+    /// A video's blocks, one per temporal patch after its timestamp; none for an image.
+    ///
+    /// The timestamp of a temporal patch is the mean of its first and last frame's time
+    /// (`frame_indices` over the source's frame rate, `video_fps_f64_bits`), written with one
+    /// decimal, as transformers' `Qwen3VLProcessor` computes it in double precision.
+    fn runs(
+        &self,
+        kind: MediaKind,
+        grid: Grid,
+        tensors: &dyn PluginTensors,
+    ) -> Result<Vec<PromptRun>> {
+        if kind != MediaKind::Video {
+            return Ok(Vec::new());
+        }
+        let per_patch = self.config.vision.temporal_patch_size;
+        let indices = tensors.ints("frame_indices")?;
+        if indices.len() != grid.t * per_patch || indices.iter().any(|&i| i < 0) {
+            return Err(Error::Input(format!(
+                "frame_indices holds {} frames, not the {} of {} temporal patches",
+                indices.len(),
+                grid.t * per_patch,
+                grid.t
+            )));
+        }
+        let fps = match tensors.ints("video_fps_f64_bits")?[..] {
+            [bits] => f64::from_bits(bits as u64),
+            _ => return Err(Error::Input("video_fps_f64_bits is not one value".into())),
+        };
+        if !(fps.is_finite() && fps > 0.0) {
+            return Err(Error::Input(format!(
+                "the video's frame rate {fps} is not positive"
+            )));
+        }
+        let merge = self.config.vision.merge;
+        let frame = Grid { t: 1, ..grid };
+        Ok(indices
+            .chunks_exact(per_patch)
+            .map(|patch| {
+                let first = patch[0] as f64 / fps;
+                let last = patch[per_patch - 1] as f64 / fps;
+                PromptRun {
+                    before: format!("<{:.1} seconds>{VISION_START}", (first + last) / 2.0),
+                    tokens: frame.tokens(merge),
+                    grid: frame,
+                    after: VISION_END.to_owned(),
+                }
+            })
+            .collect())
+    }
+}
+
 impl FamilyModel for Qwen3VlModel {
     fn text_config(&self) -> &TextConfig {
         &self.config.text
     }
 
     fn media_kinds(&self) -> &'static [MediaKind] {
-        &[MediaKind::Image]
+        &[MediaKind::Image, MediaKind::Video]
     }
 
     fn placeholder(&self, kind: MediaKind) -> Option<u32> {
         match kind {
             MediaKind::Image => Some(self.config.image_token_id),
-            MediaKind::Video | MediaKind::Audio => None,
+            MediaKind::Video => Some(self.config.video_token_id),
+            MediaKind::Audio => None,
         }
     }
 
@@ -65,12 +125,12 @@ impl FamilyModel for Qwen3VlModel {
 
     fn plan_input(&self, kind: MediaKind, tensors: &dyn PluginTensors) -> Result<PlannedInput> {
         let vision = &self.config.vision;
-        let (input, tokens) =
-            vision::plan_patches(kind, tensors, vision.patch_len(), vision.merge)?;
+        let (input, grid) = vision::plan_patches(kind, tensors, vision.patch_len(), vision.merge)?;
         Ok(PlannedInput {
             input,
-            tokens,
+            tokens: grid.tokens(vision.merge),
             time_interval: 1.0,
+            runs: self.runs(kind, grid, tensors)?,
         })
     }
 
@@ -80,10 +140,12 @@ impl FamilyModel for Qwen3VlModel {
         tensors: Option<&dyn PluginTensors>,
         tokens: usize,
     ) -> Result<Placement> {
-        let (grid, _) = vision::place_by_grid(kind, tensors, tokens, self.config.vision.merge)?;
+        let (grid, tensors) =
+            vision::place_by_grid(kind, tensors, tokens, self.config.vision.merge)?;
         Ok(Placement {
             grid: Some(grid),
             time_interval: 1.0,
+            runs: self.runs(kind, grid, tensors)?,
         })
     }
 

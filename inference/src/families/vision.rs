@@ -50,14 +50,14 @@ pub(super) fn merged_grid(tensors: &dyn PluginTensors, name: &str, merge: usize)
     Ok(grid)
 }
 
-/// An item's encoder input and token count from its patches and grid, checked against each other
-/// and the model's patch length and merge.
+/// An item's encoder input and its grid from its patches and grid tensor, checked against each
+/// other and the model's patch length and merge.
 pub(super) fn plan_patches(
     kind: MediaKind,
     tensors: &dyn PluginTensors,
     patch_len: usize,
     merge: usize,
-) -> Result<(EncodeInput, usize)> {
+) -> Result<(EncodeInput, Grid)> {
     let (grid_name, pixels_name) = names(kind)?;
     let grid = merged_grid(tensors, grid_name, merge)?;
     // 8-bit samples stay bytes until the encoder packs its batch.
@@ -75,10 +75,7 @@ pub(super) fn plan_patches(
             grid.w
         )));
     }
-    Ok((
-        EncodeInput::Vision { pixel_values, grid },
-        grid.tokens(merge),
-    ))
+    Ok((EncodeInput::Vision { pixel_values, grid }, grid))
 }
 
 /// The grid that places `tokens` embeddings of an item made elsewhere, read from its tensors
