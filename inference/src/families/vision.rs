@@ -80,12 +80,12 @@ pub(super) fn plan_patches(
 
 /// The grid that places `tokens` embeddings of an item made elsewhere, read from its tensors
 /// (which are handed back for the family's other placing tensors).
-pub(super) fn place_by_grid<'a>(
+pub(super) fn place_by_grid(
     kind: MediaKind,
-    tensors: Option<&'a dyn PluginTensors>,
+    tensors: Option<&dyn PluginTensors>,
     tokens: usize,
     merge: usize,
-) -> Result<(Grid, &'a dyn PluginTensors)> {
+) -> Result<(Grid, &dyn PluginTensors)> {
     let (grid_name, _) = names(kind)?;
     let tensors = tensors.ok_or_else(|| {
         Error::Input(format!(
