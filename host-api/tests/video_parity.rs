@@ -359,3 +359,96 @@ fn mutated_clips_never_crash_the_host() {
         }
     }
 }
+
+#[derive(Debug, Deserialize)]
+struct Qwen3Case {
+    name: String,
+    clip: String,
+    config: serde_json::Map<String, serde_json::Value>,
+    total_frames: u64,
+    video_fps: f64,
+    frame_indices: Vec<i64>,
+    height: u32,
+    width: u32,
+    video_grid_thw: Vec<i64>,
+    tokens: u32,
+    pixels: Option<String>,
+}
+
+/// Under Qwen3-VL's video processor (its `video_preprocessor_config.json`, which the host hands
+/// over inside the processor config): transformers' frames (an odd count padded with the last),
+/// sizes over all the frames, grids, token counts and pixels; the source's frame rate exactly, as
+/// the prompt's timestamps are computed from it (`make_goldens_qwen3.py`; the timestamps' text is
+/// checked against the same cases by the Qwen3-VL family's tests). Frames resize as PyTorch's u8
+/// kernel does, so pixels match to the goldens' float16 storage.
+#[test]
+fn matches_transformers_qwen3_vl_video_processor() {
+    let plugin = common::builtin_plugin("video");
+    let cases: Vec<Qwen3Case> =
+        serde_json::from_slice(&std::fs::read(fixtures_dir().join("cases-qwen3-vl.json")).unwrap())
+            .unwrap();
+    assert!(cases.len() >= 19, "the Qwen3-VL video fixtures are missing");
+    common::check_all(
+        &cases,
+        |c| &c.name,
+        |case| {
+            // Qwen3-VL's preprocessor_config.json (its image processor) with the video's.
+            let config = json!({
+                "image_processor_type": "Qwen2VLImageProcessorFast",
+                "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+                "patch_size": 16,
+                "temporal_patch_size": 2,
+                "merge_size": 2,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "video_preprocessor_config": case.config,
+            })
+            .to_string();
+            let (plan, tensors) =
+                run(&plugin, clip(&case.clip), &config, 100_000).map_err(|e| e.to_string())?;
+            let info = plugin.probe(&media(clip(&case.clip))).unwrap();
+            assert_eq!(info.frame_count, Some(case.total_frames));
+            assert_eq!(i64s(tensor(&tensors, "frame_indices")), case.frame_indices);
+            assert_eq!(
+                i64s(tensor(&tensors, "video_grid_thw")),
+                case.video_grid_thw
+            );
+            assert_eq!(plan.tokens, case.tokens);
+            assert!(!plan.reduced);
+            let choices: serde_json::Value = serde_json::from_str(&plan.choices).unwrap();
+            assert_eq!(choices["width"], case.width);
+            assert_eq!(choices["height"], case.height);
+            let fps = f64::from_bits(i64s(tensor(&tensors, "video_fps_f64_bits"))[0] as u64);
+            if (fps - case.video_fps).abs() > 1e-9 {
+                return Err(format!("fps {fps} != {}", case.video_fps));
+            }
+            let [t, h, w] = case.video_grid_thw[..] else {
+                unreachable!()
+            };
+            let pixels = tensor(&tensors, "pixel_values_videos");
+            assert_eq!(pixels.shape, vec![(t * h * w) as u64, 1536]);
+            let Some(golden) = &case.pixels else {
+                return Ok(());
+            };
+            let bytes = std::fs::read(fixtures_dir().join(golden)).unwrap();
+            let golden = SafeTensors::deserialize(&bytes).unwrap();
+            let golden = golden.tensor("pixel_values_videos").unwrap();
+            assert_eq!(golden.shape(), [(t * h * w) as usize, 1536]);
+            let expected = golden
+                .data()
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32());
+            let worst = mmgate_host::f32_values(&tensors, "pixel_values_videos")
+                .unwrap()
+                .iter()
+                .zip(expected)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            // Half an ulp of float16 at 1.0, the largest |value| (mean and std 0.5).
+            if worst > 5e-4 {
+                return Err(format!("pixels differ by up to {worst}"));
+            }
+            Ok(())
+        },
+    );
+}

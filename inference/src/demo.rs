@@ -1,4 +1,4 @@
-//! Demo models: tiny Qwen2-VL- and Qwen2-Audio-architecture checkpoints with seeded random weights,
+//! Demo models: tiny Qwen2-VL-, Qwen2.5-VL-, Qwen3-VL- and Qwen2-Audio-architecture checkpoints with seeded random weights,
 //! a byte-level BPE tokenizer trained here on a small built-in corpus, the families' chat templates,
 //! and the processor configs the built-in plugins read, all in HF's directory layout. They let the
 //! gateway and `mmgate generate` run end to end on a fresh machine with no downloads; their output
@@ -46,6 +46,10 @@ pub const SPECIAL_TOKENS: [&str; 10] = [
 /// Qwen2-VL-Instruct's chat template.
 pub const QWEN2_VL_CHAT_TEMPLATE: &str = "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
+/// Qwen3-VL-Instruct's chat template for text, images and videos (its tool-calling branches left
+/// out): no default system prompt, media as `<|vision_start|><|image_pad|><|vision_end|>`.
+pub const QWEN3_VL_CHAT_TEMPLATE: &str = "{%- if messages[0]['role'] == 'system' %}<|im_start|>system\n{% if messages[0]['content'] is string %}{{ messages[0]['content'] }}{% else %}{% for content in messages[0]['content'] %}{% if 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{%- endif %}{%- for message in messages %}{%- if not (loop.first and message['role'] == 'system') %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}";
+
 /// Qwen2-Audio-Instruct's chat template, which also takes `{"type": "audio"}` parts (what transformers'
 /// server makes of an `input_audio` part; the original only looks for an `audio` or `audio_url` key).
 pub const QWEN2_AUDIO_CHAT_TEMPLATE: &str = "{% set audio_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}{% set audio_count.value = audio_count.value + 1 %}Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
@@ -70,6 +74,9 @@ pub enum DemoFamily {
     /// Qwen2.5-VL's tower: RMSNorm, gated MLP, window attention, time-scaled video positions.
     Qwen2_5Vl,
     Qwen2Audio,
+    /// Qwen3-VL: patches of 16, learned position embeddings, deepstack, the Qwen3 LLM (q/k
+    /// norms, interleaved M-RoPE), its own video processor config.
+    Qwen3Vl,
 }
 
 impl DemoFamily {
@@ -78,6 +85,7 @@ impl DemoFamily {
             Self::Qwen2Vl => "demo-qwen2-vl",
             Self::Qwen2_5Vl => "demo-qwen2.5-vl",
             Self::Qwen2Audio => "demo-qwen2-audio",
+            Self::Qwen3Vl => "demo-qwen3-vl",
         }
     }
 }
@@ -220,7 +228,8 @@ enum Init {
     Embedding,
 }
 
-fn llm_weights(w: &mut WeightMaker, vocab: usize) {
+/// The Qwen2 LLM's weights; `qwen3`: Qwen3's (no q/k/v biases, RMSNorm over each head's q and k).
+fn llm_weights(w: &mut WeightMaker, vocab: usize, qwen3: bool) {
     let p = "model.language_model.";
     w.add(
         format!("{p}embed_tokens.weight"),
@@ -235,20 +244,24 @@ fn llm_weights(w: &mut WeightMaker, vocab: usize) {
             &format!("{l}self_attn.q_proj"),
             HEADS * head_dim,
             HIDDEN,
-            true,
+            !qwen3,
         );
         w.linear(
             &format!("{l}self_attn.k_proj"),
             KV_HEADS * head_dim,
             HIDDEN,
-            true,
+            !qwen3,
         );
         w.linear(
             &format!("{l}self_attn.v_proj"),
             KV_HEADS * head_dim,
             HIDDEN,
-            true,
+            !qwen3,
         );
+        if qwen3 {
+            w.rms_norm(&format!("{l}self_attn.q_norm"), head_dim);
+            w.rms_norm(&format!("{l}self_attn.k_norm"), head_dim);
+        }
         w.linear(
             &format!("{l}self_attn.o_proj"),
             HIDDEN,
@@ -301,7 +314,8 @@ pub fn write(dir: &Path, family: DemoFamily, seed: u64) -> Result<()> {
         rng: ChaCha8Rng::seed_from_u64(seed),
         tensors: BTreeMap::new(),
     };
-    llm_weights(&mut weights, vocab);
+    llm_weights(&mut weights, vocab, family == DemoFamily::Qwen3Vl);
+    let mut extra_files = Vec::new();
     let (config, chat_template, preprocessor) = match family {
         DemoFamily::Qwen2Vl | DemoFamily::Qwen2_5Vl => {
             let qwen2_5 = family == DemoFamily::Qwen2_5Vl;
@@ -387,6 +401,86 @@ pub fn write(dir: &Path, family: DemoFamily, seed: u64) -> Result<()> {
             });
             (config, QWEN2_VL_CHAT_TEMPLATE, preprocessor)
         }
+        DemoFamily::Qwen3Vl => {
+            let (embed, heads, depth, mlp, side) = (64, 4, 2, 128, 16);
+            let merged = 4 * embed;
+            let v = "model.visual.";
+            weights.add(
+                format!("{v}patch_embed.proj.weight"),
+                &[embed, 3, 2, 16, 16],
+                Init::Matrix,
+            );
+            weights.add(format!("{v}patch_embed.proj.bias"), &[embed], Init::Bias);
+            weights.add(
+                format!("{v}pos_embed.weight"),
+                &[side * side, embed],
+                Init::Embedding,
+            );
+            for i in 0..depth {
+                let b = format!("{v}blocks.{i}.");
+                weights.layer_norm(&format!("{b}norm1"), embed);
+                weights.layer_norm(&format!("{b}norm2"), embed);
+                weights.linear(&format!("{b}attn.qkv"), 3 * embed, embed, true);
+                weights.linear(&format!("{b}attn.proj"), embed, embed, true);
+                weights.linear(&format!("{b}mlp.linear_fc1"), mlp, embed, true);
+                weights.linear(&format!("{b}mlp.linear_fc2"), embed, mlp, true);
+            }
+            weights.layer_norm(&format!("{v}merger.norm"), embed);
+            weights.linear(&format!("{v}merger.linear_fc1"), merged, merged, true);
+            weights.linear(&format!("{v}merger.linear_fc2"), HIDDEN, merged, true);
+            // A deepstack tap after each block.
+            for j in 0..depth {
+                let m = format!("{v}deepstack_merger_list.{j}.");
+                weights.layer_norm(&format!("{m}norm"), merged);
+                weights.linear(&format!("{m}linear_fc1"), merged, merged, true);
+                weights.linear(&format!("{m}linear_fc2"), HIDDEN, merged, true);
+            }
+            let mut text = text_config(
+                vocab,
+                eos,
+                json!({
+                    "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [6, 5, 5],
+                    "mrope_interleaved": true,
+                }),
+            );
+            text["head_dim"] = json!(HIDDEN / HEADS);
+            text["attention_bias"] = json!(false);
+            let config = json!({
+                "architectures": ["Qwen3VLForConditionalGeneration"],
+                "model_type": "qwen3_vl",
+                "text_config": text,
+                "vision_config": {
+                    "depth": depth, "hidden_size": embed, "num_heads": heads, "intermediate_size": mlp,
+                    "out_hidden_size": HIDDEN, "in_channels": 3, "patch_size": 16,
+                    "temporal_patch_size": 2, "spatial_merge_size": 2, "hidden_act": "gelu_pytorch_tanh",
+                    "num_position_embeddings": side * side, "deepstack_visual_indexes": [0, 1],
+                },
+                "image_token_id": id("<|image_pad|>")?,
+                "video_token_id": id("<|video_pad|>")?,
+                "vision_start_token_id": id("<|vision_start|>")?,
+                "vision_end_token_id": id("<|vision_end|>")?,
+                "tie_word_embeddings": false,
+            });
+            // At most 256 tokens per image, and 1 024 for a video's frames together, keep the
+            // demo quick.
+            let preprocessor = json!({
+                "image_processor_type": "Qwen2VLImageProcessorFast",
+                "size": {"shortest_edge": 4096, "longest_edge": 256 * 32 * 32},
+                "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            });
+            extra_files.push((
+                "video_preprocessor_config.json",
+                json!({
+                    "video_processor_type": "Qwen3VLVideoProcessor",
+                    "size": {"shortest_edge": 4096, "longest_edge": 2 * 1024 * 32 * 32},
+                    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+                    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                    "fps": 2, "min_frames": 4, "max_frames": 768,
+                }),
+            ));
+            (config, QWEN3_VL_CHAT_TEMPLATE, preprocessor)
+        }
         DemoFamily::Qwen2Audio => {
             let (d, heads, layers, ffn, mel) = (64, 4, 2, 128, 128);
             let a = "model.audio_tower.";
@@ -442,6 +536,9 @@ pub fn write(dir: &Path, family: DemoFamily, seed: u64) -> Result<()> {
     weights.write(&dir.join("model.safetensors"))?;
     write_json(&dir.join("config.json"), &config)?;
     write_json(&dir.join("preprocessor_config.json"), &preprocessor)?;
+    for (name, value) in &extra_files {
+        write_json(&dir.join(name), value)?;
+    }
     write_json(
         &dir.join("generation_config.json"),
         &json!({"eos_token_id": [eos], "pad_token_id": id("<|endoftext|>")?}),

@@ -310,3 +310,48 @@ fn collect_ids(mut handle: RequestHandle) -> Vec<u32> {
         }
     }
 }
+
+/// A video's runs carry the timestamps transformers' `Qwen3VLProcessor` writes into the prompt,
+/// from the frames and frame rate the video plugin reports (tests/fixtures/video/
+/// cases-qwen3-vl.json, made by make_goldens_qwen3.py; the plugin's side is checked against the
+/// same cases in host-api's video parity test).
+#[test]
+fn video_runs_carry_transformers_timestamps() {
+    let family = families::read(&family_dir("qwen3-vl").join("model")).unwrap();
+    let cases: Vec<serde_json::Value> = serde_json::from_slice(
+        &std::fs::read(family_dir("../video").join("cases-qwen3-vl.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(cases.len() >= 19);
+    let ints = |v: &serde_json::Value| -> Vec<i64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect()
+    };
+    for case in &cases {
+        let grid = ints(&case["video_grid_thw"]);
+        let patches = (grid[0] * grid[1] * grid[2]) as usize;
+        let tensors = ItemTensors {
+            grid: grid.clone(),
+            pixels: vec![0.0; patches * 3 * 2 * 16 * 16],
+            frame_indices: ints(&case["frame_indices"]),
+            fps: case["video_fps"].as_f64().unwrap(),
+        };
+        let planned = family.plan_input(MediaKind::Video, &tensors).unwrap();
+        let want: Vec<String> = case["timestamps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| format!("{}<|vision_start|>", t.as_str().unwrap()))
+            .collect();
+        let got: Vec<&str> = planned.runs.iter().map(|r| r.before.as_str()).collect();
+        assert_eq!(got, want, "{}", case["name"]);
+        let per_frame = (grid[1] * grid[2] / 4) as usize;
+        for run in &planned.runs {
+            assert_eq!(run.tokens, per_frame);
+            assert_eq!(run.after, "<|vision_end|>");
+        }
+    }
+}

@@ -47,11 +47,7 @@ pub struct PreprocessArgs {
 }
 
 pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
-    let config_path = args.model.join("preprocessor_config.json");
-    let config = std::fs::read_to_string(&config_path)
-        .with_context(|| format!("cannot read {}", config_path.display()))?;
-    serde_json::from_str::<Value>(&config)
-        .with_context(|| format!("{} is not valid JSON", config_path.display()))?;
+    let config = crate::native::model::read_processor_config(&args.model)?;
     let data = std::fs::read(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
 

@@ -154,10 +154,11 @@ pub struct ModelRuntime {
 }
 
 /// The names that stand for a generated demo model where a model directory is expected.
-pub const DEMO_MODELS: [(&str, DemoFamily); 3] = [
+pub const DEMO_MODELS: [(&str, DemoFamily); 4] = [
     ("demo", DemoFamily::Qwen2Vl),
     ("demo-qwen2.5-vl", DemoFamily::Qwen2_5Vl),
     ("demo-audio", DemoFamily::Qwen2Audio),
+    ("demo-qwen3-vl", DemoFamily::Qwen3Vl),
 ];
 
 /// Whether `spec` names a demo model rather than a directory.
@@ -329,9 +330,7 @@ impl PromptModel {
             Some(n) => n,
             None => checkpoint_context,
         };
-        let processor_path = dir.join("preprocessor_config.json");
-        let processor_config = std::fs::read_to_string(&processor_path)
-            .with_context(|| format!("cannot read {}", processor_path.display()))?;
+        let processor_config = read_processor_config(dir)?;
         Ok(Self {
             name: name.to_owned(),
             family,
@@ -672,6 +671,43 @@ impl PluginTensors for PluginView<'_> {
             None => Err(wrong_type(t, "f32")),
         }
     }
+}
+
+/// Where a model's video processor config goes inside the processor config the plugins get.
+const VIDEO_PROCESSOR_KEY: &str = "video_preprocessor_config";
+
+/// The processor config the plugins get: `preprocessor_config.json`, and the model's own video
+/// processor config (`video_preprocessor_config.json`, as Qwen3-VL ships) under
+/// `"video_preprocessor_config"` when there is one: one string, so one cache key and one
+/// argument, while the video plugin reads the video processor's keys over the image processor's.
+pub fn read_processor_config(dir: &Path) -> anyhow::Result<String> {
+    let read = |name: &str| -> anyhow::Result<Option<(String, serde_json::Value)>> {
+        let path = dir.join(name);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+        };
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", path.display()))?;
+        if !value.is_object() {
+            bail!("{} is not a JSON object", path.display());
+        }
+        Ok(Some((text, value)))
+    };
+    let (text, mut config) = read("preprocessor_config.json")?.ok_or_else(|| {
+        anyhow!(
+            "cannot read {}: it is missing",
+            dir.join("preprocessor_config.json").display()
+        )
+    })?;
+    let Some((_, video)) = read("video_preprocessor_config.json")? else {
+        return Ok(text);
+    };
+    if let Some(fields) = config.as_object_mut() {
+        fields.insert(VIDEO_PROCESSOR_KEY.into(), video);
+    }
+    Ok(config.to_string())
 }
 
 /// A media item as the prompt holds it: the engine's items for it (one, or one per run of its

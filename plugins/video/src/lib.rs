@@ -9,18 +9,24 @@
 //!   torchvision does (bicubic, antialias) and patchified as Qwen2-VL's processor does.
 //!
 //! Outputs: `pixel_values_videos` (f32, HF layout), `video_grid_thw` (i64 [1,3]), `frame_indices`
-//! (i64), `frame_timestamps` (f32 seconds) and `second_per_grid_ts` (f32 [1], Qwen2.5-VL's).
+//! (i64), `frame_timestamps` (f32 seconds), `second_per_grid_ts` (f32 [1], Qwen2.5-VL's) and
+//! `video_fps_f64_bits` (i64 [1]: the source frame rate's f64 bits, for Qwen3-VL's timestamps).
+//!
+//! Two sets of rules choose frames and sizes: qwen-vl-utils' (Qwen2-VL, Qwen2.5-VL) and
+//! transformers' `Qwen3VLVideoProcessor` (see `config`).
 
 mod config;
 pub mod sampling;
 
-use mmgate_plugin_sdk::imageops::{RgbImage, qwen2vl_frame_patches, resize_like_torchvision};
+use mmgate_plugin_sdk::imageops::{RgbImage, qwen2vl_frame_patches};
 use mmgate_plugin_sdk::video::VideoDecoder;
 use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
 
-use config::VideoConfig;
-use sampling::{FRAME_FACTOR, Strategy, evenly, linspace_indices, pad_to_pairs, smart_resize};
+use config::{Rules, VideoConfig};
+use sampling::{
+    FRAME_FACTOR, Strategy, evenly, linspace_indices, numpy_linspace_indices, pad_to_pairs,
+};
 
 pub struct VideoPlugin;
 
@@ -99,8 +105,11 @@ impl Plugin for VideoPlugin {
             (frames / FRAME_FACTOR) * (h / config.factor()) * (w / config.factor())
         };
 
+        // Sized for the frames the rule chose, then padded to whole temporal patches with the last
+        // frame (Qwen3-VL's rule may choose an odd count; qwen-vl-utils' never does).
         let wanted = source.frames_for(&config)?;
         let size = config.frame_size(&source, wanted.len())?;
+        let wanted = pad_to_pairs(wanted);
         let full = tokens(wanted.len(), size);
         let max = budget.max_tokens as usize;
         if full <= max {
@@ -134,17 +143,7 @@ impl Plugin for VideoPlugin {
 
         // Then the minimum count at a lower resolution, never below the minimum pixels.
         let frames = source.reduce(&config, &wanted, min_frames);
-        let resize = |max_pixels: f64| {
-            smart_resize(
-                source.height,
-                source.width,
-                config.factor(),
-                config.min_pixels,
-                max_pixels,
-            )
-            .map_err(PluginError::limit)
-        };
-        let smallest = resize(config.min_pixels)?;
+        let smallest = config.smallest_size(&source, frames.len())?;
         let needed = tokens(frames.len(), smallest);
         if needed > max {
             return Err(PluginError::over_budget(
@@ -162,7 +161,7 @@ impl Plugin for VideoPlugin {
         }
         let pairs = (frames.len() / FRAME_FACTOR).max(1);
         let cap = ((max / pairs) * config.factor() * config.factor()) as f64;
-        let mut smaller = resize(cap.max(config.min_pixels))?;
+        let mut smaller = config.size_within(&source, frames.len(), cap)?;
         if tokens(frames.len(), smaller) > max {
             smaller = smallest;
         }
@@ -234,7 +233,7 @@ impl Plugin for VideoPlugin {
                     data: frame.rgb,
                 };
                 slots.push(resized.len());
-                resized.push(resize_like_torchvision(&decoded, width, height));
+                resized.push(config.resize_frame(&decoded, width, height));
             }
             let refs: Vec<&RgbImage> = slots.iter().map(|&s| &resized[s]).collect();
             qwen2vl_frame_patches(&refs, patch, merge, &mut pixels);
@@ -253,6 +252,13 @@ impl Plugin for VideoPlugin {
             Tensor::from_i64("frame_indices", &[indices.len()], &indices)?,
             Tensor::from_f32("frame_timestamps", &[timestamps.len()], &timestamps)?,
             Tensor::from_f32("second_per_grid_ts", &[1], &[second_per_grid])?,
+            // The source's frame rate in double precision (the contract has no f64): Qwen3-VL's
+            // prompt shows each temporal patch's time, computed from it as transformers does.
+            Tensor::from_i64(
+                "video_fps_f64_bits",
+                &[1],
+                &[video.info().fps.to_bits() as i64],
+            )?,
         ])
     }
 
@@ -260,7 +266,7 @@ impl Plugin for VideoPlugin {
     /// that takes a video as its frames (vLLM's `video/jpeg` frame list) samples nothing more and,
     /// the frames being at a size its resize keeps, counts the plan's tokens.
     fn reduce(media: Media, plan: TokenPlan, config: ProcessorConfig) -> PluginResult<ReducedItem> {
-        VideoConfig::parse(&config)?;
+        let config = VideoConfig::parse(&config)?;
         let choices: Choices = plan.choices()?;
         let video = VideoDecoder::open(&media.data)?;
         if video.info().frame_count != choices.source_frames {
@@ -279,7 +285,7 @@ impl Plugin for VideoPlugin {
                 height: frame.height as usize,
                 data: frame.rgb,
             };
-            let resized = resize_like_torchvision(&decoded, choices.width, choices.height);
+            let resized = config.resize_frame(&decoded, choices.width, choices.height);
             files.push(files::png(&resized)?);
             timestamps.push(frame.timestamp);
         }
@@ -333,11 +339,26 @@ impl Source {
         })
     }
 
-    /// The frames the strategy wants before any budget cut.
+    /// (height, width) as displayed.
+    pub(crate) fn size(&self) -> (usize, usize) {
+        (self.height, self.width)
+    }
+
+    /// The frames the strategy wants before any budget cut (not yet padded to pairs).
     fn frames_for(&self, config: &VideoConfig) -> PluginResult<Vec<u64>> {
         let last = self.frames - 1;
         let total = usize::try_from(self.frames).unwrap_or(usize::MAX);
         match config.strategy {
+            Strategy::Fps if config.rules == Rules::Qwen3Vl => {
+                let n = sampling::qwen3_frame_count(
+                    total,
+                    self.fps,
+                    config.fps,
+                    config.min_frames,
+                    config.max_frames,
+                );
+                Ok(numpy_linspace_indices(0, last, n))
+            }
             Strategy::Fps => {
                 let n = sampling::fps_frame_count(
                     total,
@@ -372,9 +393,12 @@ impl Source {
 
     /// `count` frames instead of `wanted`: the same rule over fewer frames.
     fn reduce(&self, config: &VideoConfig, wanted: &[u64], count: usize) -> Vec<u64> {
-        match config.strategy {
-            Strategy::Keyframes => pad_to_pairs(evenly(wanted, count)),
-            Strategy::Fps | Strategy::Uniform => linspace_indices(0, self.frames - 1, count),
+        match (config.strategy.clone(), config.rules) {
+            (Strategy::Keyframes, _) => pad_to_pairs(evenly(wanted, count)),
+            (Strategy::Fps, Rules::Qwen3Vl) => {
+                pad_to_pairs(numpy_linspace_indices(0, self.frames - 1, count))
+            }
+            (Strategy::Fps | Strategy::Uniform, _) => linspace_indices(0, self.frames - 1, count),
         }
     }
 }

@@ -1,5 +1,7 @@
 //! Which frames, at what size: qwen-vl-utils' rules (`smart_nframes`, its `smart_resize` variant,
-//! `torch.linspace(...).round()`), and the budget cuts on top of them (frames first, then resolution).
+//! `torch.linspace(...).round()`), transformers' `Qwen3VLVideoProcessor` rules (`sample_frames`,
+//! `np.linspace(...).round()`, its video `smart_resize` over all the frames), and the budget cuts on
+//! top of them (frames first, then resolution).
 
 use serde::{Deserialize, Serialize};
 
@@ -114,6 +116,91 @@ pub fn smart_resize(
     Ok((h_bar, w_bar))
 }
 
+/// transformers' `Qwen3VLVideoProcessor.sample_frames` for the fps rule: `int(total / video_fps ×
+/// fps)` frames, clamped to [`min_frames`, min(`max_frames`, total)]; no rounding to pairs (the
+/// processor pads the last temporal patch with the last frame).
+pub fn qwen3_frame_count(
+    total: usize,
+    video_fps: f64,
+    fps: f64,
+    min_frames: usize,
+    max_frames: usize,
+) -> usize {
+    let n = (total as f64 / video_fps * fps).max(0.0) as usize;
+    n.max(min_frames).min(max_frames).min(total)
+}
+
+/// `np.linspace(start, end, n).round().astype(int)`: float64, `i · step + start` with the last
+/// exactly `end`, rounded half to even.
+pub fn numpy_linspace_indices(start: u64, end: u64, n: usize) -> Vec<u64> {
+    match n {
+        0 => Vec::new(),
+        1 => vec![start],
+        _ => {
+            let (s, e) = (start as f64, end as f64);
+            let step = (e - s) / (n - 1) as f64;
+            (0..n)
+                .map(|i| {
+                    let v = if i == n - 1 { e } else { i as f64 * step + s };
+                    v.round_ties_even().max(0.0) as u64
+                })
+                .collect()
+        }
+    }
+}
+
+/// transformers' Qwen3-VL video `smart_resize`: sides a multiple of `factor`, the pixels of all
+/// `frames` (rounded to whole temporal patches) between `min_pixels` and `max_pixels`; frames
+/// narrower than `factor` are first scaled up. Returns (h, w).
+pub fn qwen3_smart_resize(
+    frames: usize,
+    height: usize,
+    width: usize,
+    temporal: usize,
+    factor: usize,
+    min_pixels: f64,
+    max_pixels: f64,
+) -> Result<(usize, usize), String> {
+    if frames < temporal {
+        return Err(format!(
+            "{frames} frame(s) is fewer than a temporal patch of {temporal}"
+        ));
+    }
+    let (mut height, mut width) = (height.max(1), width.max(1));
+    if height < factor || width < factor {
+        let scale = (factor as f64 / height as f64).max(factor as f64 / width as f64);
+        height = (height as f64 * scale) as usize;
+        width = (width as f64 * scale) as usize;
+    }
+    let (h, w) = (height as f64, width as f64);
+    let ratio = h.max(w) / h.min(w).max(1.0);
+    if ratio > 200.0 {
+        return Err(format!(
+            "absolute aspect ratio must be smaller than 200, got {ratio}"
+        ));
+    }
+    let mut h_bar = round_by_factor(h, factor);
+    let mut w_bar = round_by_factor(w, factor);
+    let t_bar = round_by_factor(frames as f64, temporal);
+    let all = |h: usize, w: usize| (t_bar * h * w) as f64;
+    let f = factor as f64;
+    if all(h_bar, w_bar) > max_pixels {
+        let beta = (frames as f64 * h * w / max_pixels).sqrt();
+        h_bar = factor.max(((h / beta / f).floor() * f) as usize);
+        w_bar = factor.max(((w / beta / f).floor() * f) as usize);
+    } else if all(h_bar, w_bar) < min_pixels {
+        let beta = (min_pixels / (frames as f64 * h * w)).sqrt();
+        h_bar = ((h * beta / f).ceil() * f) as usize;
+        w_bar = ((w * beta / f).ceil() * f) as usize;
+    }
+    if h_bar == 0 || w_bar == 0 {
+        return Err(format!(
+            "a {width}x{height} frame cannot be sized for this model"
+        ));
+    }
+    Ok((h_bar, w_bar))
+}
+
 /// At most `count` of `items`, spread evenly (by linspace over their positions).
 pub fn evenly(items: &[u64], count: usize) -> Vec<u64> {
     if count >= items.len() {
@@ -167,6 +254,27 @@ mod tests {
         let (h, w) = smart_resize(120, 160, 28, 100_352.0, 602_112.0).unwrap();
         assert!(h * w >= 100_352 && h % 28 == 0 && w % 28 == 0);
         assert!(smart_resize(1, 400, 28, 1.0, 1e9).is_err());
+    }
+
+    #[test]
+    fn qwen3_rules_match_transformers() {
+        // int(90 / 30 × 2) = 6; 5 frames at 10 fps: min 4; 3 frames: all 3 (not rounded to pairs).
+        assert_eq!(qwen3_frame_count(90, 30.0, 2.0, 4, 768), 6);
+        assert_eq!(qwen3_frame_count(5, 10.0, 2.0, 4, 768), 4);
+        assert_eq!(qwen3_frame_count(3, 30.0, 2.0, 4, 768), 3);
+        // np.linspace(0, 47, 5).round(): 11.75 → 12, 23.5 → 24 (half to even), 35.25 → 35.
+        assert_eq!(numpy_linspace_indices(0, 47, 5), vec![0, 12, 24, 35, 47]);
+        assert_eq!(numpy_linspace_indices(0, 9, 1), vec![0]);
+        // 4 frames of 1080x1920 within 4096..=25165824 pixels in all: 1088x1920 (a multiple of 32).
+        let (h, w) = qwen3_smart_resize(4, 1080, 1920, 2, 32, 4096.0, 25_165_824.0).unwrap();
+        assert_eq!((h, w), (1088, 1920));
+        // Over the bound: scaled down as a whole.
+        let (h, w) = qwen3_smart_resize(64, 1080, 1920, 2, 32, 4096.0, 25_165_824.0).unwrap();
+        assert!(
+            64 * h * w <= 25_165_824 && h % 32 == 0 && w % 32 == 0,
+            "{h}x{w}"
+        );
+        assert!(qwen3_smart_resize(1, 64, 64, 2, 32, 1.0, 1e9).is_err());
     }
 
     #[test]
