@@ -1110,3 +1110,64 @@ fn max_model_len_caps_the_context_every_budget_uses() {
     let (status, body) = post(&capped, "/v1/chat/completions", &fits);
     assert_eq!(status, 200, "{body}");
 }
+
+/// Qwen3-VL served through the registry like the others: an image and a video in one request cost
+/// what their plugins planned under its processors (the video's from its
+/// `video_preprocessor_config.json`), and the video sits in the prompt as a block per temporal
+/// patch after its timestamp.
+#[test]
+fn qwen3_vl_takes_images_and_videos() {
+    let (server, _dir) = start("[[models]]\nname = \"demo-qwen3-vl\"\npath = \"demo-qwen3-vl\"\n");
+    let image = data_url("image/png", &fixture("image/images/png-rgb-wide.png"));
+    let video = data_url("video/mp4", &fixture("video/clips/h264.mp4"));
+    let dir = cache_dir()
+        .join("mmgate/models")
+        .join(demo_dir("demo-qwen3-vl"));
+    let read = |name: &str| -> Value {
+        serde_json::from_slice(&std::fs::read(dir.join(name)).unwrap()).unwrap()
+    };
+    let mut config = read("preprocessor_config.json");
+    config["video_preprocessor_config"] = read("video_preprocessor_config.json");
+    let plan = |media: &str| {
+        let (status, body) = post(
+            &server,
+            "/v1/preprocess",
+            &json!({"media": media, "processor_config": config}),
+        );
+        assert_eq!(status, 200, "{body}");
+        body["tokens"].as_u64().unwrap()
+    };
+    let (image_tokens, video_tokens) = (plan(&image), plan(&video));
+    let request = chat(
+        "demo-qwen3-vl",
+        json!([
+            image_part(&image),
+            {"type": "video_url", "video_url": {"url": video}},
+            {"type": "text", "text": "What happens?"}
+        ]),
+    );
+    let (status, body) = post(&server, "/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    let media = body["usage"]["media"].as_array().unwrap();
+    assert_eq!(media[0]["tokens"].as_u64(), Some(image_tokens), "{body}");
+    assert_eq!(media[1]["tokens"].as_u64(), Some(video_tokens), "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 6, "{body}");
+    let prompt = body["usage"]["prompt_tokens"].as_u64().unwrap();
+    // Without the video the prompt loses its tokens, the template's `<|vision_start|>` and
+    // `<|vision_end|>` around it, and per temporal patch a `<t seconds>` text (at least one token)
+    // with its own start and end.
+    let (status, image_only) = post(
+        &server,
+        "/v1/chat/completions",
+        &chat(
+            "demo-qwen3-vl",
+            json!([image_part(&image), {"type": "text", "text": "What happens?"}]),
+        ),
+    );
+    assert_eq!(status, 200, "{image_only}");
+    let without = image_only["usage"]["prompt_tokens"].as_u64().unwrap();
+    let patches = media[1]["frames"].as_u64().unwrap() / 2;
+    assert!(patches >= 2, "{body}");
+    let around_video = prompt - without - video_tokens;
+    assert!(around_video >= 2 + 3 * patches, "{around_video} {body}");
+}

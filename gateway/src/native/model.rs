@@ -827,4 +827,68 @@ mod tests {
             .unwrap();
         assert_eq!(item.items[0].time_interval, 1.0);
     }
+
+    #[test]
+    fn qwen3_vl_videos_are_a_block_per_temporal_patch_after_its_timestamp() {
+        let cache = tempfile::tempdir().unwrap();
+        let model = runtime("demo-qwen3-vl", cache.path());
+        let ints = |v: &[i64]| v.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+        let video = vec![
+            tensor(
+                "pixel_values_videos",
+                Dtype::F32,
+                &[32, 1536],
+                vec![0; 32 * 1536 * 4],
+            ),
+            tensor("video_grid_thw", Dtype::I64, &[1, 3], ints(&[2, 4, 4])),
+            // Frames 0, 15 and 30, 45 of a 30 fps video: temporal patches at 0.25 s and 1.25 s.
+            tensor("frame_indices", Dtype::I64, &[4], ints(&[0, 15, 30, 45])),
+            tensor(
+                "video_fps_f64_bits",
+                Dtype::I64,
+                &[1],
+                ints(&[30f64.to_bits() as i64]),
+            ),
+        ];
+        let placed = model
+            .prompt
+            .media_item(MediaKind::Video, 8, &video)
+            .unwrap();
+        let parts: Vec<_> = placed.items.iter().map(|i| (i.tokens, i.part)).collect();
+        let frame = mmgate_inference::rope::Grid { t: 1, h: 4, w: 4 };
+        assert_eq!(
+            parts,
+            [
+                (
+                    4,
+                    Some(InputPart {
+                        first_token: 0,
+                        grid: frame
+                    })
+                ),
+                (
+                    4,
+                    Some(InputPart {
+                        first_token: 4,
+                        grid: frame
+                    })
+                ),
+            ]
+        );
+        assert!(Arc::ptr_eq(&placed.items[0].input, &placed.items[1].input));
+        let text = model.prompt.text.decode(&placed.ids, false).unwrap();
+        let pads = "<|video_pad|>".repeat(4);
+        assert_eq!(
+            text,
+            format!(
+                "<0.2 seconds><|vision_start|>{pads}<|vision_end|><1.2 seconds><|vision_start|>{pads}<|vision_end|>"
+            )
+        );
+        // Without the frame rate there are no timestamps to write.
+        let err = model
+            .prompt
+            .media_item(MediaKind::Video, 8, &video[..3])
+            .unwrap_err();
+        assert!(err.to_string().contains("video_fps_f64_bits"), "{err}");
+    }
 }

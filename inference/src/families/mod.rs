@@ -281,6 +281,12 @@ mod tests {
         assert_eq!(audio.media_kinds(), [MediaKind::Audio]);
         assert_eq!(audio.placeholder(MediaKind::Audio), Some(504));
         assert_eq!(audio.positions(), PositionScheme::Plain);
+        let qwen3 = read(&fixture("qwen3-vl")).unwrap();
+        assert_eq!(qwen3.media_kinds(), [MediaKind::Image, MediaKind::Video]);
+        assert_eq!(qwen3.placeholder(MediaKind::Video), Some(501));
+        assert_eq!(qwen3.deepstack_levels(), 2);
+        assert_eq!(qwen3.embedding_width(), 3 * 64);
+        assert_eq!(vl.deepstack_levels(), 0);
     }
 
     #[test]
@@ -294,6 +300,7 @@ mod tests {
             "qwen2_vl",
             "qwen2_5_vl",
             "qwen2_audio",
+            "qwen3_vl",
         ] {
             assert!(err.contains(part), "{err}");
         }
