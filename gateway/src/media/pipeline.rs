@@ -63,12 +63,16 @@ fn choose_among<'r>(
 }
 
 /// The processor classes a processor config names (`image_processor_type`, `video_processor_type`,
-/// `feature_extractor_type`, `processor_class`), without the `Fast`/`Pil` suffixes of their
-/// implementation variants.
+/// `feature_extractor_type`, `processor_class`, and a model's own video processor config's type
+/// under `video_preprocessor_config`), without the `Fast`/`Pil` suffixes of their implementation
+/// variants.
 fn processor_types(processor_config: &str) -> Vec<String> {
     let Ok(Value::Object(config)) = serde_json::from_str::<Value>(processor_config) else {
         return Vec::new();
     };
+    let nested_video = config
+        .get("video_preprocessor_config")
+        .and_then(|v| v.get("video_processor_type"));
     [
         "image_processor_type",
         "video_processor_type",
@@ -76,7 +80,9 @@ fn processor_types(processor_config: &str) -> Vec<String> {
         "processor_class",
     ]
     .iter()
-    .filter_map(|key| config.get(*key)?.as_str())
+    .filter_map(|key| config.get(*key))
+    .chain(nested_video)
+    .filter_map(Value::as_str)
     .map(|class| processor_family(class).to_owned())
     .collect()
 }
@@ -417,5 +423,15 @@ mod tests {
             &[]
         ));
         assert!(processor_types("not json").is_empty());
+        // Qwen3-VL's video processor, from its own file inside the config.
+        let qwen3 = processor_types(
+            r#"{"image_processor_type": "Qwen2VLImageProcessorFast",
+                "video_preprocessor_config": {"video_processor_type": "Qwen3VLVideoProcessor"}}"#,
+        );
+        assert_eq!(qwen3, ["Qwen2VLImageProcessor", "Qwen3VLVideoProcessor"]);
+        assert!(serves_processor(
+            &descriptor(&["Qwen3VLVideoProcessor"]),
+            &qwen3
+        ));
     }
 }
