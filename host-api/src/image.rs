@@ -7,7 +7,20 @@ use std::time::Instant;
 use mmgate_image_decode::{ImageError as DecodeError, Limits};
 
 use crate::contract::mmgate::modality::image::{Host, ImageError, ImageLimits, RgbImage};
-use crate::sandbox::CallState;
+use crate::sandbox::{CallState, SandboxLimits};
+
+/// What one plugin call holds of this capability: the host's decoder limits.
+pub(crate) struct CallImages {
+    limits: Limits,
+}
+
+impl CallImages {
+    pub(crate) fn new(limits: &SandboxLimits) -> Self {
+        Self {
+            limits: limits.image.clone(),
+        }
+    }
+}
 
 fn contract_error(error: DecodeError) -> ImageError {
     match error {
@@ -28,7 +41,7 @@ impl Host for CallState {
             ));
         }
         // What the plugin does not set (bytes, decoder memory) is the host's alone.
-        let host = self.image_limits();
+        let host = &self.images.limits;
         let asked = Limits {
             max_width: limits.max_width,
             max_height: limits.max_height,

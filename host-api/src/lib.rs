@@ -11,6 +11,12 @@
 //! - [`image`]: the libjpeg-turbo JPEG decoder plugins import (contract 0.3.1);
 //! - [`error`]: what can go wrong, typed.
 //!
+//! A host capability is one module ([`video`], [`image`]): its interface's `Host` impl on the
+//! call's state and what one call holds of it (its limits, its open resources), which the call's
+//! state keeps as one field. The contract's bindings link every interface of the world at once
+//! (`add_to_linker` in [`sandbox`]), so a new capability adds its interface to `wit/`, its module,
+//! its limits in [`SandboxLimits`] and that field; no linker code changes.
+//!
 //! This crate knows nothing of HTTP or models: the gateway drives it, the inference core consumes the
 //! tensors it returns.
 

@@ -202,9 +202,9 @@ pub struct CallState {
     limiter: MemoryLimiter,
     plugin: Arc<str>,
     deadline_at: Instant,
-    video_limits: mmgate_video_decode::Limits,
-    open_videos: usize,
-    image_limits: mmgate_image_decode::Limits,
+    /// Each host capability's share of the call, owned by its module.
+    pub(crate) videos: crate::video::CallVideos,
+    pub(crate) images: crate::image::CallImages,
 }
 
 impl CallState {
@@ -225,9 +225,8 @@ impl CallState {
             },
             plugin,
             deadline_at: Instant::now() + limits.deadline(),
-            video_limits: limits.video.clone(),
-            open_videos: 0,
-            image_limits: limits.image.clone(),
+            videos: crate::video::CallVideos::new(limits),
+            images: crate::image::CallImages::new(limits),
         }
     }
 
@@ -238,26 +237,6 @@ impl CallState {
 
     pub(crate) fn table(&mut self) -> &mut ResourceTable {
         &mut self.table
-    }
-
-    pub(crate) fn video_limits(&self) -> &mmgate_video_decode::Limits {
-        &self.video_limits
-    }
-
-    pub(crate) fn image_limits(&self) -> &mmgate_image_decode::Limits {
-        &self.image_limits
-    }
-
-    pub(crate) fn open_videos(&self) -> usize {
-        self.open_videos
-    }
-
-    pub(crate) fn video_opened(&mut self) {
-        self.open_videos += 1;
-    }
-
-    pub(crate) fn video_closed(&mut self) {
-        self.open_videos = self.open_videos.saturating_sub(1);
     }
 
     pub fn limiter(&mut self) -> &mut MemoryLimiter {

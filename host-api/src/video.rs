@@ -9,7 +9,7 @@ use wasmtime::component::Resource;
 
 use crate::contract::mmgate::modality::video::{Host, HostVideoDecoder};
 use crate::contract::{Frame, VideoError, VideoInfo, v0_2};
-use crate::sandbox::CallState;
+use crate::sandbox::{CallState, SandboxLimits};
 
 /// Most videos one plugin call may hold open at once: each holds the upload and a decoder.
 pub const MAX_OPEN_VIDEOS: usize = 4;
@@ -17,6 +17,22 @@ pub const MAX_OPEN_VIDEOS: usize = 4;
 /// A video opened by a plugin.
 pub struct HostVideo {
     video: Video,
+}
+
+/// What one plugin call holds of this capability: the decoder's limits and how many videos it
+/// has open.
+pub(crate) struct CallVideos {
+    limits: mmgate_video_decode::Limits,
+    open: usize,
+}
+
+impl CallVideos {
+    pub(crate) fn new(limits: &SandboxLimits) -> Self {
+        Self {
+            limits: limits.video.clone(),
+            open: 0,
+        }
+    }
 }
 
 fn contract_error(error: DecodeError) -> VideoError {
@@ -42,12 +58,12 @@ impl Host for CallState {}
 
 impl HostVideoDecoder for CallState {
     fn open(&mut self, data: Vec<u8>) -> Result<Resource<HostVideo>, VideoError> {
-        if self.open_videos() >= MAX_OPEN_VIDEOS {
+        if self.videos.open >= MAX_OPEN_VIDEOS {
             return Err(VideoError::LimitExceeded(format!(
                 "a plugin call may hold at most {MAX_OPEN_VIDEOS} videos open"
             )));
         }
-        let limits = self.video_limits().clone();
+        let limits = self.videos.limits.clone();
         let video = Video::open(&data, limits).map_err(contract_error)?;
         // FFmpeg reads its own in-memory copy: the call's copy can go now.
         drop(data);
@@ -55,7 +71,7 @@ impl HostVideoDecoder for CallState {
             .table()
             .push(HostVideo { video })
             .map_err(|e| VideoError::Internal(format!("cannot keep the video: {e}")))?;
-        self.video_opened();
+        self.videos.open += 1;
         Ok(handle)
     }
 
@@ -115,7 +131,7 @@ impl HostVideoDecoder for CallState {
 
     fn drop(&mut self, handle: Resource<HostVideo>) -> wasmtime::Result<()> {
         self.table().delete(handle)?;
-        self.video_closed();
+        self.videos.open = self.videos.open.saturating_sub(1);
         Ok(())
     }
 }
