@@ -158,20 +158,7 @@ fn matches_qwen_vl_utils_and_transformers() {
             let Some(golden) = &case.pixels else {
                 return Ok(());
             };
-            let bytes = std::fs::read(fixtures_dir().join(golden)).unwrap();
-            let golden = SafeTensors::deserialize(&bytes).unwrap();
-            let golden = golden.tensor("pixel_values_videos").unwrap();
-            assert_eq!(golden.shape(), [(t * h * w) as usize, 1176]);
-            let expected = golden
-                .data()
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32());
-            let worst = mmgate_host::f32_values(&tensors, "pixel_values_videos")
-                .unwrap()
-                .iter()
-                .zip(expected)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+            let worst = worst_pixel_difference(&tensors, golden, [(t * h * w) as usize, 1176]);
             if worst > PIXEL_TOLERANCE {
                 return Err(format!("pixels differ by up to {worst}"));
             }
@@ -360,6 +347,25 @@ fn mutated_clips_never_crash_the_host() {
     }
 }
 
+/// The largest difference between the plugin's `pixel_values_videos` and a golden file's (float16,
+/// of `shape`).
+fn worst_pixel_difference(tensors: &[Tensor], golden: &str, shape: [usize; 2]) -> f32 {
+    let bytes = std::fs::read(fixtures_dir().join(golden)).unwrap();
+    let golden = SafeTensors::deserialize(&bytes).unwrap();
+    let golden = golden.tensor("pixel_values_videos").unwrap();
+    assert_eq!(golden.shape(), shape);
+    let expected = golden
+        .data()
+        .chunks_exact(2)
+        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32());
+    mmgate_host::f32_values(tensors, "pixel_values_videos")
+        .unwrap()
+        .iter()
+        .zip(expected)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+}
+
 #[derive(Debug, Deserialize)]
 struct Qwen3Case {
     name: String,
@@ -430,20 +436,7 @@ fn matches_transformers_qwen3_vl_video_processor() {
             let Some(golden) = &case.pixels else {
                 return Ok(());
             };
-            let bytes = std::fs::read(fixtures_dir().join(golden)).unwrap();
-            let golden = SafeTensors::deserialize(&bytes).unwrap();
-            let golden = golden.tensor("pixel_values_videos").unwrap();
-            assert_eq!(golden.shape(), [(t * h * w) as usize, 1536]);
-            let expected = golden
-                .data()
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32());
-            let worst = mmgate_host::f32_values(&tensors, "pixel_values_videos")
-                .unwrap()
-                .iter()
-                .zip(expected)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+            let worst = worst_pixel_difference(&tensors, golden, [(t * h * w) as usize, 1536]);
             // Half an ulp of float16 at 1.0, the largest |value| (mean and std 0.5).
             if worst > 5e-4 {
                 return Err(format!("pixels differ by up to {worst}"));
