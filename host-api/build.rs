@@ -23,6 +23,7 @@ const TEST_ONLY: &[(&str, &str)] = &[
     ("testing", "mmgate_test_plugin"),
     ("testing-v0_1", "mmgate_test_plugin_v0_1"),
     ("testing-v0_2", "mmgate_test_plugin_v0_2"),
+    ("testing-v0_3", "mmgate_test_plugin_v0_3"),
 ];
 
 const WASM_TARGET: &str = "wasm32-wasip2";
@@ -62,6 +63,7 @@ fn run() -> Result<(), String> {
         "testing",
         "testing-v0_1",
         "testing-v0_2",
+        "testing-v0_3",
     ] {
         let path = plugins.join(dir);
         if path.exists() {

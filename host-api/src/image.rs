@@ -58,3 +58,35 @@ impl Host for CallState {
         })
     }
 }
+
+/// The 0.3 `image` interface: the current one's function, its records copied across.
+mod v0_3_image {
+    use super::*;
+    use crate::contract::v0_3::mmgate::modality::image as old;
+
+    impl old::Host for CallState {
+        fn decode_jpeg(
+            &mut self,
+            data: Vec<u8>,
+            limits: old::ImageLimits,
+        ) -> Result<old::RgbImage, old::ImageError> {
+            let limits = ImageLimits {
+                max_width: limits.max_width,
+                max_height: limits.max_height,
+                max_pixels: limits.max_pixels,
+                max_scans: limits.max_scans,
+            };
+            match Host::decode_jpeg(self, data, limits) {
+                Ok(image) => Ok(old::RgbImage {
+                    width: image.width,
+                    height: image.height,
+                    rgb: image.rgb,
+                }),
+                Err(ImageError::InvalidMedia(m)) => Err(old::ImageError::InvalidMedia(m)),
+                Err(ImageError::Unsupported(m)) => Err(old::ImageError::Unsupported(m)),
+                Err(ImageError::LimitExceeded(m)) => Err(old::ImageError::LimitExceeded(m)),
+                Err(ImageError::Internal(m)) => Err(old::ImageError::Internal(m)),
+            }
+        }
+    }
+}

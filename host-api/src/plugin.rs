@@ -12,7 +12,7 @@ use wasmtime::{Store, Trap};
 use crate::contract::{
     Budget, CONTRACT_VERSION, Descriptor, Media, MediaInfo, ModalityPlugin, ModalityPluginPre,
     PLUGIN_INTERFACE, PluginError, ReducedItem, SUPPORTED_VERSIONS, Tensor, TokenPlan, Version,
-    v0_1, v0_2,
+    v0_1, v0_2, v0_3,
 };
 use crate::error::{CallError, LoadError};
 use crate::sandbox::{CallState, Sandbox};
@@ -38,14 +38,16 @@ impl std::fmt::Display for PluginOrigin {
 /// A component pre-linked against the bindings of the contract version it was built for.
 enum Pre {
     Current(ModalityPluginPre<CallState>),
+    V0_3(v0_3::ModalityPluginPre<CallState>),
     V0_2(v0_2::ModalityPluginPre<CallState>),
     V0_1(v0_1::ModalityPluginPre<CallState>),
 }
 
 /// An instance of any served version. All export describe, probe, plan and preprocess over the same
-/// Rust types; only the current one has `reduce`.
+/// Rust types; 0.3 and later have `reduce`, only the current one `parts` and `preprocess-part`.
 enum Instance {
     Current(ModalityPlugin),
+    V0_3(v0_3::ModalityPlugin),
     V0_2(v0_2::ModalityPlugin),
     V0_1(v0_1::ModalityPlugin),
 }
@@ -55,6 +57,10 @@ macro_rules! on_plugin {
     ($instance:expr, |$exports:ident| $call:expr) => {
         match $instance {
             Instance::Current(p) => {
+                let $exports = p.mmgate_modality_plugin();
+                $call
+            }
+            Instance::V0_3(p) => {
                 let $exports = p.mmgate_modality_plugin();
                 $call
             }
@@ -115,6 +121,9 @@ impl LoadedPlugin {
             }
             Some(2) => {
                 Pre::V0_2(v0_2::ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?)
+            }
+            Some(3) => {
+                Pre::V0_3(v0_3::ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?)
             }
             _ => Pre::Current(ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?),
         };
@@ -208,6 +217,75 @@ impl LoadedPlugin {
                 on_plugin!(p, |e| e.call_preprocess(&mut *store, media, plan, &config))
             })?
             .map_err(CallError::Plugin)?;
+        self.checked_output(tensors)
+    }
+
+    /// `parts(plan, config)`: how many independent parts the planned item's tensors come in (contract
+    /// 0.4; a plugin built against an earlier one makes every item whole: 1).
+    pub fn parts(&self, plan: &TokenPlan, processor_config: &str) -> Result<u32, CallError> {
+        if !matches!(self.pre, Pre::Current(_)) {
+            return Ok(1);
+        }
+        let config = processor_config.to_owned();
+        let parts = self
+            .call(|store, instance| match instance {
+                Instance::Current(p) => {
+                    p.mmgate_modality_plugin()
+                        .call_parts(&mut *store, plan, &config)
+                }
+                Instance::V0_3(_) | Instance::V0_2(_) | Instance::V0_1(_) => Ok(Ok(1)),
+            })?
+            .map_err(CallError::Plugin)?;
+        if parts == 0 {
+            return Err(CallError::Contract(
+                "parts returned 0: an item has at least one part".into(),
+            ));
+        }
+        Ok(parts)
+    }
+
+    /// `preprocess-part(media, plan, config, index)`: the tensors of one part, checked as
+    /// `preprocess`'s. Part 0 of a plugin built against an earlier contract is the whole item.
+    pub fn preprocess_part(
+        &self,
+        media: &Media,
+        plan: &TokenPlan,
+        processor_config: &str,
+        index: u32,
+    ) -> Result<Vec<Tensor>, CallError> {
+        if !matches!(self.pre, Pre::Current(_)) {
+            return match index {
+                0 => self.preprocess(media, plan, processor_config),
+                _ => Err(CallError::Contract(format!(
+                    "part {index} of a plugin of contract {}, which makes items whole",
+                    self.contract
+                ))),
+            };
+        }
+        let config = processor_config.to_owned();
+        let tensors = self
+            .call(|store, instance| match instance {
+                Instance::Current(p) => p.mmgate_modality_plugin().call_preprocess_part(
+                    &mut *store,
+                    media,
+                    plan,
+                    &config,
+                    index,
+                ),
+                // Checked above: an older plugin is never asked.
+                Instance::V0_3(_) | Instance::V0_2(_) | Instance::V0_1(_) => {
+                    Err(wasmtime::format_err!(
+                        "preprocess-part called on a plugin of contract {}",
+                        self.contract
+                    ))
+                }
+            })?
+            .map_err(CallError::Plugin)?;
+        self.checked_output(tensors)
+    }
+
+    /// Tensors checked against the output cap and the contract's rules.
+    fn checked_output(&self, tensors: Vec<Tensor>) -> Result<Vec<Tensor>, CallError> {
         let limit = self.sandbox.limits().max_output_bytes;
         let size = tensors
             .iter()
@@ -229,7 +307,7 @@ impl LoadedPlugin {
         plan: &TokenPlan,
         processor_config: &str,
     ) -> Result<ReducedItem, CallError> {
-        if !matches!(self.pre, Pre::Current(_)) {
+        if matches!(self.pre, Pre::V0_2(_) | Pre::V0_1(_)) {
             return Err(CallError::Plugin(PluginError::Unsupported(format!(
                 "plugin {} is built against contract {}, which has no reduce (0.3 added it): \
                  rebuild it with the current SDK to serve this model",
@@ -240,6 +318,10 @@ impl LoadedPlugin {
         let reduced = self
             .call(|store, instance| match instance {
                 Instance::Current(p) => {
+                    p.mmgate_modality_plugin()
+                        .call_reduce(&mut *store, media, plan, &config)
+                }
+                Instance::V0_3(p) => {
                     p.mmgate_modality_plugin()
                         .call_reduce(&mut *store, media, plan, &config)
                 }
@@ -288,6 +370,7 @@ impl LoadedPlugin {
         store.set_hostcall_fuel(limits.max_output_bytes.saturating_add(HOSTCALL_FUEL_SLACK));
         let instance = match &self.pre {
             Pre::Current(pre) => pre.instantiate(&mut store).map(Instance::Current),
+            Pre::V0_3(pre) => pre.instantiate(&mut store).map(Instance::V0_3),
             Pre::V0_2(pre) => pre.instantiate(&mut store).map(Instance::V0_2),
             Pre::V0_1(pre) => pre.instantiate(&mut store).map(Instance::V0_1),
         };

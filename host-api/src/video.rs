@@ -8,7 +8,7 @@ use mmgate_video_decode::{Video, VideoError as DecodeError};
 use wasmtime::component::Resource;
 
 use crate::contract::mmgate::modality::video::{Host, HostVideoDecoder};
-use crate::contract::{Frame, VideoError, VideoInfo, v0_2};
+use crate::contract::{Frame, VideoError, VideoInfo};
 use crate::sandbox::{CallState, SandboxLimits};
 
 /// Most videos one plugin call may hold open at once: each holds the upload and a decoder.
@@ -136,67 +136,75 @@ impl HostVideoDecoder for CallState {
     }
 }
 
-mod v0_2_video {
-    //! The 0.2 `video` interface: each function is the current one's, its records copied across.
-    use super::*;
-    use v0_2::mmgate::modality::video as old;
+/// The `video` interface of a superseded contract (`$version`: the module of its frozen bindings):
+/// each function is the current one's, its records copied across.
+macro_rules! previous_video_interface {
+    ($module:ident, $version:ident) => {
+        mod $module {
+            use super::*;
+            use crate::contract::$version::mmgate::modality::video as old;
 
-    fn error(e: VideoError) -> old::VideoError {
-        match e {
-            VideoError::InvalidMedia(m) => old::VideoError::InvalidMedia(m),
-            VideoError::Unsupported(m) => old::VideoError::Unsupported(m),
-            VideoError::LimitExceeded(m) => old::VideoError::LimitExceeded(m),
-            VideoError::BadRequest(m) => old::VideoError::BadRequest(m),
-            VideoError::Internal(m) => old::VideoError::Internal(m),
-        }
-    }
+            fn error(e: VideoError) -> old::VideoError {
+                match e {
+                    VideoError::InvalidMedia(m) => old::VideoError::InvalidMedia(m),
+                    VideoError::Unsupported(m) => old::VideoError::Unsupported(m),
+                    VideoError::LimitExceeded(m) => old::VideoError::LimitExceeded(m),
+                    VideoError::BadRequest(m) => old::VideoError::BadRequest(m),
+                    VideoError::Internal(m) => old::VideoError::Internal(m),
+                }
+            }
 
-    impl old::Host for CallState {}
+            impl old::Host for CallState {}
 
-    impl old::HostVideoDecoder for CallState {
-        fn open(&mut self, data: Vec<u8>) -> Result<Resource<HostVideo>, old::VideoError> {
-            HostVideoDecoder::open(self, data).map_err(error)
-        }
+            impl old::HostVideoDecoder for CallState {
+                fn open(&mut self, data: Vec<u8>) -> Result<Resource<HostVideo>, old::VideoError> {
+                    HostVideoDecoder::open(self, data).map_err(error)
+                }
 
-        fn info(&mut self, handle: Resource<HostVideo>) -> old::VideoInfo {
-            let info = HostVideoDecoder::info(self, handle);
-            old::VideoInfo {
-                container: info.container,
-                codec: info.codec,
-                width: info.width,
-                height: info.height,
-                rotation: info.rotation,
-                fps: info.fps,
-                frame_count: info.frame_count,
-                duration_seconds: info.duration_seconds,
+                fn info(&mut self, handle: Resource<HostVideo>) -> old::VideoInfo {
+                    let info = HostVideoDecoder::info(self, handle);
+                    old::VideoInfo {
+                        container: info.container,
+                        codec: info.codec,
+                        width: info.width,
+                        height: info.height,
+                        rotation: info.rotation,
+                        fps: info.fps,
+                        frame_count: info.frame_count,
+                        duration_seconds: info.duration_seconds,
+                    }
+                }
+
+                fn keyframes(&mut self, handle: Resource<HostVideo>) -> Vec<u64> {
+                    HostVideoDecoder::keyframes(self, handle)
+                }
+
+                fn frame(
+                    &mut self,
+                    handle: Resource<HostVideo>,
+                    index: u64,
+                ) -> Result<old::Frame, old::VideoError> {
+                    let frame = HostVideoDecoder::frame(self, handle, index).map_err(error)?;
+                    Ok(old::Frame {
+                        index: frame.index,
+                        timestamp: frame.timestamp,
+                        width: frame.width,
+                        height: frame.height,
+                        rgb: frame.rgb,
+                    })
+                }
+
+                fn frames_decoded(&mut self, handle: Resource<HostVideo>) -> u64 {
+                    HostVideoDecoder::frames_decoded(self, handle)
+                }
+
+                fn drop(&mut self, handle: Resource<HostVideo>) -> wasmtime::Result<()> {
+                    HostVideoDecoder::drop(self, handle)
+                }
             }
         }
-
-        fn keyframes(&mut self, handle: Resource<HostVideo>) -> Vec<u64> {
-            HostVideoDecoder::keyframes(self, handle)
-        }
-
-        fn frame(
-            &mut self,
-            handle: Resource<HostVideo>,
-            index: u64,
-        ) -> Result<old::Frame, old::VideoError> {
-            let frame = HostVideoDecoder::frame(self, handle, index).map_err(error)?;
-            Ok(old::Frame {
-                index: frame.index,
-                timestamp: frame.timestamp,
-                width: frame.width,
-                height: frame.height,
-                rgb: frame.rgb,
-            })
-        }
-
-        fn frames_decoded(&mut self, handle: Resource<HostVideo>) -> u64 {
-            HostVideoDecoder::frames_decoded(self, handle)
-        }
-
-        fn drop(&mut self, handle: Resource<HostVideo>) -> wasmtime::Result<()> {
-            HostVideoDecoder::drop(self, handle)
-        }
-    }
+    };
 }
+
+previous_video_interface!(v0_3_video, v0_3);
+previous_video_interface!(v0_2_video, v0_2);

@@ -285,6 +285,44 @@ fn a_plugin_built_against_contract_0_1_is_still_served() {
 }
 
 #[test]
+fn a_plugin_built_against_contract_0_3_is_still_served_whole_with_its_image_decoder() {
+    let sandbox = Arc::new(Sandbox::new(limits()).unwrap());
+    let path = artifact_dir().join("testing-v0_3.wasm");
+    let bytes = std::fs::read(&path).unwrap();
+    let plugin = LoadedPlugin::load(sandbox, &bytes, PluginOrigin::File(path)).unwrap();
+    assert_eq!(plugin.contract_version().to_string(), "0.3.1");
+    let photo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/image/images/photo-640x480.jpg");
+    let item = Media {
+        data: std::fs::read(photo).unwrap(),
+        mime_type: Some("image/jpeg".into()),
+    };
+    // probe and preprocess go through the 0.3 image decoder; reduce is 0.3's.
+    let info = plugin.probe(&item).unwrap();
+    assert_eq!((info.width, info.height), (Some(640), Some(480)));
+    let plan = plugin
+        .plan(&info, Budget { max_tokens: 480 }, "{}")
+        .unwrap();
+    let whole = plugin.preprocess(&item, &plan, "{}").unwrap();
+    assert_eq!(whole[0].shape, [480, 640, 3]);
+    assert_eq!(
+        plugin.reduce(&item, &plan, "{}").unwrap().files[0].data,
+        item.data
+    );
+    // 0.3 has no parts: its items are one part, the whole.
+    assert_eq!(plugin.parts(&plan, "{}").unwrap(), 1);
+    let part = plugin.preprocess_part(&item, &plan, "{}", 0).unwrap();
+    assert_eq!(
+        (&part[0].shape, &part[0].data),
+        (&whole[0].shape, &whole[0].data)
+    );
+    assert!(matches!(
+        plugin.preprocess_part(&item, &plan, "{}", 1),
+        Err(CallError::Contract(_))
+    ));
+}
+
+#[test]
 fn a_plugin_built_against_contract_0_2_is_still_served_with_its_video_decoder() {
     let sandbox = Arc::new(Sandbox::new(limits()).unwrap());
     let path = artifact_dir().join("testing-v0_2.wasm");

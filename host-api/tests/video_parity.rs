@@ -445,3 +445,55 @@ fn matches_transformers_qwen3_vl_video_processor() {
         },
     );
 }
+
+/// A video in parts (contract 0.4): runs of 8 temporal patches, each part its own frames with its
+/// own grid; the parts' tensors in order hold exactly the whole's bytes.
+#[test]
+fn parts_hold_exactly_the_whole_videos_tensors() {
+    let plugin = common::builtin_plugin("video");
+    let mut every_frame = serde_json::Map::new();
+    every_frame.insert("fps".into(), json!(12));
+    every_frame.insert("video_min_pixels".into(), json!(4 * 784));
+    every_frame.insert("video_max_pixels".into(), json!(8 * 784));
+    let config = config(&every_frame);
+    let media = media(clip("12fps.mp4"));
+    let info = plugin.probe(&media).unwrap();
+    let plan = plugin
+        .plan(
+            &info,
+            Budget {
+                max_tokens: 100_000,
+            },
+            &config,
+        )
+        .unwrap();
+    let whole = plugin.preprocess(&media, &plan, &config).unwrap();
+    let whole_grid = i64s(tensor(&whole, "video_grid_thw"));
+    assert_eq!(whole_grid[0], 24, "48 frames: 24 temporal patches");
+    let parts = plugin.parts(&plan, &config).unwrap();
+    assert_eq!(parts, 3);
+    let parts: Vec<Vec<Tensor>> = (0..parts)
+        .map(|i| plugin.preprocess_part(&media, &plan, &config, i).unwrap())
+        .collect();
+    for part in &parts {
+        let grid = i64s(tensor(part, "video_grid_thw"));
+        assert_eq!(grid, [8, whole_grid[1], whole_grid[2]]);
+    }
+    for name in ["pixel_values_videos", "frame_indices", "frame_timestamps"] {
+        let joined: Vec<u8> = parts
+            .iter()
+            .flat_map(|p| tensor(p, name).data.clone())
+            .collect();
+        assert!(joined == tensor(&whole, name).data, "{name}");
+    }
+    for name in [
+        "pixel_values_videos_table",
+        "second_per_grid_ts",
+        "video_fps_f64_bits",
+    ] {
+        for part in &parts {
+            assert_eq!(tensor(part, name).data, tensor(&whole, name).data, "{name}");
+        }
+    }
+    assert!(plugin.preprocess_part(&media, &plan, &config, 3).is_err());
+}

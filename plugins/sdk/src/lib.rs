@@ -71,6 +71,31 @@ pub trait Plugin {
             "this plugin does not hand back reduced media (it implements no reduce)",
         ))
     }
+
+    /// How many independent parts `plan`'s tensors come in (see [`Plugin::preprocess_part`]): 1,
+    /// the item made whole, unless the plugin splits it. Cheap and deterministic: no decoding.
+    fn parts(plan: TokenPlan, config: ProcessorConfig) -> PluginResult<u32> {
+        let _ = (plan, config);
+        Ok(1)
+    }
+
+    /// The tensors of part `index` of the planned item: what [`Plugin::preprocess`] makes of that
+    /// piece alone (a video's run of temporal patches with its own grid, an audio file's chunk),
+    /// so that the parts' tensors in order hold exactly the whole's values. The host runs parts on
+    /// several instances at once. Unless the plugin splits items, part 0 is the whole item.
+    fn preprocess_part(
+        media: Media,
+        plan: TokenPlan,
+        config: ProcessorConfig,
+        index: u32,
+    ) -> PluginResult<Vec<Tensor>> {
+        match index {
+            0 => Self::preprocess(media, plan, config),
+            _ => Err(PluginError::internal(format!(
+                "part {index} asked of a plugin that makes items whole"
+            ))),
+        }
+    }
 }
 
 /// Exports `$plugin` (a type implementing [`Plugin`]) as the component's `plugin` interface.
@@ -108,6 +133,20 @@ macro_rules! export_plugin {
             ) -> $crate::PluginResult<$crate::ReducedItem> {
                 <$plugin as $crate::Plugin>::reduce(media, plan, config)
             }
+            fn parts(
+                plan: $crate::TokenPlan,
+                config: $crate::ProcessorConfig,
+            ) -> $crate::PluginResult<u32> {
+                <$plugin as $crate::Plugin>::parts(plan, config)
+            }
+            fn preprocess_part(
+                media: $crate::Media,
+                plan: $crate::TokenPlan,
+                config: $crate::ProcessorConfig,
+                index: u32,
+            ) -> $crate::PluginResult<::std::vec::Vec<$crate::Tensor>> {
+                <$plugin as $crate::Plugin>::preprocess_part(media, plan, config, index)
+            }
         }
 
         $crate::bindings::export_bindings!(__MmgatePluginExport);
@@ -118,7 +157,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 /// The contract version this SDK was built against (the `mmgate:modality` package version).
-pub const CONTRACT_VERSION: &str = "0.3.1";
+pub const CONTRACT_VERSION: &str = "0.4.0";
 
 /// Result type of the fallible contract functions.
 pub type PluginResult<T> = Result<T, PluginError>;

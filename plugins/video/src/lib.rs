@@ -30,6 +30,10 @@ use sampling::{
 
 pub struct VideoPlugin;
 
+/// Temporal patches (pairs of frames) per part: 16 frames, 8 seconds at 2 frames a second, enough
+/// that opening the video and seeking again for each part costs little beside decoding them.
+const PAIRS_PER_PART: usize = 8;
+
 /// Keyframe indices ride in `media-info.extra` from `probe` to `plan` (which sees nothing else).
 const KEYFRAMES_KEY: &str = "keyframes";
 /// At most this many keyframes are carried; beyond it they are spread evenly.
@@ -188,78 +192,40 @@ impl Plugin for VideoPlugin {
         plan: TokenPlan,
         config: ProcessorConfig,
     ) -> PluginResult<Vec<Tensor>> {
-        let config = VideoConfig::parse(&config)?;
         let choices: Choices = plan.choices()?;
-        let video = VideoDecoder::open(&media.data)?;
-        let source_frames = video.info().frame_count;
-        if source_frames != choices.source_frames {
+        let pairs = choices.frame_indices.len() / FRAME_FACTOR;
+        temporal_patches(&media, &choices, &config, 0..pairs)
+    }
+
+    /// Runs of [`PAIRS_PER_PART`] temporal patches: each part decodes and resizes only its frames,
+    /// and a vision tower that attends within each frame encodes each part on its own.
+    fn parts(plan: TokenPlan, _config: ProcessorConfig) -> PluginResult<u32> {
+        let choices: Choices = plan.choices()?;
+        let pairs = choices.frame_indices.len() / FRAME_FACTOR;
+        u32::try_from(pairs.div_ceil(PAIRS_PER_PART).max(1))
+            .map_err(|_| PluginError::limit("too many frames"))
+    }
+
+    fn preprocess_part(
+        media: Media,
+        plan: TokenPlan,
+        config: ProcessorConfig,
+        index: u32,
+    ) -> PluginResult<Vec<Tensor>> {
+        let choices: Choices = plan.choices()?;
+        let pairs = choices.frame_indices.len() / FRAME_FACTOR;
+        let first = (index as usize).saturating_mul(PAIRS_PER_PART);
+        if first >= pairs.max(1) {
             return Err(PluginError::internal(format!(
-                "the plan was made for a video of {} frames; this one has {source_frames}",
-                choices.source_frames
+                "part {index} of a video of {pairs} temporal patches"
             )));
         }
-        if choices.frame_indices.is_empty()
-            || !choices.frame_indices.len().is_multiple_of(FRAME_FACTOR)
-        {
-            return Err(PluginError::internal("the plan has no whole frame pairs"));
-        }
-        let table: Vec<f32> = config.normalize.table().into_iter().flatten().collect();
-        let (patch, merge) = (config.patch, config.merge);
-        let (height, width) = (choices.height, choices.width);
-        let rows =
-            (choices.frame_indices.len() / config.temporal) * (height / patch) * (width / patch);
-        let row_len = 3 * config.temporal * patch * patch;
-        // Raw samples plus the exact normalisation table, as the image plugin sends them: a quarter
-        // of the bytes of f32 in the sandbox (whose memory is capped) and in the gateway.
-        let mut pixels: Vec<u8> = Vec::with_capacity(rows * row_len);
-        let mut timestamps = Vec::with_capacity(choices.frame_indices.len());
-        for group in choices.frame_indices.chunks(config.temporal) {
-            // A pair is decoded and resized once per distinct index: keyframe padding repeats the
-            // last index, and the patch walk copies a repeated frame.
-            let mut resized: Vec<RgbImage> = Vec::with_capacity(group.len());
-            let mut slots = Vec::with_capacity(group.len());
-            for (i, &index) in group.iter().enumerate() {
-                if i > 0 && group[i - 1] == index {
-                    slots.push(slots[i - 1]);
-                    let time = timestamps.last().copied().unwrap_or(0.0);
-                    timestamps.push(time);
-                    continue;
-                }
-                let frame = video.frame(index)?;
-                timestamps.push(frame.timestamp as f32);
-                let decoded = RgbImage {
-                    width: frame.width as usize,
-                    height: frame.height as usize,
-                    data: frame.rgb,
-                };
-                slots.push(resized.len());
-                resized.push(config.resize_frame(&decoded, width, height));
-            }
-            let refs: Vec<&RgbImage> = slots.iter().map(|&s| &resized[s]).collect();
-            qwen2vl_frame_patches(&refs, patch, merge, &mut pixels);
-        }
-        let grid = [
-            (choices.frame_indices.len() / config.temporal) as i64,
-            (height / patch) as i64,
-            (width / patch) as i64,
-        ];
-        let indices: Vec<i64> = choices.frame_indices.iter().map(|&i| i as i64).collect();
-        let second_per_grid = config.temporal as f32 / choices.sample_fps as f32;
-        Ok(vec![
-            Tensor::from_u8("pixel_values_videos", &[rows, row_len], pixels)?,
-            Tensor::from_f32("pixel_values_videos_table", &[3, 256], &table)?,
-            Tensor::from_i64("video_grid_thw", &[1, 3], &grid)?,
-            Tensor::from_i64("frame_indices", &[indices.len()], &indices)?,
-            Tensor::from_f32("frame_timestamps", &[timestamps.len()], &timestamps)?,
-            Tensor::from_f32("second_per_grid_ts", &[1], &[second_per_grid])?,
-            // The source's frame rate in double precision (the contract has no f64): Qwen3-VL's
-            // prompt shows each temporal patch's time, computed from it as transformers does.
-            Tensor::from_i64(
-                "video_fps_f64_bits",
-                &[1],
-                &[video.info().fps.to_bits() as i64],
-            )?,
-        ])
+        temporal_patches(
+            &media,
+            &choices,
+            &config,
+            first..(first + PAIRS_PER_PART).min(pairs),
+        )
     }
 
     /// The chosen frames only, each at the planned size as a PNG, with its timestamp: a server
@@ -405,4 +371,88 @@ impl Source {
 
 fn tokens_u32(tokens: usize) -> PluginResult<u32> {
     u32::try_from(tokens).map_err(|_| PluginError::limit(format!("{tokens} tokens is too many")))
+}
+
+/// The tensors of temporal patches `pairs` of the planned video (all of them: `preprocess`; a run
+/// of them: a part), as the model's processor makes them of those frames alone.
+fn temporal_patches(
+    media: &Media,
+    choices: &Choices,
+    config: &str,
+    pairs: std::ops::Range<usize>,
+) -> PluginResult<Vec<Tensor>> {
+    let config = VideoConfig::parse(config)?;
+    let video = VideoDecoder::open(&media.data)?;
+    let source_frames = video.info().frame_count;
+    if source_frames != choices.source_frames {
+        return Err(PluginError::internal(format!(
+            "the plan was made for a video of {} frames; this one has {source_frames}",
+            choices.source_frames
+        )));
+    }
+    if choices.frame_indices.is_empty() || !choices.frame_indices.len().is_multiple_of(FRAME_FACTOR)
+    {
+        return Err(PluginError::internal("the plan has no whole frame pairs"));
+    }
+    let table: Vec<f32> = config.normalize.table().into_iter().flatten().collect();
+    let (patch, merge) = (config.patch, config.merge);
+    let (height, width) = (choices.height, choices.width);
+    let frames = choices
+        .frame_indices
+        .get(pairs.start * config.temporal..pairs.end * config.temporal)
+        .filter(|f| !f.is_empty())
+        .ok_or_else(|| PluginError::internal("the plan has no such temporal patches"))?;
+    let rows = pairs.len() * (height / patch) * (width / patch);
+    let row_len = 3 * config.temporal * patch * patch;
+    // Raw samples plus the exact normalisation table, as the image plugin sends them: a quarter
+    // of the bytes of f32 in the sandbox (whose memory is capped) and in the gateway.
+    let mut pixels: Vec<u8> = Vec::with_capacity(rows * row_len);
+    let mut timestamps = Vec::with_capacity(frames.len());
+    for group in frames.chunks(config.temporal) {
+        // A pair is decoded and resized once per distinct index: keyframe padding repeats the
+        // last index, and the patch walk copies a repeated frame.
+        let mut resized: Vec<RgbImage> = Vec::with_capacity(group.len());
+        let mut slots = Vec::with_capacity(group.len());
+        for (i, &index) in group.iter().enumerate() {
+            if i > 0 && group[i - 1] == index {
+                slots.push(slots[i - 1]);
+                let time = timestamps.last().copied().unwrap_or(0.0);
+                timestamps.push(time);
+                continue;
+            }
+            let frame = video.frame(index)?;
+            timestamps.push(frame.timestamp as f32);
+            let decoded = RgbImage {
+                width: frame.width as usize,
+                height: frame.height as usize,
+                data: frame.rgb,
+            };
+            slots.push(resized.len());
+            resized.push(config.resize_frame(&decoded, width, height));
+        }
+        let refs: Vec<&RgbImage> = slots.iter().map(|&s| &resized[s]).collect();
+        qwen2vl_frame_patches(&refs, patch, merge, &mut pixels);
+    }
+    let grid = [
+        pairs.len() as i64,
+        (height / patch) as i64,
+        (width / patch) as i64,
+    ];
+    let indices: Vec<i64> = frames.iter().map(|&i| i as i64).collect();
+    let second_per_grid = config.temporal as f32 / choices.sample_fps as f32;
+    Ok(vec![
+        Tensor::from_u8("pixel_values_videos", &[rows, row_len], pixels)?,
+        Tensor::from_f32("pixel_values_videos_table", &[3, 256], &table)?,
+        Tensor::from_i64("video_grid_thw", &[1, 3], &grid)?,
+        Tensor::from_i64("frame_indices", &[indices.len()], &indices)?,
+        Tensor::from_f32("frame_timestamps", &[timestamps.len()], &timestamps)?,
+        Tensor::from_f32("second_per_grid_ts", &[1], &[second_per_grid])?,
+        // The source's frame rate in double precision (the contract has no f64): Qwen3-VL's
+        // prompt shows each temporal patch's time, computed from it as transformers does.
+        Tensor::from_i64(
+            "video_fps_f64_bits",
+            &[1],
+            &[video.info().fps.to_bits() as i64],
+        )?,
+    ])
 }
