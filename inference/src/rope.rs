@@ -145,6 +145,9 @@ pub struct MediaSpan {
     /// for images; `tokens_per_second · second_per_grid_t` for Qwen2.5-VL videos, so that positions
     /// follow real time.
     pub time_interval: f32,
+    /// A piece of the previous span's item (a video made in parts): its block continues that one's,
+    /// from the same start, its temporal patches numbered from this one; `None`: a block of its own.
+    pub continues_at: Option<usize>,
 }
 
 /// Qwen2-VL's 3-D positions for a prompt: text tokens advance all three components together; the
@@ -168,6 +171,8 @@ pub fn mrope_positions(
 ) -> Result<(Vec<[i64; 3]>, i64)> {
     let mut positions = Vec::with_capacity(ids.len());
     let mut next = 0i64;
+    // Where the last block started, for the pieces that continue it.
+    let mut block_start = 0i64;
     let mut items = media.iter();
     let mut i = 0;
     while i < ids.len() {
@@ -197,9 +202,13 @@ pub fn mrope_positions(
                 "media item at {i} needs {count} contiguous placeholder tokens"
             )));
         }
-        let start = next;
-        let mut last = start;
-        for ti in 0..t {
+        let (start, first_t) = match item.continues_at {
+            Some(first_t) => (block_start, first_t),
+            None => (next, 0),
+        };
+        block_start = start;
+        let mut last = next - 1;
+        for ti in first_t..first_t + t {
             for hi in 0..h {
                 for wi in 0..w {
                     // PyTorch: `(arange(t) * interval).long()`, in f32, truncating.
@@ -237,6 +246,7 @@ mod tests {
             token: 9,
             grid: Grid { t: 6, h: 4, w: 4 },
             time_interval: 1.0,
+            continues_at: None,
         }];
         let mut ids = vec![1, 2];
         ids.extend(std::iter::repeat_n(9, 24));
@@ -256,6 +266,7 @@ mod tests {
             token: 9,
             grid: Grid { t: 3, h: 4, w: 4 },
             time_interval: 50.0,
+            continues_at: None,
         }];
         let mut ids = vec![9; 12];
         ids.push(1);
@@ -269,9 +280,26 @@ mod tests {
             token: 9,
             grid: Grid { t: 3, h: 2, w: 2 },
             time_interval: 1.5,
+            continues_at: None,
         }];
         let (pos, _) = mrope_positions(&[9, 9, 9], &media, 2).unwrap();
         assert_eq!(pos.iter().map(|p| p[0]).collect::<Vec<_>>(), [0, 1, 3]);
+    }
+
+    #[test]
+    fn a_video_in_pieces_has_the_whole_videos_positions() {
+        let span = |t, continues_at| MediaSpan {
+            token: 9,
+            grid: Grid { t, h: 4, w: 6 },
+            time_interval: 1.5,
+            continues_at,
+        };
+        let mut ids = vec![1, 2];
+        ids.extend(std::iter::repeat_n(9, 5 * 6));
+        ids.extend([3, 4]);
+        let whole = mrope_positions(&ids, &[span(5, None)], 2).unwrap();
+        let pieces = [span(2, None), span(1, Some(2)), span(2, Some(3))];
+        assert_eq!(mrope_positions(&ids, &pieces, 2).unwrap(), whole);
     }
 
     #[test]
@@ -280,6 +308,7 @@ mod tests {
             token: 9,
             grid: Grid { t: 1, h: 4, w: 4 },
             time_interval: 1.0,
+            continues_at: None,
         }];
         assert!(mrope_positions(&[1, 9, 9, 9, 2], &media, 2).is_err());
         assert!(mrope_positions(&[1, 2], &media, 2).is_err());

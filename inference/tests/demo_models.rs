@@ -61,6 +61,7 @@ fn demo_vl_model_templates_tokenizes_and_generates() {
         token: image_pad,
         grid,
         time_interval: 1.0,
+        continues_at: None,
     }];
     let (positions, delta) = mmgate_inference::rope::mrope_positions(&ids, &media, 2).unwrap();
     let mut cache = model.llm.new_cache(ids.len() + 8).unwrap();

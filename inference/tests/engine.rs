@@ -147,6 +147,7 @@ fn request(
                 time_interval: 1.0,
                 share_key: None,
                 part: None,
+                piece: None,
             }
         })
         .collect();
@@ -177,6 +178,7 @@ fn solo_greedy(s: &Setup, ids: &[u32], images: &[Arc<EncodeInput>], n: usize) ->
             token: m.config.image_token_id,
             grid: *grid,
             time_interval: 1.0,
+            continues_at: None,
         });
     }
     let counts: Vec<usize> = features.iter().map(|f| f.rows()).collect();

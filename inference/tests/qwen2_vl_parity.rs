@@ -49,6 +49,7 @@ fn check_prompt<E: Backend, L: Backend>(
             time_interval: seconds
                 .as_ref()
                 .map_or(1.0, |s| model.config.vision.time_interval(s[i])),
+            continues_at: None,
         })
         .collect();
     let (positions, delta) = mrope_positions(&ids, &media, merge).unwrap();
@@ -258,6 +259,7 @@ fn image_prompt<E: Backend, L: Backend>(
             token,
             grid,
             time_interval: 1.0,
+            continues_at: None,
         })
         .collect();
     let (positions, delta) = mrope_positions(&ids, &media, model.config.vision.merge).unwrap();

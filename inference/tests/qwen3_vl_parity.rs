@@ -75,6 +75,7 @@ fn spans(g: &Goldens, item: &str, token: u32) -> Vec<MediaSpan> {
                 token,
                 grid: Grid { t: 1, ..grid },
                 time_interval: 1.0,
+                continues_at: None,
             })
         })
         .collect()
@@ -255,6 +256,7 @@ fn the_served_model_generates_transformers_tokens() {
                 time_interval: planned.time_interval,
                 share_key: None,
                 part,
+                piece: None,
             };
             if planned.runs.is_empty() {
                 media.push(item(planned.tokens, None));

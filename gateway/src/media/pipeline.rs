@@ -106,7 +106,9 @@ fn serves_processor(descriptor: &Descriptor, processors: &[String]) -> bool {
 /// What an item's last plugin call makes of it, once planned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Produce {
-    /// `preprocess`: the tensors this gateway's encoders take.
+    /// The tensors this gateway's encoders take: in the plugin's parts (contract 0.4), made on
+    /// several instances at once, or whole (`preprocess`) when the plugin makes the item whole or
+    /// it is looked up in the shared cache (whose entries are whole items).
     Tensors,
     /// `reduce`: the item as planned, as files for a model server that preprocesses itself.
     Files,
@@ -116,8 +118,10 @@ pub enum Produce {
 pub struct Processed {
     pub info: MediaInfo,
     pub plan: TokenPlan,
-    /// `preprocess`'s tensors (none when the item was reduced to files).
+    /// `preprocess`'s tensors (none when the item was reduced to files or made in parts).
     pub tensors: Vec<Tensor>,
+    /// Each part's tensors, in order, when the item was made in more than one.
+    pub parts: Vec<Vec<Tensor>>,
     /// `reduce`'s files, when those were asked for.
     pub files: Option<ReducedItem>,
     /// The encoder's output, when another replica had made it (`tensors` then hold only what
@@ -182,6 +186,7 @@ pub fn process_together(
             info,
             plan,
             tensors,
+            parts: Vec::new(),
             files: None,
             encoded: None,
             share_key: None,
@@ -269,8 +274,16 @@ pub async fn process_concurrently(
                 lookup.clone(),
             );
             async move {
+                let started = Instant::now();
+                if produce == Produce::Tensors && lookup.is_none() {
+                    let (plugin, media, plan, config) =
+                        (plugin.clone(), media.clone(), plan.clone(), config.clone());
+                    let pieces = made_in_parts(pool, plugin, media, plan, config).await;
+                    if let Some(parts) = pieces.map_err(plugin_error(item))? {
+                        return Ok(((Vec::new(), parts, None, None), None, started.elapsed()));
+                    }
+                }
                 pool.run(move || {
-                    let started = Instant::now();
                     let (share_key, known) = match (produce, &lookup) {
                         (Produce::Tensors, Some(lookup)) => {
                             let looked = lookup(&plugin, &media, &plan);
@@ -279,13 +292,15 @@ pub async fn process_concurrently(
                         _ => (None, None),
                     };
                     let output = match (produce, known) {
-                        (_, Some(known)) => Ok((known.tensors, None, Some(known.features))),
+                        (_, Some(known)) => {
+                            Ok((known.tensors, Vec::new(), None, Some(known.features)))
+                        }
                         (Produce::Tensors, None) => plugin
                             .preprocess(&media, &plan, &config)
-                            .map(|tensors| (tensors, None, None)),
+                            .map(|tensors| (tensors, Vec::new(), None, None)),
                         (Produce::Files, None) => plugin
                             .reduce(&media, &plan, &config)
-                            .map(|files| (Vec::new(), Some(files), None)),
+                            .map(|files| (Vec::new(), Vec::new(), Some(files), None)),
                     };
                     output.map(|output| (output, share_key, started.elapsed()))
                 })
@@ -304,11 +319,12 @@ pub async fn process_concurrently(
         .zip(outputs)
         .enumerate()
         .map(
-            |(item, ((info, plan), ((tensors, files, encoded), share_key, preprocess)))| {
+            |(item, ((info, plan), ((tensors, parts, files, encoded), share_key, preprocess)))| {
                 Processed {
                     info,
                     plan,
                     tensors,
+                    parts,
                     files,
                     encoded,
                     share_key,
@@ -323,6 +339,34 @@ pub async fn process_concurrently(
         .collect())
 }
 
+/// An item's parts, each made on its own instance of the plugin pool, all at once; `None` when the
+/// plugin makes the item whole (one part).
+async fn made_in_parts(
+    pool: &PluginPool,
+    plugin: Arc<LoadedPlugin>,
+    media: Arc<Media>,
+    plan: TokenPlan,
+    config: Arc<str>,
+) -> Result<Option<Vec<Vec<Tensor>>>, mmgate_host::CallError> {
+    let counting = (plugin.clone(), plan.clone(), config.clone());
+    let parts = pool
+        .run(move || counting.0.parts(&counting.1, &counting.2))
+        .await?;
+    if parts <= 1 {
+        return Ok(None);
+    }
+    let jobs = (0..parts).map(|index| {
+        let (plugin, media, plan, config) =
+            (plugin.clone(), media.clone(), plan.clone(), config.clone());
+        pool.run(move || plugin.preprocess_part(&media, &plan, &config, index))
+    });
+    join_all(jobs)
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
 /// The account of one item: the plugin, what the media is, the size/duration chosen, tokens, why
 /// anything was cut, the tensors' shapes, and timings. Only the fields that apply to this kind of
 /// media: no image sizes for audio, no duration for images.
@@ -331,6 +375,7 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
         info,
         plan,
         tensors,
+        parts,
         files,
         encoded,
         timings,
@@ -363,6 +408,8 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
         "reduced": plan.reduced,
         "reason": plan.reason,
         "choices": choices,
+        // Made in parts on several instances at once (contract 0.4).
+        "parts": (!parts.is_empty()).then_some(parts.len()),
         "tensors": (files.is_none()).then(|| tensors.iter().map(|t| json!({
             "name": t.name,
             "dtype": t.dtype.name(),

@@ -309,6 +309,9 @@ pub async fn prepare(
                 &processed.tensors,
                 features.clone(),
             ),
+            None if !processed.parts.is_empty() => {
+                prompt.media_parts(item.kind, processed.plan.tokens, &processed.parts, index)
+            }
             None => {
                 let made = prompt.media_item(item.kind, processed.plan.tokens, &processed.tensors);
                 // Other replicas will look this item up by its key: the pool writes its output
@@ -464,13 +467,18 @@ impl Prepared {
 
     /// The media as the engine takes them (dropped items left out), and every item's account.
     pub fn into_media(self) -> (Vec<MediaItem>, Vec<MediaAccount>) {
-        // One per item: the parts of an input split over several runs share it.
-        let media = self
-            .request
-            .media
-            .into_iter()
-            .filter(|item| item.part.is_none_or(|p| p.first_token == 0))
-            .collect();
+        // One per item: the parts of an input split over several runs share it, and of an item
+        // made in pieces the first stands for it.
+        let mut media: Vec<MediaItem> = Vec::with_capacity(self.media.len());
+        for item in self.request.media {
+            let same_piece = |kept: &MediaItem| {
+                item.piece.is_some() && kept.piece.map(|p| p.item) == item.piece.map(|p| p.item)
+            };
+            if item.part.is_none_or(|p| p.first_token == 0) && !media.last().is_some_and(same_piece)
+            {
+                media.push(item);
+            }
+        }
         (media, self.media)
     }
 }

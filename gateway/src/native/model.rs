@@ -14,7 +14,7 @@ use mmgate_inference::demo::{self, DemoFamily};
 use mmgate_inference::devices::{OpenDevice, Placement as DevicePlacement};
 use mmgate_inference::engine::{
     BatchObserver, DeviceSpec, EncodeInput, EncoderPool, Engine, EngineConfig, FeatureStore,
-    InputPart, MediaItem, PixelSource, PixelValues, SharedFeatures,
+    InputPart, MediaItem, Piece, PixelSource, PixelValues, SharedFeatures,
 };
 use mmgate_inference::families::{self, FamilyModel, LoadedModel, Placement, PluginTensors};
 use mmgate_inference::models::GenerationConfig;
@@ -400,6 +400,68 @@ impl PromptModel {
         )
     }
 
+    /// The engine's items for an item the plugin made in parts (contract 0.4): each part planned by
+    /// the family as an item of its own and placed as a piece of item `index` of the request, so
+    /// that each is encoded, merged and prefilled as soon as it and what precedes it are ready. A
+    /// piece laid out as one run of placeholders continues the previous piece's M-RoPE block (a
+    /// Qwen2-VL video: one block whose temporal patches the pieces share out); one laid out in
+    /// runs (a Qwen3-VL video's frames after their timestamps) places each run itself. The parts'
+    /// tokens must add up to the plugin's plan.
+    pub fn media_parts(
+        &self,
+        kind: MediaKind,
+        tokens: u32,
+        parts: &[Vec<Tensor>],
+        index: usize,
+    ) -> anyhow::Result<PlacedItem> {
+        let mut placed = PlacedItem {
+            items: Vec::with_capacity(parts.len()),
+            ids: Vec::new(),
+        };
+        let mut temporal_patches = 0;
+        for (n, part) in parts.iter().enumerate() {
+            let view = PluginView {
+                tensors: part,
+                lacks: |name| format!("a part of the plugin's output lacks {name}"),
+            };
+            let planned = self
+                .family
+                .plan_input(kind, &view)
+                .with_context(|| format!("part {n}"))?;
+            let grid = match &planned.input {
+                EncodeInput::Vision { grid, .. } => Some(*grid),
+                _ => None,
+            };
+            let one_block = planned.runs.is_empty();
+            let piece = Piece {
+                item: index,
+                continues_at: (one_block && n > 0).then_some(temporal_patches),
+            };
+            temporal_patches += grid.map_or(0, |g| g.t);
+            let tokens = planned.tokens;
+            let mut part = self.place(
+                kind,
+                planned.input,
+                tokens,
+                Placement {
+                    grid: None,
+                    time_interval: planned.time_interval,
+                    runs: planned.runs,
+                },
+            )?;
+            for item in &mut part.items {
+                item.piece = Some(piece);
+            }
+            placed.items.append(&mut part.items);
+            placed.ids.append(&mut part.ids);
+        }
+        let made: usize = placed.items.iter().map(|i| i.tokens).sum();
+        if made != tokens as usize {
+            bail!("the plugin planned {tokens} tokens but its parts make {made}");
+        }
+        Ok(placed)
+    }
+
     /// The engine's items for an item's input and the prompt ids that replace its templated
     /// placeholder: one run of `tokens` placeholders, or the family's runs between their texts,
     /// each an item taking its share of the input's tokens.
@@ -419,6 +481,7 @@ impl PromptModel {
             time_interval: placement.time_interval,
             share_key: None,
             part,
+            piece: None,
         };
         let input = Arc::new(input);
         if placement.runs.is_empty() {
@@ -564,6 +627,7 @@ impl PromptModel {
             time_interval: 1.0,
             share_key: None,
             part: None,
+            piece: None,
         })
     }
 }
@@ -890,5 +954,128 @@ mod tests {
             .media_item(MediaKind::Video, 8, &video[..3])
             .unwrap_err();
         assert!(err.to_string().contains("video_fps_f64_bits"), "{err}");
+    }
+
+    /// The built-in video plugin's output for a 48-frame clip sampled at 12 fps under `model`'s
+    /// processor config: whole (`preprocess`) and in parts (3 runs of 8 temporal patches).
+    fn video_whole_and_parts(
+        model: &ModelRuntime,
+    ) -> (mmgate_host::TokenPlan, Vec<Tensor>, Vec<Vec<Tensor>>) {
+        let sandbox =
+            Arc::new(mmgate_host::Sandbox::new(mmgate_host::SandboxLimits::default()).unwrap());
+        let registry = mmgate_host::PluginRegistry::builtin(&sandbox).unwrap();
+        let plugin = registry.for_modality("video").unwrap();
+        let mut config: serde_json::Value =
+            serde_json::from_str(&model.prompt.processor_config).unwrap();
+        // Every frame, at the model's smallest size: 24 temporal patches.
+        config["fps"] = 12.into();
+        if let Some(video) = config.get_mut("video_preprocessor_config") {
+            video["fps"] = 12.into();
+        }
+        let config = config.to_string();
+        let media = mmgate_host::Media {
+            data: std::fs::read(
+                Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../tests/fixtures/video/clips/12fps.mp4"),
+            )
+            .unwrap(),
+            mime_type: None,
+        };
+        let info = plugin.probe(&media).unwrap();
+        let plan = plugin
+            .plan(
+                &info,
+                mmgate_host::Budget {
+                    max_tokens: 1 << 20,
+                },
+                &config,
+            )
+            .unwrap();
+        let whole = plugin.preprocess(&media, &plan, &config).unwrap();
+        let parts = (0..plugin.parts(&plan, &config).unwrap())
+            .map(|i| plugin.preprocess_part(&media, &plan, &config, i).unwrap())
+            .collect::<Vec<_>>();
+        assert_eq!(parts.len(), 3);
+        (plan, whole, parts)
+    }
+
+    /// Greedy tokens of a prompt holding `placed`.
+    fn generate(model: &ModelRuntime, placed: &PlacedItem) -> (Vec<u32>, usize) {
+        let text = &model.prompt.text;
+        let mut prompt = text.encode("<|im_start|>user\nDescribe.").unwrap();
+        prompt.extend(&placed.ids);
+        prompt.extend(text.encode("<|im_end|>\n<|im_start|>assistant\n").unwrap());
+        let handle = model
+            .engine()
+            .unwrap()
+            .submit(mmgate_inference::engine::GenerateRequest {
+                prompt: prompt.clone(),
+                media: placed.items.clone(),
+                sampling: mmgate_inference::sampling::SamplingParams::greedy(),
+                max_tokens: 12,
+                stop: Vec::new(),
+            })
+            .unwrap();
+        let mut events = handle.events;
+        let mut ids = Vec::new();
+        loop {
+            match events.blocking_recv() {
+                Some(mmgate_inference::engine::Event::Token { id, .. }) => ids.push(id),
+                Some(mmgate_inference::engine::Event::Done { .. }) => return (ids, prompt.len()),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    /// A video made in parts is encoded piece by piece, each merged as it is ready: the same
+    /// encoder features, bit for bit, and the same greedy tokens as the video made whole, on
+    /// Qwen2-VL, Qwen2.5-VL (time-scaled positions continued across pieces) and Qwen3-VL (each
+    /// piece's frames after their timestamps).
+    #[test]
+    fn a_video_in_pieces_is_exactly_the_video_whole() {
+        let cache = tempfile::tempdir().unwrap();
+        for spec in ["demo", "demo-qwen2.5-vl", "demo-qwen3-vl"] {
+            let model = runtime(spec, cache.path());
+            let (plan, whole, parts) = video_whole_and_parts(&model);
+            let whole = model
+                .prompt
+                .media_item(MediaKind::Video, plan.tokens, &whole)
+                .unwrap();
+            let pieces = model
+                .prompt
+                .media_parts(MediaKind::Video, plan.tokens, &parts, 0)
+                .unwrap();
+            assert_eq!(pieces.ids, whole.ids, "{spec}: the same prompt");
+            let encode = |input: &Arc<EncodeInput>| {
+                let (tx, rx) = std::sync::mpsc::channel();
+                model
+                    .encoders
+                    .submit(input.clone(), move |r| {
+                        let _ = tx.send(r);
+                    })
+                    .unwrap();
+                rx.recv().unwrap().unwrap()
+            };
+            let whole_features = encode(&whole.items[0].input);
+            let mut piece_features = Vec::new();
+            let mut inputs: Vec<&Arc<EncodeInput>> = Vec::new();
+            for item in &pieces.items {
+                if !inputs.iter().any(|i| Arc::ptr_eq(i, &item.input)) {
+                    inputs.push(&item.input);
+                    piece_features.extend(encode(&item.input).iter().copied());
+                }
+            }
+            assert_eq!(inputs.len(), 3, "{spec}");
+            assert!(
+                piece_features == *whole_features,
+                "{spec}: the pieces' features are the whole's"
+            );
+            let (whole_tokens, prompt_len) = generate(&model, &whole);
+            let (piece_tokens, _) = generate(&model, &pieces);
+            assert_eq!(
+                piece_tokens, whole_tokens,
+                "{spec}: {prompt_len} prompt tokens"
+            );
+        }
     }
 }

@@ -94,6 +94,20 @@ pub struct MediaItem {
     /// its timestamp). Such items follow each other in the request and share the input's `Arc`,
     /// which is encoded once. `None`: all of them.
     pub part: Option<InputPart>,
+    /// When the item was made in pieces (contract 0.4's parts), which piece of which item this is.
+    pub piece: Option<Piece>,
+}
+
+/// One of the pieces a media item was made in: encoded on its own, and merged and prefilled as
+/// soon as it and everything before it in the prompt are ready.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Piece {
+    /// The item's index in the request: pieces of one item are never batched together, so they
+    /// become ready in order while the next encode.
+    pub item: usize,
+    /// Its M-RoPE block continues the previous piece's from this temporal patch (a piece of a
+    /// Qwen2-VL video); `None`: a block of its own (a Qwen3-VL frame after its timestamp, audio).
+    pub continues_at: Option<usize>,
 }
 
 /// A run of an input's encoder output tokens (see [`MediaItem::part`]).
@@ -236,6 +250,7 @@ impl Engine {
             running: Vec::new(),
             stats: stats.clone(),
             wake_tx,
+            request_serial: 0,
             wake_rx,
             totals: EngineStats::default(),
         };
@@ -303,8 +318,10 @@ struct Sequence<L: Backend> {
     pinned: bool,
     media_ready: bool,
     cached_media: usize,
-    /// Prompt rows before the first placeholder (prefillable before encoding finishes).
-    text_prefix: usize,
+    /// Prompt rows before the first media item whose features are not ready: prefillable while
+    /// the rest still encode (the text before the first placeholder at admission; then, as items
+    /// and pieces of items become ready in prompt order, up to the next that is not).
+    ready_until: usize,
     prefilled: usize,
     cache: KvCache<L>,
     reserved: usize,
@@ -341,6 +358,8 @@ struct Scheduler<L: Backend> {
     wake_tx: Sender<()>,
     wake_rx: Receiver<()>,
     totals: EngineStats,
+    /// Requests admitted so far: with an item's index, names its pieces to the encoder pool.
+    request_serial: u64,
 }
 
 impl<L: Backend> Scheduler<L> {
@@ -497,7 +516,8 @@ impl<L: Backend> Scheduler<L> {
                     match self.store.pin(key) {
                         store::Pinned::Shared => cached_media += 1,
                         store::Pinned::MustEncode => {
-                            to_encode.push((key, item.input.clone(), item.share_key));
+                            let piece_of = item.piece.map(|p| (self.request_serial, p.item));
+                            to_encode.push((key, item.input.clone(), item.share_key, piece_of));
                         }
                     }
                     previous = Some((item.input.clone(), key));
@@ -509,13 +529,22 @@ impl<L: Backend> Scheduler<L> {
             }
             media.push((key, item));
         }
-        for (key, input, share_key) in to_encode {
+        self.request_serial += 1;
+        for (key, input, share_key, piece_of) in to_encode {
             let store = self.store.clone();
             let wake = self.wake_tx.clone();
-            let submitted = self.pool.submit_shared(input, share_key, move |result| {
+            let done = move |result| {
                 store.complete(key, result);
                 let _ = wake.send(());
-            });
+            };
+            let submitted = match piece_of {
+                // One id per item of one request: its pieces are batched apart.
+                Some((request, item)) => {
+                    self.pool
+                        .submit_piece(input, (request << 16) ^ item as u64, done)
+                }
+                None => self.pool.submit_shared(input, share_key, done),
+            };
             if let Err(e) = submitted {
                 self.store.complete(key, Err(e.to_string()));
             }
@@ -529,7 +558,7 @@ impl<L: Backend> Scheduler<L> {
             media,
             media_rows,
             cached_media,
-            text_prefix,
+            ready_until: text_prefix,
             prefilled: 0,
             cache,
             reserved,
@@ -553,19 +582,23 @@ impl<L: Backend> Scheduler<L> {
             .iter_mut()
             .filter(|s| !s.media_ready && s.outcome.is_none())
         {
-            let mut ready = true;
-            for (item, (key, _)) in seq.media.iter().enumerate() {
+            let mut ready_until = seq.ids.len();
+            for (item, ((key, _), rows)) in seq.media.iter().zip(&seq.media_rows).enumerate() {
                 match self.store.state(key) {
                     Some(FeatureState::Ready(_)) => {}
                     Some(FeatureState::Failed(message)) => {
+                        // The whole item fails with any piece of it: what was prefilled goes
+                        // with the sequence's cache.
                         seq.outcome = Some(Outcome::Failed(Failure::Encode { item, message }));
-                        ready = false;
                         break;
                     }
-                    Some(FeatureState::Encoding) | None => ready = false,
+                    Some(FeatureState::Encoding) | None => {
+                        ready_until = ready_until.min(rows.start);
+                    }
                 }
             }
-            seq.media_ready = ready;
+            seq.ready_until = ready_until;
+            seq.media_ready = ready_until == seq.ids.len();
         }
     }
 
@@ -586,7 +619,7 @@ impl<L: Backend> Scheduler<L> {
             let limit = if seq.media_ready {
                 seq.ids.len()
             } else {
-                seq.text_prefix
+                seq.ready_until
             };
             if seq.prefilled < limit && budget > 0 {
                 let n = (limit - seq.prefilled).min(budget);
@@ -795,6 +828,7 @@ fn media_spans(media: &[MediaItem], rows: &[Range<usize>]) -> Result<Vec<MediaSp
                 token: media[i].placeholder,
                 grid: media[i].part.map_or(*grid, |part| part.grid),
                 time_interval: media[i].time_interval,
+                continues_at: media[i].piece.and_then(|p| p.continues_at),
             }),
             EncodeInput::Embeddings { grid: None, .. } => Err(Error::Input(
                 "embeddings without their grid in an M-RoPE (vision) model".into(),

@@ -21,6 +21,9 @@ struct Job {
     input: Arc<EncodeInput>,
     /// Where the shared cache is to keep the output (the caller looked there already).
     share_key: Option<[u8; 32]>,
+    /// The item this job is a piece of: a batch takes one piece of an item, so the item's first
+    /// piece is done first and its next ones follow (on this or another device).
+    piece_of: Option<u64>,
     done: Box<dyn FnOnce(EncodeResult) + Send>,
 }
 
@@ -152,6 +155,28 @@ impl EncoderPool {
         share_key: Option<[u8; 32]>,
         done: impl FnOnce(EncodeResult) + Send + 'static,
     ) -> Result<()> {
+        self.submit_job(input, share_key, None, done)
+    }
+
+    /// [`Self::submit`] of one piece of an item (`item`: an id no other item shares): pieces of one
+    /// item are never in one batch, so they finish in order and the first can be merged while the
+    /// next encode; pieces of different items batch as items do.
+    pub fn submit_piece(
+        &self,
+        input: Arc<EncodeInput>,
+        item: u64,
+        done: impl FnOnce(EncodeResult) + Send + 'static,
+    ) -> Result<()> {
+        self.submit_job(input, None, Some(item), done)
+    }
+
+    fn submit_job(
+        &self,
+        input: Arc<EncodeInput>,
+        share_key: Option<[u8; 32]>,
+        piece_of: Option<u64>,
+        done: impl FnOnce(EncodeResult) + Send + 'static,
+    ) -> Result<()> {
         let Some(kind) = input.kind() else {
             if let EncodeInput::Embeddings { embeddings, .. } = input.as_ref() {
                 done(Ok(embeddings.clone()));
@@ -168,6 +193,7 @@ impl EncoderPool {
         let job = Job {
             input,
             share_key,
+            piece_of,
             done: Box::new(done),
         };
         let sent = device.queue.as_ref().map(|q| q.send(job));
@@ -233,10 +259,18 @@ impl Worker {
                 continue;
             };
             let mut batch = vec![first];
-            // Take what else is queued of the same kind; others wait their turn in order.
+            // Take what else is queued of the same kind, one piece of an item at most; others wait
+            // their turn in order.
+            let fits = |batch: &[Job], job: &Job| {
+                job.input.kind() == Some(kind)
+                    && batch.len() < max_batch
+                    && job
+                        .piece_of
+                        .is_none_or(|item| batch.iter().all(|b| b.piece_of != Some(item)))
+            };
             let mut rest = VecDeque::new();
             while let Some(job) = backlog.pop_front() {
-                if job.input.kind() == Some(kind) && batch.len() < max_batch {
+                if fits(&batch, &job) {
                     batch.push(job);
                 } else {
                     rest.push_back(job);
@@ -244,7 +278,7 @@ impl Worker {
             }
             while batch.len() < max_batch {
                 match rx.try_recv() {
-                    Ok(job) if job.input.kind() == Some(kind) => batch.push(job),
+                    Ok(job) if fits(&batch, &job) => batch.push(job),
                     Ok(job) => rest.push_back(job),
                     Err(_) => break,
                 }
