@@ -208,6 +208,15 @@ pub struct ModelConfig {
     /// mmgate encoding images for this one).
     #[serde(default)]
     pub accept_image_embeds: bool,
+    /// Whether items go to the encoders in their plugin's parts (contract 0.4: a long video in runs
+    /// of frames made on several cores at once, each encoded and prefilled as it is ready) or
+    /// whole, one plugin call each. On by default; the output is the same either way.
+    #[serde(default = "default_media_parts")]
+    pub media_parts: bool,
+}
+
+fn default_media_parts() -> bool {
+    true
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -519,6 +528,7 @@ impl ModelConfig {
             feature_cache_bytes: default_feature_cache_bytes(),
             on_encode_error: EncodeErrorPolicy::default(),
             accept_image_embeds: false,
+            media_parts: true,
         }
     }
 

@@ -75,6 +75,7 @@ fn load_model(
         runtime,
         on_encode_error: model.on_encode_error,
         accept_image_embeds: model.accept_image_embeds,
+        media_parts: model.media_parts,
     })
 }
 

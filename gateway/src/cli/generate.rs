@@ -99,6 +99,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         runtime,
         on_encode_error: EncodeErrorPolicy::Error,
         accept_image_embeds: false,
+        media_parts: true,
     };
     let files: Vec<(MediaKind, &PathBuf)> = (args.image.iter().map(|f| (MediaKind::Image, f)))
         .chain(args.video.iter().map(|f| (MediaKind::Video, f)))

@@ -107,9 +107,9 @@ fn serves_processor(descriptor: &Descriptor, processors: &[String]) -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Produce {
     /// The tensors this gateway's encoders take: in the plugin's parts (contract 0.4), made on
-    /// several instances at once, or whole (`preprocess`) when the plugin makes the item whole or
-    /// it is looked up in the shared cache (whose entries are whole items).
-    Tensors,
+    /// several instances at once, if `parts`; whole (`preprocess`) otherwise, and when the plugin
+    /// makes the item whole or it is looked up in the shared cache (whose entries are whole items).
+    Tensors { parts: bool },
     /// `reduce`: the item as planned, as files for a model server that preprocesses itself.
     Files,
 }
@@ -275,7 +275,7 @@ pub async fn process_concurrently(
             );
             async move {
                 let started = Instant::now();
-                if produce == Produce::Tensors && lookup.is_none() {
+                if produce == (Produce::Tensors { parts: true }) && lookup.is_none() {
                     let (plugin, media, plan, config) =
                         (plugin.clone(), media.clone(), plan.clone(), config.clone());
                     let pieces = made_in_parts(pool, plugin, media, plan, config).await;
@@ -285,7 +285,7 @@ pub async fn process_concurrently(
                 }
                 pool.run(move || {
                     let (share_key, known) = match (produce, &lookup) {
-                        (Produce::Tensors, Some(lookup)) => {
+                        (Produce::Tensors { .. }, Some(lookup)) => {
                             let looked = lookup(&plugin, &media, &plan);
                             (Some(looked.key), looked.hit)
                         }
@@ -295,7 +295,7 @@ pub async fn process_concurrently(
                         (_, Some(known)) => {
                             Ok((known.tensors, Vec::new(), None, Some(known.features)))
                         }
-                        (Produce::Tensors, None) => plugin
+                        (Produce::Tensors { .. }, None) => plugin
                             .preprocess(&media, &plan, &config)
                             .map(|tensors| (tensors, Vec::new(), None, None)),
                         (Produce::Files, None) => plugin

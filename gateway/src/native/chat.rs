@@ -39,6 +39,8 @@ pub struct NativeModel {
     pub on_encode_error: EncodeErrorPolicy,
     /// Whether clients may send `image_embeds` parts.
     pub accept_image_embeds: bool,
+    /// Whether items are made in their plugin's parts (see the config's `media_parts`).
+    pub media_parts: bool,
 }
 
 /// What a chat request needs besides its model.
@@ -274,7 +276,14 @@ pub async fn prepare(
     let shared = model.runtime.shared.as_ref();
     let lookup = shared.map(|s| shared_lookup(s, &prompt.processor_config));
     let processed = gathered
-        .process(prompt, services, pipeline::Produce::Tensors, lookup)
+        .process(
+            prompt,
+            services,
+            pipeline::Produce::Tensors {
+                parts: model.media_parts,
+            },
+            lookup,
+        )
         .await?;
     let Gathered {
         messages,
