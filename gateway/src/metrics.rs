@@ -75,6 +75,13 @@ pub struct ModelGauges {
     pub kv_bytes: usize,
     pub feature_pinned_bytes: usize,
     pub feature_cached_bytes: usize,
+    /// Pieces of items (made in their plugin's parts) not yet encoded.
+    pub pieces_in_flight: usize,
+    /// Items made in pieces whose pieces are all encoded, and the milliseconds from admission to
+    /// their first and to their last piece ready, summed.
+    pub pieced_items: u64,
+    pub first_piece_ms: u64,
+    pub last_piece_ms: u64,
 }
 
 /// Everything sampled at scrape time.
@@ -106,6 +113,10 @@ pub struct Metrics {
     kv_bytes: Family<ModelLabels, Gauge>,
     feature_pinned: Family<ModelLabels, Gauge>,
     feature_cached: Family<ModelLabels, Gauge>,
+    pieces_in_flight: Family<ModelLabels, Gauge>,
+    pieced_items: Family<ModelLabels, Gauge>,
+    first_piece_ms: Family<ModelLabels, Gauge>,
+    last_piece_ms: Family<ModelLabels, Gauge>,
     upstream_healthy: Family<UpstreamLabels, Gauge>,
     plugin_queue: Gauge,
     file_bytes: Gauge,
@@ -200,6 +211,22 @@ impl Metrics {
                 "feature_store_cached_bytes",
                 "Encoder outputs kept for reuse",
             ),
+            (
+                "engine_pieces_in_flight",
+                "Pieces of media items (made in their plugin's parts) still encoding",
+            ),
+            (
+                "engine_pieced_items",
+                "Media items made in pieces whose pieces are all encoded, since start",
+            ),
+            (
+                "engine_first_piece_ms_sum",
+                "Milliseconds from admission to an item's first piece encoded, summed over engine_pieced_items",
+            ),
+            (
+                "engine_last_piece_ms_sum",
+                "Milliseconds from admission to an item's last piece encoded, summed over engine_pieced_items",
+            ),
         ];
         let families: Vec<Family<ModelLabels, Gauge>> = gauges
             .iter()
@@ -252,6 +279,10 @@ impl Metrics {
             kv_bytes: next(),
             feature_pinned: next(),
             feature_cached: next(),
+            pieces_in_flight: next(),
+            pieced_items: next(),
+            first_piece_ms: next(),
+            last_piece_ms: next(),
             upstream_healthy,
             plugin_queue,
             file_bytes,
@@ -344,6 +375,15 @@ impl Metrics {
             set(&self.kv_bytes, m.kv_bytes);
             set(&self.feature_pinned, m.feature_pinned_bytes);
             set(&self.feature_cached, m.feature_cached_bytes);
+            set(&self.pieces_in_flight, m.pieces_in_flight);
+            let set64 = |family: &Family<ModelLabels, Gauge>, value: u64| {
+                family
+                    .get_or_create(&labels)
+                    .set(i64::try_from(value).unwrap_or(i64::MAX));
+            };
+            set64(&self.pieced_items, m.pieced_items);
+            set64(&self.first_piece_ms, m.first_piece_ms);
+            set64(&self.last_piece_ms, m.last_piece_ms);
         }
         for (model, queued) in snapshot.encoder_queues {
             self.encoder_queue

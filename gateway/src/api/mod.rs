@@ -309,6 +309,10 @@ impl Gateway {
                         kv_bytes: engine.kv_bytes,
                         feature_pinned_bytes: store.pinned_bytes,
                         feature_cached_bytes: store.cached_bytes,
+                        pieces_in_flight: engine.pieces_in_flight,
+                        pieced_items: engine.pieced_items,
+                        first_piece_ms: (engine.first_piece_seconds * 1e3) as u64,
+                        last_piece_ms: (engine.last_piece_seconds * 1e3) as u64,
                     });
                 }
                 Route::Upstream { pool, .. } => {

@@ -197,7 +197,7 @@ impl RequestHandle {
     }
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineStats {
     pub running: usize,
     pub queued: usize,
@@ -208,6 +208,14 @@ pub struct EngineStats {
     pub completed: u64,
     pub cancelled: u64,
     pub failed: u64,
+    /// Pieces of items (contract 0.4's parts) admitted whose features are not ready yet.
+    pub pieces_in_flight: usize,
+    /// Items made in pieces whose pieces have all become ready, and the seconds from admission to
+    /// each one's first and to its last piece ready, summed (a mean each, and how far encoding
+    /// runs ahead of the merge).
+    pub pieced_items: u64,
+    pub first_piece_seconds: f64,
+    pub last_piece_seconds: f64,
 }
 
 struct Submission {
@@ -322,6 +330,10 @@ struct Sequence<L: Backend> {
     /// the rest still encode (the text before the first placeholder at admission; then, as items
     /// and pieces of items become ready in prompt order, up to the next that is not).
     ready_until: usize,
+    /// Per item made in pieces: its index, and the time from admission to its first piece ready
+    /// once one is; `None` in the list once its last piece is ready too (and counted).
+    piece_clocks: Vec<Option<(usize, Option<Duration>)>>,
+    admitted: std::time::Instant,
     prefilled: usize,
     cache: KvCache<L>,
     reserved: usize,
@@ -549,6 +561,12 @@ impl<L: Backend> Scheduler<L> {
                 self.store.complete(key, Err(e.to_string()));
             }
         }
+        let mut pieced: Vec<usize> = media
+            .iter()
+            .filter_map(|(_, m)| m.piece.map(|p| p.item))
+            .collect();
+        pieced.dedup();
+        let piece_clocks = pieced.into_iter().map(|item| Some((item, None))).collect();
         Ok(Sequence {
             ids: r.prompt,
             positions,
@@ -559,6 +577,8 @@ impl<L: Backend> Scheduler<L> {
             media_rows,
             cached_media,
             ready_until: text_prefix,
+            piece_clocks,
+            admitted: std::time::Instant::now(),
             prefilled: 0,
             cache,
             reserved,
@@ -599,6 +619,27 @@ impl<L: Backend> Scheduler<L> {
             }
             seq.ready_until = ready_until;
             seq.media_ready = ready_until == seq.ids.len();
+            let since = seq.admitted.elapsed();
+            for clock in &mut seq.piece_clocks {
+                let Some((item, first)) = clock else { continue };
+                let mut pieces = seq
+                    .media
+                    .iter()
+                    .filter(|(_, m)| m.piece.is_some_and(|p| p.item == *item))
+                    .map(|(key, _)| matches!(self.store.state(key), Some(FeatureState::Ready(_))));
+                let (any, all) = pieces
+                    .clone()
+                    .fold((false, true), |(a, b), r| (a || r, b && r));
+                if any && first.is_none() {
+                    *first = Some(since);
+                }
+                if all && pieces.next().is_some() {
+                    self.totals.pieced_items += 1;
+                    self.totals.first_piece_seconds += first.unwrap_or(since).as_secs_f64();
+                    self.totals.last_piece_seconds += since.as_secs_f64();
+                    *clock = None;
+                }
+            }
         }
     }
 
@@ -809,6 +850,15 @@ impl<L: Backend> Scheduler<L> {
         s.waiting_for_encoder = self.running.iter().filter(|s| !s.media_ready).count();
         s.kv_bytes = self.running.iter().map(|s| s.cache.bytes()).sum();
         s.kv_reserved_tokens = self.reserved();
+        s.pieces_in_flight = self
+            .running
+            .iter()
+            .filter(|s| !s.media_ready)
+            .flat_map(|s| &s.media)
+            .filter(|(key, m)| {
+                m.piece.is_some() && !matches!(self.store.state(key), Some(FeatureState::Ready(_)))
+            })
+            .count();
         if let Ok(mut shared) = self.stats.lock() {
             *shared = s;
         }
