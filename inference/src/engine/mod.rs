@@ -37,6 +37,12 @@ use crate::sampling::{Sampler, SamplingParams};
 use crate::tensor::Tensor;
 use crate::text::{TextProcessor, TextStream};
 
+/// A prefill chunk shared with other sequences costs at most a full chunk's attention over this
+/// many keys (see `Scheduler::step`).
+const SHARED_STEP_CONTEXT: usize = 4096;
+/// Fewest rows a long prompt's shared chunk is cut to.
+const MIN_SHARED_ROWS: usize = 32;
+
 /// How prompt positions are numbered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PositionScheme {
@@ -646,6 +652,25 @@ impl<L: Backend> Scheduler<L> {
     /// One batched forward over decodes and prefill chunks. Returns whether anything ran.
     fn step(&mut self) -> Result<bool> {
         let mut budget = self.config.prefill_chunk.max(1);
+        // Sequences with rows to feed this step: when there is more than one, a long prompt's
+        // chunk is also cut by its attention cost (rows × keys), so that a step stays about as
+        // long as a full chunk over a short context and the others' tokens are not held up
+        // behind it (a long video prefilling piece by piece beside a text question).
+        let active = self
+            .running
+            .iter()
+            .filter(|seq| {
+                seq.outcome.is_none()
+                    && (seq.next.is_some()
+                        || seq.prefilled
+                            < if seq.media_ready {
+                                seq.ids.len()
+                            } else {
+                                seq.ready_until
+                            })
+            })
+            .count();
+        let attention_budget = self.config.prefill_chunk.max(1) * SHARED_STEP_CONTEXT;
         // (sequence index, rows fed, whether its last row yields a token)
         let mut plan: Vec<(usize, Range<usize>, bool)> = Vec::new();
         for (i, seq) in self.running.iter().enumerate() {
@@ -663,7 +688,11 @@ impl<L: Backend> Scheduler<L> {
                 seq.ready_until
             };
             if seq.prefilled < limit && budget > 0 {
-                let n = (limit - seq.prefilled).min(budget);
+                let mut n = (limit - seq.prefilled).min(budget);
+                if active > 1 {
+                    let keys = seq.prefilled + n;
+                    n = n.min((attention_budget / keys.max(1)).max(MIN_SHARED_ROWS));
+                }
                 budget -= n;
                 let rows = seq.prefilled..seq.prefilled + n;
                 plan.push((i, rows.clone(), rows.end == seq.ids.len()));
