@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 # One core for everyone: imported before numpy/torch load their thread pools.
@@ -63,3 +66,23 @@ def native_ms(modality: str, path: Path, config: Path, iterations: int) -> dict:
     """The same plugin code built natively: {"native_ms_median", "tokens"}."""
     binary = ROOT / "plugins" / "target" / "release" / "mmgate-native-bench"
     return _last_json_line([str(binary), modality, str(path), str(config), str(iterations)])
+
+
+def free_port() -> int:
+    """A free loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(port: int, server: subprocess.Popen, seconds: float = 120) -> None:
+    """Until `GET /health` answers on `port`; exits if the server stops or takes too long."""
+    deadline = time.time() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return
+        except OSError:
+            if time.time() > deadline or server.poll() is not None:
+                sys.exit("mmgate did not start")
+            time.sleep(0.1)

@@ -19,7 +19,6 @@ import functools
 import http.server
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,15 +28,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from common import free_port, wait_for_health
+
 ROOT = Path(__file__).resolve().parent.parent
 MMGATE = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "mmgate"
 ROUNDS = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_clip(path: Path) -> None:
@@ -114,15 +109,7 @@ def main() -> None:
         server = subprocess.Popen([str(MMGATE), "serve", "--config", str(config), "--listen",
                                    f"127.0.0.1:{port}"], env=env)
         try:
-            deadline = time.time() + 120
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                    break
-                except OSError:
-                    if time.time() > deadline or server.poll() is not None:
-                        sys.exit("mmgate did not start")
-                    time.sleep(0.1)
+            wait_for_health(port, server)
             names = ["whole", "pieces", "whole-8k", "pieces-8k"]
             results: dict[str, list[tuple[float, list[float]]]] = {name: [] for name in names}
             measure(port, "pieces-8k", video_url)  # warm-up: compiled plugins, first allocations
