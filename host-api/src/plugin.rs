@@ -35,6 +35,10 @@ impl std::fmt::Display for PluginOrigin {
     }
 }
 
+/// Most parts one item may be made in: the host runs a call for each (a 768-frame video in runs of
+/// 8 temporal patches is 48).
+pub const MAX_PARTS: u32 = 1024;
+
 /// A component pre-linked against the bindings of the contract version it was built for.
 enum Pre {
     Current(ModalityPluginPre<CallState>),
@@ -236,12 +240,27 @@ impl LoadedPlugin {
                 Instance::V0_3(_) | Instance::V0_2(_) | Instance::V0_1(_) => Ok(Ok(1)),
             })?
             .map_err(CallError::Plugin)?;
-        if parts == 0 {
-            return Err(CallError::Contract(
-                "parts returned 0: an item has at least one part".into(),
-            ));
+        if parts == 0 || parts > MAX_PARTS {
+            return Err(CallError::Contract(format!(
+                "parts returned {parts}: an item has 1 to {MAX_PARTS} parts"
+            )));
         }
         Ok(parts)
+    }
+
+    /// Checks an item's parts, made one call each, against the output cap one `preprocess` call
+    /// has: together they are the item, and may be no larger.
+    pub fn check_parts_output(&self, parts: &[Vec<Tensor>]) -> Result<(), CallError> {
+        let limit = self.sandbox.limits().max_output_bytes;
+        let size = parts
+            .iter()
+            .flatten()
+            .map(|t| t.data.len())
+            .fold(0usize, usize::saturating_add);
+        if size > limit {
+            return Err(CallError::OutputTooLarge { size, limit });
+        }
+        Ok(())
     }
 
     /// `preprocess-part(media, plan, config, index)`: the tensors of one part, checked as

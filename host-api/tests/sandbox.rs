@@ -33,7 +33,11 @@ fn limits() -> SandboxLimits {
 }
 
 fn test_plugin() -> Arc<LoadedPlugin> {
-    let sandbox = Arc::new(Sandbox::new(limits()).expect("sandbox"));
+    testing_plugin_with(limits())
+}
+
+fn testing_plugin_with(limits: SandboxLimits) -> Arc<LoadedPlugin> {
+    let sandbox = Arc::new(Sandbox::new(limits).expect("sandbox"));
     let path = artifact_dir().join("testing.wasm");
     let bytes = std::fs::read(&path).expect("the build script builds testing.wasm");
     Arc::new(LoadedPlugin::load(sandbox, &bytes, PluginOrigin::File(path)).expect("load"))
@@ -282,6 +286,39 @@ fn a_plugin_built_against_contract_0_1_is_still_served() {
         Err(CallError::Plugin(PluginError::OverBudget(o))) => assert_eq!(o.needed_tokens, 3),
         other => panic!("expected over-budget, got {other:?}"),
     }
+}
+
+/// Parts (contract 0.4) within the host's caps: at most `MAX_PARTS` of them, and together no
+/// larger than one call's output.
+#[test]
+fn an_items_parts_are_capped_in_number_and_in_bytes_together() {
+    let plugin = testing_plugin_with(SandboxLimits {
+        max_output_bytes: 1000,
+        ..limits()
+    });
+    let run = |command: &str| {
+        let item = media(command.as_bytes());
+        let info = plugin.probe(&item).unwrap();
+        let plan = plugin.plan(&info, Budget { max_tokens: 10 }, "{}").unwrap();
+        let parts = plugin.parts(&plan, "{}")?;
+        let made = (0..parts)
+            .map(|i| plugin.preprocess_part(&item, &plan, "{}", i))
+            .collect::<Result<Vec<_>, _>>()?;
+        plugin.check_parts_output(&made).map(|()| made)
+    };
+    let made = run("parts:3:300").unwrap();
+    assert_eq!(made.len(), 3);
+    assert_eq!(made[2][0].data, vec![2u8; 300]);
+    // Each part fits one call's cap; together they do not.
+    assert!(matches!(
+        run("parts:4:300"),
+        Err(CallError::OutputTooLarge {
+            size: 1200,
+            limit: 1000
+        })
+    ));
+    assert!(matches!(run("parts:0:1"), Err(CallError::Contract(_))));
+    assert!(matches!(run("parts:5000:1"), Err(CallError::Contract(_))));
 }
 
 #[test]

@@ -360,11 +360,12 @@ async fn made_in_parts(
             (plugin.clone(), media.clone(), plan.clone(), config.clone());
         pool.run(move || plugin.preprocess_part(&media, &plan, &config, index))
     });
-    join_all(jobs)
+    let parts = join_all(jobs)
         .await
         .into_iter()
-        .collect::<Result<Vec<_>, _>>()
-        .map(Some)
+        .collect::<Result<Vec<_>, _>>()?;
+    plugin.check_parts_output(&parts)?;
+    Ok(Some(parts))
 }
 
 /// The account of one item: the plugin, what the media is, the size/duration chosen, tokens, why

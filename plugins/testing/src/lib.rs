@@ -14,6 +14,7 @@
 //! | `fail`             | returns a typed `invalid-media` error                             |
 //! | `escape`           | tries the filesystem, environment and arguments; reports what it saw |
 //! | `odd-grid`         | Qwen2-VL image patches on a 1x3x4 grid: 3 tokens as planned, but no 2x2 merge fits it, so a model's encoder fails on it (the encode-error policy) |
+//! | `parts:N:B`        | made in `N` parts (contract 0.4), each a `B`-byte tensor (the host's caps on parts) |
 //!
 //! `probe` and `plan` are always well-behaved. Besides its own `test` modality it serves `image`,
 //! so a chat request can send it an image part (as `application/x-mmgate-test`, which nothing else
@@ -44,6 +45,10 @@ impl Plugin for TestPlugin {
             info.extra
                 .push(("tokens".into(), ODD_GRID_TOKENS.to_string()));
         }
+        if let Some((parts, bytes)) = parts_command(&media.data) {
+            info.extra
+                .push(("parts".into(), format!("{parts}:{bytes}")));
+        }
         Ok(info)
     }
 
@@ -61,12 +66,41 @@ impl Plugin for TestPlugin {
                 "needs its tokens",
             ));
         }
+        let parts = info
+            .extra
+            .iter()
+            .find(|(key, _)| key == "parts")
+            .map(|(_, value)| value.clone());
         TokenPlan::new(
             tokens,
             false,
             "as many tokens as the command needs",
-            &serde_json::json!({}),
+            &serde_json::json!({ "parts": parts }),
         )
+    }
+
+    fn parts(plan: TokenPlan, _config: ProcessorConfig) -> PluginResult<u32> {
+        let choices: serde_json::Value = plan.choices()?;
+        Ok(choices["parts"]
+            .as_str()
+            .and_then(|p| parts_command(format!("parts:{p}").as_bytes()))
+            .map_or(1, |(parts, _)| parts))
+    }
+
+    fn preprocess_part(
+        media: Media,
+        plan: TokenPlan,
+        config: ProcessorConfig,
+        index: u32,
+    ) -> PluginResult<Vec<Tensor>> {
+        match parts_command(&media.data) {
+            Some((_, bytes)) => Ok(vec![Tensor::from_u8(
+                "part",
+                &[bytes],
+                vec![index as u8; bytes],
+            )?]),
+            None => Self::preprocess(media, plan, config),
+        }
     }
 
     fn preprocess(
@@ -124,6 +158,13 @@ impl Plugin for TestPlugin {
 /// cannot be merged 2x2.
 const ODD_GRID: [i64; 3] = [1, 3, 4];
 const ODD_GRID_TOKENS: u32 = 3;
+
+/// `parts:N:B`: `N` parts of `B` bytes each.
+fn parts_command(data: &[u8]) -> Option<(u32, usize)> {
+    let text = std::str::from_utf8(data.strip_prefix(b"parts:")?).ok()?;
+    let (parts, bytes) = text.trim().split_once(':')?;
+    Some((parts.parse().ok()?, bytes.parse().ok()?))
+}
 
 fn odd_grid(config: &str) -> PluginResult<Vec<Tensor>> {
     let config: serde_json::Value = serde_json::from_str(config)
