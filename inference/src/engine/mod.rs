@@ -339,6 +339,8 @@ struct Sequence<L: Backend> {
     /// Per item made in pieces: its index, and the time from admission to its first piece ready
     /// once one is; `None` in the list once its last piece is ready too (and counted).
     piece_clocks: Vec<Option<(usize, Option<Duration>)>>,
+    /// Pieces whose features are not ready, as of the last poll.
+    pieces_pending: usize,
     admitted: std::time::Instant,
     prefilled: usize,
     cache: KvCache<L>,
@@ -573,6 +575,7 @@ impl<L: Backend> Scheduler<L> {
             .collect();
         pieced.dedup();
         let piece_clocks = pieced.into_iter().map(|item| Some((item, None))).collect();
+        let pieces_pending = media.iter().filter(|(_, m)| m.piece.is_some()).count();
         Ok(Sequence {
             ids: r.prompt,
             positions,
@@ -583,6 +586,7 @@ impl<L: Backend> Scheduler<L> {
             media_rows,
             cached_media,
             ready_until: text_prefix,
+            pieces_pending,
             piece_clocks,
             admitted: std::time::Instant::now(),
             prefilled: 0,
@@ -609,9 +613,10 @@ impl<L: Backend> Scheduler<L> {
             .filter(|s| !s.media_ready && s.outcome.is_none())
         {
             let mut ready_until = seq.ids.len();
+            let mut ready = Vec::with_capacity(seq.media.len());
             for (item, ((key, _), rows)) in seq.media.iter().zip(&seq.media_rows).enumerate() {
                 match self.store.state(key) {
-                    Some(FeatureState::Ready(_)) => {}
+                    Some(FeatureState::Ready(_)) => ready.push(true),
                     Some(FeatureState::Failed(message)) => {
                         // The whole item fails with any piece of it: what was prefilled goes
                         // with the sequence's cache.
@@ -619,27 +624,37 @@ impl<L: Backend> Scheduler<L> {
                         break;
                     }
                     Some(FeatureState::Encoding) | None => {
+                        ready.push(false);
                         ready_until = ready_until.min(rows.start);
                     }
                 }
             }
+            if seq.outcome.is_some() {
+                continue;
+            }
             seq.ready_until = ready_until;
             seq.media_ready = ready_until == seq.ids.len();
+            let is_piece_of = |m: &MediaItem, item: usize| m.piece.is_some_and(|p| p.item == item);
+            seq.pieces_pending = seq
+                .media
+                .iter()
+                .zip(&ready)
+                .filter(|((_, m), ready)| m.piece.is_some() && !**ready)
+                .count();
             let since = seq.admitted.elapsed();
             for clock in &mut seq.piece_clocks {
                 let Some((item, first)) = clock else { continue };
-                let mut pieces = seq
+                let pieces: Vec<bool> = seq
                     .media
                     .iter()
-                    .filter(|(_, m)| m.piece.is_some_and(|p| p.item == *item))
-                    .map(|(key, _)| matches!(self.store.state(key), Some(FeatureState::Ready(_))));
-                let (any, all) = pieces
-                    .clone()
-                    .fold((false, true), |(a, b), r| (a || r, b && r));
-                if any && first.is_none() {
+                    .zip(&ready)
+                    .filter(|((_, m), _)| is_piece_of(m, *item))
+                    .map(|(_, &r)| r)
+                    .collect();
+                if pieces.contains(&true) && first.is_none() {
                     *first = Some(since);
                 }
-                if all && pieces.next().is_some() {
+                if !pieces.is_empty() && !pieces.contains(&false) {
                     self.totals.pieced_items += 1;
                     self.totals.first_piece_seconds += first.unwrap_or(since).as_secs_f64();
                     self.totals.last_piece_seconds += since.as_secs_f64();
@@ -879,15 +894,7 @@ impl<L: Backend> Scheduler<L> {
         s.waiting_for_encoder = self.running.iter().filter(|s| !s.media_ready).count();
         s.kv_bytes = self.running.iter().map(|s| s.cache.bytes()).sum();
         s.kv_reserved_tokens = self.reserved();
-        s.pieces_in_flight = self
-            .running
-            .iter()
-            .filter(|s| !s.media_ready)
-            .flat_map(|s| &s.media)
-            .filter(|(key, m)| {
-                m.piece.is_some() && !matches!(self.store.state(key), Some(FeatureState::Ready(_)))
-            })
-            .count();
+        s.pieces_in_flight = self.running.iter().map(|s| s.pieces_pending).sum();
         if let Ok(mut shared) = self.stats.lock() {
             *shared = s;
         }

@@ -96,6 +96,17 @@ impl Qwen3VisionConfig {
                 "deepstack_visual_indexes {deepstack:?} are not distinct blocks of {depth}"
             )));
         }
+        let (patch_size, temporal_patch_size, merge) = (
+            num("patch_size")?,
+            num("temporal_patch_size").unwrap_or(2),
+            num("spatial_merge_size").unwrap_or(2),
+        );
+        if patch_size == 0 || temporal_patch_size == 0 || merge == 0 {
+            return Err(err(format!(
+                "patch_size {patch_size}, temporal_patch_size {temporal_patch_size} and \
+                 spatial_merge_size {merge} must be positive"
+            )));
+        }
         Ok(Self {
             depth,
             embed_dim,
@@ -103,9 +114,9 @@ impl Qwen3VisionConfig {
             heads,
             mlp_hidden: num("intermediate_size")?,
             in_channels: num("in_channels").unwrap_or(3),
-            patch_size: num("patch_size")?,
-            temporal_patch_size: num("temporal_patch_size").unwrap_or(2),
-            merge: num("spatial_merge_size").unwrap_or(2),
+            patch_size,
+            temporal_patch_size,
+            merge,
             activation,
             rope_theta,
             position_side: side,
