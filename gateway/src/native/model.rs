@@ -956,29 +956,24 @@ mod tests {
         assert!(err.to_string().contains("video_fps_f64_bits"), "{err}");
     }
 
-    /// The built-in video plugin's output for a 48-frame clip sampled at 12 fps under `model`'s
-    /// processor config: whole (`preprocess`) and in parts (3 runs of 8 temporal patches).
-    fn video_whole_and_parts(
+    /// A built-in plugin's output for `media` under `model`'s processor config (`config` adjusts
+    /// it): whole (`preprocess`) and in its parts.
+    fn whole_and_parts(
         model: &ModelRuntime,
+        modality: &str,
+        media: &[u8],
+        config: impl FnOnce(&mut serde_json::Value),
     ) -> (mmgate_host::TokenPlan, Vec<Tensor>, Vec<Vec<Tensor>>) {
         let sandbox =
             Arc::new(mmgate_host::Sandbox::new(mmgate_host::SandboxLimits::default()).unwrap());
         let registry = mmgate_host::PluginRegistry::builtin(&sandbox).unwrap();
-        let plugin = registry.for_modality("video").unwrap();
-        let mut config: serde_json::Value =
+        let plugin = registry.for_modality(modality).unwrap();
+        let mut json: serde_json::Value =
             serde_json::from_str(&model.prompt.processor_config).unwrap();
-        // Every frame, at the model's smallest size: 24 temporal patches.
-        config["fps"] = 12.into();
-        if let Some(video) = config.get_mut("video_preprocessor_config") {
-            video["fps"] = 12.into();
-        }
-        let config = config.to_string();
+        config(&mut json);
+        let config = json.to_string();
         let media = mmgate_host::Media {
-            data: std::fs::read(
-                Path::new(env!("CARGO_MANIFEST_DIR"))
-                    .join("../tests/fixtures/video/clips/12fps.mp4"),
-            )
-            .unwrap(),
+            data: media.to_vec(),
             mime_type: None,
         };
         let info = plugin.probe(&media).unwrap();
@@ -995,8 +990,52 @@ mod tests {
         let parts = (0..plugin.parts(&plan, &config).unwrap())
             .map(|i| plugin.preprocess_part(&media, &plan, &config, i).unwrap())
             .collect::<Vec<_>>();
-        assert_eq!(parts.len(), 3);
         (plan, whole, parts)
+    }
+
+    /// The built-in video plugin's output for a 48-frame clip sampled at 12 fps under `model`'s
+    /// processor config: whole and in parts (3 runs of 8 temporal patches).
+    fn video_whole_and_parts(
+        model: &ModelRuntime,
+    ) -> (mmgate_host::TokenPlan, Vec<Tensor>, Vec<Vec<Tensor>>) {
+        let clip = std::fs::read(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/video/clips/12fps.mp4"),
+        )
+        .unwrap();
+        // Every frame, at the model's smallest size: 24 temporal patches.
+        let made = whole_and_parts(model, "video", &clip, |config| {
+            config["fps"] = 12.into();
+            if let Some(video) = config.get_mut("video_preprocessor_config") {
+                video["fps"] = 12.into();
+            }
+        });
+        assert_eq!(made.2.len(), 3);
+        made
+    }
+
+    /// Each piece of `pieces` encoded as the engine's pool encodes it, their features in order,
+    /// and how many inputs they were.
+    fn piece_features(model: &ModelRuntime, pieces: &PlacedItem) -> (Vec<f32>, usize) {
+        let mut features = Vec::new();
+        let mut inputs: Vec<&Arc<EncodeInput>> = Vec::new();
+        for item in &pieces.items {
+            if !inputs.iter().any(|i| Arc::ptr_eq(i, &item.input)) {
+                inputs.push(&item.input);
+                features.extend(encode(model, &item.input).iter().copied());
+            }
+        }
+        (features, inputs.len())
+    }
+
+    fn encode(model: &ModelRuntime, input: &Arc<EncodeInput>) -> Arc<Vec<f32>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        model
+            .encoders
+            .submit(input.clone(), move |r| {
+                let _ = tx.send(r);
+            })
+            .unwrap();
+        rx.recv().unwrap().unwrap()
     }
 
     /// Greedy tokens of a prompt holding `placed`.
@@ -1037,45 +1076,87 @@ mod tests {
         for spec in ["demo", "demo-qwen2.5-vl", "demo-qwen3-vl"] {
             let model = runtime(spec, cache.path());
             let (plan, whole, parts) = video_whole_and_parts(&model);
-            let whole = model
-                .prompt
-                .media_item(MediaKind::Video, plan.tokens, &whole)
-                .unwrap();
-            let pieces = model
-                .prompt
-                .media_parts(MediaKind::Video, plan.tokens, &parts, 0)
-                .unwrap();
-            assert_eq!(pieces.ids, whole.ids, "{spec}: the same prompt");
-            let encode = |input: &Arc<EncodeInput>| {
-                let (tx, rx) = std::sync::mpsc::channel();
-                model
-                    .encoders
-                    .submit(input.clone(), move |r| {
-                        let _ = tx.send(r);
-                    })
-                    .unwrap();
-                rx.recv().unwrap().unwrap()
-            };
-            let whole_features = encode(&whole.items[0].input);
-            let mut piece_features = Vec::new();
-            let mut inputs: Vec<&Arc<EncodeInput>> = Vec::new();
-            for item in &pieces.items {
-                if !inputs.iter().any(|i| Arc::ptr_eq(i, &item.input)) {
-                    inputs.push(&item.input);
-                    piece_features.extend(encode(&item.input).iter().copied());
-                }
-            }
-            assert_eq!(inputs.len(), 3, "{spec}");
-            assert!(
-                piece_features == *whole_features,
-                "{spec}: the pieces' features are the whole's"
-            );
-            let (whole_tokens, prompt_len) = generate(&model, &whole);
-            let (piece_tokens, _) = generate(&model, &pieces);
-            assert_eq!(
-                piece_tokens, whole_tokens,
-                "{spec}: {prompt_len} prompt tokens"
+            assert_pieces_are_the_whole(
+                &model,
+                MediaKind::Video,
+                plan.tokens,
+                &whole,
+                &parts,
+                spec,
             );
         }
+    }
+
+    /// The same for a 65 s PCM audio file at 22.05 kHz (resampled) on Qwen2-Audio: three pieces of
+    /// one 30 s chunk each.
+    #[test]
+    fn an_audio_file_in_pieces_is_exactly_the_file_whole() {
+        let cache = tempfile::tempdir().unwrap();
+        let model = runtime("demo-audio", cache.path());
+        let (plan, whole, parts) = whole_and_parts(&model, "audio", &long_pcm_wav(), |_| {});
+        assert_eq!(parts.len(), 3);
+        assert_pieces_are_the_whole(
+            &model,
+            MediaKind::Audio,
+            plan.tokens,
+            &whole,
+            &parts,
+            "demo-audio",
+        );
+    }
+
+    /// 65 s of a 16-bit mono WAV at 22.05 kHz: a chirp under a little noise.
+    fn long_pcm_wav() -> Vec<u8> {
+        let (rate, frames) = (22_050u32, 65 * 22_050u32);
+        let mut wav = Vec::with_capacity(44 + 2 * frames as usize);
+        for chunk in [
+            &b"RIFF"[..],
+            &(36 + 2 * frames).to_le_bytes(),
+            b"WAVEfmt ",
+            &16u32.to_le_bytes(),
+            &1u16.to_le_bytes(),
+            &1u16.to_le_bytes(),
+            &rate.to_le_bytes(),
+            &(2 * rate).to_le_bytes(),
+            &2u16.to_le_bytes(),
+            &16u16.to_le_bytes(),
+            b"data",
+            &(2 * frames).to_le_bytes(),
+        ] {
+            wav.extend_from_slice(chunk);
+        }
+        for i in 0..frames {
+            let t = f64::from(i) / f64::from(rate);
+            let chirp = 0.3 * (std::f64::consts::TAU * (200.0 + 15.0 * t) * t).sin();
+            let noise = 0.02 * ((f64::from(i) * 12.9898).sin() * 43_758.545).fract();
+            wav.extend_from_slice(&(((chirp + noise) * 32_767.0) as i16).to_le_bytes());
+        }
+        wav
+    }
+
+    fn assert_pieces_are_the_whole(
+        model: &ModelRuntime,
+        kind: MediaKind,
+        tokens: u32,
+        whole: &[Tensor],
+        parts: &[Vec<Tensor>],
+        spec: &str,
+    ) {
+        let whole = model.prompt.media_item(kind, tokens, whole).unwrap();
+        let pieces = model.prompt.media_parts(kind, tokens, parts, 0).unwrap();
+        assert_eq!(pieces.ids, whole.ids, "{spec}: the same prompt");
+        let whole_features = encode(model, &whole.items[0].input);
+        let (features, inputs) = piece_features(model, &pieces);
+        assert_eq!(inputs, parts.len(), "{spec}");
+        assert!(
+            features == *whole_features,
+            "{spec}: the pieces' features are the whole's"
+        );
+        let (whole_tokens, prompt_len) = generate(model, &whole);
+        let (piece_tokens, _) = generate(model, &pieces);
+        assert_eq!(
+            piece_tokens, whole_tokens,
+            "{spec}: {prompt_len} prompt tokens"
+        );
     }
 }

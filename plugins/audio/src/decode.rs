@@ -281,15 +281,28 @@ fn mix_to_mono(buffer: &GenericAudioBufferRef<'_>, out: &mut Vec<f32>) {
     }
 }
 
-/// Decoded audio: one channel (the mean of all channels) at the file's own rate.
+/// Decoded audio: one channel (the mean of all channels) at the file's own rate, all of it or a
+/// range of it.
 pub struct MonoAudio {
     pub samples: Vec<f32>,
     pub sample_rate: u32,
+    /// Index of `samples[0]` in the whole clip.
+    pub offset: u64,
+    /// The clip's length, when the decode reached its end.
+    pub clip_len: Option<u64>,
 }
 
-/// Decode the whole audio track to mono f32 (the channel mean, as librosa's `to_mono`). Bounded: a
-/// file whose packets run past the duration limit (its header lied) is refused while decoding.
+/// Decode the whole audio track to mono f32 (the channel mean, as librosa's `to_mono`).
 pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
+    decode_mono_range(data, 0..u64::MAX)
+}
+
+/// Decode the audio track to mono f32 and keep the samples in `range` of the clip (what
+/// [`decode_mono`] gives, sliced: every packet is decoded from the start, as codecs carry state
+/// from one packet to the next and a skipped corrupt packet moves everything after it, but only
+/// the range is mixed and kept, and decoding stops at its end). Bounded: a file whose packets run
+/// past the duration limit (its header lied) is refused while decoding.
+pub fn decode_mono_range(data: &[u8], range: std::ops::Range<u64>) -> PluginResult<MonoAudio> {
     let Stream {
         mut reader,
         track_id,
@@ -300,10 +313,19 @@ pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
         edit,
         ..
     } = open(data)?;
-    let max_frames = max_frames(sample_rate) as usize;
+    let max_frames = max_frames(sample_rate);
     let channels = channels as usize;
-    let mut samples: Vec<f32> =
-        Vec::with_capacity(frames.unwrap_or(0).min(max_frames as u64) as usize);
+    // The clip's samples are the decoder's after the MP4 edit's skip, at most `keep` of them.
+    let (skip, keep) = edit.map_or((0, u64::MAX), |e| (e.skip, e.keep));
+    let wanted = range.start.saturating_add(skip)..range.end.min(keep).saturating_add(skip);
+    let capacity = frames
+        .unwrap_or(0)
+        .min(max_frames)
+        .min(wanted.end.saturating_sub(wanted.start));
+    let mut samples: Vec<f32> = Vec::with_capacity(capacity as usize);
+    // Decoded samples so far, and whether the stream ended before the range did.
+    let mut position = 0u64;
+    let mut ended = true;
     let (mut packets, mut bad_packets) = (0usize, 0usize);
     while let Some(packet) = next_packet(reader.as_mut())? {
         if packet.track_id != track_id {
@@ -330,11 +352,26 @@ pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
                 "the channel count changes mid-stream ({channels} → {packet_channels})"
             )));
         }
-        mix_to_mono(&decoded, &mut samples);
-        if samples.len() > max_frames {
+        let packet_frames = decoded.frames() as u64;
+        let span = position..position + packet_frames;
+        position = span.end;
+        if position > max_frames {
             return Err(PluginError::limit(format!(
                 "the audio runs past the limit of {MAX_DURATION_SECONDS} s while decoding"
             )));
+        }
+        if span.end <= wanted.start {
+            continue;
+        }
+        let kept_from = samples.len();
+        mix_to_mono(&decoded, &mut samples);
+        // Of this packet, drop what lies before the range and after it.
+        let head = wanted.start.saturating_sub(span.start).min(packet_frames) as usize;
+        samples.drain(kept_from..kept_from + head);
+        if span.end >= wanted.end {
+            samples.truncate(wanted.end.saturating_sub(wanted.start) as usize);
+            ended = false;
+            break;
         }
     }
     // The host's log exists only inside the sandbox (the native benchmark build has no host).
@@ -344,11 +381,10 @@ pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
             "skipped {bad_packets} of {packets} corrupt audio packets"
         ));
     }
-    if let Some(edit) = edit {
-        samples.drain(..(edit.skip as usize).min(samples.len()));
-        samples.truncate(edit.keep as usize);
-    }
-    if samples.is_empty() {
+    let clip_len = position.saturating_sub(skip).min(keep);
+    // Known when the stream ended, or when the edit's `keep` ended the clip before the range did.
+    let known = ended || position.saturating_sub(skip) >= keep;
+    if ended && clip_len == 0 {
         return Err(PluginError::invalid(if bad_packets > 0 {
             format!("none of the {packets} audio packets could be decoded")
         } else {
@@ -358,5 +394,7 @@ pub fn decode_mono(data: &[u8]) -> PluginResult<MonoAudio> {
     Ok(MonoAudio {
         samples,
         sample_rate,
+        offset: range.start,
+        clip_len: known.then_some(clip_len),
     })
 }

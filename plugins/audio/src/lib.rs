@@ -69,7 +69,11 @@ impl Plugin for AudioPlugin {
         // The limit probe applied, again: `info` comes back from the host, not from our probe.
         decode::check_duration(frames as f64 / f64::from(rate))?;
         let samples = resample::resampled_len(frames, rate, SAMPLE_RATE);
-        processor.plan(samples, budget.max_tokens)
+        let stateless_codec = info
+            .extra
+            .iter()
+            .any(|(k, v)| k == "codec" && v.starts_with("pcm"));
+        processor.plan(samples, budget.max_tokens, stateless_codec)
     }
 
     fn preprocess(
@@ -82,6 +86,32 @@ impl Plugin for AudioPlugin {
         let audio = decode::decode_mono(&media.data)?;
         let samples = resample::resample(audio.samples, audio.sample_rate, SAMPLE_RATE)?;
         processor.preprocess(samples, &choices)
+    }
+
+    /// One part per 30 s chunk when the codec is PCM (see `Choices::in_parts`): the Whisper
+    /// encoder attends within a chunk, so each part is encoded on its own.
+    fn parts(plan: TokenPlan, _config: ProcessorConfig) -> PluginResult<u32> {
+        let choices: Choices = plan.choices()?;
+        u32::try_from(Processor::parts(&choices)).map_err(|_| PluginError::limit("too many chunks"))
+    }
+
+    /// A part's chunks, bit for bit as `preprocess` makes them: the file decoded up to the part's
+    /// end, only the samples its resampling needs mixed, then its chunks' features.
+    fn preprocess_part(
+        media: Media,
+        plan: TokenPlan,
+        config: ProcessorConfig,
+        index: u32,
+    ) -> PluginResult<Vec<Tensor>> {
+        let processor = Processor::from_config(&config)?;
+        let choices: Choices = plan.choices()?;
+        let (samples, chunks) = processor.part(&choices, index as usize)?;
+        let header = decode::probe(&media.data)?;
+        let resampling = resample::Resampling::new(header.sample_rate, SAMPLE_RATE);
+        let audio =
+            decode::decode_mono_range(&media.data, resampling.source_range(samples.clone()))?;
+        let samples = resampling.range(&audio.samples, audio.offset, audio.clip_len, samples)?;
+        processor.chunks(&samples, &choices, chunks)
     }
 
     /// The clip as planned: mono, resampled to 16 kHz, cut to the kept chunks, as a float WAV (the
@@ -100,3 +130,103 @@ impl Plugin for AudioPlugin {
 // on the component-model symbol names.
 #[cfg(target_arch = "wasm32")]
 mmgate_plugin_sdk::export_plugin!(AudioPlugin);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const QWEN2_AUDIO: &str = r#"{"feature_extractor_type": "WhisperFeatureExtractor",
+        "feature_size": 128, "processor_class": "Qwen2AudioProcessor"}"#;
+
+    /// A 16-bit PCM WAV of `seconds` of a chirp under noise, `channels` interleaved.
+    fn pcm_wav(rate: u32, channels: u16, seconds: f64) -> Vec<u8> {
+        let frames = (seconds * f64::from(rate)) as u32;
+        let bytes = frames * u32::from(channels) * 2;
+        let mut wav = Vec::with_capacity(44 + bytes as usize);
+        wav.extend(b"RIFF");
+        wav.extend((36 + bytes).to_le_bytes());
+        wav.extend(b"WAVEfmt ");
+        wav.extend(16u32.to_le_bytes());
+        wav.extend(1u16.to_le_bytes());
+        wav.extend(channels.to_le_bytes());
+        wav.extend(rate.to_le_bytes());
+        wav.extend((rate * u32::from(channels) * 2).to_le_bytes());
+        wav.extend((channels * 2).to_le_bytes());
+        wav.extend(16u16.to_le_bytes());
+        wav.extend(b"data");
+        wav.extend(bytes.to_le_bytes());
+        let mut noise = 0x2545_f491u32;
+        for i in 0..frames {
+            let t = f64::from(i) / f64::from(rate);
+            let tone = 0.3 * (2.0 * std::f64::consts::PI * (200.0 * t + 15.0 * t * t)).sin();
+            for _ in 0..channels {
+                noise ^= noise << 13;
+                noise ^= noise >> 17;
+                noise ^= noise << 5;
+                let sample = tone + 0.05 * (f64::from(noise) / f64::from(u32::MAX) - 0.5);
+                wav.extend(((sample * 32_767.0) as i16).to_le_bytes());
+            }
+        }
+        wav
+    }
+
+    fn media(data: &[u8]) -> Media {
+        Media {
+            data: data.to_vec(),
+            mime_type: None,
+        }
+    }
+
+    fn whole_and_parts(data: &[u8], budget: u32) -> (Vec<Tensor>, Vec<Vec<Tensor>>) {
+        let info = AudioPlugin::probe(media(data)).unwrap();
+        let plan =
+            AudioPlugin::plan(info, Budget { max_tokens: budget }, QWEN2_AUDIO.to_owned()).unwrap();
+        let whole =
+            AudioPlugin::preprocess(media(data), plan.clone(), QWEN2_AUDIO.to_owned()).unwrap();
+        let parts = (0..AudioPlugin::parts(plan.clone(), QWEN2_AUDIO.to_owned()).unwrap())
+            .map(|i| {
+                AudioPlugin::preprocess_part(media(data), plan.clone(), QWEN2_AUDIO.to_owned(), i)
+                    .unwrap()
+            })
+            .collect();
+        (whole, parts)
+    }
+
+    /// The parts' tensors, chunk after chunk, are the whole item's bytes.
+    fn assert_parts_are_the_whole(whole: &[Tensor], parts: &[Vec<Tensor>], what: &str) {
+        for (t, tensor) in whole.iter().enumerate() {
+            let joined: Vec<u8> = parts.iter().flat_map(|p| p[t].data.clone()).collect();
+            let chunks: u64 = parts.iter().map(|p| p[t].shape[0]).sum();
+            assert_eq!(chunks, tensor.shape[0], "{what}: {}", tensor.name);
+            assert!(joined == tensor.data, "{what}: {} differs", tensor.name);
+        }
+    }
+
+    #[test]
+    fn pcm_audio_in_parts_is_the_whole_bit_for_bit() {
+        // Resampled (44.1 kHz stereo) and not (16 kHz mono); 65 s: two full chunks and 5 s.
+        for (rate, channels) in [(44_100, 2), (16_000, 1), (22_050, 1)] {
+            let wav = pcm_wav(rate, channels, 65.0);
+            let (whole, parts) = whole_and_parts(&wav, u32::MAX);
+            assert_eq!(parts.len(), 3, "{rate} Hz");
+            assert_parts_are_the_whole(&whole, &parts, &format!("{rate} Hz"));
+        }
+        // Cut to the first two chunks by the budget: two parts, the second ending at the cut.
+        let wav = pcm_wav(48_000, 1, 65.0);
+        let (whole, parts) = whole_and_parts(&wav, 1600);
+        assert_eq!((whole[0].shape[0], parts.len()), (2, 2usize));
+        assert_parts_are_the_whole(&whole, &parts, "48 kHz, cut");
+    }
+
+    #[test]
+    fn compressed_audio_is_made_whole() {
+        let mp3 = std::fs::read(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/audio/clips/speech-16k.mp3"
+        ))
+        .unwrap();
+        let (whole, parts) = whole_and_parts(&mp3, u32::MAX);
+        assert_eq!(parts.len(), 1);
+        assert_parts_are_the_whole(&whole, &parts, "mp3");
+    }
+}

@@ -98,6 +98,12 @@ pub struct Choices {
     pub chunk_tokens: Vec<u32>,
     /// Mel frames holding audio, per kept chunk (the attention mask's ones).
     pub chunk_frames: Vec<u64>,
+    /// Whether the chunks may be made in parts, one chunk each (contract 0.4): when the file's
+    /// codec decodes without carrying state (PCM), so a part decoding up to its chunk costs
+    /// little beyond its own chunk's resampling and features. A compressed codec is decoded from
+    /// the first packet by every part, which would cost more than the parts win: made whole.
+    #[serde(default)]
+    pub in_parts: bool,
 }
 
 impl Processor {
@@ -175,7 +181,7 @@ impl Processor {
 
     /// Plan `samples` (16 kHz) within `budget` tokens: every chunk if they fit, else the leading
     /// chunks that do.
-    pub fn plan(&self, samples: u64, budget: u32) -> PluginResult<TokenPlan> {
+    pub fn plan(&self, samples: u64, budget: u32, in_parts: bool) -> PluginResult<TokenPlan> {
         if samples == 0 {
             return Err(PluginError::invalid("the audio holds no samples"));
         }
@@ -257,6 +263,7 @@ impl Processor {
             total_chunks,
             chunk_tokens,
             chunk_frames,
+            in_parts,
         };
         TokenPlan::new(kept_tokens as u32, kept < total_chunks, reason, &choices)
     }
@@ -285,22 +292,70 @@ impl Processor {
     /// i64 for 16 kHz `samples`, as the plan chose ([`Self::planned_samples`]).
     pub fn preprocess(&self, samples: Vec<f32>, choices: &Choices) -> PluginResult<Vec<Tensor>> {
         let samples = self.planned_samples(samples, choices)?;
+        self.chunks(&samples, choices, 0..choices.chunks)
+    }
+
+    /// The parts a plan makes: one per kept chunk when the plan allows parts, else one.
+    pub fn parts(choices: &Choices) -> usize {
+        if choices.in_parts {
+            choices.chunks.max(1)
+        } else {
+            1
+        }
+    }
+
+    /// The 16 kHz samples part `index` covers, and its chunks.
+    pub fn part(
+        &self,
+        choices: &Choices,
+        index: usize,
+    ) -> PluginResult<(std::ops::Range<u64>, std::ops::Range<usize>)> {
+        self.planned_samples(Vec::new(), choices)?;
+        let parts = Self::parts(choices);
+        if index >= parts {
+            return Err(PluginError::internal(format!(
+                "part {index} of an audio item made in {parts}"
+            )));
+        }
+        let chunks = if parts == 1 {
+            0..choices.chunks
+        } else {
+            index..index + 1
+        };
+        let start = chunks.start as u64 * self.chunk_samples;
+        let end = (chunks.end as u64 * self.chunk_samples).min(choices.kept_samples);
+        Ok((start..end, chunks))
+    }
+
+    /// The tensors of `chunks` of the plan, from their 16 kHz `samples` (the planned samples from
+    /// the first chunk's start on: shorter only where the clip ends).
+    pub fn chunks(
+        &self,
+        samples: &[f32],
+        choices: &Choices,
+        chunks: std::ops::Range<usize>,
+    ) -> PluginResult<Vec<Tensor>> {
         let chunk = self.chunk_samples as usize;
         let frames = self.max_frames() as usize;
+        let count = chunks.len();
+        let frames_with_audio = choices.chunk_frames.get(chunks).ok_or_else(|| {
+            PluginError::internal("the plan was made for a different processor config")
+        })?;
         let logmel = LogMel::new(self.n_mels);
-        let mut features = Vec::with_capacity(choices.chunks * self.n_mels * frames);
-        let mut mask = Vec::with_capacity(choices.chunks * frames);
-        for (audio, &audio_frames) in samples.chunks(chunk).zip(&choices.chunk_frames) {
-            logmel.compute_into(audio, chunk, &mut features);
+        let mut features = Vec::with_capacity(count * self.n_mels * frames);
+        let mut mask = Vec::with_capacity(count * frames);
+        for (n, &audio_frames) in frames_with_audio.iter().enumerate() {
+            let audio = samples.get(n * chunk..).unwrap_or_default();
+            logmel.compute_into(&audio[..audio.len().min(chunk)], chunk, &mut features);
             mask.extend((0..frames as u64).map(|f| i64::from(f < audio_frames)));
         }
         Ok(vec![
             Tensor::from_f32_bytes(
                 "input_features",
-                &[choices.chunks, self.n_mels, frames],
+                &[count, self.n_mels, frames],
                 features.into_flattened(),
             )?,
-            Tensor::from_i64("feature_attention_mask", &[choices.chunks, frames], &mask)?,
+            Tensor::from_i64("feature_attention_mask", &[count, frames], &mask)?,
         ])
     }
 }
@@ -316,7 +371,7 @@ mod tests {
         "feature_size": 80, "processor_class": "WhisperProcessor"}"#;
 
     fn plan(config: &str, samples: u64, budget: u32) -> PluginResult<(TokenPlan, Choices)> {
-        let plan = Processor::from_config(config)?.plan(samples, budget)?;
+        let plan = Processor::from_config(config)?.plan(samples, budget, false)?;
         let choices = plan.choices()?;
         Ok((plan, choices))
     }
