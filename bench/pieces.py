@@ -1,4 +1,5 @@
-"""Time to first token for a long video, made whole vs in its plugin's parts, in one run.
+"""Time to first token for a long video and a long audio file, made whole vs in their plugins'
+parts, in one run.
 
 Makes a 60 s 1080p H.264 clip with ffmpeg, serves it from a loopback HTTP server, and starts the
 release `mmgate serve` with the demo model as `whole` (`media_parts = false`: one plugin call makes
@@ -8,9 +9,12 @@ what precedes it are ready), each at the demo's full 32 768-token context (the p
 LLM's prefill dominates) and at 8 192 (`max_model_len`). No feature cache: every request decodes and
 encodes anew. For each, streaming chat requests with the video: time to the first content token
 (TTFT); and text-only questions asked every 2 s while the video's request runs, whose TTFTs show
-what a long video does to other users. Prints medians and the pieces/whole ratios.
+what a long video does to other users. The same for a 10-minute 16 kHz PCM WAV on the demo audio
+model (Qwen2-Audio: 20 chunks of 30 s, 15 000 tokens), whole vs one piece per chunk. Prints medians
+and the pieces/whole ratios.
 
-Run from the repository root after `cargo build --release -p mmgate-gateway` (./dev bench does it).
+Run from the repository root after `cargo build --release -p mmgate-gateway` (./dev bench does it);
+`python3 bench/pieces.py audio` (or `video`) runs one half.
 """
 
 from __future__ import annotations
@@ -66,12 +70,17 @@ def ttft(port: int, model: str, content) -> float:
     return first
 
 
-def measure(port: int, model: str, video_url: str) -> tuple[float, list[float]]:
-    """(video TTFT, TTFTs of text questions asked every 2 s while the video's request runs)."""
-    video = [{"type": "video_url", "video_url": {"url": video_url}},
-             {"type": "text", "text": "Describe the video."}]
+def make_audio(path: Path) -> None:
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-f", "lavfi", "-i",
+                    "aevalsrc=0.3*sin(2*PI*(200+20*mod(t\\,7))*t)+0.02*random(0):s=16000:d=600",
+                    "-ac", "1", "-c:a", "pcm_s16le", str(path)], check=True)
+
+
+def measure(port: int, model: str, part: dict) -> tuple[float, list[float]]:
+    """(media TTFT, TTFTs of text questions asked every 2 s while the media's request runs)."""
+    media = [part, {"type": "text", "text": "Describe it."}]
     result: list[float] = []
-    thread = threading.Thread(target=lambda: result.append(ttft(port, model, video)))
+    thread = threading.Thread(target=lambda: result.append(ttft(port, model, media)))
     thread.start()
     text_ttft = []
     while thread.is_alive():
@@ -89,6 +98,7 @@ def main() -> None:
         tmp = Path(tmp)
         clip = tmp / "clip.mp4"
         make_clip(clip)
+        make_audio(tmp / "audio.wav")
         class Quiet(http.server.SimpleHTTPRequestHandler):
             def log_message(self, *args) -> None:
                 pass
@@ -96,13 +106,18 @@ def main() -> None:
         handler = functools.partial(Quiet, directory=str(tmp))
         files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=files.serve_forever, daemon=True).start()
-        video_url = f"http://127.0.0.1:{files.server_address[1]}/clip.mp4"
+        base = f"http://127.0.0.1:{files.server_address[1]}"
+        video = {"type": "video_url", "video_url": {"url": f"{base}/clip.mp4"}}
+        audio = {"type": "audio_url", "audio_url": {"url": f"{base}/audio.wav"}}
         config = tmp / "mmgate.toml"
         models = ""
         for context, suffix in ((32768, ""), (8192, "-8k")):
             for name, parts in (("whole", "false"), ("pieces", "true")):
                 models += (f'[[models]]\nname = "{name}{suffix}"\npath = "demo"\nmedia_parts = {parts}\n'
                            f'feature_cache_bytes = 0\nmax_model_len = {context}\n\n')
+        for name, parts in (("whole", "false"), ("pieces", "true")):
+            models += (f'[[models]]\nname = "audio-{name}"\npath = "demo-audio"\n'
+                       f'media_parts = {parts}\nfeature_cache_bytes = 0\n\n')
         config.write_text('[fetch]\nallow = ["127.0.0.1/32"]\n\n' + models)
         port = free_port()
         env = dict(os.environ, RUST_LOG="warn", XDG_CACHE_HOME=str(tmp / "cache"))
@@ -110,27 +125,37 @@ def main() -> None:
                                    f"127.0.0.1:{port}"], env=env)
         try:
             wait_for_health(port, server)
-            names = ["whole", "pieces", "whole-8k", "pieces-8k"]
+            names = ["whole", "pieces", "whole-8k", "pieces-8k", "audio-whole", "audio-pieces"]
+            only = sys.argv[1] if len(sys.argv) > 1 else None
+            names = [n for n in names if only is None or ("audio" in n) == (only == "audio")]
             results: dict[str, list[tuple[float, list[float]]]] = {name: [] for name in names}
-            measure(port, "pieces-8k", video_url)  # warm-up: compiled plugins, first allocations
+            # Warm-up: compiled plugins, first allocations.
+            if only != "audio":
+                measure(port, "pieces-8k", video)
+            if only != "video":
+                measure(port, "audio-pieces", audio)
             for _ in range(ROUNDS):
                 for model in names:
-                    results[model].append(measure(port, model, video_url))
+                    results[model].append(measure(port, model, audio if "audio" in model else video))
         finally:
             server.terminate()
             server.wait()
             files.shutdown()
     cores = os.cpu_count()
-    print(f"60 s 1080p H.264 video, demo model, {cores} cores, median of {ROUNDS} (interleaved)")
-    print(f"{'':<10} {'video TTFT s':>13} {'text beside: median s':>22} {'max s':>7}")
+    print(f"60 s 1080p H.264 video (demo model) and 10 min 16 kHz WAV (demo-audio), {cores} cores, "
+          f"median of {ROUNDS} (interleaved)")
+    print(f"{'':<12} {'media TTFT s':>13} {'text beside: median s':>22} {'max s':>7}")
     med = {}
     for model, runs in results.items():
         texts = sorted(t for _, beside in runs for t in beside) or [0.0]
         med[model] = statistics.median(v for v, _ in runs)
-        print(f"{model:<10} {med[model]:>13.2f} {statistics.median(texts):>22.3f} {texts[-1]:>7.3f}")
+        print(f"{model:<12} {med[model]:>13.2f} {statistics.median(texts):>22.3f} {texts[-1]:>7.3f}")
     for suffix in ("", "-8k"):
-        print(f"pieces / whole{suffix or ' (32k context)'}: video TTFT "
-              f"{med['pieces' + suffix] / med['whole' + suffix]:.2f}x")
+        if "whole" + suffix in med:
+            print(f"pieces / whole{suffix or ' (32k context)'}: video TTFT "
+                  f"{med['pieces' + suffix] / med['whole' + suffix]:.2f}x")
+    if "audio-whole" in med:
+        print(f"pieces / whole: 10 min audio TTFT {med['audio-pieces'] / med['audio-whole']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -311,8 +311,10 @@ pub fn decode_mono_range(data: &[u8], range: std::ops::Range<u64>) -> PluginResu
         channels,
         frames,
         edit,
+        codec,
         ..
     } = open(data)?;
+    let stateless = codec.starts_with("pcm");
     let max_frames = max_frames(sample_rate);
     let channels = channels as usize;
     // The clip's samples are the decoder's after the MP4 edit's skip, at most `keep` of them.
@@ -332,6 +334,13 @@ pub fn decode_mono_range(data: &[u8], range: std::ops::Range<u64>) -> PluginResu
             continue;
         }
         packets += 1;
+        // A PCM packet decodes to its duration in frames, from its own bytes alone: one wholly
+        // before the range need not be decoded to know where the next begins.
+        let packet_end = position.saturating_add(packet.dur.get());
+        if stateless && packet_end <= wanted.start {
+            position = packet_end;
+            continue;
+        }
         let decoded = match decoder.decode(&packet) {
             Ok(decoded) => decoded,
             // A corrupt packet is skipped (what players and FFmpeg do); a file of nothing else is

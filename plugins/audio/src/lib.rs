@@ -88,8 +88,8 @@ impl Plugin for AudioPlugin {
         processor.preprocess(samples, &choices)
     }
 
-    /// One part per 30 s chunk when the codec is PCM (see `Choices::in_parts`): the Whisper
-    /// encoder attends within a chunk, so each part is encoded on its own.
+    /// Runs of `CHUNKS_PER_PART` 30 s chunks when the codec is PCM (see `Choices::in_parts`): the
+    /// Whisper encoder attends within a chunk, so each part is encoded on its own.
     fn parts(plan: TokenPlan, _config: ProcessorConfig) -> PluginResult<u32> {
         let choices: Choices = plan.choices()?;
         u32::try_from(Processor::parts(&choices)).map_err(|_| PluginError::limit("too many chunks"))
@@ -204,17 +204,18 @@ mod tests {
 
     #[test]
     fn pcm_audio_in_parts_is_the_whole_bit_for_bit() {
-        // Resampled (44.1 kHz stereo) and not (16 kHz mono); 65 s: two full chunks and 5 s.
+        // Resampled (44.1 kHz stereo) and not (16 kHz mono); 65 s: two full chunks and 5 s, in
+        // parts of two chunks and of one.
         for (rate, channels) in [(44_100, 2), (16_000, 1), (22_050, 1)] {
             let wav = pcm_wav(rate, channels, 65.0);
             let (whole, parts) = whole_and_parts(&wav, u32::MAX);
-            assert_eq!(parts.len(), 3, "{rate} Hz");
+            assert_eq!(parts.len(), 2, "{rate} Hz");
             assert_parts_are_the_whole(&whole, &parts, &format!("{rate} Hz"));
         }
-        // Cut to the first two chunks by the budget: two parts, the second ending at the cut.
-        let wav = pcm_wav(48_000, 1, 65.0);
-        let (whole, parts) = whole_and_parts(&wav, 1600);
-        assert_eq!((whole[0].shape[0], parts.len()), (2, 2usize));
+        // 125 s cut to its first three chunks by the budget: the second part ends at the cut.
+        let wav = pcm_wav(48_000, 1, 125.0);
+        let (whole, parts) = whole_and_parts(&wav, 2400);
+        assert_eq!((whole[0].shape[0], parts.len()), (3, 2usize));
         assert_parts_are_the_whole(&whole, &parts, "48 kHz, cut");
     }
 
