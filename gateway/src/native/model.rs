@@ -432,7 +432,8 @@ impl PromptModel {
                 EncodeInput::Vision { grid, .. } => Some(*grid),
                 _ => None,
             };
-            let one_block = planned.runs.is_empty();
+            // Only a vision input has an M-RoPE block to continue.
+            let one_block = planned.runs.is_empty() && grid.is_some();
             let piece = Piece {
                 item: index,
                 continues_at: (one_block && n > 0).then_some(temporal_patches),

@@ -281,6 +281,13 @@ fn mix_to_mono(buffer: &GenericAudioBufferRef<'_>, out: &mut Vec<f32>) {
     }
 }
 
+/// Whether codec `codec` (a `Header::codec`) decodes each packet from its bytes alone, carrying
+/// nothing from one packet to the next: PCM and FLAC (whose frames are self-contained), not MP3,
+/// AAC or Vorbis (overlapping transforms, MP3's bit reservoir).
+pub fn decodes_packets_alone(codec: &str) -> bool {
+    codec.starts_with("pcm") || codec == "flac"
+}
+
 /// Decoded audio: one channel (the mean of all channels) at the file's own rate, all of it or a
 /// range of it.
 pub struct MonoAudio {
@@ -314,7 +321,7 @@ pub fn decode_mono_range(data: &[u8], range: std::ops::Range<u64>) -> PluginResu
         codec,
         ..
     } = open(data)?;
-    let stateless = codec.starts_with("pcm");
+    let stateless = decodes_packets_alone(&codec);
     let max_frames = max_frames(sample_rate);
     let channels = channels as usize;
     // The clip's samples are the decoder's after the MP4 edit's skip, at most `keep` of them.
@@ -334,7 +341,7 @@ pub fn decode_mono_range(data: &[u8], range: std::ops::Range<u64>) -> PluginResu
             continue;
         }
         packets += 1;
-        // A PCM packet decodes to its duration in frames, from its own bytes alone: one wholly
+        // Such a packet decodes to its duration in frames, from its own bytes alone: one wholly
         // before the range need not be decoded to know where the next begins.
         let packet_end = position.saturating_add(packet.dur.get());
         if stateless && packet_end <= wanted.start {

@@ -72,7 +72,7 @@ impl Plugin for AudioPlugin {
         let stateless_codec = info
             .extra
             .iter()
-            .any(|(k, v)| k == "codec" && v.starts_with("pcm"));
+            .any(|(k, v)| k == "codec" && decode::decodes_packets_alone(v));
         processor.plan(samples, budget.max_tokens, stateless_codec)
     }
 
@@ -88,7 +88,7 @@ impl Plugin for AudioPlugin {
         processor.preprocess(samples, &choices)
     }
 
-    /// Runs of `CHUNKS_PER_PART` 30 s chunks when the codec is PCM (see `Choices::in_parts`): the
+    /// Runs of `CHUNKS_PER_PART` 30 s chunks when the codec is PCM or FLAC (see `Choices::in_parts`): the
     /// Whisper encoder attends within a chunk, so each part is encoded on its own.
     fn parts(plan: TokenPlan, _config: ProcessorConfig) -> PluginResult<u32> {
         let choices: Choices = plan.choices()?;
@@ -220,14 +220,22 @@ mod tests {
     }
 
     #[test]
-    fn compressed_audio_is_made_whole() {
-        let mp3 = std::fs::read(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../tests/fixtures/audio/clips/speech-16k.mp3"
-        ))
-        .unwrap();
-        let (whole, parts) = whole_and_parts(&mp3, u32::MAX);
-        assert_eq!(parts.len(), 1);
-        assert_parts_are_the_whole(&whole, &parts, "mp3");
+    fn flac_in_parts_is_the_whole_and_lossy_codecs_are_made_whole() {
+        let clip = |name: &str| {
+            std::fs::read(format!(
+                "{}/../../tests/fixtures/audio/clips/{name}",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .unwrap()
+        };
+        // 61 s: three chunks, two parts.
+        let (whole, parts) = whole_and_parts(&clip("long-61s-16k.flac"), u32::MAX);
+        assert_eq!(parts.len(), 2);
+        assert_parts_are_the_whole(&whole, &parts, "flac");
+        for lossy in ["speech-16k.mp3", "speech-16k.ogg", "speech-16k.m4a"] {
+            let (whole, parts) = whole_and_parts(&clip(lossy), u32::MAX);
+            assert_eq!(parts.len(), 1, "{lossy}");
+            assert_parts_are_the_whole(&whole, &parts, lossy);
+        }
     }
 }

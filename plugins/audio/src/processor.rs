@@ -104,10 +104,11 @@ pub struct Choices {
     pub chunk_tokens: Vec<u32>,
     /// Mel frames holding audio, per kept chunk (the attention mask's ones).
     pub chunk_frames: Vec<u64>,
-    /// Whether the chunks may be made in parts, [`CHUNKS_PER_PART`] each (contract 0.4): when the file's
-    /// codec decodes without carrying state (PCM), so a part decoding up to its chunk costs
-    /// little beyond its own chunk's resampling and features. A compressed codec is decoded from
-    /// the first packet by every part, which would cost more than the parts win: made whole.
+    /// Whether the chunks may be made in parts, [`CHUNKS_PER_PART`] each (contract 0.4): when the
+    /// file's codec decodes each packet alone (PCM, FLAC), so a part skips the packets before its
+    /// chunks and costs little beyond their resampling and features. A lossy codec carries state
+    /// from packet to packet: every part would decode from the first, costing more than the parts
+    /// win, so such a file is made whole.
     #[serde(default)]
     pub in_parts: bool,
 }
