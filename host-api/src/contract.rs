@@ -369,11 +369,20 @@ impl ByteSamples {
         // `at` counts values; a run of values is `repeats` copies of a run of samples.
         let values_per_run = self.run * self.repeats;
         let (mut at, mut written) = (start, 0);
-        while written < out.len() {
+        while written < out.len() && at < self.len() {
             // Each run of samples is one channel's: one table for all of it.
             let run = at / values_per_run;
             let offset = at % values_per_run % self.run;
             let n = (self.run - offset).min(out.len() - written);
+            // A repeat copies the values one run back, when they were written by this call: the
+            // same samples, looked up once.
+            if at % values_per_run >= self.run && written >= self.run {
+                let from = written - self.run;
+                out.copy_within(from..from + n, written);
+                at += n;
+                written += n;
+                continue;
+            }
             let table = (run % self.channels) * 256;
             let first = run * self.run + offset;
             let (Some(samples), Some(map)) = (
@@ -556,6 +565,11 @@ mod tests {
                 assert_eq!(part, expected[start..start + len], "{start}+{len}");
             }
         }
+        // Past the end nothing is written, repeats or not.
+        let mut past = [f32::NAN; 3];
+        samples.map_range_into(23, &mut past);
+        assert_eq!(past[0], expected[23]);
+        assert!(past[1].is_nan() && past[2].is_nan());
         let hf = with_f32_values(&compact).unwrap();
         let names: Vec<&str> = hf.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(names, ["x"]);
