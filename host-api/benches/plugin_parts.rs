@@ -13,36 +13,31 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Instant;
 
-use mmgate_host::{Budget, LoadedPlugin, Media, PluginRegistry, Sandbox, SandboxLimits, TokenPlan};
+use common::{Run, builtin, median_ms};
+use mmgate_host::{Budget, LoadedPlugin, Media, SandboxLimits, TokenPlan};
 
 fn main() {
-    // `cargo bench` appends `--bench`; everything else is ours.
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
-    let [modality, file, config, iterations] = args.as_slice() else {
-        eprintln!("usage: plugin_parts MODALITY FILE CONFIG.json ITERATIONS (see bench/parts.py)");
+    let Some(Run {
+        modality,
+        file,
+        media,
+        config,
+        iterations,
+    }) = Run::from_args("plugin_parts")
+    else {
         return;
     };
-    let media = Media {
-        data: std::fs::read(file).unwrap(),
-        mime_type: None,
-    };
-    let config = std::fs::read_to_string(config).unwrap();
-    let iterations: usize = iterations.parse::<usize>().unwrap().max(1);
     // A minute per call: a long item made whole takes longer than the default deadline allows.
     let limits = SandboxLimits {
         deadline_ms: 60_000,
         ..SandboxLimits::default()
     };
-    let sandbox = Arc::new(Sandbox::new(limits).unwrap());
-    let registry = PluginRegistry::builtin(&sandbox).unwrap();
-    let plugin = registry.for_modality(modality).unwrap();
+    let plugin = &builtin(&modality, limits);
     let info = plugin.probe(&media).unwrap();
     let budget = Budget {
         max_tokens: u32::MAX,
@@ -66,9 +61,7 @@ fn main() {
         main.name
     );
 
-    let whole_ms = median_ms(iterations, || {
-        whole();
-    });
+    let whole_ms = median_ms(iterations, whole);
     let parts_1_ms = median_ms(iterations, || {
         run_parts(plugin, &media, &plan, &config, parts, 1)
     });
@@ -78,7 +71,7 @@ fn main() {
     let part_ms: Vec<f64> = (0..parts)
         .map(|i| {
             median_ms(iterations, || {
-                plugin.preprocess_part(&media, &plan, &config, i).unwrap();
+                plugin.preprocess_part(&media, &plan, &config, i).unwrap()
             })
         })
         .collect();
@@ -134,17 +127,4 @@ fn list_schedule(jobs: &[f64], workers: usize) -> f64 {
         *earliest += job;
     }
     free_at.into_iter().fold(0.0, f64::max)
-}
-
-/// The median wall time of `iterations` calls of `f`, in milliseconds.
-fn median_ms(iterations: usize, mut f: impl FnMut()) -> f64 {
-    let mut samples: Vec<f64> = (0..iterations)
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
 }

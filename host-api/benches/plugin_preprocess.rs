@@ -12,30 +12,23 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::Arc;
-use std::time::Instant;
+mod common;
 
-use mmgate_host::{Budget, Media, PluginRegistry, Sandbox, SandboxLimits};
+use common::{Run, builtin, median_ms};
+use mmgate_host::{Budget, Media, SandboxLimits};
 
 fn main() {
-    // `cargo bench` appends `--bench`; everything else is ours.
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
-    let [modality, file, config, iterations] = args.as_slice() else {
-        eprintln!("usage: plugin_preprocess MODALITY FILE CONFIG.json ITERATIONS (see bench/)");
+    let Some(Run {
+        modality,
+        file,
+        media,
+        config,
+        iterations,
+    }) = Run::from_args("plugin_preprocess")
+    else {
         return;
     };
-    let media = Media {
-        data: std::fs::read(file).unwrap(),
-        mime_type: None,
-    };
-    let config = std::fs::read_to_string(config).unwrap();
-    let iterations: usize = iterations.parse::<usize>().unwrap().max(1);
-    let sandbox = Arc::new(Sandbox::new(SandboxLimits::default()).unwrap());
-    let registry = PluginRegistry::builtin(&sandbox).unwrap();
-    let plugin = registry.for_modality(modality).unwrap();
+    let plugin = &builtin(&modality, SandboxLimits::default());
     let budget = Budget {
         max_tokens: u32::MAX,
     };
@@ -85,19 +78,6 @@ fn main() {
         "{{\"file\": {file:?}, \"wasm_ms_median\": {:.3}, \"expand_ms_median\": {:.3}, \"expand_blocks_ms_median\": {:.3}, \"tokens\": {tokens}{frames}}}",
         preprocess_ms, expand_ms, expand_blocks_ms
     );
-}
-
-/// The median wall time of `iterations` calls of `f`, in milliseconds.
-fn median_ms<T>(iterations: usize, mut f: impl FnMut() -> T) -> f64 {
-    let mut samples: Vec<f64> = (0..iterations)
-        .map(|_| {
-            let start = Instant::now();
-            std::hint::black_box(f());
-            start.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
 }
 
 /// For a video: the frames the plan sampled, and how many the host's decoder decoded to get them
