@@ -1171,3 +1171,61 @@ fn qwen3_vl_takes_images_and_videos() {
     let around_video = prompt - without - video_tokens;
     assert!(around_video >= 2 + 3 * patches, "{around_video} {body}");
 }
+
+/// A long lossless clip is made in its plugin's parts and flows through the engine in pieces: the
+/// same answer and prompt as the same model taking it whole (`media_parts = false`), and the engine
+/// counts the pieced item.
+#[test]
+fn a_long_audio_clip_in_pieces_answers_as_it_does_whole() {
+    let (server, _dir) = start(
+        "[[models]]\nname = \"pieces\"\npath = \"demo-audio\"\n\n\
+         [[models]]\nname = \"whole\"\npath = \"demo-audio\"\nmedia_parts = false\n",
+    );
+    // 61 s of FLAC: three 30 s chunks, made in two parts.
+    let clip = data_url("audio/flac", &fixture("audio/clips/long-61s-16k.flac"));
+    let content = json!([
+        {"type": "audio_url", "audio_url": {"url": clip}},
+        {"type": "text", "text": "What is said?"},
+    ]);
+    let (status, pieces) = post(
+        &server,
+        "/v1/chat/completions",
+        &chat("pieces", content.clone()),
+    );
+    assert_eq!(status, 200, "{pieces}");
+    let (status, whole) = post(&server, "/v1/chat/completions", &chat("whole", content));
+    assert_eq!(status, 200, "{whole}");
+    for count in ["prompt_tokens", "completion_tokens"] {
+        assert_eq!(pieces["usage"][count], whole["usage"][count], "{count}");
+    }
+    // The usage's account says how each was made.
+    assert_eq!(pieces["usage"]["media"][0]["parts"], 2, "{pieces}");
+    assert!(whole["usage"]["media"][0].get("parts").is_none(), "{whole}");
+    assert_eq!(
+        pieces["choices"][0]["message"]["content"],
+        whole["choices"][0]["message"]["content"]
+    );
+    // The engine publishes its counters as it runs: wait for them (bounded) rather than assume.
+    let expected = [
+        "mmgate_engine_pieced_items{model=\"pieces\"} 1",
+        "mmgate_engine_pieced_items{model=\"whole\"} 0",
+    ];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let metrics = client()
+            .get(format!("http://{}/metrics", server.addr))
+            .send()
+            .unwrap()
+            .text()
+            .unwrap();
+        let missing: Vec<_> = expected
+            .iter()
+            .filter(|line| !metrics.lines().any(|l| l == **line))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{missing:?} in\n{metrics}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
