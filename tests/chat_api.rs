@@ -66,6 +66,16 @@ fn get(server: &Server, path: &str) -> (u16, Value) {
     (status, response.json().unwrap())
 }
 
+/// The server's `/metrics` page.
+fn metrics(server: &Server) -> String {
+    client()
+        .get(format!("http://{}/metrics", server.addr))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap()
+}
+
 fn chat(model: &str, content: Value) -> Value {
     json!({
         "model": model,
@@ -231,12 +241,7 @@ fn images_and_audio_by_data_url_upload_and_http_url_cost_what_their_plugins_plan
 
     // The encoders' work is in the metrics: the same image four times was encoded once (the
     // feature cache served the rest), the same audio twice once.
-    let metrics = client()
-        .get(format!("http://{}/metrics", server.addr))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap();
+    let metrics = metrics(&server);
     for (model, encoder) in [("demo", "vision"), ("demo-audio", "audio")] {
         let labels = format!("{{model=\"{model}\",device=\"{model}-enc0\",encoder=\"{encoder}\"}}");
         for (metric, value) in [
@@ -468,11 +473,7 @@ allow = []
     // Still serving, and serving well.
     let (status, _) = send(&ok, Some("sk-test"));
     assert_eq!(status, 200);
-    let response = client()
-        .get(format!("http://{}/metrics", server.addr))
-        .send()
-        .unwrap();
-    let metrics = response.text().unwrap();
+    let metrics = metrics(&server);
     assert!(
         metrics.contains(
             "mmgate_requests_total{path=\"/v1/chat/completions\",route=\"native\",status=\"413\"} 1"
@@ -513,12 +514,7 @@ fn a_redirect_to_a_private_address_is_refused() {
 }
 
 fn chat_requests_served(server: &Server) -> u64 {
-    let text = client()
-        .get(format!("http://{}/metrics", server.addr))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap();
+    let text = metrics(server);
     text.lines()
         .filter(|l| l.starts_with("mmgate_requests_total{path=\"/v1/chat/completions\",route=\"native\",status=\"200\"}"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
@@ -848,12 +844,7 @@ fn images_encoded_in_front_and_sent_upstream_as_embeddings_answer_as_the_image_d
     assert_eq!(models["data"][0]["served_by"], "upstream");
     assert_eq!(models["data"][0]["images_encoded_here"], true);
     // Its encoder devices' queue is a gauge like a native model's.
-    let metrics = client()
-        .get(format!("http://{}/metrics", front.addr))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap();
+    let metrics = metrics(&front);
     assert!(
         metrics
             .lines()
@@ -1212,12 +1203,7 @@ fn a_long_audio_clip_in_pieces_answers_as_it_does_whole() {
     ];
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let metrics = client()
-            .get(format!("http://{}/metrics", server.addr))
-            .send()
-            .unwrap()
-            .text()
-            .unwrap();
+        let metrics = metrics(&server);
         let missing: Vec<_> = expected
             .iter()
             .filter(|line| !metrics.lines().any(|l| l == **line))

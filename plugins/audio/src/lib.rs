@@ -69,11 +69,11 @@ impl Plugin for AudioPlugin {
         // The limit probe applied, again: `info` comes back from the host, not from our probe.
         decode::check_duration(frames as f64 / f64::from(rate))?;
         let samples = resample::resampled_len(frames, rate, SAMPLE_RATE);
-        let stateless_codec = info
+        let in_parts = info
             .extra
             .iter()
             .any(|(k, v)| k == "codec" && decode::decodes_packets_alone(v));
-        processor.plan(samples, budget.max_tokens, stateless_codec)
+        processor.plan(samples, budget.max_tokens, in_parts.then_some(rate))
     }
 
     fn preprocess(
@@ -88,8 +88,9 @@ impl Plugin for AudioPlugin {
         processor.preprocess(samples, &choices)
     }
 
-    /// Runs of `CHUNKS_PER_PART` 30 s chunks when the codec is PCM or FLAC (see `Choices::in_parts`): the
-    /// Whisper encoder attends within a chunk, so each part is encoded on its own.
+    /// Runs of `CHUNKS_PER_PART` 30 s chunks when the codec is PCM or FLAC (see
+    /// `Choices::parts_source_rate`): the Whisper encoder attends within a chunk, so each part is
+    /// encoded on its own.
     fn parts(plan: TokenPlan, _config: ProcessorConfig) -> PluginResult<u32> {
         let choices: Choices = plan.choices()?;
         u32::try_from(Processor::parts(&choices)).map_err(|_| PluginError::limit("too many chunks"))
@@ -105,11 +106,25 @@ impl Plugin for AudioPlugin {
     ) -> PluginResult<Vec<Tensor>> {
         let processor = Processor::from_config(&config)?;
         let choices: Choices = plan.choices()?;
+        let Some(rate) = choices.parts_source_rate else {
+            // Made whole: its one part is the item.
+            return match index {
+                0 => Self::preprocess(media, plan, config),
+                _ => Err(PluginError::internal(format!(
+                    "part {index} of an audio item made whole"
+                ))),
+            };
+        };
         let (samples, chunks) = processor.part(&choices, index as usize)?;
-        let header = decode::probe(&media.data)?;
-        let resampling = resample::Resampling::new(header.sample_rate, SAMPLE_RATE);
+        let resampling = resample::Resampling::new(rate, SAMPLE_RATE);
         let audio =
             decode::decode_mono_range(&media.data, resampling.source_range(samples.clone()))?;
+        if audio.sample_rate != rate {
+            return Err(PluginError::internal(format!(
+                "the plan was made for audio at {rate} Hz; this file is at {} Hz",
+                audio.sample_rate
+            )));
+        }
         let samples = resampling.range(&audio.samples, audio.offset, audio.clip_len, samples)?;
         processor.chunks(&samples, &choices, chunks)
     }

@@ -104,13 +104,14 @@ pub struct Choices {
     pub chunk_tokens: Vec<u32>,
     /// Mel frames holding audio, per kept chunk (the attention mask's ones).
     pub chunk_frames: Vec<u64>,
-    /// Whether the chunks may be made in parts, [`CHUNKS_PER_PART`] each (contract 0.4): when the
-    /// file's codec decodes each packet alone (PCM, FLAC), so a part skips the packets before its
-    /// chunks and costs little beyond their resampling and features. A lossy codec carries state
-    /// from packet to packet: every part would decode from the first, costing more than the parts
-    /// win, so such a file is made whole.
+    /// When the chunks may be made in parts, [`CHUNKS_PER_PART`] each (contract 0.4): the file's
+    /// own sample rate, which every part resamples from. Only when the file's codec decodes each
+    /// packet alone (PCM, FLAC), so a part skips the packets before its chunks and costs little
+    /// beyond their resampling and features. A lossy codec carries state from packet to packet:
+    /// every part would decode from the first, costing more than the parts win, so such a file is
+    /// made whole (`None`).
     #[serde(default)]
-    pub in_parts: bool,
+    pub parts_source_rate: Option<u32>,
 }
 
 impl Processor {
@@ -188,7 +189,12 @@ impl Processor {
 
     /// Plan `samples` (16 kHz) within `budget` tokens: every chunk if they fit, else the leading
     /// chunks that do.
-    pub fn plan(&self, samples: u64, budget: u32, in_parts: bool) -> PluginResult<TokenPlan> {
+    pub fn plan(
+        &self,
+        samples: u64,
+        budget: u32,
+        parts_source_rate: Option<u32>,
+    ) -> PluginResult<TokenPlan> {
         if samples == 0 {
             return Err(PluginError::invalid("the audio holds no samples"));
         }
@@ -270,7 +276,7 @@ impl Processor {
             total_chunks,
             chunk_tokens,
             chunk_frames,
-            in_parts,
+            parts_source_rate,
         };
         TokenPlan::new(kept_tokens as u32, kept < total_chunks, reason, &choices)
     }
@@ -305,14 +311,13 @@ impl Processor {
     /// The parts a plan makes: runs of [`CHUNKS_PER_PART`] kept chunks when the plan allows parts,
     /// else one.
     pub fn parts(choices: &Choices) -> usize {
-        if choices.in_parts {
-            choices.chunks.div_ceil(CHUNKS_PER_PART).max(1)
-        } else {
-            1
+        match choices.parts_source_rate {
+            Some(_) => choices.chunks.div_ceil(CHUNKS_PER_PART).max(1),
+            None => 1,
         }
     }
 
-    /// The 16 kHz samples part `index` covers, and its chunks.
+    /// The 16 kHz samples part `index` of a plan made in parts covers, and its chunks.
     pub fn part(
         &self,
         choices: &Choices,
@@ -325,12 +330,8 @@ impl Processor {
                 "part {index} of an audio item made in {parts}"
             )));
         }
-        let chunks = if parts == 1 {
-            0..choices.chunks
-        } else {
-            let first = index * CHUNKS_PER_PART;
-            first..(first + CHUNKS_PER_PART).min(choices.chunks)
-        };
+        let first = index * CHUNKS_PER_PART;
+        let chunks = first..(first + CHUNKS_PER_PART).min(choices.chunks);
         let start = chunks.start as u64 * self.chunk_samples;
         let end = (chunks.end as u64 * self.chunk_samples).min(choices.kept_samples);
         Ok((start..end, chunks))
@@ -380,7 +381,7 @@ mod tests {
         "feature_size": 80, "processor_class": "WhisperProcessor"}"#;
 
     fn plan(config: &str, samples: u64, budget: u32) -> PluginResult<(TokenPlan, Choices)> {
-        let plan = Processor::from_config(config)?.plan(samples, budget, false)?;
+        let plan = Processor::from_config(config)?.plan(samples, budget, None)?;
         let choices = plan.choices()?;
         Ok((plan, choices))
     }
