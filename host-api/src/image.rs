@@ -31,16 +31,17 @@ fn contract_error(error: DecodeError) -> ImageError {
     }
 }
 
-impl Host for CallState {
-    fn decode_jpeg(&mut self, data: Vec<u8>, limits: ImageLimits) -> Result<RgbImage, ImageError> {
-        // A decode cannot be interrupted half-way; its cost is bounded by the limits, and one
-        // asked for after the deadline is not started (the plugin traps on its next instruction).
+impl CallState {
+    /// The limits of one decode: the plugin's, narrowed by the host's; what the plugin does not
+    /// set (bytes, decoder memory) is the host's alone. A decode cannot be interrupted half-way
+    /// (its cost is bounded by the limits), so one asked for after the call's deadline is not
+    /// started (the plugin traps on its next instruction).
+    fn decode_limits(&self, limits: ImageLimits) -> Result<Limits, ImageError> {
         if Instant::now() >= self.deadline_at() {
             return Err(ImageError::LimitExceeded(
                 "the call's deadline passed before the image was decoded".into(),
             ));
         }
-        // What the plugin does not set (bytes, decoder memory) is the host's alone.
         let host = &self.images.limits;
         let asked = Limits {
             max_width: limits.max_width,
@@ -49,13 +50,38 @@ impl Host for CallState {
             max_scans: limits.max_scans,
             ..host.clone()
         };
-        let limits = host.narrowed(&asked);
-        let image = mmgate_image_decode::decode_jpeg(&data, &limits).map_err(contract_error)?;
-        Ok(RgbImage {
-            width: image.width,
-            height: image.height,
-            rgb: image.rgb,
-        })
+        Ok(host.narrowed(&asked))
+    }
+}
+
+fn contract_image(image: mmgate_image_decode::RgbImage) -> RgbImage {
+    RgbImage {
+        width: image.width,
+        height: image.height,
+        rgb: image.rgb,
+    }
+}
+
+impl Host for CallState {
+    fn decode_jpeg(&mut self, data: Vec<u8>, limits: ImageLimits) -> Result<RgbImage, ImageError> {
+        let limits = self.decode_limits(limits)?;
+        mmgate_image_decode::decode_jpeg(&data, &limits)
+            .map(contract_image)
+            .map_err(contract_error)
+    }
+
+    fn decode_jpeg_rows(
+        &mut self,
+        data: Vec<u8>,
+        limits: ImageLimits,
+        first_row: u32,
+        rows: u32,
+    ) -> Result<RgbImage, ImageError> {
+        let limits = self.decode_limits(limits)?;
+        let rows = first_row..first_row.saturating_add(rows);
+        mmgate_image_decode::decode_jpeg_rows(&data, &limits, rows)
+            .map(contract_image)
+            .map_err(contract_error)
     }
 }
 

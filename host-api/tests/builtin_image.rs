@@ -305,3 +305,114 @@ fn jpegs_are_decoded_by_the_host_within_its_limits() {
     assert!(preprocess_qwen2_vl(&strict_host, &media(bmp(300, 200))).is_ok());
     assert!(preprocess_qwen2_vl(&image_plugin(), &photo).is_ok());
 }
+
+/// A large image is made in bands of rows (contract 0.4's parts), each decoding only its rows (a
+/// JPEG's through the host's `decode-jpeg-rows`): the bands' patches in order are the whole's,
+/// byte for byte, their grids the whole's but for their heights, which add up; the table and the
+/// temporal copies the same. At the planned size (no resize), enlarged, shrunk, and for a BMP
+/// (decoded whole and cut); a small image is one part.
+#[test]
+fn a_large_image_in_bands_is_the_whole_byte_for_byte() {
+    use libjpeg_turbo_rs::{Encoder, PixelFormat, Subsampling};
+    let (width, height) = (3584, 2688);
+    let pixels: Vec<u8> = (0..width * height)
+        .flat_map(|i| {
+            let (x, y) = (i % width, i / width);
+            [
+                (x * 7 % 256) as u8,
+                (y * 5 % 256) as u8,
+                ((x ^ y) % 256) as u8,
+            ]
+        })
+        .collect();
+    let jpeg = Encoder::new(&pixels, width, height, PixelFormat::Rgb)
+        .quality(90)
+        .subsampling(Subsampling::S420)
+        .encode()
+        .unwrap();
+    let photo =
+        std::fs::read(common::fixtures_dir("image").join("images/photo-640x480.jpg")).unwrap();
+    let config = |min_pixels: usize| {
+        QWEN2_VL.replace(
+            r#""min_pixels": 3136"#,
+            &format!(r#""min_pixels": {min_pixels}"#),
+        )
+    };
+    let plugin = image_plugin();
+    for (name, data, config, parts) in [
+        (
+            "a 3584x2688 JPEG at its own size",
+            jpeg.clone(),
+            config(3136),
+            3,
+        ),
+        (
+            "the 640x480 photo enlarged to 10 MP",
+            photo.clone(),
+            config(10_000_000),
+            3,
+        ),
+        (
+            "a 3584x2688 JPEG shrunk to 8 MP",
+            jpeg,
+            config(3136).replace("12845056", "8000000"),
+            2,
+        ),
+        ("a 2800x2400 BMP", bmp(2800, 2400), config(3136), 2),
+        ("the 640x480 photo", photo, config(3136), 1),
+    ] {
+        let media = media(data);
+        let info = plugin.probe(&media).unwrap();
+        let plan = plugin
+            .plan(
+                &info,
+                Budget {
+                    max_tokens: u32::MAX,
+                },
+                &config,
+            )
+            .unwrap();
+        let whole = plugin.preprocess(&media, &plan, &config).unwrap();
+        assert_eq!(plugin.parts(&plan, &config).unwrap(), parts, "{name}");
+        let bands: Vec<Vec<mmgate_host::Tensor>> = (0..parts)
+            .map(|i| plugin.preprocess_part(&media, &plan, &config, i).unwrap())
+            .collect();
+        let find = |tensors: &[mmgate_host::Tensor], n: &str| {
+            tensors.iter().find(|t| t.name == n).unwrap().clone()
+        };
+        let grid = |t: mmgate_host::Tensor| -> Vec<i64> {
+            t.data
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+                .collect()
+        };
+        let joined: Vec<u8> = bands
+            .iter()
+            .flat_map(|b| find(b, "pixel_values").data)
+            .collect();
+        assert!(
+            joined == find(&whole, "pixel_values").data,
+            "{name}: the bands' patches are not the whole's"
+        );
+        let whole_grid = grid(find(&whole, "image_grid_thw"));
+        let heights: i64 = bands
+            .iter()
+            .map(|b| {
+                let g = grid(find(b, "image_grid_thw"));
+                assert_eq!((g[0], g[2]), (whole_grid[0], whole_grid[2]), "{name}");
+                assert!(g[1] > 0 && g[1] % 2 == 0, "{name}: {g:?}");
+                g[1]
+            })
+            .sum();
+        assert_eq!(heights, whole_grid[1], "{name}");
+        for band in &bands {
+            for same in ["pixel_values_table", "pixel_values_repeats"] {
+                let (a, b) = (find(band, same), find(&whole, same));
+                assert!(
+                    (a.dtype, &a.shape, &a.data) == (b.dtype, &b.shape, &b.data),
+                    "{name}: {same}"
+                );
+            }
+        }
+    }
+}

@@ -117,6 +117,48 @@ pub fn decode_jpeg(data: &[u8], limits: &Limits) -> Result<RgbImage, ImageError>
     })
 }
 
+/// Rows `rows` (top to bottom, `rows.start < rows.end <= height`) of the JPEG in `data`, decoded
+/// into RGB exactly as [`decode_jpeg`] decodes them in the whole image: the full width, `rows.len()`
+/// rows high. The rows above are entropy-decoded (a JPEG cannot be entered in the middle) but not
+/// transformed, upsampled or converted; those below are not read at all. So several callers can
+/// share one large image out as bands, each paying for its own rows and the entropy decoding before
+/// them. The file is checked for completeness as a whole decode checks it, and the whole image's
+/// size against `limits`.
+pub fn decode_jpeg_rows(
+    data: &[u8],
+    limits: &Limits,
+    rows: std::ops::Range<u32>,
+) -> Result<RgbImage, ImageError> {
+    if data.is_empty() {
+        return Err(ImageError::InvalidMedia(
+            "the image is empty (0 bytes)".into(),
+        ));
+    }
+    if data.len() > limits.max_bytes {
+        return Err(ImageError::LimitExceeded(format!(
+            "the image is {} bytes, more than the limit of {}",
+            data.len(),
+            limits.max_bytes
+        )));
+    }
+    check_complete(data)?;
+    let mut decoder = turbo::Decoder::new(limits)?;
+    let header = decoder.header(data)?;
+    header.check(limits)?;
+    if rows.start >= rows.end || rows.end > header.height {
+        return Err(ImageError::InvalidMedia(format!(
+            "rows {}..{} are not within the image's {} rows",
+            rows.start, rows.end, header.height
+        )));
+    }
+    let rgb = decoder.decode_rgb_rows(data, &header, rows.clone())?;
+    Ok(RgbImage {
+        width: header.width,
+        height: rows.end - rows.start,
+        rgb,
+    })
+}
+
 /// JPEG decoders fill a truncated scan with grey (libjpeg only warns); Pillow refuses such files
 /// ("image file is truncated"), and so does this: the entropy-coded data must be followed by an
 /// end-of-image marker. (Inside the scan, 0xFF bytes are stuffed, so 0xFF 0xD9 can only be a marker;

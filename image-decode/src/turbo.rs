@@ -167,8 +167,37 @@ impl Decoder {
         data: &[u8],
         header: &Header,
     ) -> Result<Vec<u8>, ImageError> {
+        self.decode_rgb_rows(data, header, 0..header.height)
+    }
+
+    /// [`Self::decode_rgb`] of rows `rows` only (within the header's height, not empty):
+    /// TurboJPEG's cropping region, which skips the rows above with `jpeg_skip_scanlines` (their
+    /// entropy decoding only; with the context rows fancy upsampling needs, so the band's pixels
+    /// are the whole image's) and stops after the last row.
+    pub(crate) fn decode_rgb_rows(
+        &mut self,
+        data: &[u8],
+        header: &Header,
+        rows: std::ops::Range<u32>,
+    ) -> Result<Vec<u8>, ImageError> {
+        let height = rows.end.saturating_sub(rows.start);
+        if rows.start != 0 || height != header.height {
+            let region = tj::tjregion {
+                x: 0,
+                y: param(rows.start, "first row")?,
+                w: 0,
+                h: param(height, "row count")?,
+            };
+            // SAFETY: a live handle; TurboJPEG checks the region against the header it read last.
+            if unsafe { tj::tj3SetCroppingRegion(self.handle, region) } != 0 {
+                return Err(ImageError::Internal(format!(
+                    "cannot set the rows to decode: {}",
+                    self.message()
+                )));
+            }
+        }
         let pitch = param(u64::from(header.width) * 3, "row pitch")?;
-        let len = usize::try_from(u64::from(header.width) * u64::from(header.height) * 3)
+        let len = usize::try_from(u64::from(header.width) * u64::from(height) * 3)
             .map_err(|_| ImageError::Internal("the image does not fit in memory".into()))?;
         let mut rgb: Vec<u8> = Vec::new();
         rgb.try_reserve_exact(len).map_err(|_| {
@@ -176,8 +205,9 @@ impl Decoder {
         })?;
         rgb.resize(len, 0);
         // SAFETY: a live handle; `data` is valid for reading `data.len()` bytes; `rgb` holds
-        // `len` = `pitch * height` bytes, which is what TurboJPEG writes for the dimensions in
-        // `data`'s header (the one `header` was read from, at scaling factor 1).
+        // `len` = `pitch * height` bytes, which is what TurboJPEG writes for the width in
+        // `data`'s header (the one `header` was read from, at scaling factor 1) and the rows of
+        // its cropping region (all of them when none was set).
         let status = unsafe {
             tj::tj3Decompress8(
                 self.handle,

@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use libjpeg_turbo_rs::{ColorSpace, Decoder, Encoder, PixelFormat, Subsampling};
-use mmgate_image_decode::{ImageError, Limits, decode_jpeg};
+use mmgate_image_decode::{ImageError, Limits, decode_jpeg, decode_jpeg_rows};
 
 fn reference(data: &[u8]) -> Vec<u8> {
     let mut decoder = Decoder::new(data).unwrap();
@@ -120,6 +120,66 @@ fn encoder_layouts_decode_to_the_reference_pixels() {
             .encode()
             .unwrap();
         assert_same_pixels(&format!("{width}x{height} RGB colour space"), &rgb);
+    }
+}
+
+/// Every band of rows is those rows of the whole image, byte for byte, in every layout: bands
+/// starting and ending inside an MCU row and on its edges, where chroma upsampling reads the rows
+/// around them (4:2:0 and 4:4:0 "fancy" upsampling), after progressive and restart-marked scans.
+#[test]
+fn bands_of_rows_are_the_whole_images_rows() {
+    let (width, height) = (203, 117);
+    let pixels = scene(width, height);
+    let layouts = [
+        (Subsampling::S444, false, 0),
+        (Subsampling::S422, false, 0),
+        (Subsampling::S420, false, 0),
+        (Subsampling::S440, false, 0),
+        (Subsampling::S411, false, 0),
+        (Subsampling::S420, true, 0),
+        (Subsampling::S420, false, 2),
+    ];
+    for (subsampling, progressive, restart) in layouts {
+        let data = Encoder::new(&pixels, width, height, PixelFormat::Rgb)
+            .quality(85)
+            .subsampling(subsampling)
+            .progressive(progressive)
+            .restart_blocks(restart)
+            .encode()
+            .unwrap();
+        let whole = decode_jpeg(&data, &Limits::default()).unwrap();
+        let row = width * 3;
+        for start in [0, 1, 7, 8, 15, 16, 17, 31, 32, 33, 56, 100, 116] {
+            for end in [start + 1, start + 15, start + 16, start + 28, height] {
+                let end = end.min(height);
+                let band = decode_jpeg_rows(&data, &Limits::default(), start as u32..end as u32)
+                    .unwrap_or_else(|e| panic!("{subsampling:?} rows {start}..{end}: {e}"));
+                assert_eq!(
+                    (band.width, band.height),
+                    (width as u32, (end - start) as u32)
+                );
+                assert!(
+                    band.rgb == whole.rgb[start * row..end * row],
+                    "{subsampling:?} progressive={progressive} restart={restart}: rows \
+                     {start}..{end} differ from the whole image's"
+                );
+            }
+        }
+        for rows in [0..0, 5..5, 100..118, 117..118] {
+            assert!(
+                matches!(
+                    decode_jpeg_rows(&data, &Limits::default(), rows.clone()),
+                    Err(ImageError::InvalidMedia(_))
+                ),
+                "{rows:?}"
+            );
+        }
+        // A band of a truncated file is refused as the whole is, whichever rows it asks for.
+        let truncated = &data[..data.len() / 2];
+        assert!(matches!(
+            decode_jpeg_rows(truncated, &Limits::default(), 0..10),
+            Err(ImageError::InvalidMedia(_))
+        ));
     }
 }
 

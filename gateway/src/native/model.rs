@@ -406,7 +406,8 @@ impl PromptModel {
     /// piece laid out as one run of placeholders continues the previous piece's M-RoPE block (a
     /// Qwen2-VL video: one block whose temporal patches the pieces share out); one laid out in
     /// runs (a Qwen3-VL video's frames after their timestamps) places each run itself. The parts'
-    /// tokens must add up to the plugin's plan.
+    /// tokens must add up to the plugin's plan. An item the encoder must see whole (an image in
+    /// bands of rows: the tower attends across the image) is joined back first and placed whole.
     pub fn media_parts(
         &self,
         kind: MediaKind,
@@ -414,6 +415,10 @@ impl PromptModel {
         parts: &[Vec<Tensor>],
         index: usize,
     ) -> anyhow::Result<PlacedItem> {
+        if let Some(bands) = self.family.row_bands(kind) {
+            let whole = super::bands::join(parts, bands).context("the plugin's bands of rows")?;
+            return self.media_item(kind, tokens, &whole);
+        }
         let mut placed = PlacedItem {
             items: Vec::with_capacity(parts.len()),
             ids: Vec::new(),
@@ -1104,6 +1109,54 @@ mod tests {
             &parts,
             "demo-audio",
         );
+    }
+
+    /// A large image made in bands of rows is joined back and placed whole (the vision tower
+    /// attends across the image): the same prompt, one engine item that is not a piece, and the
+    /// whole's encoder input value for value, on Qwen2-VL and Qwen3-VL (its 16-pixel patches).
+    #[test]
+    fn an_image_in_bands_is_placed_as_the_image_whole() {
+        let cache = tempfile::tempdir().unwrap();
+        let photo = std::fs::read(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../tests/fixtures/image/images/photo-640x480.jpg"),
+        )
+        .unwrap();
+        for spec in ["demo", "demo-qwen3-vl"] {
+            let model = runtime(spec, cache.path());
+            let (plan, whole, parts) = whole_and_parts(&model, "image", &photo, |config| {
+                config["min_pixels"] = 10_000_000.into();
+                config["max_pixels"] = 12_000_000.into();
+            });
+            assert!(parts.len() > 1, "{spec}: {} parts", parts.len());
+            let kind = MediaKind::Image;
+            let bands = model
+                .prompt
+                .media_parts(kind, plan.tokens, &parts, 0)
+                .unwrap();
+            let whole = model.prompt.media_item(kind, plan.tokens, &whole).unwrap();
+            assert_eq!(bands.ids, whole.ids, "{spec}");
+            let ([band], [one]) = (&bands.items[..], &whole.items[..]) else {
+                panic!(
+                    "{spec}: {} and {} items",
+                    bands.items.len(),
+                    whole.items.len()
+                );
+            };
+            assert!(band.piece.is_none() && band.tokens == one.tokens, "{spec}");
+            let values = |input: &EncodeInput| match input {
+                EncodeInput::Vision {
+                    pixel_values: PixelValues::Source(source),
+                    grid,
+                } => {
+                    let mut values = Vec::new();
+                    source.extend_f32(&mut values);
+                    (values, *grid)
+                }
+                other => panic!("{spec}: {other:?}"),
+            };
+            assert!(values(&band.input) == values(&one.input), "{spec}");
+        }
     }
 
     /// 65 s of a 16-bit mono WAV at 22.05 kHz: a chirp under a little noise.

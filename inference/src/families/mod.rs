@@ -133,6 +133,17 @@ pub struct LoadedModel {
     pub llm: Option<LoadedLlm>,
 }
 
+/// The tensors by which an item made in bands of its patch rows is joined back into the whole (see
+/// [`FamilyModel::row_bands`]): each band's patches are a run of the whole's, its grid the whole's
+/// but for its height.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowBands {
+    /// The `t, h, w` grid tensor: the bands' heights add up to the whole's.
+    pub grid: &'static str,
+    /// The patches, one per row: the bands' rows in order are the whole's.
+    pub patches: &'static str,
+}
+
 /// A registry entry: a family, matched by `config.json`'s `model_type`.
 pub trait Family: Send + Sync {
     fn model_types(&self) -> &'static [&'static str];
@@ -155,6 +166,14 @@ pub trait FamilyModel: Send + Sync {
     /// Values per media token in the encoder's output: the LLM's width, once per feature set.
     fn embedding_width(&self) -> usize {
         self.text_config().hidden_size * (1 + self.deepstack_levels())
+    }
+    /// For an item of `kind` the encoder must see whole, because its attention spans all of it
+    /// (an image: Qwen-VL towers attend across the whole frame), how parts the plugin made of it
+    /// (bands of its patch rows) are joined before encoding; `None` where each part is encoded on
+    /// its own as a piece of the item (a video's temporal patch groups, an audio file's chunks).
+    fn row_bands(&self, kind: MediaKind) -> Option<RowBands> {
+        let _ = kind;
+        None
     }
     /// The encoder input for an item's plugin tensors, checked against the model's shapes.
     fn plan_input(&self, kind: MediaKind, tensors: &dyn PluginTensors) -> Result<PlannedInput>;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::{
     Family, FamilyModel, LoadedModel, Loader, MediaKind, Placement, PlannedInput, PluginTensors,
-    load_on_devices, vision,
+    RowBands, load_on_devices, vision,
 };
 use crate::backend::Backend;
 use crate::devices::OpenDevice;
@@ -80,6 +80,10 @@ impl FamilyModel for Qwen2VlModel {
         PositionScheme::MRope {
             merge: self.config.vision.merge,
         }
+    }
+
+    fn row_bands(&self, kind: MediaKind) -> Option<RowBands> {
+        vision::row_bands(kind)
     }
 
     fn plan_input(&self, kind: MediaKind, tensors: &dyn PluginTensors) -> Result<PlannedInput> {

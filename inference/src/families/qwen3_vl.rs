@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::{
     Family, FamilyModel, LoadedModel, Loader, MediaKind, Placement, PlannedInput, PluginTensors,
-    PromptRun, load_on_devices, vision,
+    PromptRun, RowBands, load_on_devices, vision,
 };
 use crate::backend::Backend;
 use crate::devices::OpenDevice;
@@ -121,6 +121,10 @@ impl FamilyModel for Qwen3VlModel {
 
     fn deepstack_levels(&self) -> usize {
         self.config.vision.deepstack.len()
+    }
+
+    fn row_bands(&self, kind: MediaKind) -> Option<RowBands> {
+        vision::row_bands(kind)
     }
 
     fn plan_input(&self, kind: MediaKind, tensors: &dyn PluginTensors) -> Result<PlannedInput> {

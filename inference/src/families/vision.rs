@@ -2,7 +2,7 @@
 //! over a grid of `t × h × w` patches (`image_grid_thw`, `video_grid_thw`), merged `merge × merge`
 //! into tokens. Shared by every family with such a tower.
 
-use super::{MediaKind, PluginTensors};
+use super::{MediaKind, PluginTensors, RowBands};
 use crate::engine::EncodeInput;
 use crate::error::{Error, Result};
 use crate::rope::Grid;
@@ -14,6 +14,14 @@ pub(super) fn names(kind: MediaKind) -> Result<(&'static str, &'static str)> {
         MediaKind::Video => Ok(("video_grid_thw", "pixel_values_videos")),
         MediaKind::Audio => Err(Error::Input("this model does not take audio input".into())),
     }
+}
+
+/// An image's bands of patch rows join back into it: its vision tower attends across the whole
+/// image (within each frame), so it is encoded whole. A video's parts are runs of whole frames,
+/// which the tower sees apart anyway: each is encoded as a piece.
+pub(super) fn row_bands(kind: MediaKind) -> Option<RowBands> {
+    let (grid, patches) = names(kind).ok()?;
+    (kind == MediaKind::Image).then_some(RowBands { grid, patches })
 }
 
 /// Tokens a grid makes (`t · h/merge · w/merge`), `None` past usize.

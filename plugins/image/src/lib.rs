@@ -5,7 +5,8 @@
 //!   patches, temporal patch 2, 2x2 merge → `pixel_values` as u8 samples, [h·w, 588]: each channel
 //!   run once, with `pixel_values_repeats` = 2 for HF's temporal copies (the host reads them as
 //!   HF's [h·w, 1176]), `pixel_values_table` (f32 [3, 256], the normalisation per byte) and
-//!   `image_grid_thw`.
+//!   `image_grid_thw`. A large image is made in bands of rows (`parts`), each a run of the
+//!   whole's patches with its own grid.
 //! - Fixed-size CLIP / SigLIP: resize (shortest edge or exact size), optional centre crop, normalise →
 //!   `pixel_values` [1, 3, H, W] f32.
 
@@ -50,6 +51,34 @@ impl Plugin for ImagePlugin {
         let choices: Choices = plan.choices()?;
         let image = decode::decode_rgb(&media.data)?;
         processor.preprocess(image, &choices)
+    }
+
+    /// A large Qwen2-VL image is made in bands of rows on several instances at once (the host
+    /// joins them before the vision tower, which attends over the whole image).
+    fn parts(plan: TokenPlan, config: ProcessorConfig) -> PluginResult<u32> {
+        let processor = Processor::from_config(&config)?;
+        let parts = processor.parts(&plan.choices()?)?;
+        u32::try_from(parts).map_err(|_| PluginError::internal("too many parts"))
+    }
+
+    /// Band `index`: only its source rows are decoded (a JPEG's by the host, the rows above it
+    /// entropy-decoded only), resized and laid out as that run of the whole's patches.
+    fn preprocess_part(
+        media: Media,
+        plan: TokenPlan,
+        config: ProcessorConfig,
+        index: u32,
+    ) -> PluginResult<Vec<Tensor>> {
+        let processor = Processor::from_config(&config)?;
+        let choices: Choices = plan.choices()?;
+        let parts = processor.parts(&choices)?;
+        if parts == 1 && index == 0 {
+            return Self::preprocess(media, plan, config);
+        }
+        let source_height = decode::probe(&media.data)?.height as usize;
+        let band = processor.band(&choices, source_height, parts, index as usize)?;
+        let rows = decode::decode_rgb_rows(&media.data, band.source_rows.clone())?;
+        processor.preprocess_band(&rows, source_height, &choices, &band)
     }
 
     /// An image whose plan keeps HF's own size goes as it came (the server's processor resizes it

@@ -1,7 +1,10 @@
 //! The image processors: reading HF `preprocessor_config.json`, planning tokens, producing tensors.
 
+use std::ops::Range;
+
 use mmgate_plugin_sdk::imageops::{
     CLIP_MEAN, CLIP_STD, Filter, Normalize, RgbImage, qwen2vl_resized_patch_bytes,
+    qwen2vl_resized_patch_bytes_of_rows, source_rows,
 };
 use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
@@ -386,25 +389,20 @@ impl Processor {
                 ..
             } => {
                 check_planned_size(choices, patch * merge)?;
-                // Raw samples plus the exact normalisation table (the host maps them back to HF's
-                // floats): a quarter of the bytes of f32 through the sandbox and in memory. HF
-                // tiles a still image over the temporal patch; its copies are not written here but
-                // counted (`pixel_values_repeats`): half the bytes again, the same values.
                 let samples = qwen2vl_resized_patch_bytes(
                     &image,
                     (choices.width, choices.height),
                     *filter,
                     (*patch, *merge, 1),
                 );
-                let (gh, gw) = (choices.height / patch, choices.width / patch);
-                let row = 3 * patch * patch;
-                let table: Vec<f32> = normalize.table().into_iter().flatten().collect();
-                Ok(vec![
-                    Tensor::from_u8("pixel_values", &[gh * gw, row], samples)?,
-                    Tensor::from_f32("pixel_values_table", &[3, 256], &table)?,
-                    Tensor::from_i64("pixel_values_repeats", &[], &[*temporal as i64])?,
-                    Tensor::from_i64("image_grid_thw", &[1, 3], &[1, gh as i64, gw as i64])?,
-                ])
+                qwen2vl_tensors(
+                    samples,
+                    choices.height,
+                    choices,
+                    *patch,
+                    *temporal,
+                    normalize,
+                )
             }
             Processor::Fixed {
                 filter, normalize, ..
@@ -437,6 +435,138 @@ impl Processor {
             }
         }
     }
+}
+
+/// The output pixels a band of rows is worth making on its own: a part costs a plugin call and,
+/// for a JPEG, the entropy decoding of the rows above it, so only large images are split.
+const PIXELS_PER_PART: usize = 3 << 20;
+
+/// Most bands an image is made in.
+const MAX_PARTS: usize = 8;
+
+/// A band of an image's output rows and the source rows it is made from.
+pub struct Band {
+    /// Output rows (of the planned size), whole merge blocks of `patch * merge` rows.
+    pub rows: Range<usize>,
+    /// The source image's rows the band's resize reads.
+    pub source_rows: Range<usize>,
+}
+
+impl Processor {
+    /// How many bands of rows a planned image is made in (contract 0.4's parts): a Qwen2-VL
+    /// image's patches are laid out merge block row by merge block row, so a band of whole block
+    /// rows is a run of the whole's patches, made from only the source rows under it. Fixed-size
+    /// images (a few hundred pixels a side) are made whole.
+    pub fn parts(&self, choices: &Choices) -> PluginResult<usize> {
+        match self {
+            Processor::Qwen2Vl { patch, merge, .. } => {
+                check_planned_size(choices, patch * merge)?;
+                let block_rows = choices.height / (patch * merge);
+                let by_size = (choices.width * choices.height) / PIXELS_PER_PART;
+                Ok(by_size.clamp(1, MAX_PARTS).min(block_rows))
+            }
+            Processor::Fixed { .. } => Ok(1),
+        }
+    }
+
+    /// Band `index` of `parts` of a planned image of `source_height` rows: the merge block rows
+    /// shared out as evenly as they go.
+    pub fn band(
+        &self,
+        choices: &Choices,
+        source_height: usize,
+        parts: usize,
+        index: usize,
+    ) -> PluginResult<Band> {
+        let Processor::Qwen2Vl {
+            patch,
+            merge,
+            filter,
+            ..
+        } = self
+        else {
+            return Err(PluginError::internal("a fixed-size image is made whole"));
+        };
+        if index >= parts {
+            return Err(PluginError::internal(format!(
+                "part {index} of an image made in {parts}"
+            )));
+        }
+        let unit = patch * merge;
+        let block_rows = choices.height / unit;
+        let rows = (index * block_rows / parts) * unit..((index + 1) * block_rows / parts) * unit;
+        let source_rows = source_rows(source_height, choices.height, *filter, rows.clone());
+        Ok(Band { rows, source_rows })
+    }
+
+    /// The tensors of `band`, made from `rows`: the source image's rows `band.source_rows` (of its
+    /// `source_height`). What [`Self::preprocess`] makes of the whole, those patches only, with
+    /// the band's own grid: the bands' tensors in order join into the whole's.
+    pub fn preprocess_band(
+        &self,
+        rows: &RgbImage,
+        source_height: usize,
+        choices: &Choices,
+        band: &Band,
+    ) -> PluginResult<Vec<Tensor>> {
+        let Processor::Qwen2Vl {
+            patch,
+            merge,
+            temporal,
+            filter,
+            normalize,
+            ..
+        } = self
+        else {
+            return Err(PluginError::internal("a fixed-size image is made whole"));
+        };
+        check_planned_size(choices, patch * merge)?;
+        if rows.height != band.source_rows.len() {
+            return Err(PluginError::internal(
+                "the band's source rows were not decoded",
+            ));
+        }
+        let samples = qwen2vl_resized_patch_bytes_of_rows(
+            rows,
+            (band.source_rows.start, source_height),
+            (choices.width, choices.height),
+            *filter,
+            (*patch, *merge, 1),
+            band.rows.clone(),
+        );
+        qwen2vl_tensors(
+            samples,
+            band.rows.len(),
+            choices,
+            *patch,
+            *temporal,
+            normalize,
+        )
+    }
+}
+
+/// A Qwen2-VL image's tensors from its patches' samples (`rows` output rows of the planned width):
+/// raw samples plus the exact normalisation table (the host maps them back to HF's floats), a
+/// quarter of the bytes of f32 through the sandbox and in memory. HF tiles a still image over the
+/// temporal patch; its copies are not written but counted (`pixel_values_repeats`): half the bytes
+/// again, the same values.
+fn qwen2vl_tensors(
+    samples: Vec<u8>,
+    rows: usize,
+    choices: &Choices,
+    patch: usize,
+    temporal: usize,
+    normalize: &Normalize,
+) -> PluginResult<Vec<Tensor>> {
+    let (gh, gw) = (rows / patch, choices.width / patch);
+    let row = 3 * patch * patch;
+    let table: Vec<f32> = normalize.table().into_iter().flatten().collect();
+    Ok(vec![
+        Tensor::from_u8("pixel_values", &[gh * gw, row], samples)?,
+        Tensor::from_f32("pixel_values_table", &[3, 256], &table)?,
+        Tensor::from_i64("pixel_values_repeats", &[], &[temporal as i64])?,
+        Tensor::from_i64("image_grid_thw", &[1, 3], &[1, gh as i64, gw as i64])?,
+    ])
 }
 
 fn check_planned_size(choices: &Choices, factor: usize) -> PluginResult<()> {

@@ -147,12 +147,48 @@ pub fn decode_rgb(data: &[u8]) -> PluginResult<RgbImage> {
     let header = probe(data)?;
     if header.format == "jpeg" {
         // The host checks completeness itself; the plugin's own decoder needs the check here.
-        if let Some(image) = decode_jpeg_in_host(data, &header)? {
+        if let Some(image) = decode_jpeg_in_host(data, &header, None)? {
             return Ok(image);
         }
         check_jpeg_complete(data)?;
         return decode_jpeg(data, &header);
     }
+    decode_other(data, &header)
+}
+
+/// Rows `rows` of the image (top to bottom, within its height) at full width: exactly those rows
+/// of [`decode_rgb`]'s image. For a plugin making a large image in bands of rows: a JPEG the host
+/// decodes (contract 0.4.1's `decode-jpeg-rows`) costs only its band and the entropy decoding
+/// above it; any other image (or JPEG the host leaves to the plugin) is decoded whole and cut.
+pub fn decode_rgb_rows(data: &[u8], rows: std::ops::Range<usize>) -> PluginResult<RgbImage> {
+    let header = probe(data)?;
+    if rows.start >= rows.end || rows.end > header.height as usize {
+        return Err(PluginError::internal(format!(
+            "rows {}..{} are not within the image's {} rows",
+            rows.start, rows.end, header.height
+        )));
+    }
+    if header.format == "jpeg"
+        && let Some(image) = decode_jpeg_in_host(data, &header, Some(rows.clone()))?
+    {
+        return Ok(image);
+    }
+    let whole = if header.format == "jpeg" {
+        check_jpeg_complete(data)?;
+        decode_jpeg(data, &header)?
+    } else {
+        decode_other(data, &header)?
+    };
+    let row = whole.width * 3;
+    Ok(RgbImage {
+        width: whole.width,
+        height: rows.len(),
+        data: whole.data[rows.start * row..rows.end * row].to_vec(),
+    })
+}
+
+/// An image that is not a JPEG, with the `image` crate's decoder.
+fn decode_other(data: &[u8], header: &Header) -> PluginResult<RgbImage> {
     let mut reader = reader(data)?;
     // The header's dimensions are the most the decoder may produce, and its allocations are bounded
     // by twice the largest pixel buffer those dimensions need (16-bit RGBA) plus a fixed overhead.
@@ -160,12 +196,20 @@ pub fn decode_rgb(data: &[u8]) -> PluginResult<RgbImage> {
     let mut limits = Limits::default();
     limits.max_image_width = Some(header.width);
     limits.max_image_height = Some(header.height);
-    limits.max_alloc = Some(decode_memory_cap(&header));
+    limits.max_alloc = Some(decode_memory_cap(header));
     reader.limits(limits);
     let decoded = reader.decode().map_err(|e| {
         PluginError::invalid(format!("cannot decode the {} image: {e}", header.format))
     })?;
-    to_rgb(decoded)
+    let image = to_rgb(decoded)?;
+    // A decoder that answers other dimensions than its header said would break every row range.
+    if (image.width, image.height) != (header.width as usize, header.height as usize) {
+        return Err(PluginError::invalid(format!(
+            "the {} image decodes to {}x{}, not the {}x{} its header says",
+            header.format, image.width, image.height, header.width, header.height
+        )));
+    }
+    Ok(image)
 }
 
 fn decode_memory_cap(header: &Header) -> u64 {
@@ -180,8 +224,13 @@ const MAX_JPEG_SCANS: usize = 1000;
 /// natively with its SIMD kernels, about twice as fast as [`decode_jpeg`] compiled to WebAssembly,
 /// and the same pixels. `None` when the host leaves the file to the plugin (CMYK/YCCK, 12-bit,
 /// lossless), or natively (the benchmark's baseline and unit tests), where there is no host.
+/// `rows`: only those rows (0.4.1's `decode-jpeg-rows`); all when `None`.
 #[cfg(target_arch = "wasm32")]
-fn decode_jpeg_in_host(data: &[u8], header: &Header) -> PluginResult<Option<RgbImage>> {
+fn decode_jpeg_in_host(
+    data: &[u8],
+    header: &Header,
+    rows: Option<std::ops::Range<usize>>,
+) -> PluginResult<Option<RgbImage>> {
     use crate::bindings::mmgate::modality::image::{self as host, ImageError, ImageLimits};
     let limits = ImageLimits {
         max_width: header.width,
@@ -189,8 +238,20 @@ fn decode_jpeg_in_host(data: &[u8], header: &Header) -> PluginResult<Option<RgbI
         max_pixels: MAX_IMAGE_PIXELS,
         max_scans: MAX_JPEG_SCANS as u32,
     };
-    match host::decode_jpeg(data, limits) {
-        Ok(image) if image.rgb.len() == image.width as usize * image.height as usize * 3 => {
+    let (decoded, height) = match rows {
+        // Within the header's height (checked by the caller), so within u32.
+        Some(rows) => (
+            host::decode_jpeg_rows(data, limits, rows.start as u32, rows.len() as u32),
+            rows.len(),
+        ),
+        None => (host::decode_jpeg(data, limits), header.height as usize),
+    };
+    match decoded {
+        Ok(image)
+            if image.width == header.width
+                && image.height as usize == height
+                && image.rgb.len() == image.width as usize * height * 3 =>
+        {
             Ok(Some(RgbImage {
                 width: image.width as usize,
                 height: image.height as usize,
@@ -208,7 +269,11 @@ fn decode_jpeg_in_host(data: &[u8], header: &Header) -> PluginResult<Option<RgbI
 }
 
 #[cfg(not(target_arch = "wasm32"))]
-fn decode_jpeg_in_host(_data: &[u8], _header: &Header) -> PluginResult<Option<RgbImage>> {
+fn decode_jpeg_in_host(
+    _data: &[u8],
+    _header: &Header,
+    _rows: Option<std::ops::Range<usize>>,
+) -> PluginResult<Option<RgbImage>> {
     Ok(None)
 }
 

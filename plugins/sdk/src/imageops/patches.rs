@@ -34,15 +34,46 @@ pub fn qwen2vl_resized_patch_bytes(
     filter: Filter,
     (patch, merge, temporal): (usize, usize, usize),
 ) -> Vec<u8> {
-    if (width, height) == (image.width, image.height) {
-        return qwen2vl_patch_bytes(image, patch, merge, temporal);
+    qwen2vl_resized_patch_bytes_of_rows(
+        image,
+        (0, image.height),
+        (width, height),
+        filter,
+        (patch, merge, temporal),
+        0..height,
+    )
+}
+
+/// [`qwen2vl_resized_patch_bytes`] of output rows `out_rows` only (whole bands of `merge * patch`
+/// rows), from `rows`: the source image's rows from `src_first_row` on, of its `src_height`
+/// (at least the rows [`source_rows`](super::resample::source_rows) names for `out_rows`). The
+/// result is that range of the whole's bytes: a large image can be made in bands of rows, each
+/// from only the rows it reads.
+pub fn qwen2vl_resized_patch_bytes_of_rows(
+    rows: &RgbImage,
+    (src_first_row, src_height): (usize, usize),
+    (width, height): (usize, usize),
+    filter: Filter,
+    (patch, merge, temporal): (usize, usize, usize),
+    out_rows: std::ops::Range<usize>,
+) -> Vec<u8> {
+    if (width, height) == (rows.width, src_height) && out_rows.len() == rows.height {
+        return qwen2vl_patch_bytes(rows, patch, merge, temporal);
     }
     let mut writer = PatchWriter::new(width, patch, merge, temporal);
-    let mut out = Vec::with_capacity(writer.bytes_for(height));
+    let mut out = Vec::with_capacity(writer.bytes_for(out_rows.len()));
     let band_len = writer.band_rows() * width * CHANNELS;
     let mut band = Vec::with_capacity(band_len);
-    let mut rows = Resized::new(image, width, height, filter);
-    for _ in 0..height / writer.band_rows() {
+    let mut rows = Resized::band(
+        rows,
+        src_first_row,
+        src_height,
+        width,
+        height,
+        filter,
+        out_rows.start,
+    );
+    for _ in 0..out_rows.len() / writer.band_rows() {
         band.clear();
         for _ in 0..writer.band_rows() {
             if let Some(row) = rows.next_row() {
@@ -173,6 +204,7 @@ impl PatchWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::imageops::resample::source_rows;
 
     /// The layout against HF's reshape/transpose written out index by index, on frames wide
     /// enough for the SIMD path and with a remainder, a repeated frame and two distinct ones.
@@ -224,6 +256,55 @@ mod tests {
             let mut twice = Vec::new();
             qwen2vl_frame_patches(&[&a, &a], patch, merge, &mut twice);
             assert_eq!(qwen2vl_patch_bytes(&a, patch, merge, 2), twice);
+        }
+    }
+
+    /// A band of output rows made from only the source rows it reads is that band of the whole:
+    /// enlarged, shrunk, one axis or neither, bands at the top, in the middle and at the bottom.
+    #[test]
+    fn bands_of_rows_made_from_their_source_rows_are_the_wholes_bytes() {
+        let src = RgbImage {
+            width: 70,
+            height: 45,
+            data: (0..70 * 45 * CHANNELS)
+                .map(|i| ((i * 31) % 253) as u8)
+                .collect(),
+        };
+        let (patch, merge, temporal) = (7, 2, 2);
+        let band = patch * merge;
+        for (width, height) in [(56, 28), (112, 84), (70, 56), (28, 28), (70, 42), (42, 42)] {
+            for filter in [Filter::Bicubic, Filter::Bilinear] {
+                let whole = qwen2vl_resized_patch_bytes(
+                    &src,
+                    (width, height),
+                    filter,
+                    (patch, merge, temporal),
+                );
+                let per_row = whole.len() / height;
+                for first in (0..height).step_by(band) {
+                    for end in ((first + band)..=height).step_by(band) {
+                        let needed = source_rows(src.height, height, filter, first..end);
+                        let row = src.width * CHANNELS;
+                        let rows = RgbImage {
+                            width: src.width,
+                            height: needed.len(),
+                            data: src.data[needed.start * row..needed.end * row].to_vec(),
+                        };
+                        let made = qwen2vl_resized_patch_bytes_of_rows(
+                            &rows,
+                            (needed.start, src.height),
+                            (width, height),
+                            filter,
+                            (patch, merge, temporal),
+                            first..end,
+                        );
+                        assert!(
+                            made == whole[first * per_row..end * per_row],
+                            "{width}x{height} {filter:?}: rows {first}..{end} from {needed:?}"
+                        );
+                    }
+                }
+            }
         }
     }
 

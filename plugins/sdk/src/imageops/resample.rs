@@ -136,7 +136,10 @@ pub(super) const ROUNDING: i32 = 1 << (PRECISION_BITS - 1);
 
 /// The rows of `src` resized to `width` x `height`, one at a time (see the module docs).
 pub struct Resized<'a> {
+    /// The source rows at hand: all of the image, or a band of it (see [`Resized::band`]).
     src: &'a RgbImage,
+    /// The source image row `src`'s first row is.
+    src_first_row: usize,
     width: usize,
     height: usize,
     horizontal: Option<AxisWeights>,
@@ -154,16 +157,53 @@ pub struct Resized<'a> {
     next: usize,
 }
 
+/// The source rows output rows `out_rows` of an image `src_height` rows high resized to `height`
+/// rows read (all their vertical filters' taps): what a band of the output needs decoded.
+pub fn source_rows(
+    src_height: usize,
+    height: usize,
+    filter: Filter,
+    out_rows: std::ops::Range<usize>,
+) -> std::ops::Range<usize> {
+    if height == src_height || out_rows.is_empty() {
+        return out_rows;
+    }
+    let vertical = axis_weights(src_height, height, filter);
+    let first = vertical.starts[out_rows.start];
+    let end = out_rows
+        .map(|y| vertical.starts[y] + vertical.counts[y])
+        .max()
+        .unwrap_or(first);
+    first..end
+}
+
 impl<'a> Resized<'a> {
     pub fn new(src: &'a RgbImage, width: usize, height: usize, filter: Filter) -> Self {
+        Self::band(src, 0, src.height, width, height, filter, 0)
+    }
+
+    /// Output rows from `first_out_row` on of an image `src_height` rows high resized to `width` x
+    /// `height`, made from `src`: only the image's rows from `src_first_row` on, at least those
+    /// [`source_rows`] names for the rows asked for. Each row is the whole resize's, byte for byte
+    /// (the filters are the whole image's; a row reads the same source rows).
+    pub fn band(
+        src: &'a RgbImage,
+        src_first_row: usize,
+        src_height: usize,
+        width: usize,
+        height: usize,
+        filter: Filter,
+        first_out_row: usize,
+    ) -> Self {
         let horizontal = (width != src.width).then(|| axis_weights(src.width, width, filter));
-        let vertical = (height != src.height).then(|| axis_weights(src.height, height, filter));
+        let vertical = (height != src_height).then(|| axis_weights(src_height, height, filter));
         let ring_rows = match (&horizontal, &vertical) {
             (Some(_), Some(v)) => v.ksize,
             _ => 0,
         };
         Resized {
             src,
+            src_first_row,
             width,
             height,
             ring: vec![0; ring_rows * width * CHANNELS],
@@ -175,7 +215,7 @@ impl<'a> Resized<'a> {
                 None => Vec::new(),
             },
             row: vec![0; width * CHANNELS],
-            next: 0,
+            next: first_out_row,
             horizontal,
             vertical,
         }
@@ -190,6 +230,7 @@ impl<'a> Resized<'a> {
         self.next += 1;
         let Resized {
             src,
+            src_first_row,
             width,
             horizontal,
             vertical,
@@ -199,8 +240,11 @@ impl<'a> Resized<'a> {
             row,
             ..
         } = self;
-        let src_row =
-            |r: usize| &src.data[r * src.width * CHANNELS..(r + 1) * src.width * CHANNELS];
+        let stride = src.width * CHANNELS;
+        let src_row = |r: usize| {
+            let r = r - *src_first_row;
+            &src.data[r * stride..(r + 1) * stride]
+        };
         let out_len = *width * CHANNELS;
         let Some(vertical) = vertical else {
             return Some(match horizontal {
