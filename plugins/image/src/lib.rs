@@ -39,7 +39,8 @@ impl Plugin for ImagePlugin {
     fn plan(info: MediaInfo, budget: Budget, config: ProcessorConfig) -> PluginResult<TokenPlan> {
         let processor = Processor::from_config(&config)?;
         let (width, height) = decode::dimensions(&info)?;
-        processor.plan(width as usize, height as usize, budget.max_tokens)
+        let jpeg = info.format == "jpeg";
+        processor.plan(width as usize, height as usize, jpeg, budget.max_tokens)
     }
 
     fn preprocess(

@@ -94,6 +94,10 @@ pub struct Choices {
     /// Qwen2-VL `image_grid_thw`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grid_thw: Option<[usize; 3]>,
+    /// Bands of rows the image is made in, on as many instances at once (contract 0.4's parts);
+    /// absent: whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bands: Option<usize>,
 }
 
 fn positive(name: &str, value: usize) -> PluginResult<usize> {
@@ -269,7 +273,15 @@ impl Processor {
         }
     }
 
-    pub fn plan(&self, width: usize, height: usize, budget: u32) -> PluginResult<TokenPlan> {
+    /// `jpeg`: the image is a JPEG, whose rows the host decodes a band at a time (only such an
+    /// image is made in bands: any other is decoded whole for each band).
+    pub fn plan(
+        &self,
+        width: usize,
+        height: usize,
+        jpeg: bool,
+        budget: u32,
+    ) -> PluginResult<TokenPlan> {
         match self {
             Processor::Qwen2Vl {
                 min_pixels,
@@ -319,11 +331,13 @@ impl Processor {
                 } else {
                     format!("{width}x{height} resized to {w}x{h}: {tokens} tokens")
                 };
+                let large = w * h >= MIN_BANDED_PIXELS && h / factor >= BANDS;
                 let choices = Choices {
                     width: w,
                     height: h,
                     crop: None,
                     grid_thw: Some([1, h / patch, w / patch]),
+                    bands: (jpeg && large).then_some(BANDS),
                 };
                 TokenPlan::new(tokens_u32(tokens)?, reduced, reason, &choices)
             }
@@ -351,6 +365,7 @@ impl Processor {
                     height: rh,
                     crop: crop.map(|(w, h)| [w, h]),
                     grid_thw: None,
+                    bands: None,
                 };
                 let reason = format!("{width}x{height} → {fw}x{fh}: fixed {tokens} tokens");
                 TokenPlan::new(tokens_u32(tokens)?, false, reason, &choices)
@@ -437,12 +452,39 @@ impl Processor {
     }
 }
 
-/// The output pixels a band of rows is worth making on its own: a part costs a plugin call and,
-/// for a JPEG, the entropy decoding of the rows above it, so only large images are split.
-const PIXELS_PER_PART: usize = 3 << 20;
+/// The smallest output (in pixels) made in bands: a band costs a plugin call and the entropy
+/// decoding of the JPEG's rows above it, which a small image's few milliseconds do not repay.
+const MIN_BANDED_PIXELS: usize = 4 << 20;
 
-/// Most bands an image is made in.
-const MAX_PARTS: usize = 8;
+/// Bands a large image is made in. Each band after the first entropy-decodes the rows above it
+/// again, so more bands cost more in all: on 2 cores, 2 bands of equal cost are the fastest
+/// (4 would run in two rounds); more cores would want more (see [`band_rows`]).
+const BANDS: usize = 2;
+
+/// Of a band row's cost in the plugin (decode, resize, layout), the share that every band below
+/// it pays again: the JPEG's entropy decoding, which cannot skip rows. Measured on a 12 MP photo
+/// (quality 90, no resize): a third of the image cost the first band 36 ms and each band after it
+/// 16 ms more. Bands are sized so that each costs the same (see [`band_rows`]).
+const REDECODED_SHARE: f64 = 1.0 / 3.0;
+
+/// Band `index` of `bands` over `block_rows` rows of merge blocks, so that each band costs about
+/// the same: band i's rows cost `a` each, plus `a·REDECODED_SHARE` for every row above it, so
+/// equal costs need rows in proportion to (1 - REDECODED_SHARE)^i (on 2 bands, 60 % and 40 %).
+/// Every band has at least one block row (callers ask for at most `block_rows` bands).
+fn band_rows(block_rows: usize, bands: usize, index: usize) -> Range<usize> {
+    let ratio = 1.0 - REDECODED_SHARE;
+    let total: f64 = (0..bands).map(|i| ratio.powi(i as i32)).sum();
+    let boundary = |i: usize| -> usize {
+        if i >= bands {
+            return block_rows;
+        }
+        let above: f64 = (0..i).map(|k| ratio.powi(k as i32)).sum();
+        let at = (block_rows as f64 * above / total).round() as usize;
+        // At least one block row per band, before and after.
+        at.clamp(i, block_rows - (bands - i))
+    };
+    boundary(index)..boundary(index + 1)
+}
 
 /// A band of an image's output rows and the source rows it is made from.
 pub struct Band {
@@ -453,24 +495,28 @@ pub struct Band {
 }
 
 impl Processor {
-    /// How many bands of rows a planned image is made in (contract 0.4's parts): a Qwen2-VL
-    /// image's patches are laid out merge block row by merge block row, so a band of whole block
-    /// rows is a run of the whole's patches, made from only the source rows under it. Fixed-size
-    /// images (a few hundred pixels a side) are made whole.
+    /// How many bands of rows a planned image is made in (contract 0.4's parts), as its plan
+    /// chose: a Qwen2-VL image's patches are laid out merge block row by merge block row, so a
+    /// band of whole block rows is a run of the whole's patches, made from only the source rows
+    /// under it. Fixed-size images (a few hundred pixels a side) are made whole.
     pub fn parts(&self, choices: &Choices) -> PluginResult<usize> {
-        match self {
-            Processor::Qwen2Vl { patch, merge, .. } => {
+        match (self, choices.bands) {
+            (Processor::Qwen2Vl { patch, merge, .. }, Some(bands)) => {
                 check_planned_size(choices, patch * merge)?;
-                let block_rows = choices.height / (patch * merge);
-                let by_size = (choices.width * choices.height) / PIXELS_PER_PART;
-                Ok(by_size.clamp(1, MAX_PARTS).min(block_rows))
+                if bands == 0 || bands > choices.height / (patch * merge) {
+                    return Err(PluginError::internal(format!(
+                        "{bands} bands of a {}-row image",
+                        choices.height
+                    )));
+                }
+                Ok(bands)
             }
-            Processor::Fixed { .. } => Ok(1),
+            _ => Ok(1),
         }
     }
 
     /// Band `index` of `parts` of a planned image of `source_height` rows: the merge block rows
-    /// shared out as evenly as they go.
+    /// shared out so that each band costs about the same (see [`band_rows`]).
     pub fn band(
         &self,
         choices: &Choices,
@@ -493,8 +539,8 @@ impl Processor {
             )));
         }
         let unit = patch * merge;
-        let block_rows = choices.height / unit;
-        let rows = (index * block_rows / parts) * unit..((index + 1) * block_rows / parts) * unit;
+        let blocks = band_rows(choices.height / unit, parts, index);
+        let rows = blocks.start * unit..blocks.end * unit;
         let source_rows = source_rows(source_height, choices.height, *filter, rows.clone());
         Ok(Band { rows, source_rows })
     }
@@ -649,5 +695,46 @@ fn shortest_edge_size(width: usize, height: usize, edge: usize) -> (usize, usize
         (edge, new_long)
     } else {
         (new_long, edge)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bands cover every block row once, in order, none empty; later bands are smaller, since
+    /// each entropy-decodes the rows above it again (two bands: 60 % and 40 %).
+    #[test]
+    fn bands_share_out_every_row_by_cost() {
+        assert_eq!(band_rows(108, 2, 0), 0..65);
+        assert_eq!(band_rows(108, 2, 1), 65..108);
+        for (block_rows, bands) in [(108, 2), (2, 2), (3, 3), (50, 4), (7, 5), (1000, 8)] {
+            let mut next = 0;
+            let mut last = usize::MAX;
+            for i in 0..bands {
+                let rows = band_rows(block_rows, bands, i);
+                assert_eq!(rows.start, next, "{block_rows} rows, {bands} bands");
+                assert!(!rows.is_empty() && rows.len() <= last.saturating_add(1), "{rows:?}");
+                last = rows.len();
+                next = rows.end;
+            }
+            assert_eq!(next, block_rows);
+        }
+    }
+
+    /// Only a large JPEG is planned in bands: another format would be decoded whole for each.
+    #[test]
+    fn only_large_jpegs_are_planned_in_bands() {
+        let processor = Processor::from_config(
+            r#"{"image_processor_type": "Qwen2VLImageProcessor", "max_pixels": 12845056}"#,
+        )
+        .unwrap();
+        let bands = |width, height, jpeg| {
+            let plan = processor.plan(width, height, jpeg, u32::MAX).unwrap();
+            processor.parts(&plan.choices().unwrap()).unwrap()
+        };
+        assert_eq!(bands(4032, 3024, true), 2);
+        assert_eq!(bands(4032, 3024, false), 1);
+        assert_eq!(bands(1280, 960, true), 1);
     }
 }
