@@ -10,6 +10,9 @@ use llm_multimodal::vision::PreProcessorConfig;
 use llm_multimodal::vision::processor::VisionPreProcessor;
 use llm_multimodal::vision::processors::Qwen2VLProcessor;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let [_, image, config, iterations] = args.as_slice() else {
