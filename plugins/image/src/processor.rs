@@ -714,7 +714,10 @@ mod tests {
             for i in 0..bands {
                 let rows = band_rows(block_rows, bands, i);
                 assert_eq!(rows.start, next, "{block_rows} rows, {bands} bands");
-                assert!(!rows.is_empty() && rows.len() <= last.saturating_add(1), "{rows:?}");
+                assert!(
+                    !rows.is_empty() && rows.len() <= last.saturating_add(1),
+                    "{rows:?}"
+                );
                 last = rows.len();
                 next = rows.end;
             }
