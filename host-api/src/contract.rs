@@ -172,6 +172,17 @@ impl Dtype {
 }
 
 impl Tensor {
+    /// A tensor of `dtype` and `shape` holding `data` (little-endian, row-major), unchecked: see
+    /// [`Tensor::validate`].
+    pub fn new(name: impl Into<String>, dtype: Dtype, shape: &[u64], data: Vec<u8>) -> Tensor {
+        Tensor {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            data,
+        }
+    }
+
     /// Number of elements, or `None` when the shape's product overflows.
     pub fn element_count(&self) -> Option<usize> {
         self.shape.iter().try_fold(1usize, |acc, &d| {
@@ -408,6 +419,13 @@ pub fn le_f32s(data: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// Little-endian i64 bytes as values (a trailing partial value is ignored, as in [`le_f32s`]).
+pub fn le_i64s(data: &[u8]) -> Vec<i64> {
+    data.chunks_exact(8)
+        .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+        .collect()
+}
+
 /// The tensors as the model's own processor would give them: every `u8` tensor that has a
 /// `<name>_table` companion replaced by its f32 values (see [`f32_values`]), rows as long as its
 /// repeats make them, the companions dropped.
@@ -466,12 +484,7 @@ mod tests {
     use super::*;
 
     fn tensor(name: &str, dtype: Dtype, shape: &[u64], data: Vec<u8>) -> Tensor {
-        Tensor {
-            name: name.into(),
-            dtype,
-            shape: shape.to_vec(),
-            data,
-        }
+        Tensor::new(name, dtype, shape, data)
     }
 
     /// A `[2, 256]` table in which channel c maps v to 1000c + v.

@@ -37,7 +37,7 @@ pub use compile_cache::{CacheError, CompileCache};
 pub use contract::{
     Budget, ByteSamples, CONTRACT_VERSION, Descriptor, Dtype, Media, MediaInfo, PluginError,
     REPEATS_SUFFIX, ReducedItem, TABLE_SUFFIX, Tensor, TokenPlan, Version, companion_of,
-    f32_values, le_f32s, with_f32_values,
+    f32_values, le_f32s, le_i64s, with_f32_values,
 };
 pub use error::{CallError, LoadError};
 pub use manifest::Manifest;

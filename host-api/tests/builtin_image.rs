@@ -381,12 +381,7 @@ fn a_large_image_in_bands_is_the_whole_byte_for_byte() {
         let find = |tensors: &[mmgate_host::Tensor], n: &str| {
             tensors.iter().find(|t| t.name == n).unwrap().clone()
         };
-        let grid = |t: mmgate_host::Tensor| -> Vec<i64> {
-            t.data
-                .chunks_exact(8)
-                .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-                .collect()
-        };
+        let grid = |t: mmgate_host::Tensor| mmgate_host::le_i64s(&t.data);
         let joined: Vec<u8> = bands
             .iter()
             .flat_map(|b| find(b, "pixel_values").data)

@@ -93,28 +93,7 @@ pub struct RgbImage {
 
 /// Decodes the JPEG in `data` into RGB as Pillow would, within `limits`.
 pub fn decode_jpeg(data: &[u8], limits: &Limits) -> Result<RgbImage, ImageError> {
-    if data.is_empty() {
-        return Err(ImageError::InvalidMedia(
-            "the image is empty (0 bytes)".into(),
-        ));
-    }
-    if data.len() > limits.max_bytes {
-        return Err(ImageError::LimitExceeded(format!(
-            "the image is {} bytes, more than the limit of {}",
-            data.len(),
-            limits.max_bytes
-        )));
-    }
-    check_complete(data)?;
-    let mut decoder = turbo::Decoder::new(limits)?;
-    let header = decoder.header(data)?;
-    header.check(limits)?;
-    let rgb = decoder.decode_rgb(data, &header)?;
-    Ok(RgbImage {
-        width: header.width,
-        height: header.height,
-        rgb,
-    })
+    decode(data, limits, None)
 }
 
 /// Rows `rows` (top to bottom, `rows.start < rows.end <= height`) of the JPEG in `data`, decoded
@@ -128,6 +107,16 @@ pub fn decode_jpeg_rows(
     data: &[u8],
     limits: &Limits,
     rows: std::ops::Range<u32>,
+) -> Result<RgbImage, ImageError> {
+    decode(data, limits, Some(rows))
+}
+
+/// The image's rows `rows`, all when `None`: everything a file controls checked before anything
+/// is decoded.
+fn decode(
+    data: &[u8],
+    limits: &Limits,
+    rows: Option<std::ops::Range<u32>>,
 ) -> Result<RgbImage, ImageError> {
     if data.is_empty() {
         return Err(ImageError::InvalidMedia(
@@ -145,6 +134,7 @@ pub fn decode_jpeg_rows(
     let mut decoder = turbo::Decoder::new(limits)?;
     let header = decoder.header(data)?;
     header.check(limits)?;
+    let rows = rows.unwrap_or(0..header.height);
     if rows.start >= rows.end || rows.end > header.height {
         return Err(ImageError::InvalidMedia(format!(
             "rows {}..{} are not within the image's {} rows",

@@ -159,19 +159,11 @@ impl Decoder {
         })
     }
 
-    /// Decodes the image whose header this handle read last (from the same `data`) into a new
-    /// buffer of `width * height * 3` bytes. (Zeroed first: a large one comes zeroed from the
-    /// system at no cost, and no byte is ever exposed unwritten if a decode stops half-way.)
-    pub(crate) fn decode_rgb(
-        &mut self,
-        data: &[u8],
-        header: &Header,
-    ) -> Result<Vec<u8>, ImageError> {
-        self.decode_rgb_rows(data, header, 0..header.height)
-    }
-
-    /// [`Self::decode_rgb`] of rows `rows` only (within the header's height, not empty):
-    /// TurboJPEG's cropping region, which skips the rows above with `jpeg_skip_scanlines` (their
+    /// Decodes rows `rows` (within the header's height, not empty) of the image whose header this
+    /// handle read last (from the same `data`) into a new buffer of `width * rows * 3` bytes.
+    /// (Zeroed first: a large one comes zeroed from the system at no cost, and no byte is ever
+    /// exposed unwritten if a decode stops half-way.) Rows other than all use TurboJPEG's cropping
+    /// region, which skips the rows above with `jpeg_skip_scanlines` (their
     /// entropy decoding only; with the context rows fancy upsampling needs, so the band's pixels
     /// are the whole image's) and stops after the last row.
     pub(crate) fn decode_rgb_rows(

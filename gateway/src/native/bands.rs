@@ -73,12 +73,7 @@ fn append_rows(whole: &mut Tensor, band: &Tensor) -> anyhow::Result<()> {
 /// `band`'s grid height added to `whole`'s (`[t, h, w]` or `[1, 3]`, i64): the same `t` and `w`.
 fn add_heights(whole: &mut Tensor, band: &Tensor) -> anyhow::Result<()> {
     let grid = |t: &Tensor| -> anyhow::Result<[i64; 3]> {
-        let values: Vec<i64> = t
-            .data
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap_or_default()))
-            .collect();
-        match (t.dtype, &values[..]) {
+        match (t.dtype, &mmgate_host::le_i64s(&t.data)[..]) {
             (mmgate_host::Dtype::I64, &[t, h, w]) => Ok([t, h, w]),
             _ => bail!("{} is not one t, h, w grid of i64", t.name),
         }
@@ -108,25 +103,16 @@ mod tests {
         patches: "pixel_values",
     };
 
-    fn tensor(name: &str, dtype: Dtype, shape: &[u64], data: Vec<u8>) -> Tensor {
-        Tensor {
-            name: name.into(),
-            dtype,
-            shape: shape.to_vec(),
-            data,
-        }
-    }
-
     fn grid(t: i64, h: i64, w: i64) -> Tensor {
         let data = [t, h, w].iter().flat_map(|v| v.to_le_bytes()).collect();
-        tensor("image_grid_thw", Dtype::I64, &[1, 3], data)
+        Tensor::new("image_grid_thw", Dtype::I64, &[1, 3], data)
     }
 
     fn band(rows: std::ops::Range<u8>, h: i64) -> Vec<Tensor> {
         let patches: Vec<u8> = rows.clone().flat_map(|r| [r, r, r]).collect();
         vec![
-            tensor("pixel_values", Dtype::U8, &[rows.len() as u64, 3], patches),
-            tensor("pixel_values_table", Dtype::F32, &[1], vec![1, 2, 3, 4]),
+            Tensor::new("pixel_values", Dtype::U8, &[rows.len() as u64, 3], patches),
+            Tensor::new("pixel_values_table", Dtype::F32, &[1], vec![1, 2, 3, 4]),
             grid(1, h, 4),
         ]
     }

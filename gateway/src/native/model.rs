@@ -717,11 +717,7 @@ impl PluginTensors for PluginView<'_> {
     fn ints(&self, name: &str) -> mmgate_inference::Result<Vec<i64>> {
         let t = self.find(name)?;
         Ok(match t.dtype {
-            Dtype::I64 => t
-                .data
-                .chunks_exact(8)
-                .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
-                .collect(),
+            Dtype::I64 => mmgate_host::le_i64s(&t.data),
             Dtype::I32 => t
                 .data
                 .chunks_exact(4)
@@ -832,12 +828,7 @@ mod tests {
     use super::*;
 
     fn tensor(name: &str, dtype: Dtype, shape: &[u64], data: Vec<u8>) -> Tensor {
-        Tensor {
-            name: name.into(),
-            dtype,
-            shape: shape.to_vec(),
-            data,
-        }
+        Tensor::new(name, dtype, shape, data)
     }
 
     /// A video's preprocessed tensors: 3 temporal patches of 4x4, `second_per_grid_ts` if given.
