@@ -7,6 +7,7 @@
 //! encoder's 1500 per chunk, or Qwen2-Audio's count over the frames that hold audio.
 
 mod decode;
+mod fft;
 mod mel;
 mod mp4;
 mod processor;

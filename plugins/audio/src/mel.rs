@@ -7,9 +7,7 @@
 //! per-frame work (FFT, power, filters) runs in f32, whose rounding stays orders of magnitude under
 //! the parity tolerance (the 8-decade floor keeps tiny, relatively imprecise powers out of reach).
 
-use std::sync::Arc;
-
-use realfft::{RealFftPlanner, RealToComplex};
+use crate::fft::PowerSpectrum;
 
 /// Whisper's STFT constants (the feature extractor's defaults; every shipped config uses them).
 pub const N_FFT: usize = 400;
@@ -38,7 +36,7 @@ pub struct LogMel {
     n_mels: usize,
     window: [f32; N_FFT],
     filters: Vec<Filter>,
-    fft: Arc<dyn RealToComplex<f32>>,
+    spectrum: PowerSpectrum,
 }
 
 impl LogMel {
@@ -51,7 +49,7 @@ impl LogMel {
             n_mels,
             window,
             filters: slaney_filters(n_mels),
-            fft: RealFftPlanner::<f32>::new().plan_fft_forward(N_FFT),
+            spectrum: PowerSpectrum::new(),
         }
     }
 
@@ -79,9 +77,10 @@ impl LogMel {
         } else {
             frames
         };
-        let mut input = self.fft.make_input_vec();
-        let mut spectrum = self.fft.make_output_vec();
-        let mut scratch = self.fft.make_scratch_vec();
+        // Four frames at a time, one per SIMD lane (see `fft`); a last group short of four is
+        // filled with silent frames whose powers are not kept.
+        let mut inputs = [[0f32; N_FFT]; 4];
+        let mut scratch = self.spectrum.scratch();
         // A block of frames as [bin][frame] powers and [mel][frame] energies: with the frame as
         // the innermost index, applying a filter and taking logarithms are vector loops over the
         // block, and each mel row goes to the output as one contiguous run.
@@ -94,19 +93,20 @@ impl LogMel {
         };
         for first in (0..audible_frames).step_by(BLOCK_FRAMES) {
             let count = BLOCK_FRAMES.min(audible_frames - first);
-            for k in 0..count {
-                self.windowed_frame(audio, chunk_len, first + k, &mut input);
-                // Lengths come from the planner itself: this cannot fail.
-                if self
-                    .fft
-                    .process_with_scratch(&mut input, &mut spectrum, &mut scratch)
-                    .is_err()
-                {
-                    unreachable!("realfft buffers have the planned lengths");
+            for k in (0..count).step_by(4) {
+                let lanes = 4.min(count - k);
+                for (lane, input) in inputs.iter_mut().enumerate() {
+                    if lane < lanes {
+                        self.windowed_frame(audio, chunk_len, first + k + lane, input);
+                    } else {
+                        input.fill(0.0);
+                    }
                 }
-                for (bin, c) in spectrum.iter().enumerate() {
-                    power[bin * BLOCK_FRAMES + k] = c.re * c.re + c.im * c.im;
-                }
+                let [a, b, c, d] = &inputs;
+                self.spectrum
+                    .compute([a, b, c, d], &mut scratch, |bin, powers| {
+                        power[bin * BLOCK_FRAMES + k..][..lanes].copy_from_slice(&powers[..lanes]);
+                    });
             }
             for (row, filter) in energies.chunks_exact_mut(BLOCK_FRAMES).zip(&self.filters) {
                 let row = &mut row[..count];
