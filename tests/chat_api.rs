@@ -1165,11 +1165,13 @@ fn qwen3_vl_takes_images_and_videos() {
 
 /// A long lossless clip is made in its plugin's parts and flows through the engine in pieces: the
 /// same answer and prompt as the same model taking it whole (`media_parts = false`), and the engine
-/// counts the pieced item.
+/// counts the pieced item. (Two plugin threads, whatever the machine: an item is made in parts only
+/// while at least two are idle.)
 #[test]
 fn a_long_audio_clip_in_pieces_answers_as_it_does_whole() {
     let (server, _dir) = start(
-        "[[models]]\nname = \"pieces\"\npath = \"demo-audio\"\n\n\
+        "[plugins]\nthreads = 2\n\n\
+         [[models]]\nname = \"pieces\"\npath = \"demo-audio\"\n\n\
          [[models]]\nname = \"whole\"\npath = \"demo-audio\"\nmedia_parts = false\n",
     );
     // 61 s of FLAC: three 30 s chunks, made in two parts.

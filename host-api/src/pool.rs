@@ -4,6 +4,8 @@
 //! instead of queueing without bound.
 
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Sender, TrySendError};
@@ -16,6 +18,24 @@ pub struct PluginPool {
     sender: Option<Sender<Job>>,
     workers: Vec<JoinHandle<()>>,
     queue_capacity: usize,
+    /// Calls running on a worker right now.
+    running: Arc<AtomicUsize>,
+}
+
+/// Counts one call as running until dropped (so a call that panics is counted out too).
+struct Running(Arc<AtomicUsize>);
+
+impl Running {
+    fn start(count: &Arc<AtomicUsize>) -> Running {
+        count.fetch_add(1, Ordering::SeqCst);
+        Running(count.clone())
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl PluginPool {
@@ -44,6 +64,7 @@ impl PluginPool {
             sender: Some(sender),
             workers,
             queue_capacity,
+            running: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -56,14 +77,28 @@ impl PluginPool {
         self.sender.as_ref().map_or(0, Sender::len)
     }
 
+    /// Workers neither running a call nor about to take a waiting one, right now: a hint (it may
+    /// change the moment it is read) for work that is worth splitting only when cores are free.
+    pub fn idle(&self) -> usize {
+        let taken = self.running.load(Ordering::SeqCst) + self.queued();
+        self.threads().saturating_sub(taken)
+    }
+
     /// Run `call` on a worker and wait for it without blocking the async runtime.
     pub async fn run<R: Send + 'static>(
         &self,
         call: impl FnOnce() -> Result<R, CallError> + Send + 'static,
     ) -> Result<R, CallError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
+        let running = self.running.clone();
         let job: Job = Box::new(move || {
-            let _ = tx.send(call());
+            // Counted out before the caller hears back, so that what it asks next sees this worker
+            // free again.
+            let result = {
+                let _running = Running::start(&running);
+                call()
+            };
+            let _ = tx.send(result);
         });
         let sender = self
             .sender
@@ -87,5 +122,47 @@ impl Drop for PluginPool {
         for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// A running call takes a worker from the idle count until it returns, and is counted out
+    /// before its caller hears back; a call that panics is counted out too.
+    #[test]
+    fn idle_counts_the_workers_without_a_call() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let pool = PluginPool::new(2, 4).unwrap();
+        assert_eq!(pool.idle(), 2);
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let (release, release_rx) = std::sync::mpsc::channel::<()>();
+        runtime.block_on(async {
+            let blocked = pool.run(move || {
+                started_tx.send(()).unwrap();
+                release_rx.recv().unwrap();
+                Ok(())
+            });
+            let watch = async {
+                // The call has begun on a worker: one is left.
+                tokio::task::spawn_blocking(move || started.recv().unwrap())
+                    .await
+                    .unwrap();
+                assert_eq!(pool.idle(), 1);
+                release.send(()).unwrap();
+            };
+            let (done, ()) = tokio::join!(blocked, watch);
+            done.unwrap();
+            assert_eq!(pool.idle(), 2);
+            let panicked = pool.run(|| -> Result<(), CallError> { panic!("a host bug") });
+            assert!(panicked.await.is_err());
+        });
+        // The panicking call's count is dropped during unwinding, before its channel closes.
+        assert_eq!(pool.idle(), 2);
     }
 }

@@ -340,7 +340,10 @@ pub async fn process_concurrently(
 }
 
 /// An item's parts, each made on its own instance of the plugin pool, all at once; `None` when the
-/// plugin makes the item whole (one part).
+/// plugin makes the item whole (one part), or when fewer than two of the pool's workers are idle:
+/// parts cost more work in all than the whole (each is a call of its own; an image's second band
+/// re-reads the first's entropy-coded rows), which pays off only on cores that would otherwise wait.
+/// Under a backlog the item is made whole, the same tensors for less work.
 async fn made_in_parts(
     pool: &PluginPool,
     plugin: Arc<LoadedPlugin>,
@@ -352,7 +355,7 @@ async fn made_in_parts(
     let parts = pool
         .run(move || counting.0.parts(&counting.1, &counting.2))
         .await?;
-    if parts <= 1 {
+    if parts <= 1 || pool.idle() < 2 {
         return Ok(None);
     }
     let jobs = (0..parts).map(|index| {
