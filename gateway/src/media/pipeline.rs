@@ -351,6 +351,10 @@ async fn made_in_parts(
     plan: TokenPlan,
     config: Arc<str>,
 ) -> Result<Option<Vec<Vec<Tensor>>>, mmgate_host::CallError> {
+    // Asked before `parts` too: under a backlog that call would wait in the queue for nothing.
+    if pool.idle() < 2 {
+        return Ok(None);
+    }
     let counting = (plugin.clone(), plan.clone(), config.clone());
     let parts = pool
         .run(move || counting.0.parts(&counting.1, &counting.2))

@@ -79,13 +79,14 @@ fn add_heights(whole: &mut Tensor, band: &Tensor) -> anyhow::Result<()> {
         }
     };
     let ([t, h, w], [band_t, band_h, band_w]) = (grid(whole)?, grid(band)?);
-    if (t, w) != (band_t, band_w) || band_h <= 0 {
+    let height = h.checked_add(band_h).filter(|_| band_h > 0);
+    let (Some(height), true) = (height, (t, w) == (band_t, band_w)) else {
         bail!(
             "{}: a band {band_t}x{band_h}x{band_w} is not a band of rows of {t}x{h}x{w}",
             whole.name
         );
-    }
-    let joined: Vec<u8> = [t, h + band_h, w]
+    };
+    let joined: Vec<u8> = [t, height, w]
         .iter()
         .flat_map(|v| v.to_le_bytes())
         .collect();
@@ -139,7 +140,9 @@ mod tests {
         other_rows[0].shape = vec![2, 6];
         let mut missing = b.clone();
         missing.pop();
-        for bad in [other_table, other_width, other_rows, missing] {
+        let mut overflowing = b.clone();
+        overflowing[2] = grid(1, i64::MAX, 4);
+        for bad in [other_table, other_width, other_rows, missing, overflowing] {
             assert!(join(&[a.clone(), bad], BANDS).is_err());
         }
         assert!(join(&[], BANDS).is_err());

@@ -102,9 +102,8 @@ impl LogMel {
                         input.fill(0.0);
                     }
                 }
-                let [a, b, c, d] = &inputs;
                 self.spectrum
-                    .compute([a, b, c, d], &mut scratch, |bin, powers| {
+                    .compute(inputs.each_ref(), &mut scratch, |bin, powers| {
                         power[bin * BLOCK_FRAMES + k..][..lanes].copy_from_slice(&powers[..lanes]);
                     });
             }

@@ -76,9 +76,10 @@ impl Plugin for ImagePlugin {
         if parts == 1 && index == 0 {
             return Self::preprocess(media, plan, config);
         }
-        let source_height = decode::probe(&media.data)?.height as usize;
+        let header = decode::probe(&media.data)?;
+        let source_height = header.height as usize;
         let band = processor.band(&choices, source_height, parts, index as usize)?;
-        let rows = decode::decode_rgb_rows(&media.data, band.source_rows.clone())?;
+        let rows = decode::decode_rgb_rows(&media.data, &header, band.source_rows.clone())?;
         processor.preprocess_band(&rows, source_height, &choices, &band)
     }
 

@@ -160,8 +160,12 @@ pub fn decode_rgb(data: &[u8]) -> PluginResult<RgbImage> {
 /// of [`decode_rgb`]'s image. For a plugin making a large image in bands of rows: a JPEG the host
 /// decodes (contract 0.4.1's `decode-jpeg-rows`) costs only its band and the entropy decoding
 /// above it; any other image (or JPEG the host leaves to the plugin) is decoded whole and cut.
-pub fn decode_rgb_rows(data: &[u8], rows: std::ops::Range<usize>) -> PluginResult<RgbImage> {
-    let header = probe(data)?;
+/// `header` is what [`probe`] read of `data` (a caller choosing rows has it already).
+pub fn decode_rgb_rows(
+    data: &[u8],
+    header: &Header,
+    rows: std::ops::Range<usize>,
+) -> PluginResult<RgbImage> {
     if rows.start >= rows.end || rows.end > header.height as usize {
         return Err(PluginError::internal(format!(
             "rows {}..{} are not within the image's {} rows",
@@ -169,21 +173,28 @@ pub fn decode_rgb_rows(data: &[u8], rows: std::ops::Range<usize>) -> PluginResul
         )));
     }
     if header.format == "jpeg"
-        && let Some(image) = decode_jpeg_in_host(data, &header, Some(rows.clone()))?
+        && let Some(image) = decode_jpeg_in_host(data, header, Some(rows.clone()))?
     {
         return Ok(image);
     }
     let whole = if header.format == "jpeg" {
         check_jpeg_complete(data)?;
-        decode_jpeg(data, &header)?
+        decode_jpeg(data, header)?
     } else {
-        decode_other(data, &header)?
+        decode_other(data, header)?
     };
     let row = whole.width * 3;
+    // The decoder's own height may fall short of the header's (checked for other formats only).
+    let band = whole
+        .data
+        .get(rows.start * row..rows.end * row)
+        .ok_or_else(|| {
+            PluginError::invalid("the image decodes to fewer rows than its header says")
+        })?;
     Ok(RgbImage {
         width: whole.width,
         height: rows.len(),
-        data: whole.data[rows.start * row..rows.end * row].to_vec(),
+        data: band.to_vec(),
     })
 }
 
