@@ -119,37 +119,119 @@ mod simd {
         store16(narrow(acc[0], acc[1], acc[2], acc[3]), out);
     }
 
-    /// Splits packed RGB `row` into its three channel rows, 16 pixels (three loads, six shuffles)
-    /// at a time.
-    pub fn deinterleave_rgb(row: &[u8], [r, g, b]: [&mut [u8]; 3]) {
-        let pixels = row.len() / 3;
-        let whole = pixels - pixels % BLOCK;
-        for x in (0..whole).step_by(BLOCK) {
-            let at = 3 * x;
-            let (p0, p1, p2) = (
-                load16(&row[at..]),
-                load16(&row[at + 16..]),
-                load16(&row[at + 32..]),
-            );
-            let red = i8x16_shuffle::<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 17, 20, 23, 26, 29>(
-                i8x16_shuffle::<0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 0, 0, 0, 0, 0>(p0, p1),
-                p2,
-            );
-            let green = i8x16_shuffle::<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 18, 21, 24, 27, 30>(
-                i8x16_shuffle::<1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 0, 0, 0, 0, 0>(p0, p1),
-                p2,
-            );
-            let blue = i8x16_shuffle::<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 19, 22, 25, 28, 31>(
-                i8x16_shuffle::<2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 0, 0, 0, 0, 0, 0>(p0, p1),
-                p2,
-            );
-            store16(red, &mut r[x..x + BLOCK]);
-            store16(green, &mut g[x..x + BLOCK]);
-            store16(blue, &mut b[x..x + BLOCK]);
+    /// The 16 packed RGB pixels of three consecutive vectors split into their channels (six
+    /// shuffles).
+    #[inline]
+    fn split(p0: v128, p1: v128, p2: v128) -> [v128; 3] {
+        let red = i8x16_shuffle::<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 17, 20, 23, 26, 29>(
+            i8x16_shuffle::<0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 0, 0, 0, 0, 0>(p0, p1),
+            p2,
+        );
+        let green = i8x16_shuffle::<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 18, 21, 24, 27, 30>(
+            i8x16_shuffle::<1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 0, 0, 0, 0, 0>(p0, p1),
+            p2,
+        );
+        let blue = i8x16_shuffle::<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 19, 22, 25, 28, 31>(
+            i8x16_shuffle::<2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 0, 0, 0, 0, 0, 0>(p0, p1),
+            p2,
+        );
+        [red, green, blue]
+    }
+
+    /// The first 16 packed RGB pixels of `px` (48 bytes or more) split into their channels.
+    #[inline]
+    pub fn split_rgb16(px: &[u8]) -> [[u8; BLOCK]; 3] {
+        let channels = split(load16(px), load16(&px[16..]), load16(&px[32..]));
+        channels.map(|v| {
+            let mut out = [0u8; BLOCK];
+            store16(v, &mut out);
+            out
+        })
+    }
+
+    /// Appends one patch row of Qwen2-VL's layout to `out`: for each channel, for each temporal
+    /// slot t, the `patch` rows of `patch` pixels that start at `frames[t]` (packed RGB rows
+    /// `stride` bytes apart). Each row of a patch is three loads, six shuffles and three stores
+    /// straight into `out`: a store spills past its row onto the next row of the same channel
+    /// slot, which is written after it; a slot's last row is stored exactly. (Safe slices cost
+    /// three times as much here: a bounds check on every move, and the row staged twice.)
+    /// `false`, with nothing written, where this path does not apply: `patch` outside 8..=16, or a
+    /// frame without 16 pixels readable from its last row's start (the rightmost patch of a
+    /// band's last row); the caller then lays the row out itself.
+    pub fn append_patch_row(
+        frames: &[&[u8]],
+        stride: usize,
+        patch: usize,
+        out: &mut Vec<u8>,
+    ) -> bool {
+        if !(8..=BLOCK).contains(&patch) {
+            return false;
         }
-        for (x, px) in row.chunks_exact(3).enumerate().skip(whole) {
-            (r[x], g[x], b[x]) = (px[0], px[1], px[2]);
+        let readable = (patch - 1) * stride + 3 * BLOCK;
+        if frames.iter().any(|frame| frame.len() < readable) {
+            return false;
         }
+        let area = patch * patch;
+        let slots = frames.len();
+        let row_len = 3 * slots * area;
+        out.reserve(row_len);
+        let base = out.spare_capacity_mut().as_mut_ptr().cast::<u8>();
+        // The last row's bytes patch-8..patch moved down to the first eight lanes.
+        let tail = patch as u8 - 8;
+        let tail_lanes = u8x16(
+            tail,
+            tail + 1,
+            tail + 2,
+            tail + 3,
+            tail + 4,
+            tail + 5,
+            tail + 6,
+            tail + 7,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        );
+        for (t, frame) in frames.iter().enumerate() {
+            for y in 0..patch {
+                // SAFETY: `frame` holds at least `readable` bytes, so the 48 from row y's start
+                // (y < patch) are within it; wasm loads need no alignment.
+                let channels = unsafe {
+                    let row = frame.as_ptr().add(y * stride);
+                    split(
+                        v128_load(row.cast()),
+                        v128_load(row.add(BLOCK).cast()),
+                        v128_load(row.add(2 * BLOCK).cast()),
+                    )
+                };
+                for (c, v) in channels.into_iter().enumerate() {
+                    let at = (c * slots + t) * area + y * patch;
+                    // SAFETY: `out` has room for `row_len` more bytes from `base`. Rows before
+                    // the last store 16 bytes from `at`, at most (patch - 2) * patch + 16 <= area
+                    // (patch >= 8) bytes into the slot, so within it; the last row stores bytes
+                    // 0..8 and patch-8..patch of its own row. Every byte of the slot is written.
+                    unsafe {
+                        let dst = base.add(at);
+                        if y + 1 < patch {
+                            v128_store(dst.cast(), v);
+                        } else {
+                            v128_store64_lane::<0>(v, dst.cast());
+                            v128_store64_lane::<0>(
+                                i8x16_swizzle(v, tail_lanes),
+                                dst.add(usize::from(tail)).cast(),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // SAFETY: all `row_len` bytes after the old length were written above.
+        unsafe { out.set_len(out.len() + row_len) };
+        true
     }
 
     /// `dst[..len] = run[..len]`, with one 16-byte move when that may spill past `len` (wasm's
@@ -234,9 +316,22 @@ mod portable {
         dst[..len].copy_from_slice(&run[..len]);
     }
 
-    pub fn deinterleave_rgb(row: &[u8], [r, g, b]: [&mut [u8]; 3]) {
-        for (((px, r), g), b) in row.chunks_exact(3).zip(r).zip(g).zip(b) {
-            (*r, *g, *b) = (px[0], px[1], px[2]);
+    /// Natively the caller's own loops lay every patch row out.
+    pub fn append_patch_row(
+        _frames: &[&[u8]],
+        _stride: usize,
+        _patch: usize,
+        _out: &mut Vec<u8>,
+    ) -> bool {
+        false
+    }
+
+    #[inline]
+    pub fn split_rgb16(px: &[u8]) -> [[u8; BLOCK]; 3] {
+        let mut out = [[0u8; BLOCK]; 3];
+        for (x, px) in px.chunks_exact(3).take(BLOCK).enumerate() {
+            (out[0][x], out[1][x], out[2][x]) = (px[0], px[1], px[2]);
         }
+        out
     }
 }

@@ -3,11 +3,12 @@
 //! ordered by merge block (row-major), then within the block, and each patch row holds its channels,
 //! then its frames, then the patch's pixels.
 //!
-//! Patches are written in that order, appended one whole patch row at a time: a band of `merge`
-//! patch rows of image rows is split into channel planes once (sequential reads, SIMD in the wasm
-//! build), each patch row is gathered from the planes into a small scratch row, then appended. The
-//! output is written once, front to back, and never zero-filled first (a zeroed buffer costs a full
-//! extra pass in wasm, whose allocator clears even fresh memory).
+//! Patches are written in that order, appended one whole patch row at a time: each patch row is
+//! gathered straight from the packed RGB rows into a small scratch row (a patch's run of pixels
+//! split into its channels at once: SIMD shuffles in the wasm build), then appended. The image is
+//! read once and the output written once, front to back, and never zero-filled first (a zeroed
+//! buffer costs a full extra pass in wasm, whose allocator clears even fresh memory). (Splitting
+//! each band into channel planes first, then gathering runs from the planes, cost a third more.)
 
 use super::resample::{Filter, Resized};
 use super::{CHANNELS, RgbImage, kernels};
@@ -89,8 +90,8 @@ pub fn qwen2vl_resized_patch_bytes_of_rows(
 /// consecutive frames, all the same size), appended to `out` as rows of
 /// `3 * frames.len() * patch * patch` raw bytes.
 ///
-/// Frames must have dimensions divisible by `patch * merge`. A frame repeated (the same reference
-/// twice, as an image's temporal copies are) is read once and written twice. Give `out` the
+/// Frames must have dimensions divisible by `patch * merge`. A frame may repeat (the same
+/// reference twice, as an image's temporal copies are). Give `out` the
 /// capacity of all the groups it will take, so it is allocated once.
 pub fn qwen2vl_frame_patches(frames: &[&RgbImage], patch: usize, merge: usize, out: &mut Vec<u8>) {
     let Some(first) = frames.first() else {
@@ -114,8 +115,6 @@ struct PatchWriter {
     patch: usize,
     merge: usize,
     temporal: usize,
-    /// Per distinct frame of the band: its channel planes, `[3][merge * patch][width]`.
-    planes: Vec<Vec<u8>>,
     /// One patch row being gathered, plus room for a wide store past its end.
     scratch: Vec<u8>,
 }
@@ -128,7 +127,6 @@ impl PatchWriter {
             patch,
             merge,
             temporal,
-            planes: Vec::new(),
             scratch: vec![0; row_len + kernels::BLOCK],
         }
     }
@@ -148,49 +146,50 @@ impl PatchWriter {
     }
 
     /// Appends the patch rows of one band; `bands[t]` is temporal slot t's rows (the same slice
-    /// again for a repeated frame).
+    /// again for a repeated frame). Each patch row is gathered straight from the packed RGB rows:
+    /// a run of up to 16 pixels is split into its channels at once and each channel's run moved to
+    /// its place in the scratch row with one wide store where the spill past it lands on bytes
+    /// written later (the rest of its channel slot), else exactly.
     fn write_band(&mut self, bands: &[&[u8]], out: &mut Vec<u8>) {
         let (width, patch, merge) = (self.width, self.patch, self.merge);
-        let rows = self.band_rows();
-        let plane_len = rows * width;
-        // Which planes each slot reads: a slot repeating the one before shares its planes.
-        let mut plane_of = Vec::with_capacity(bands.len());
-        let mut distinct = 0;
-        for (t, band) in bands.iter().enumerate() {
-            if t > 0 && std::ptr::eq(*band, bands[t - 1]) {
-                plane_of.push(distinct - 1);
-                continue;
-            }
-            if self.planes.len() <= distinct {
-                self.planes.push(vec![0; CHANNELS * plane_len]);
-            }
-            let (r, rest) = self.planes[distinct].split_at_mut(plane_len);
-            let (g, b) = rest.split_at_mut(plane_len);
-            for (y, row) in band.chunks_exact(width * CHANNELS).enumerate() {
-                let at = y * width..(y + 1) * width;
-                kernels::deinterleave_rgb(
-                    row,
-                    [&mut r[at.clone()], &mut g[at.clone()], &mut b[at]],
-                );
-            }
-            plane_of.push(distinct);
-            distinct += 1;
-        }
+        let stride = width * CHANNELS;
+        let area = patch * patch;
+        let slots = bands.len();
         let row_len = self.row_len();
+        let mut frames: Vec<&[u8]> = Vec::with_capacity(slots);
         for block in 0..width / (patch * merge) {
             for in_row in 0..merge {
                 for in_col in 0..merge {
                     let x = (block * merge + in_col) * patch;
-                    let mut at = 0;
-                    for c in 0..CHANNELS {
-                        for &frame in &plane_of {
-                            let plane = &self.planes[frame][c * plane_len..(c + 1) * plane_len];
-                            for y in in_row * patch..(in_row + 1) * patch {
-                                let run = &plane[y * width + x..];
-                                // The scratch row has room past its end, so a run may always
-                                // be moved with one wide store that spills into the next one.
-                                kernels::copy_run(run, patch, &mut self.scratch[at..], true);
-                                at += patch;
+                    let top_left = (in_row * patch) * stride + x * CHANNELS;
+                    frames.clear();
+                    frames.extend(bands.iter().map(|band| &band[top_left..]));
+                    if kernels::append_patch_row(&frames, stride, patch, out) {
+                        continue;
+                    }
+                    for (t, band) in bands.iter().enumerate() {
+                        if t > 0 && std::ptr::eq(*band, bands[t - 1]) {
+                            for c in 0..CHANNELS {
+                                let from = (c * slots + t - 1) * area;
+                                self.scratch.copy_within(from..from + area, from + area);
+                            }
+                            continue;
+                        }
+                        for y in 0..patch {
+                            let row = (in_row * patch + y) * stride + x * CHANNELS;
+                            for x0 in (0..patch).step_by(kernels::BLOCK) {
+                                let len = (patch - x0).min(kernels::BLOCK);
+                                let channels = split_run(&band[row + x0 * CHANNELS..], len);
+                                let in_slot = y * patch + x0;
+                                for (c, run) in channels.iter().enumerate() {
+                                    let at = (c * slots + t) * area + in_slot;
+                                    kernels::copy_run(
+                                        run,
+                                        len,
+                                        &mut self.scratch[at..],
+                                        in_slot + kernels::BLOCK <= area,
+                                    );
+                                }
                             }
                         }
                     }
@@ -199,6 +198,22 @@ impl PatchWriter {
             }
         }
     }
+}
+
+/// The first `len` (at most 16) packed RGB pixels of `px` split into their channels; whole 16-pixel
+/// loads where `px` holds them (the pixels past `len` are read and ignored).
+#[inline]
+fn split_run(px: &[u8], len: usize) -> [[u8; kernels::BLOCK]; CHANNELS] {
+    if px.len() >= kernels::BLOCK * CHANNELS {
+        return kernels::split_rgb16(px);
+    }
+    let mut channels = [[0u8; kernels::BLOCK]; CHANNELS];
+    for (x, px) in px.chunks_exact(CHANNELS).take(len).enumerate() {
+        for (channel, &value) in channels.iter_mut().zip(px) {
+            channel[x] = value;
+        }
+    }
+    channels
 }
 
 #[cfg(test)]
