@@ -34,7 +34,7 @@ pub const PROFILER_VARIABLE: &str = "MMGATE_WASM_PROFILER";
 /// its whole working set back in (for an image, tens of MB per call). Bounded per slot, so at most
 /// this times the slots in use stays resident; the pool hands a module the slots it used before, so
 /// the slots in use are about the calls run at once. 128 MB holds a 12 MP photo's call (the JPEG,
-/// its 36 MB of pixels, 18 MB of patches and the allocator's slack): at 64 MB its last tens of MB
+/// its 36 MB of pixels, 36 MB of patch bytes and the allocator's slack): at 64 MB its last tens of MB
 /// were faulted in on every call, 108 vs 97 ms for a 4032x3024 JPEG (`plugin_preprocess`).
 const KEEP_RESIDENT_BYTES: usize = 128 << 20;
 

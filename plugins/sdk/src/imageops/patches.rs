@@ -146,10 +146,11 @@ impl PatchWriter {
     }
 
     /// Appends the patch rows of one band; `bands[t]` is temporal slot t's rows (the same slice
-    /// again for a repeated frame). Each patch row is gathered straight from the packed RGB rows:
-    /// a run of up to 16 pixels is split into its channels at once and each channel's run moved to
-    /// its place in the scratch row with one wide store where the spill past it lands on bytes
-    /// written later (the rest of its channel slot), else exactly.
+    /// again for a repeated frame). Each patch row is gathered straight from the packed RGB rows,
+    /// by [`kernels::append_patch_row`] where it applies (the wasm build, patches of 8 to 16
+    /// pixels), else here: a run of up to 16 pixels split into its channels at once and each
+    /// channel's run moved to its place in the scratch row with one wide store where the spill
+    /// past it lands on bytes written later (the rest of its channel slot), else exactly.
     fn write_band(&mut self, bands: &[&[u8]], out: &mut Vec<u8>) {
         let (width, patch, merge) = (self.width, self.patch, self.merge);
         let stride = width * CHANNELS;
