@@ -80,7 +80,7 @@ impl Plugin for ImagePlugin {
         let source_height = header.height as usize;
         let band = processor.band(&choices, source_height, parts, index as usize)?;
         let rows = decode::decode_rgb_rows(&media.data, &header, band.source_rows.clone())?;
-        processor.preprocess_band(&rows, source_height, &choices, &band)
+        processor.preprocess_band(rows, source_height, &choices, &band)
     }
 
     /// An image whose plan keeps HF's own size goes as it came (the server's processor resizes it

@@ -3,8 +3,8 @@
 use std::ops::Range;
 
 use mmgate_plugin_sdk::imageops::{
-    CLIP_MEAN, CLIP_STD, Filter, Normalize, RgbImage, qwen2vl_resized_patch_bytes,
-    qwen2vl_resized_patch_bytes_of_rows, source_rows,
+    CLIP_MEAN, CLIP_STD, Filter, Normalize, RgbImage, qwen2vl_resized_patch_bytes_reusing,
+    source_rows,
 };
 use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
@@ -404,11 +404,14 @@ impl Processor {
                 ..
             } => {
                 check_planned_size(choices, patch * merge)?;
-                let samples = qwen2vl_resized_patch_bytes(
-                    &image,
+                let source_height = image.height;
+                let samples = qwen2vl_resized_patch_bytes_reusing(
+                    image,
+                    (0, source_height),
                     (choices.width, choices.height),
                     *filter,
-                    (*patch, *merge, 1),
+                    (*patch, *merge),
+                    0..choices.height,
                 );
                 qwen2vl_tensors(
                     samples,
@@ -552,7 +555,7 @@ impl Processor {
     /// the band's own grid: the bands' tensors in order join into the whole's.
     pub fn preprocess_band(
         &self,
-        rows: &RgbImage,
+        rows: RgbImage,
         source_height: usize,
         choices: &Choices,
         band: &Band,
@@ -574,12 +577,12 @@ impl Processor {
                 "the band's source rows were not decoded",
             ));
         }
-        let samples = qwen2vl_resized_patch_bytes_of_rows(
+        let samples = qwen2vl_resized_patch_bytes_reusing(
             rows,
             (band.source_rows.start, source_height),
             (choices.width, choices.height),
             *filter,
-            (*patch, *merge, 1),
+            (*patch, *merge),
             band.rows.clone(),
         );
         qwen2vl_tensors(

@@ -14,6 +14,7 @@ pub use simd::*;
 mod simd {
     use super::super::resample::{PRECISION_BITS, ROUNDING};
     use core::arch::wasm32::*;
+    use core::mem::MaybeUninit;
 
     /// Output bytes one call of [`vertical`] produces.
     pub const BLOCK: usize = 16;
@@ -149,20 +150,21 @@ mod simd {
         })
     }
 
-    /// Appends one patch row of Qwen2-VL's layout to `out`: for each channel, for each temporal
-    /// slot t, the `patch` rows of `patch` pixels that start at `frames[t]` (packed RGB rows
-    /// `stride` bytes apart). Each row of a patch is three loads, six shuffles and three stores
-    /// straight into `out`: a store spills past its row onto the next row of the same channel
+    /// Writes one patch row of Qwen2-VL's layout to the first `3 * frames.len() * patch * patch`
+    /// bytes of `dst` (every one of them): for each channel, for each temporal slot t, the `patch`
+    /// rows of `patch` pixels that start at `frames[t]` (packed RGB rows `stride` bytes apart).
+    /// Each row of a patch is three loads, six shuffles and three stores straight into `dst`: a
+    /// store spills past its row onto the next row of the same channel
     /// slot, which is written after it; a slot's last row is stored exactly. (Safe slices cost
     /// three times as much here: a bounds check on every move, and the row staged twice.)
-    /// `false`, with nothing written, where this path does not apply: `patch` outside 8..=16, or a
+    /// `false`, with nothing written, where this path does not apply: `patch` outside 8..=16, a
     /// frame without 16 pixels readable from its last row's start (the rightmost patch of a
-    /// band's last row); the caller then lays the row out itself.
-    pub fn append_patch_row(
+    /// band's last row) or a short `dst`; the caller then lays the row out itself.
+    pub fn write_patch_row(
         frames: &[&[u8]],
         stride: usize,
         patch: usize,
-        out: &mut Vec<u8>,
+        dst: &mut [MaybeUninit<u8>],
     ) -> bool {
         if !(8..=BLOCK).contains(&patch) {
             return false;
@@ -174,8 +176,10 @@ mod simd {
         let area = patch * patch;
         let slots = frames.len();
         let row_len = 3 * slots * area;
-        out.reserve(row_len);
-        let base = out.spare_capacity_mut().as_mut_ptr().cast::<u8>();
+        if dst.len() < row_len {
+            return false;
+        }
+        let base = dst.as_mut_ptr().cast::<u8>();
         // The last row's bytes patch-8..patch moved down to the first eight lanes.
         let tail = patch as u8 - 8;
         let tail_lanes = u8x16(
@@ -210,7 +214,7 @@ mod simd {
                 };
                 for (c, v) in channels.into_iter().enumerate() {
                     let at = (c * slots + t) * area + y * patch;
-                    // SAFETY: `out` has room for `row_len` more bytes from `base`. Rows before
+                    // SAFETY: `dst` holds at least `row_len` bytes from `base`. Rows before
                     // the last store 16 bytes from `at`, at most (patch - 2) * patch + 16 <= area
                     // (patch >= 8) bytes into the slot, so within it; the last row stores bytes
                     // 0..8 and patch-8..patch of its own row. Every byte of the slot is written.
@@ -229,8 +233,6 @@ mod simd {
                 }
             }
         }
-        // SAFETY: all `row_len` bytes after the old length were written above.
-        unsafe { out.set_len(out.len() + row_len) };
         true
     }
 
@@ -268,6 +270,7 @@ mod simd {
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 mod portable {
     use super::super::resample::{ROUNDING, clip8};
+    use core::mem::MaybeUninit;
 
     pub const BLOCK: usize = 16;
 
@@ -317,11 +320,11 @@ mod portable {
     }
 
     /// Natively the caller's own loops lay every patch row out.
-    pub fn append_patch_row(
+    pub fn write_patch_row(
         _frames: &[&[u8]],
         _stride: usize,
         _patch: usize,
-        _out: &mut Vec<u8>,
+        _dst: &mut [MaybeUninit<u8>],
     ) -> bool {
         false
     }

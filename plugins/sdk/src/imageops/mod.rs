@@ -9,7 +9,7 @@ mod torchvision;
 
 pub use patches::{
     qwen2vl_frame_patches, qwen2vl_patch_bytes, qwen2vl_resized_patch_bytes,
-    qwen2vl_resized_patch_bytes_of_rows,
+    qwen2vl_resized_patch_bytes_of_rows, qwen2vl_resized_patch_bytes_reusing,
 };
 pub use resample::{Filter, Resized, source_rows};
 pub use torchvision::{resize_like_torch_uint8, resize_like_torchvision};
