@@ -367,12 +367,7 @@ mod tests {
                 for first in (0..height).step_by(band) {
                     for end in ((first + band)..=height).step_by(band) {
                         let needed = source_rows(src.height, height, filter, first..end);
-                        let row = src.width * CHANNELS;
-                        let rows = RgbImage {
-                            width: src.width,
-                            height: needed.len(),
-                            data: src.data[needed.start * row..needed.end * row].to_vec(),
-                        };
+                        let rows = rows_of(&src, needed.clone());
                         let made = qwen2vl_resized_patch_bytes_of_rows(
                             &rows,
                             (needed.start, src.height),
@@ -391,6 +386,16 @@ mod tests {
         }
     }
 
+    /// Rows `rows` of `src`, as an image of their own.
+    fn rows_of(src: &RgbImage, rows: std::ops::Range<usize>) -> RgbImage {
+        let row = src.width * CHANNELS;
+        RgbImage {
+            width: src.width,
+            height: rows.len(),
+            data: src.data[rows.start * row..rows.end * row].to_vec(),
+        }
+    }
+
     /// Laid out in the rows' own buffer, the patches are those of the borrowing layout: at the
     /// image's own size (in place) and resized, whole and a band of rows.
     #[test]
@@ -406,12 +411,7 @@ mod tests {
         for (width, height) in [(56, 42), (28, 28), (70, 56)] {
             for out_rows in [0..height, 14..28] {
                 let needed = source_rows(src.height, height, Filter::Bicubic, out_rows.clone());
-                let row = src.width * CHANNELS;
-                let rows = RgbImage {
-                    width: src.width,
-                    height: needed.len(),
-                    data: src.data[needed.start * row..needed.end * row].to_vec(),
-                };
+                let rows = rows_of(&src, needed.clone());
                 let borrowed = qwen2vl_resized_patch_bytes_of_rows(
                     &rows,
                     (needed.start, src.height),
