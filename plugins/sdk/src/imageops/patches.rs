@@ -3,16 +3,16 @@
 //! ordered by merge block (row-major), then within the block, and each patch row holds its channels,
 //! then its frames, then the patch's pixels.
 //!
-//! Patches are written in that order, appended one whole patch row at a time: each patch row is
-//! gathered straight from the packed RGB rows into a small scratch row (a patch's run of pixels
-//! split into its channels at once: SIMD shuffles in the wasm build), then appended. The image is
+//! Patches are written in that order, one whole patch row at a time, each gathered straight from
+//! the packed RGB rows (a patch's run of pixels split into its channels at once): in the wasm build
+//! by SIMD shuffles stored directly into the output, elsewhere through a small scratch row. The image is
 //! read once and the output written once, front to back, and never zero-filled first (a zeroed
 //! buffer costs a full extra pass in wasm, whose allocator clears even fresh memory). (Splitting
 //! each band into channel planes first, then gathering runs from the planes, cost a third more.)
 
-use super::resample::{Filter, Resized};
 use std::mem::MaybeUninit;
 
+use super::resample::{Filter, Resized};
 use super::{CHANNELS, RgbImage, kernels};
 
 /// Qwen2-VL's patch layout of one image repeated over `temporal` frames (HF: `np.tile` of a single
