@@ -24,6 +24,7 @@ const TEST_ONLY: &[(&str, &str)] = &[
     ("testing-v0_1", "mmgate_test_plugin_v0_1"),
     ("testing-v0_2", "mmgate_test_plugin_v0_2"),
     ("testing-v0_3", "mmgate_test_plugin_v0_3"),
+    ("testing-v0_4", "mmgate_test_plugin_v0_4"),
 ];
 
 const WASM_TARGET: &str = "wasm32-wasip2";
@@ -64,6 +65,7 @@ fn run() -> Result<(), String> {
         "testing-v0_1",
         "testing-v0_2",
         "testing-v0_3",
+        "testing-v0_4",
     ] {
         let path = plugins.join(dir);
         if path.exists() {

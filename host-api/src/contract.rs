@@ -10,7 +10,22 @@ wasmtime::component::bindgen!({
     with: { "mmgate:modality/video.video-decoder": crate::video::HostVideo },
 });
 
-/// The previous contract, 0.3, frozen in `host-api/wit/v0.3/`: plugins built against it keep
+/// The previous contract, 0.4, frozen in `host-api/wit/v0.4/`: plugins built against it keep
+/// loading; their parts are made before they are placed (it has no `part-plans`). Its types are the
+/// current ones (0.5 only added a record); its `host`, `video` and `image` interfaces are its own
+/// (the host implements each by the current one).
+pub mod v0_4 {
+    wasmtime::component::bindgen!({
+        world: "modality-plugin",
+        path: "wit/v0.4",
+        with: {
+            "mmgate:modality/types": super::mmgate::modality::types,
+            "mmgate:modality/video.video-decoder": crate::video::HostVideo,
+        },
+    });
+}
+
+/// Older still, 0.3, frozen in `host-api/wit/v0.3/`: plugins built against it keep
 /// loading and are made whole (it has no `parts`). Its types are the current ones; its `host`,
 /// `video` and `image` interfaces are its own (the host implements each by the current one).
 pub mod v0_3 {
@@ -24,7 +39,7 @@ pub mod v0_3 {
     });
 }
 
-/// The contract before, 0.2, frozen in `host-api/wit/v0.2/`: plugins built against it keep loading.
+/// Before it, 0.2, frozen in `host-api/wit/v0.2/`: plugins built against it keep loading.
 /// Its types are the current ones (0.3 only added a record), so calls into it share one set of Rust
 /// types; its `host` and `video` interfaces are its own (the host implements each by the current
 /// one), and it has no `reduce`.
@@ -39,7 +54,7 @@ pub mod v0_2 {
     });
 }
 
-/// The contract before that, 0.1, frozen in `host-api/wit/v0.1/`: plugins built against it keep loading. Its types
+/// The first, 0.1, frozen in `host-api/wit/v0.1/`: plugins built against it keep loading. Its types
 /// are the current ones (unchanged since), so calls into either version share one set of Rust types;
 /// only its `host` interface is its own.
 pub mod v0_1 {
@@ -52,22 +67,27 @@ pub mod v0_1 {
 
 pub use mmgate::modality::host::LogLevel;
 pub use mmgate::modality::types::{
-    Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, PluginError, ReducedItem, Tensor,
-    TokenPlan,
+    Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, PartPlan, PluginError, ReducedItem,
+    Tensor, TokenPlan,
 };
 pub use mmgate::modality::video::{Frame, VideoError, VideoInfo};
 
 /// The contract version this host implements (the `mmgate:modality` package version in `wit/`).
 pub const CONTRACT_VERSION: Version = Version {
     major: 0,
-    minor: 4,
-    patch: 1,
+    minor: 5,
+    patch: 0,
 };
 
-/// Every contract version this host serves plugins of, newest first: the current one, and 0.3, 0.2
-/// and 0.1 through the frozen bindings in [`v0_3`], [`v0_2`] and [`v0_1`].
-pub const SUPPORTED_VERSIONS: [Version; 4] = [
+/// Every contract version this host serves plugins of, newest first: the current one, and 0.4,
+/// 0.3, 0.2 and 0.1 through the frozen bindings in [`v0_4`], [`v0_3`], [`v0_2`] and [`v0_1`].
+pub const SUPPORTED_VERSIONS: [Version; 5] = [
     CONTRACT_VERSION,
+    Version {
+        major: 0,
+        minor: 4,
+        patch: 1,
+    },
     Version {
         major: 0,
         minor: 3,
@@ -642,11 +662,13 @@ mod tests {
         assert_eq!(v("0.3.0").supported(), Some(v("0.3.1")));
         assert_eq!(v("0.3.1").supported(), Some(v("0.3.1")));
         assert_eq!(v("0.3.2").supported(), None);
-        assert_eq!(v("0.4.0").supported(), Some(CONTRACT_VERSION));
-        assert_eq!(v("0.4.1").supported(), Some(CONTRACT_VERSION));
+        assert_eq!(v("0.4.0").supported(), Some(v("0.4.1")));
+        assert_eq!(v("0.4.1").supported(), Some(v("0.4.1")));
+        assert_eq!(v("0.5.0").supported(), Some(CONTRACT_VERSION));
         assert_eq!(v("0.1.1").supported(), None);
         assert_eq!(v("0.4.2").supported(), None);
-        assert_eq!(v("0.5.0").supported(), None);
+        assert_eq!(v("0.5.1").supported(), None);
+        assert_eq!(v("0.6.0").supported(), None);
         assert_eq!(v("0.0.9").supported(), None);
     }
 

@@ -85,34 +85,62 @@ impl Host for CallState {
     }
 }
 
-/// The 0.3 `image` interface: the current one's function, its records copied across.
-mod v0_3_image {
-    use super::*;
-    use crate::contract::v0_3::mmgate::modality::image as old;
+/// The `image` interface of a superseded contract (`$version`: the module of its frozen bindings):
+/// the current one's functions, their records copied across; `rows` adds `decode-jpeg-rows`
+/// (0.4.1).
+macro_rules! previous_image_interface {
+    ($module:ident, $version:ident $(, $rows:ident)?) => {
+        mod $module {
+            use super::*;
+            use crate::contract::$version::mmgate::modality::image as old;
 
-    impl old::Host for CallState {
-        fn decode_jpeg(
-            &mut self,
-            data: Vec<u8>,
-            limits: old::ImageLimits,
-        ) -> Result<old::RgbImage, old::ImageError> {
-            let limits = ImageLimits {
-                max_width: limits.max_width,
-                max_height: limits.max_height,
-                max_pixels: limits.max_pixels,
-                max_scans: limits.max_scans,
-            };
-            match Host::decode_jpeg(self, data, limits) {
-                Ok(image) => Ok(old::RgbImage {
-                    width: image.width,
-                    height: image.height,
-                    rgb: image.rgb,
-                }),
-                Err(ImageError::InvalidMedia(m)) => Err(old::ImageError::InvalidMedia(m)),
-                Err(ImageError::Unsupported(m)) => Err(old::ImageError::Unsupported(m)),
-                Err(ImageError::LimitExceeded(m)) => Err(old::ImageError::LimitExceeded(m)),
-                Err(ImageError::Internal(m)) => Err(old::ImageError::Internal(m)),
+            fn limits(limits: old::ImageLimits) -> ImageLimits {
+                ImageLimits {
+                    max_width: limits.max_width,
+                    max_height: limits.max_height,
+                    max_pixels: limits.max_pixels,
+                    max_scans: limits.max_scans,
+                }
+            }
+
+            fn answer(answer: Result<RgbImage, ImageError>) -> Result<old::RgbImage, old::ImageError> {
+                match answer {
+                    Ok(image) => Ok(old::RgbImage {
+                        width: image.width,
+                        height: image.height,
+                        rgb: image.rgb,
+                    }),
+                    Err(ImageError::InvalidMedia(m)) => Err(old::ImageError::InvalidMedia(m)),
+                    Err(ImageError::Unsupported(m)) => Err(old::ImageError::Unsupported(m)),
+                    Err(ImageError::LimitExceeded(m)) => Err(old::ImageError::LimitExceeded(m)),
+                    Err(ImageError::Internal(m)) => Err(old::ImageError::Internal(m)),
+                }
+            }
+
+            impl old::Host for CallState {
+                fn decode_jpeg(
+                    &mut self,
+                    data: Vec<u8>,
+                    given: old::ImageLimits,
+                ) -> Result<old::RgbImage, old::ImageError> {
+                    answer(Host::decode_jpeg(self, data, limits(given)))
+                }
+
+                $(
+                fn $rows(
+                    &mut self,
+                    data: Vec<u8>,
+                    given: old::ImageLimits,
+                    first_row: u32,
+                    rows: u32,
+                ) -> Result<old::RgbImage, old::ImageError> {
+                    answer(Host::decode_jpeg_rows(self, data, limits(given), first_row, rows))
+                }
+                )?
             }
         }
-    }
+    };
 }
+
+previous_image_interface!(v0_4_image, v0_4, decode_jpeg_rows);
+previous_image_interface!(v0_3_image, v0_3);

@@ -35,13 +35,13 @@ pub mod video;
 
 pub use compile_cache::{CacheError, CompileCache};
 pub use contract::{
-    Budget, ByteSamples, CONTRACT_VERSION, Descriptor, Dtype, Media, MediaInfo, PluginError,
-    REPEATS_SUFFIX, ReducedItem, TABLE_SUFFIX, Tensor, TokenPlan, Version, companion_of,
-    f32_values, le_f32s, le_i64s, with_f32_values,
+    Budget, ByteSamples, CONTRACT_VERSION, Descriptor, Dtype, Media, MediaInfo, PartPlan,
+    PluginError, REPEATS_SUFFIX, ReducedItem, TABLE_SUFFIX, Tensor, TokenPlan, Version,
+    companion_of, f32_values, le_f32s, le_i64s, with_f32_values,
 };
 pub use error::{CallError, LoadError};
 pub use manifest::Manifest;
-pub use plugin::{LoadedPlugin, PluginOrigin};
-pub use pool::PluginPool;
+pub use plugin::{LoadedPlugin, PluginOrigin, tensor_bytes};
+pub use pool::{PluginPool, Started};
 pub use registry::{PluginRegistry, Rejected};
 pub use sandbox::{Sandbox, SandboxLimits};

@@ -11,8 +11,8 @@ use wasmtime::{Store, Trap};
 
 use crate::contract::{
     Budget, CONTRACT_VERSION, Descriptor, Media, MediaInfo, ModalityPlugin, ModalityPluginPre,
-    PLUGIN_INTERFACE, PluginError, ReducedItem, SUPPORTED_VERSIONS, Tensor, TokenPlan, Version,
-    v0_1, v0_2, v0_3,
+    PLUGIN_INTERFACE, PartPlan, PluginError, ReducedItem, SUPPORTED_VERSIONS, Tensor, TokenPlan,
+    Version, v0_1, v0_2, v0_3, v0_4,
 };
 use crate::error::{CallError, LoadError};
 use crate::sandbox::{CallState, Sandbox};
@@ -42,15 +42,18 @@ pub const MAX_PARTS: u32 = 1024;
 /// A component pre-linked against the bindings of the contract version it was built for.
 enum Pre {
     Current(ModalityPluginPre<CallState>),
+    V0_4(v0_4::ModalityPluginPre<CallState>),
     V0_3(v0_3::ModalityPluginPre<CallState>),
     V0_2(v0_2::ModalityPluginPre<CallState>),
     V0_1(v0_1::ModalityPluginPre<CallState>),
 }
 
 /// An instance of any served version. All export describe, probe, plan and preprocess over the same
-/// Rust types; 0.3 and later have `reduce`, only the current one `parts` and `preprocess-part`.
+/// Rust types; 0.3 and later have `reduce`, 0.4 and later `parts` and `preprocess-part`, only the
+/// current one `part-plans`.
 enum Instance {
     Current(ModalityPlugin),
+    V0_4(v0_4::ModalityPlugin),
     V0_3(v0_3::ModalityPlugin),
     V0_2(v0_2::ModalityPlugin),
     V0_1(v0_1::ModalityPlugin),
@@ -61,6 +64,10 @@ macro_rules! on_plugin {
     ($instance:expr, |$exports:ident| $call:expr) => {
         match $instance {
             Instance::Current(p) => {
+                let $exports = p.mmgate_modality_plugin();
+                $call
+            }
+            Instance::V0_4(p) => {
                 let $exports = p.mmgate_modality_plugin();
                 $call
             }
@@ -128,6 +135,9 @@ impl LoadedPlugin {
             }
             Some(3) => {
                 Pre::V0_3(v0_3::ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?)
+            }
+            Some(4) => {
+                Pre::V0_4(v0_4::ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?)
             }
             _ => Pre::Current(ModalityPluginPre::new(instance_pre).map_err(exports_mismatch)?),
         };
@@ -227,13 +237,17 @@ impl LoadedPlugin {
     /// `parts(plan, config)`: how many independent parts the planned item's tensors come in (contract
     /// 0.4; a plugin built against an earlier one makes every item whole: 1).
     pub fn parts(&self, plan: &TokenPlan, processor_config: &str) -> Result<u32, CallError> {
-        if !matches!(self.pre, Pre::Current(_)) {
+        if !self.makes_parts() {
             return Ok(1);
         }
         let config = processor_config.to_owned();
         let parts = self
             .call(|store, instance| match instance {
                 Instance::Current(p) => {
+                    p.mmgate_modality_plugin()
+                        .call_parts(&mut *store, plan, &config)
+                }
+                Instance::V0_4(p) => {
                     p.mmgate_modality_plugin()
                         .call_parts(&mut *store, plan, &config)
                 }
@@ -251,16 +265,104 @@ impl LoadedPlugin {
     /// Checks an item's parts, made one call each, against the output cap one `preprocess` call
     /// has: together they are the item, and may be no larger.
     pub fn check_parts_output(&self, parts: &[Vec<Tensor>]) -> Result<(), CallError> {
+        self.check_output_size(tensor_bytes(parts.iter().flatten()))
+    }
+
+    /// `size` bytes of an item's output against the cap one `preprocess` call has (parts handed
+    /// on one by one add up their sizes as they come).
+    pub fn check_output_size(&self, size: usize) -> Result<(), CallError> {
         let limit = self.sandbox.limits().max_output_bytes;
-        let size = parts
-            .iter()
-            .flatten()
-            .map(|t| t.data.len())
-            .fold(0usize, usize::saturating_add);
         if size > limit {
             return Err(CallError::OutputTooLarge { size, limit });
         }
         Ok(())
+    }
+
+    /// Part `index` as [`Self::preprocess_part`] makes it, checked against its entry of
+    /// `part-plans`: every placing tensor among the part's, the same in name, type, shape and
+    /// values (the host placed the part by them before it was made).
+    pub fn preprocess_planned_part(
+        &self,
+        media: &Media,
+        plan: &TokenPlan,
+        processor_config: &str,
+        index: u32,
+        part_plan: &PartPlan,
+    ) -> Result<Vec<Tensor>, CallError> {
+        let tensors = self.preprocess_part(media, plan, processor_config, index)?;
+        for placing in &part_plan.placing {
+            let same = |t: &&Tensor| {
+                t.name == placing.name
+                    && t.dtype == placing.dtype
+                    && t.shape == placing.shape
+                    && t.data == placing.data
+            };
+            if !tensors.iter().any(|t| same(&t)) {
+                return Err(CallError::Contract(format!(
+                    "part {index}'s {} is not the one its part plan gave",
+                    placing.name
+                )));
+            }
+        }
+        Ok(tensors)
+    }
+
+    /// Whether the plugin's contract has `parts` and `preprocess-part` (0.4 and later).
+    fn makes_parts(&self) -> bool {
+        matches!(self.pre, Pre::Current(_) | Pre::V0_4(_))
+    }
+
+    /// `part-plans(plan, config)`: where each of the item's `parts` parts goes, before any is made
+    /// (contract 0.5); `None` when the plugin cannot say (built against an earlier contract, or
+    /// it answers `unsupported`): its parts are placed once made. Checked: one entry per part,
+    /// the tokens adding up to the plan's, every placing tensor well formed.
+    pub fn part_plans(
+        &self,
+        plan: &TokenPlan,
+        processor_config: &str,
+        parts: u32,
+    ) -> Result<Option<Vec<PartPlan>>, CallError> {
+        if !matches!(self.pre, Pre::Current(_)) {
+            return Ok(None);
+        }
+        let config = processor_config.to_owned();
+        let plans = self.call(|store, instance| match instance {
+            Instance::Current(p) => {
+                p.mmgate_modality_plugin()
+                    .call_part_plans(&mut *store, plan, &config)
+            }
+            // Checked above: an older plugin is never asked.
+            _ => Err(wasmtime::format_err!(
+                "part-plans called on a plugin of contract {}",
+                self.contract
+            )),
+        })?;
+        let plans = match plans {
+            Ok(plans) => plans,
+            Err(PluginError::Unsupported(_)) => return Ok(None),
+            Err(error) => return Err(CallError::Plugin(error)),
+        };
+        if plans.len() != parts as usize {
+            return Err(CallError::Contract(format!(
+                "part-plans returned {} entries for {parts} parts",
+                plans.len()
+            )));
+        }
+        let tokens = plans
+            .iter()
+            .try_fold(0u32, |sum, part| sum.checked_add(part.tokens));
+        if tokens != Some(plan.tokens) {
+            return Err(CallError::Contract(format!(
+                "part-plans' tokens add up to {}, not the plan's {}",
+                tokens.map_or_else(|| "more than 2^32".into(), |t| t.to_string()),
+                plan.tokens
+            )));
+        }
+        plans
+            .iter()
+            .flat_map(|part| &part.placing)
+            .try_for_each(Tensor::validate)?;
+        Ok(Some(plans))
     }
 
     /// `preprocess-part(media, plan, config, index)`: the tensors of one part, checked as
@@ -272,7 +374,7 @@ impl LoadedPlugin {
         processor_config: &str,
         index: u32,
     ) -> Result<Vec<Tensor>, CallError> {
-        if !matches!(self.pre, Pre::Current(_)) {
+        if !self.makes_parts() {
             return match index {
                 0 => self.preprocess(media, plan, processor_config),
                 _ => Err(CallError::Contract(format!(
@@ -285,6 +387,13 @@ impl LoadedPlugin {
         let tensors = self
             .call(|store, instance| match instance {
                 Instance::Current(p) => p.mmgate_modality_plugin().call_preprocess_part(
+                    &mut *store,
+                    media,
+                    plan,
+                    &config,
+                    index,
+                ),
+                Instance::V0_4(p) => p.mmgate_modality_plugin().call_preprocess_part(
                     &mut *store,
                     media,
                     plan,
@@ -340,6 +449,10 @@ impl LoadedPlugin {
                     p.mmgate_modality_plugin()
                         .call_reduce(&mut *store, media, plan, &config)
                 }
+                Instance::V0_4(p) => {
+                    p.mmgate_modality_plugin()
+                        .call_reduce(&mut *store, media, plan, &config)
+                }
                 Instance::V0_3(p) => {
                     p.mmgate_modality_plugin()
                         .call_reduce(&mut *store, media, plan, &config)
@@ -389,6 +502,7 @@ impl LoadedPlugin {
         store.set_hostcall_fuel(limits.max_output_bytes.saturating_add(HOSTCALL_FUEL_SLACK));
         let instance = match &self.pre {
             Pre::Current(pre) => pre.instantiate(&mut store).map(Instance::Current),
+            Pre::V0_4(pre) => pre.instantiate(&mut store).map(Instance::V0_4),
             Pre::V0_3(pre) => pre.instantiate(&mut store).map(Instance::V0_3),
             Pre::V0_2(pre) => pre.instantiate(&mut store).map(Instance::V0_2),
             Pre::V0_1(pre) => pre.instantiate(&mut store).map(Instance::V0_1),
@@ -396,6 +510,14 @@ impl LoadedPlugin {
         let result = instance.and_then(|instance| f(&mut store, &instance));
         result.map_err(|error| classify(error, store.data(), &self.sandbox))
     }
+}
+
+/// Bytes of tensor data, saturating.
+pub fn tensor_bytes<'t>(tensors: impl IntoIterator<Item = &'t Tensor>) -> usize {
+    tensors
+        .into_iter()
+        .map(|t| t.data.len())
+        .fold(0usize, usize::saturating_add)
 }
 
 /// Room above `max_output_bytes` in wasmtime's copy budget for everything that is not tensor data

@@ -89,9 +89,23 @@ impl PluginPool {
         &self,
         call: impl FnOnce() -> Result<R, CallError> + Send + 'static,
     ) -> Result<R, CallError> {
+        self.start(call)?.wait().await
+    }
+
+    /// Queue `call` now (before anything awaits: calls started one after another run in that
+    /// order) and hand back where its result will come; refused at once when the queue is full.
+    pub fn start<R: Send + 'static>(
+        &self,
+        call: impl FnOnce() -> Result<R, CallError> + Send + 'static,
+    ) -> Result<Started<R>, CallError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let running = self.running.clone();
         let job: Job = Box::new(move || {
+            // A caller gone before its call began (a request ended while its later parts
+            // queued) wants nothing: the call is skipped.
+            if tx.is_closed() {
+                return;
+            }
             // Counted out before the caller hears back, so that what it asks next sees this worker
             // free again.
             let result = {
@@ -110,7 +124,18 @@ impl PluginPool {
             },
             TrySendError::Disconnected(_) => CallError::Host("the plugin pool is shut down".into()),
         })?;
-        rx.await
+        Ok(Started(rx))
+    }
+}
+
+/// A call queued by [`PluginPool::start`]: its result, once a worker has run it.
+#[derive(Debug)]
+pub struct Started<R>(tokio::sync::oneshot::Receiver<Result<R, CallError>>);
+
+impl<R> Started<R> {
+    pub async fn wait(self) -> Result<R, CallError> {
+        self.0
+            .await
             .map_err(|_| CallError::Host("the plugin call panicked in the host".into()))?
     }
 }

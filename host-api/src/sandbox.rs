@@ -16,7 +16,7 @@ use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConf
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::compile_cache::CompileCache;
-use crate::contract::{LogLevel, ModalityPlugin, mmgate, v0_1, v0_2, v0_3};
+use crate::contract::{LogLevel, ModalityPlugin, mmgate, v0_1, v0_2, v0_3, v0_4};
 use crate::error::LoadError;
 
 /// How often the epoch advances. A deadline is rounded up to whole ticks, so a call overruns its
@@ -119,6 +119,8 @@ impl Sandbox {
         ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
             .map_err(engine_error)?;
         // The imports of the earlier contracts, for plugins built against them (types are shared).
+        v0_4::ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
+            .map_err(engine_error)?;
         v0_3::ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
             .map_err(engine_error)?;
         v0_2::ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
@@ -369,6 +371,7 @@ macro_rules! previous_host_interface {
     };
 }
 
+previous_host_interface!(v0_4);
 previous_host_interface!(v0_3);
 previous_host_interface!(v0_2);
 previous_host_interface!(v0_1);

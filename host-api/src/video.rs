@@ -206,5 +206,6 @@ macro_rules! previous_video_interface {
     };
 }
 
+previous_video_interface!(v0_4_video, v0_4);
 previous_video_interface!(v0_3_video, v0_3);
 previous_video_interface!(v0_2_video, v0_2);

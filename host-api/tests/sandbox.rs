@@ -309,16 +309,77 @@ fn an_items_parts_are_capped_in_number_and_in_bytes_together() {
     let made = run("parts:3:300").unwrap();
     assert_eq!(made.len(), 3);
     assert_eq!(made[2][0].data, vec![2u8; 300]);
-    // Each part fits one call's cap; together they do not.
+    // Each part fits one call's cap; together they do not (300 bytes and a 1-byte index each).
     assert!(matches!(
         run("parts:4:300"),
         Err(CallError::OutputTooLarge {
-            size: 1200,
+            size: 1204,
             limit: 1000
         })
     ));
     assert!(matches!(run("parts:0:1"), Err(CallError::Contract(_))));
     assert!(matches!(run("parts:5000:1"), Err(CallError::Contract(_))));
+}
+
+#[test]
+fn parts_placed_beforehand_are_held_to_their_part_plans() {
+    let plugin = test_plugin();
+    let item = media(b"parts:3:10");
+    let info = plugin.probe(&item).unwrap();
+    let plan = plugin.plan(&info, Budget { max_tokens: 10 }, "{}").unwrap();
+    let plans = plugin.part_plans(&plan, "{}", 3).unwrap().unwrap();
+    assert_eq!(
+        plans.iter().map(|p| p.tokens).collect::<Vec<_>>(),
+        [plan.tokens, 0, 0]
+    );
+    for (index, part_plan) in plans.iter().enumerate() {
+        let part = plugin
+            .preprocess_planned_part(&item, &plan, "{}", index as u32, part_plan)
+            .unwrap();
+        assert_eq!(part[0].data, vec![index as u8; 10]);
+    }
+    // A part unlike its plan (here: part 1 under part 0's) is refused.
+    assert!(matches!(
+        plugin.preprocess_planned_part(&item, &plan, "{}", 1, &plans[0]),
+        Err(CallError::Contract(m)) if m.contains("index")
+    ));
+    // Plans for another count of parts are refused.
+    assert!(matches!(
+        plugin.part_plans(&plan, "{}", 4),
+        Err(CallError::Contract(_))
+    ));
+}
+
+#[test]
+fn a_plugin_built_against_contract_0_4_is_still_served_in_parts_placed_once_made() {
+    let sandbox = Arc::new(Sandbox::new(limits()).unwrap());
+    let path = artifact_dir().join("testing-v0_4.wasm");
+    let bytes = std::fs::read(&path).unwrap();
+    let plugin = LoadedPlugin::load(sandbox, &bytes, PluginOrigin::File(path)).unwrap();
+    assert_eq!(plugin.contract_version().to_string(), "0.4.1");
+    let photo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/image/images/photo-640x480.jpg");
+    let item = Media {
+        data: std::fs::read(photo).unwrap(),
+        mime_type: Some("image/jpeg".into()),
+    };
+    let info = plugin.probe(&item).unwrap();
+    let plan = plugin
+        .plan(&info, Budget { max_tokens: 480 }, "{}")
+        .unwrap();
+    let whole = plugin.preprocess(&item, &plan, "{}").unwrap();
+    // Its parts go through 0.4.1's row decoder, and are the whole's rows.
+    assert_eq!(plugin.parts(&plan, "{}").unwrap(), 2);
+    let parts: Vec<u8> = (0..2)
+        .flat_map(|i| {
+            let part = plugin.preprocess_part(&item, &plan, "{}", i).unwrap();
+            assert_eq!(part[0].shape, [240, 640, 3]);
+            part[0].data.clone()
+        })
+        .collect();
+    assert!(parts == whole[0].data);
+    // 0.4 has no part plans: its parts are placed once made.
+    assert!(plugin.part_plans(&plan, "{}", 2).unwrap().is_none());
 }
 
 #[test]

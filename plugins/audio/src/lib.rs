@@ -97,6 +97,34 @@ impl Plugin for AudioPlugin {
         u32::try_from(Processor::parts(&choices)).map_err(|_| PluginError::limit("too many chunks"))
     }
 
+    /// Each part's tokens, from the plan's per-chunk counts: an audio model places its tokens by
+    /// count alone (one run, plain positions), so nothing else is needed beforehand.
+    fn part_plans(plan: TokenPlan, config: ProcessorConfig) -> PluginResult<Vec<PartPlan>> {
+        let processor = Processor::from_config(&config)?;
+        let choices: Choices = plan.choices()?;
+        if choices.parts_source_rate.is_none() {
+            return Ok(vec![PartPlan {
+                tokens: plan.tokens,
+                placing: Vec::new(),
+            }]);
+        }
+        (0..Processor::parts(&choices))
+            .map(|index| {
+                let (_, chunks) = processor.part(&choices, index)?;
+                let tokens = choices
+                    .chunk_tokens
+                    .get(chunks)
+                    .ok_or_else(|| PluginError::internal("the plan has no such chunks"))?
+                    .iter()
+                    .sum();
+                Ok(PartPlan {
+                    tokens,
+                    placing: Vec::new(),
+                })
+            })
+            .collect()
+    }
+
     /// A part's chunks, bit for bit as `preprocess` makes them: the file decoded up to the part's
     /// end, only the samples its resampling needs mixed, then its chunks' features.
     fn preprocess_part(

@@ -38,8 +38,8 @@ pub mod bindings {
 pub mod files;
 
 pub use bindings::mmgate::modality::types::{
-    Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, PluginError, ProcessorConfig,
-    ReducedItem, Tensor, TokenPlan,
+    Budget, Descriptor, Dtype, Media, MediaInfo, OverBudget, PartPlan, PluginError,
+    ProcessorConfig, ReducedItem, Tensor, TokenPlan,
 };
 
 /// The functions a plugin exports (the contract's `plugin` interface), as a plugin author writes
@@ -96,6 +96,19 @@ pub trait Plugin {
             ))),
         }
     }
+
+    /// Where each part goes before any is made (contract 0.5): per part, its tokens and the
+    /// small tensors [`Plugin::preprocess_part`] will return that place it in the prompt (a video
+    /// part's `video_grid_thw` and frame timing: the same names, types and values), computed from
+    /// the plan alone. With it the gateway hands the request to the engine at once and each part
+    /// to the encoder as soon as it is made, so the model starts on an item before its last part
+    /// exists. The default answers `unsupported`: the parts are then placed once all are made.
+    fn part_plans(plan: TokenPlan, config: ProcessorConfig) -> PluginResult<Vec<PartPlan>> {
+        let _ = (plan, config);
+        Err(PluginError::unsupported(
+            "this plugin does not place its parts before making them",
+        ))
+    }
 }
 
 /// Exports `$plugin` (a type implementing [`Plugin`]) as the component's `plugin` interface.
@@ -146,6 +159,12 @@ macro_rules! export_plugin {
                 index: u32,
             ) -> $crate::PluginResult<::std::vec::Vec<$crate::Tensor>> {
                 <$plugin as $crate::Plugin>::preprocess_part(media, plan, config, index)
+            }
+            fn part_plans(
+                plan: $crate::TokenPlan,
+                config: $crate::ProcessorConfig,
+            ) -> $crate::PluginResult<::std::vec::Vec<$crate::PartPlan>> {
+                <$plugin as $crate::Plugin>::part_plans(plan, config)
             }
         }
 

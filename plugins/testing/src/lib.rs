@@ -14,7 +14,7 @@
 //! | `fail`             | returns a typed `invalid-media` error                             |
 //! | `escape`           | tries the filesystem, environment and arguments; reports what it saw |
 //! | `odd-grid`         | Qwen2-VL image patches on a 1x3x4 grid: 3 tokens as planned, but no 2x2 merge fits it, so a model's encoder fails on it (the encode-error policy) |
-//! | `parts:N:B`        | made in `N` parts (contract 0.4), each a `B`-byte tensor (the host's caps on parts) |
+//! | `parts:N:B`        | made in `N` parts (contract 0.4), each a `B`-byte tensor (the host's caps on parts) and its index, placed beforehand by that index (0.5) |
 //!
 //! `probe` and `plan` are always well-behaved. Besides its own `test` modality it serves `image`,
 //! so a chat request can send it an image part (as `application/x-mmgate-test`, which nothing else
@@ -94,13 +94,25 @@ impl Plugin for TestPlugin {
         index: u32,
     ) -> PluginResult<Vec<Tensor>> {
         match parts_command(&media.data) {
-            Some((_, bytes)) => Ok(vec![Tensor::from_u8(
-                "part",
-                &[bytes],
-                vec![index as u8; bytes],
-            )?]),
+            Some((_, bytes)) => Ok(vec![
+                Tensor::from_u8("part", &[bytes], vec![index as u8; bytes])?,
+                part_index(index)?,
+            ]),
             None => Self::preprocess(media, plan, config),
         }
+    }
+
+    /// The first part takes the item's one token; each is placed by its index.
+    fn part_plans(plan: TokenPlan, config: ProcessorConfig) -> PluginResult<Vec<PartPlan>> {
+        let parts = Self::parts(plan.clone(), config)?;
+        (0..parts)
+            .map(|index| {
+                Ok(PartPlan {
+                    tokens: if index == 0 { plan.tokens } else { 0 },
+                    placing: vec![part_index(index)?],
+                })
+            })
+            .collect()
     }
 
     fn preprocess(
@@ -158,6 +170,11 @@ impl Plugin for TestPlugin {
 /// cannot be merged 2x2.
 const ODD_GRID: [i64; 3] = [1, 3, 4];
 const ODD_GRID_TOKENS: u32 = 3;
+
+/// What places part `index`: its index.
+fn part_index(index: u32) -> PluginResult<Tensor> {
+    Tensor::from_u8("index", &[1], vec![index as u8])
+}
 
 /// `parts:N:B`: `N` parts of `B` bytes each.
 fn parts_command(data: &[u8]) -> Option<(u32, usize)> {

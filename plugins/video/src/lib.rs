@@ -50,6 +50,9 @@ pub struct Choices {
     pub source_frames: u64,
     /// Frames a second of the chosen frames, as qwen-vl-utils computes it.
     pub sample_fps: f64,
+    /// The source's frame rate as its f64 bits (JSON numbers need not parse back to the same
+    /// float; integers do): every part's `video_fps_f64_bits`, known from the plan alone.
+    pub source_fps_bits: u64,
 }
 
 impl Plugin for VideoPlugin {
@@ -104,6 +107,7 @@ impl Plugin for VideoPlugin {
             width,
             height,
             source_frames: source.frames,
+            source_fps_bits: source.fps.to_bits(),
         };
         let tokens = |frames: usize, (h, w): (usize, usize)| {
             (frames / FRAME_FACTOR) * (h / config.factor()) * (w / config.factor())
@@ -226,6 +230,28 @@ impl Plugin for VideoPlugin {
             &config,
             first..(first + PAIRS_PER_PART).min(pairs),
         )
+    }
+
+    /// Each part's tokens and its placing tensors, from the plan alone: the same values
+    /// [`temporal_patches`] returns beside the pixels (one function makes both).
+    fn part_plans(plan: TokenPlan, config: ProcessorConfig) -> PluginResult<Vec<PartPlan>> {
+        let config = VideoConfig::parse(&config)?;
+        let choices: Choices = plan.choices()?;
+        let pairs = choices.frame_indices.len() / FRAME_FACTOR;
+        (0..pairs.div_ceil(PAIRS_PER_PART).max(1))
+            .map(|part| {
+                let first = part * PAIRS_PER_PART;
+                let run = first..(first + PAIRS_PER_PART).min(pairs);
+                let tokens = run.len()
+                    * (choices.height / config.factor())
+                    * (choices.width / config.factor());
+                Ok(PartPlan {
+                    tokens: u32::try_from(tokens)
+                        .map_err(|_| PluginError::limit("too many tokens"))?,
+                    placing: placing_tensors(&choices, &config, run)?,
+                })
+            })
+            .collect()
     }
 
     /// The chosen frames only, each at the planned size as a PNG, with its timestamp: a server
@@ -433,26 +459,44 @@ fn temporal_patches(
         let refs: Vec<&RgbImage> = slots.iter().map(|&s| &resized[s]).collect();
         qwen2vl_frame_patches(&refs, patch, merge, &mut pixels);
     }
+    let mut tensors = vec![
+        Tensor::from_u8("pixel_values_videos", &[rows, row_len], pixels)?,
+        Tensor::from_f32("pixel_values_videos_table", &[3, 256], &table)?,
+        Tensor::from_f32("frame_timestamps", &[timestamps.len()], &timestamps)?,
+    ];
+    tensors.extend(placing_tensors(choices, &config, pairs)?);
+    Ok(tensors)
+}
+
+/// The tensors that place temporal patches `pairs` of the planned video in the prompt, which the
+/// plan alone decides: their grid, their frames' indices and timing.
+fn placing_tensors(
+    choices: &Choices,
+    config: &VideoConfig,
+    pairs: std::ops::Range<usize>,
+) -> PluginResult<Vec<Tensor>> {
+    let frames = choices
+        .frame_indices
+        .get(pairs.start * config.temporal..pairs.end * config.temporal)
+        .filter(|f| !f.is_empty())
+        .ok_or_else(|| PluginError::internal("the plan has no such temporal patches"))?;
     let grid = [
         pairs.len() as i64,
-        (height / patch) as i64,
-        (width / patch) as i64,
+        (choices.height / config.patch) as i64,
+        (choices.width / config.patch) as i64,
     ];
     let indices: Vec<i64> = frames.iter().map(|&i| i as i64).collect();
     let second_per_grid = config.temporal as f32 / choices.sample_fps as f32;
     Ok(vec![
-        Tensor::from_u8("pixel_values_videos", &[rows, row_len], pixels)?,
-        Tensor::from_f32("pixel_values_videos_table", &[3, 256], &table)?,
         Tensor::from_i64("video_grid_thw", &[1, 3], &grid)?,
         Tensor::from_i64("frame_indices", &[indices.len()], &indices)?,
-        Tensor::from_f32("frame_timestamps", &[timestamps.len()], &timestamps)?,
         Tensor::from_f32("second_per_grid_ts", &[1], &[second_per_grid])?,
         // The source's frame rate in double precision (the contract has no f64): Qwen3-VL's
         // prompt shows each temporal patch's time, computed from it as transformers does.
         Tensor::from_i64(
             "video_fps_f64_bits",
             &[1],
-            &[video.info().fps.to_bits() as i64],
+            &[choices.source_fps_bits as i64],
         )?,
     ])
 }
