@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::handoff::Handoff;
 use crate::backend::{Backend, ByteSamplesView};
 use crate::error::{Error, Result};
 use crate::models::qwen2_audio::AudioEncoder;
@@ -30,6 +31,13 @@ pub enum EncodeInput {
     Embeddings {
         embeddings: Arc<Vec<f32>>,
         grid: Option<Grid>,
+    },
+    /// A piece of an item still being made when its request was submitted: placed now by its
+    /// grid (a vision piece's; `None` for audio), encoded when its input arrives through the
+    /// handoff (see [`Handoff`]).
+    Later {
+        grid: Option<Grid>,
+        handoff: Arc<Handoff>,
     },
 }
 
@@ -151,12 +159,13 @@ impl EncoderKind {
 }
 
 impl EncodeInput {
-    /// The encoder it needs; `None` for embeddings, which need none.
+    /// The encoder it needs; `None` for embeddings, which need none, and for an input still to
+    /// come, which is not encodable yet.
     pub fn kind(&self) -> Option<EncoderKind> {
         match self {
             Self::Vision { .. } => Some(EncoderKind::Vision),
             Self::Audio { .. } => Some(EncoderKind::Audio),
-            Self::Embeddings { .. } => None,
+            Self::Embeddings { .. } | Self::Later { .. } => None,
         }
     }
 
@@ -166,6 +175,7 @@ impl EncodeInput {
             Self::Vision { pixel_values, .. } => pixel_values.bytes(),
             Self::Audio { features, .. } => 4 * features.len(),
             Self::Embeddings { embeddings, .. } => 4 * embeddings.len(),
+            Self::Later { .. } => 0,
         }
     }
 
@@ -193,6 +203,12 @@ impl EncodeInput {
                     hash_grid(h, grid);
                 }
                 hash_f32s(h, embeddings);
+            }
+            // Not content: no other request can have made the same piece yet, so it is named
+            // by its handoff alone (and never shared).
+            Self::Later { handoff, .. } => {
+                h.update(b"later");
+                h.update(&handoff.id().to_le_bytes());
             }
         }
     }

@@ -10,6 +10,7 @@
 //! request, and its KV cache and feature pins are released at once.
 
 pub mod encoder;
+pub mod handoff;
 pub mod pool;
 pub mod store;
 
@@ -24,6 +25,7 @@ use crossbeam_channel::{Receiver, Sender};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 pub use encoder::{EncodeInput, Encoder, EncoderKind, PixelSource, PixelValues};
+pub use handoff::{Delivery, Handed, Handoff};
 pub use pool::{BatchObserver, BatchReport, DeviceSpec, EncoderPool, SharedFeatures};
 pub use store::{FeatureKey, FeatureState, FeatureStore, StoreStats};
 
@@ -533,7 +535,14 @@ impl<L: Backend> Scheduler<L> {
                         &item.processor_config,
                         &item.input,
                     );
-                    match self.store.pin(key) {
+                    let pinned = match item.input.as_ref() {
+                        EncodeInput::Later { .. } => {
+                            self.store.pin_once(key);
+                            store::Pinned::MustEncode
+                        }
+                        _ => self.store.pin(key),
+                    };
+                    match pinned {
                         store::Pinned::Shared => cached_media += 1,
                         store::Pinned::MustEncode => {
                             let piece_of = item.piece.map(|p| (self.request_serial, p.item));
@@ -557,12 +566,32 @@ impl<L: Backend> Scheduler<L> {
                 store.complete(key, result);
                 let _ = wake.send(());
             };
-            let submitted = match piece_of {
-                // One id per item of one request: its pieces are batched apart.
-                Some((request, item)) => {
-                    self.pool
-                        .submit_piece(input, (request << 16) ^ item as u64, done)
-                }
+            // One id per item of one request: its pieces are batched apart.
+            let piece_id = piece_of.map(|(request, item)| (request << 16) ^ item as u64);
+            if let EncodeInput::Later { handoff, .. } = input.as_ref() {
+                let (pool, store) = (self.pool.clone(), self.store.clone());
+                handoff.attach(move |handed| {
+                    // A request that ended meanwhile released its pin: nothing waits for it.
+                    if store.state(&key).is_none() {
+                        return;
+                    }
+                    let input = match handed {
+                        Ok(input) => Arc::new(input),
+                        Err(message) => return done(Err(message)),
+                    };
+                    let (fail, failing) = (store.clone(), key);
+                    let submitted = match piece_id {
+                        Some(id) => pool.submit_piece(input, id, done),
+                        None => pool.submit_shared(input, None, done),
+                    };
+                    if let Err(e) = submitted {
+                        fail.complete(failing, Err(e.to_string()));
+                    }
+                });
+                continue;
+            }
+            let submitted = match piece_id {
+                Some(id) => self.pool.submit_piece(input, id, done),
                 None => self.pool.submit_shared(input, share_key, done),
             };
             if let Err(e) = submitted {
@@ -910,15 +939,20 @@ fn media_spans(media: &[MediaItem], rows: &[Range<usize>]) -> Result<Vec<MediaSp
             EncodeInput::Vision { grid, .. }
             | EncodeInput::Embeddings {
                 grid: Some(grid), ..
+            }
+            | EncodeInput::Later {
+                grid: Some(grid), ..
             } => Ok(MediaSpan {
                 token: media[i].placeholder,
                 grid: media[i].part.map_or(*grid, |part| part.grid),
                 time_interval: media[i].time_interval,
                 continues_at: media[i].piece.and_then(|p| p.continues_at),
             }),
-            EncodeInput::Embeddings { grid: None, .. } => Err(Error::Input(
-                "embeddings without their grid in an M-RoPE (vision) model".into(),
-            )),
+            EncodeInput::Embeddings { grid: None, .. } | EncodeInput::Later { grid: None, .. } => {
+                Err(Error::Input(
+                    "embeddings without their grid in an M-RoPE (vision) model".into(),
+                ))
+            }
             EncodeInput::Audio { .. } => {
                 Err(Error::Input("audio in an M-RoPE (vision) model".into()))
             }

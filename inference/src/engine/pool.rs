@@ -178,10 +178,15 @@ impl EncoderPool {
         done: impl FnOnce(EncodeResult) + Send + 'static,
     ) -> Result<()> {
         let Some(kind) = input.kind() else {
-            if let EncodeInput::Embeddings { embeddings, .. } = input.as_ref() {
-                done(Ok(embeddings.clone()));
-            }
-            return Ok(());
+            return match input.as_ref() {
+                EncodeInput::Embeddings { embeddings, .. } => {
+                    done(Ok(embeddings.clone()));
+                    Ok(())
+                }
+                _ => Err(Error::Input(
+                    "a piece whose input has not arrived cannot be encoded".into(),
+                )),
+            };
         };
         let device = self
             .devices

@@ -41,6 +41,9 @@ struct Entry {
     state: FeatureState,
     pins: usize,
     last_used: u64,
+    /// Kept as cache once unpinned; not for content no other request can ask for (see
+    /// [`FeatureStore::pin_once`]).
+    cacheable: bool,
 }
 
 impl Entry {
@@ -122,12 +125,32 @@ impl FeatureStore {
                         state: FeatureState::Encoding,
                         pins: 1,
                         last_used: now,
+                        cacheable: true,
                     },
                 );
                 inner.stats.misses += 1;
                 Pinned::MustEncode
             }
         }
+    }
+
+    /// Pins a key no other request will ask for (a piece named by its handoff before its input
+    /// exists): always to be encoded, and gone as soon as it is unpinned, whatever its state, so
+    /// that it never takes cache room and a result arriving after its request ended is dropped.
+    pub fn pin_once(&self, key: FeatureKey) {
+        let mut inner = self.lock();
+        inner.clock += 1;
+        let last_used = inner.clock;
+        inner.entries.insert(
+            key,
+            Entry {
+                state: FeatureState::Encoding,
+                pins: 1,
+                last_used,
+                cacheable: false,
+            },
+        );
+        inner.stats.misses += 1;
     }
 
     /// Records an encoder result. If no request holds the entry any more it becomes cache (or goes).
@@ -155,12 +178,12 @@ impl FeatureStore {
         Self::settle(&mut inner, self.cache_budget);
     }
 
-    /// Drops unpinned failures, then evicts unpinned ready entries, least recently used first,
+    /// Drops unpinned failures and uncacheable entries, then evicts unpinned ready entries, least recently used first,
     /// until the cache fits its budget. Unpinned entries still encoding stay until they complete.
     fn settle(inner: &mut Inner, budget: usize) {
-        inner
-            .entries
-            .retain(|_, e| e.pins > 0 || !matches!(e.state, FeatureState::Failed(_)));
+        inner.entries.retain(|_, e| {
+            e.pins > 0 || (e.cacheable && !matches!(e.state, FeatureState::Failed(_)))
+        });
         loop {
             let cached: usize = inner
                 .entries
