@@ -1163,9 +1163,9 @@ fn qwen3_vl_takes_images_and_videos() {
     assert!(around_video >= 2 + 3 * patches, "{around_video} {body}");
 }
 
-/// A long lossless clip is made in its plugin's parts and flows through the engine in pieces: the
-/// same answer and prompt as the same model taking it whole (`media_parts = false`), and the engine
-/// counts the pieced item. (Two plugin threads, whatever the machine: an item is made in parts only
+/// A long lossless clip is made in its plugin's parts, placed before they are made and handed to
+/// the engine one by one (contract 0.5), flowing through it in pieces: the same answer and prompt
+/// as the same model taking it whole (`media_parts = false`), and the engine counts the pieced item. (Two plugin threads, whatever the machine: an item is made in parts only
 /// while at least two are idle.)
 #[test]
 fn a_long_audio_clip_in_pieces_answers_as_it_does_whole() {
@@ -1193,6 +1193,10 @@ fn a_long_audio_clip_in_pieces_answers_as_it_does_whole() {
     }
     // The usage's account says how each was made.
     assert_eq!(pieces["usage"]["media"][0]["parts"], 2, "{pieces}");
+    assert_eq!(
+        pieces["usage"]["media"][0]["parts_streamed"], true,
+        "{pieces}"
+    );
     assert!(whole["usage"]["media"][0].get("parts").is_none(), "{whole}");
     assert_eq!(
         pieces["choices"][0]["message"]["content"],

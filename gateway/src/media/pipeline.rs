@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use mmgate_host::{
-    Budget, Descriptor, LoadedPlugin, Media, MediaInfo, PluginPool, PluginRegistry, ReducedItem,
-    Tensor, TokenPlan,
+    Budget, CallError, Descriptor, LoadedPlugin, Media, MediaInfo, PartPlan, PluginPool,
+    PluginRegistry, ReducedItem, Started, Tensor, TokenPlan,
 };
 use serde_json::{Value, json};
 
@@ -106,12 +106,42 @@ fn serves_processor(descriptor: &Descriptor, processors: &[String]) -> bool {
 /// What an item's last plugin call makes of it, once planned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Produce {
-    /// The tensors this gateway's encoders take: in the plugin's parts (contract 0.4), made on
-    /// several instances at once, if `parts`; whole (`preprocess`) otherwise, and when the plugin
-    /// makes the item whole or it is looked up in the shared cache (whose entries are whole items).
-    Tensors { parts: bool },
+    /// The tensors this gateway's encoders take, made as `parts` says; whole (`preprocess`)
+    /// whatever it says when the plugin makes the item whole or it is looked up in the shared
+    /// cache (whose entries are whole items).
+    Tensors { parts: Parts },
     /// `reduce`: the item as planned, as files for a model server that preprocesses itself.
     Files,
+}
+
+/// Whether an item is made in the plugin's parts (contract 0.4) on several instances at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Parts {
+    /// Whole, by one `preprocess` call.
+    Whole,
+    /// In parts, all made before the item is handed on.
+    Made,
+    /// In parts handed on one by one as each is made ([`Coming`]), when the plugin places them
+    /// beforehand (contract 0.5's `part-plans`); otherwise as [`Parts::Made`].
+    Coming,
+}
+
+/// An item's parts still being made, each placed beforehand by its part plan: the plans, and each
+/// part's call, all already queued on the plugin pool in order.
+pub struct Coming {
+    pub plans: Vec<PartPlan>,
+    pub parts: Vec<Started<Vec<Tensor>>>,
+}
+
+impl Coming {
+    /// Every part, once all are made (for a model that must see the item whole).
+    pub async fn all(self) -> Result<Vec<Vec<Tensor>>, CallError> {
+        let mut parts = Vec::with_capacity(self.parts.len());
+        for part in self.parts {
+            parts.push(part.wait().await?);
+        }
+        Ok(parts)
+    }
 }
 
 /// What running one item produced.
@@ -122,6 +152,8 @@ pub struct Processed {
     pub tensors: Vec<Tensor>,
     /// Each part's tensors, in order, when the item was made in more than one.
     pub parts: Vec<Vec<Tensor>>,
+    /// The parts still being made, when they are handed on as each is made.
+    pub coming: Option<Coming>,
     /// `reduce`'s files, when those were asked for.
     pub files: Option<ReducedItem>,
     /// The encoder's output, when another replica had made it (`tensors` then hold only what
@@ -187,6 +219,7 @@ pub fn process_together(
             plan,
             tensors,
             parts: Vec::new(),
+            coming: None,
             files: None,
             encoded: None,
             share_key: None,
@@ -275,12 +308,28 @@ pub async fn process_concurrently(
             );
             async move {
                 let started = Instant::now();
-                if produce == (Produce::Tensors { parts: true }) && lookup.is_none() {
+                if let (Produce::Tensors { parts }, None) = (produce, &lookup)
+                    && parts != Parts::Whole
+                {
                     let (plugin, media, plan, config) =
                         (plugin.clone(), media.clone(), plan.clone(), config.clone());
-                    let pieces = made_in_parts(pool, plugin, media, plan, config).await;
-                    if let Some(parts) = pieces.map_err(plugin_error(item))? {
-                        return Ok(((Vec::new(), parts, None, None), None, started.elapsed()));
+                    let made = made_in_parts(pool, plugin, media, plan, config, parts).await;
+                    match made.map_err(plugin_error(item))? {
+                        MadeParts::Whole => {}
+                        MadeParts::Made(parts) => {
+                            let output = Output {
+                                parts,
+                                ..Output::default()
+                            };
+                            return Ok((output, None, started.elapsed()));
+                        }
+                        MadeParts::Coming(coming) => {
+                            let output = Output {
+                                coming: Some(coming),
+                                ..Output::default()
+                            };
+                            return Ok((output, None, started.elapsed()));
+                        }
                     }
                 }
                 pool.run(move || {
@@ -292,15 +341,23 @@ pub async fn process_concurrently(
                         _ => (None, None),
                     };
                     let output = match (produce, known) {
-                        (_, Some(known)) => {
-                            Ok((known.tensors, Vec::new(), None, Some(known.features)))
-                        }
+                        (_, Some(known)) => Ok(Output {
+                            tensors: known.tensors,
+                            encoded: Some(known.features),
+                            ..Output::default()
+                        }),
                         (Produce::Tensors { .. }, None) => plugin
                             .preprocess(&media, &plan, &config)
-                            .map(|tensors| (tensors, Vec::new(), None, None)),
-                        (Produce::Files, None) => plugin
-                            .reduce(&media, &plan, &config)
-                            .map(|files| (Vec::new(), Vec::new(), Some(files), None)),
+                            .map(|tensors| Output {
+                                tensors,
+                                ..Output::default()
+                            }),
+                        (Produce::Files, None) => {
+                            plugin.reduce(&media, &plan, &config).map(|files| Output {
+                                files: Some(files),
+                                ..Output::default()
+                            })
+                        }
                     };
                     output.map(|output| (output, share_key, started.elapsed()))
                 })
@@ -319,60 +376,116 @@ pub async fn process_concurrently(
         .zip(outputs)
         .enumerate()
         .map(
-            |(item, ((info, plan), ((tensors, parts, files, encoded), share_key, preprocess)))| {
-                Processed {
-                    info,
-                    plan,
-                    tensors,
-                    parts,
-                    files,
-                    encoded,
-                    share_key,
-                    timings: Timings {
-                        probe: probe_times[item],
-                        plan: plan_times[item],
-                        preprocess,
-                    },
-                }
+            |(item, ((info, plan), (output, share_key, preprocess)))| Processed {
+                info,
+                plan,
+                tensors: output.tensors,
+                parts: output.parts,
+                coming: output.coming,
+                files: output.files,
+                encoded: output.encoded,
+                share_key,
+                timings: Timings {
+                    probe: probe_times[item],
+                    plan: plan_times[item],
+                    preprocess,
+                },
             },
         )
         .collect())
 }
 
-/// An item's parts, each made on its own instance of the plugin pool, all at once; `None` when the
-/// plugin makes the item whole (one part), or when fewer than two of the pool's workers are idle:
-/// parts cost more work in all than the whole (each is a call of its own; an image's second band
-/// re-reads the first's entropy-coded rows), which pays off only on cores that would otherwise wait.
-/// Under a backlog the item is made whole, the same tensors for less work.
+/// What an item's last plugin calls made of it (see [`Processed`]).
+#[derive(Default)]
+struct Output {
+    tensors: Vec<Tensor>,
+    parts: Vec<Vec<Tensor>>,
+    coming: Option<Coming>,
+    files: Option<ReducedItem>,
+    encoded: Option<Arc<Vec<f32>>>,
+}
+
+/// How an item's parts were made.
+enum MadeParts {
+    /// Not in parts: the item is made whole.
+    Whole,
+    Made(Vec<Vec<Tensor>>),
+    Coming(Coming),
+}
+
+/// An item's parts, each made on its own instance of the plugin pool, all queued at once: made
+/// before they are returned, or, when `parts` is [`Parts::Coming`] and the plugin places them
+/// beforehand, returned still coming. Whole when the plugin makes the item whole (one part), or
+/// when fewer than two of the pool's workers are idle: parts cost more work in all than the whole
+/// (each is a call of its own; an image's second band re-reads the first's entropy-coded rows),
+/// which pays off only on cores that would otherwise wait. Under a backlog the item is made whole,
+/// the same tensors for less work.
 async fn made_in_parts(
     pool: &PluginPool,
     plugin: Arc<LoadedPlugin>,
     media: Arc<Media>,
     plan: TokenPlan,
     config: Arc<str>,
-) -> Result<Option<Vec<Vec<Tensor>>>, mmgate_host::CallError> {
+    parts: Parts,
+) -> Result<MadeParts, CallError> {
     // Asked before `parts` too: under a backlog that call would wait in the queue for nothing.
     if pool.idle() < 2 {
-        return Ok(None);
+        return Ok(MadeParts::Whole);
     }
-    let counting = (plugin.clone(), plan.clone(), config.clone());
-    let parts = pool
-        .run(move || counting.0.parts(&counting.1, &counting.2))
+    let asking = (plugin.clone(), plan.clone(), config.clone());
+    let (count, plans) = pool
+        .run(move || {
+            let (plugin, plan, config) = asking;
+            let count = plugin.parts(&plan, &config)?;
+            let plans = match parts {
+                Parts::Coming if count > 1 => plugin.part_plans(&plan, &config, count)?,
+                _ => None,
+            };
+            Ok((count, plans))
+        })
         .await?;
-    if parts <= 1 || pool.idle() < 2 {
-        return Ok(None);
+    if count <= 1 || pool.idle() < 2 {
+        return Ok(MadeParts::Whole);
     }
-    let jobs = (0..parts).map(|index| {
-        let (plugin, media, plan, config) =
-            (plugin.clone(), media.clone(), plan.clone(), config.clone());
-        pool.run(move || plugin.preprocess_part(&media, &plan, &config, index))
-    });
-    let parts = join_all(jobs)
-        .await
-        .into_iter()
+    let Some(plans) = plans else {
+        let jobs = (0..count).map(|index| {
+            let (plugin, media, plan, config) =
+                (plugin.clone(), media.clone(), plan.clone(), config.clone());
+            pool.run(move || plugin.preprocess_part(&media, &plan, &config, index))
+        });
+        let parts = join_all(jobs)
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()?;
+        plugin.check_parts_output(&parts)?;
+        return Ok(MadeParts::Made(parts));
+    };
+    // Handed on one by one, the parts are held to the whole's output cap as they add up.
+    let made_bytes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let parts = plans
+        .iter()
+        .enumerate()
+        .map(|(index, part_plan)| {
+            let (plugin, media, plan, config, part_plan, made_bytes) = (
+                plugin.clone(),
+                media.clone(),
+                plan.clone(),
+                config.clone(),
+                part_plan.clone(),
+                made_bytes.clone(),
+            );
+            pool.start(move || {
+                let index = index as u32;
+                let part =
+                    plugin.preprocess_planned_part(&media, &plan, &config, index, &part_plan)?;
+                let size = mmgate_host::tensor_bytes(&part);
+                let total = made_bytes.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
+                plugin.check_output_size(total.saturating_add(size))?;
+                Ok(part)
+            })
+        })
         .collect::<Result<Vec<_>, _>>()?;
-    plugin.check_parts_output(&parts)?;
-    Ok(Some(parts))
+    Ok(MadeParts::Coming(Coming { plans, parts }))
 }
 
 /// The account of one item: the plugin, what the media is, the size/duration chosen, tokens, why
@@ -384,11 +497,16 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
         plan,
         tensors,
         parts,
+        coming,
         files,
         encoded,
         timings,
         ..
     } = processed;
+    let part_count = match coming {
+        Some(coming) => coming.plans.len(),
+        None => parts.len(),
+    };
     let choices: Value = serde_json::from_str(&plan.choices).unwrap_or(Value::Null);
     let size = |w: Option<u64>, h: Option<u64>| match (w, h) {
         (Some(w), Some(h)) => json!({"width": w, "height": h}),
@@ -417,7 +535,10 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
         "reason": plan.reason,
         "choices": choices,
         // Made in parts on several instances at once (contract 0.4).
-        "parts": (!parts.is_empty()).then_some(parts.len()),
+        "parts": (part_count > 0).then_some(part_count),
+        // Handed on as each part was made (contract 0.5): `preprocess` below is the time to
+        // plan and queue them, not to make them.
+        "parts_streamed": coming.is_some().then_some(true),
         "tensors": (files.is_none()).then(|| tensors.iter().map(|t| json!({
             "name": t.name,
             "dtype": t.dtype.name(),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use base64::Engine as _;
 use http::StatusCode;
-use mmgate_host::{LoadedPlugin, Media, PluginPool, PluginRegistry, ReducedItem};
+use mmgate_host::{LoadedPlugin, Media, PluginPool, PluginRegistry, ReducedItem, Started, Tensor};
 use mmgate_inference::engine::{
     Event, Failure, FinishReason, GenerateRequest, MediaItem, RequestHandle, Usage,
 };
@@ -23,7 +23,9 @@ use crate::media::feature_cache::{self, SharedCache};
 use crate::media::files::FileStore;
 use crate::media::pipeline;
 use crate::media::sniff::sniff_mime_type;
-use crate::native::model::{MediaKind, ModelRuntime, PlacedItem, PromptModel, expand_placeholders};
+use crate::native::model::{
+    MediaKind, ModelRuntime, PieceMaker, PlacedItem, PromptModel, expand_placeholders,
+};
 use crate::store::Caller;
 use crate::wire::openai::{
     self, ByteSource, ChatCompletionRequest, Content, MediaSource, Part, PayloadError,
@@ -41,6 +43,19 @@ pub struct NativeModel {
     pub accept_image_embeds: bool,
     /// Whether items are made in their plugin's parts (see the config's `media_parts`).
     pub media_parts: bool,
+}
+
+impl NativeModel {
+    /// How this model's items are made: in parts handed to the engine as each is made when the
+    /// LLM runs here and parts are on; all parts first for an encoder-only model (the request
+    /// goes upstream once every item is encoded anyway).
+    fn parts(&self) -> pipeline::Parts {
+        match (self.media_parts, self.runtime.engine().is_ok()) {
+            (false, _) => pipeline::Parts::Whole,
+            (true, true) => pipeline::Parts::Coming,
+            (true, false) => pipeline::Parts::Made,
+        }
+    }
 }
 
 /// What a chat request needs besides its model.
@@ -78,6 +93,9 @@ pub struct Prepared {
     pub media: Vec<MediaAccount>,
     pub stream: bool,
     pub include_usage: bool,
+    /// The parts still being made of items placed before them, each with what hands it to the
+    /// engine: fed once the request is submitted.
+    feeds: Vec<(Started<Vec<Tensor>>, PieceMaker)>,
 }
 
 /// A request's conversation and media, resolved and checked against a model's prompt side, with
@@ -127,13 +145,16 @@ impl Gathered {
         .await
         .map_err(|e| match e {
             BudgetError::TooSmall { .. } => context_exceeded(e.to_string()),
-            BudgetError::Plugin { item, error } => {
-                let mut api = ApiError::from(&error);
-                api.message = format!("media item {item}: {}", api.message);
-                api
-            }
+            BudgetError::Plugin { item, error } => plugin_failed(item, &error),
         })
     }
+}
+
+/// Item `item`'s plugin call failed.
+fn plugin_failed(item: usize, error: &mmgate_host::CallError) -> ApiError {
+    let mut api = ApiError::from(error);
+    api.message = format!("media item {item}: {}", api.message);
+    api
 }
 
 /// Checks `request` against `prompt` (and whether the model takes `image_embeds`), resolves its
@@ -280,7 +301,7 @@ pub async fn prepare(
             prompt,
             services,
             pipeline::Produce::Tensors {
-                parts: model.media_parts,
+                parts: model.parts(),
             },
             lookup,
         )
@@ -298,7 +319,8 @@ pub async fn prepare(
     let mut media = Vec::with_capacity(items.len());
     let mut report = Vec::with_capacity(items.len());
     let mut dropped = Vec::new();
-    let mut processed = processed.iter();
+    let mut feeds = Vec::new();
+    let mut processed = processed.into_iter();
     for (index, item) in items.into_iter().enumerate() {
         let (plugin, processed) = match item.input {
             ItemInput::Embeddings(input) => {
@@ -311,6 +333,27 @@ pub async fn prepare(
                 None => return Err(internal("a media item was not processed")),
             },
         };
+        let mut account = MediaAccount::plugin(index, item.kind, &plugin, &processed);
+        let mut processed = processed;
+        if let Some(coming) = processed.coming.take() {
+            match prompt.coming_parts(item.kind, processed.plan.tokens, &coming.plans, index) {
+                Ok(Some((placed, makers))) => {
+                    feeds.extend(coming.parts.into_iter().zip(makers));
+                    report.push(account);
+                    media.push(placed);
+                    continue;
+                }
+                // The model encodes such items whole: the parts are joined once all are made.
+                Ok(None) => {
+                    processed.parts = coming
+                        .all()
+                        .await
+                        .map_err(|error| plugin_failed(index, &error))?;
+                }
+                Err(e) => return Err(unencodable(index, &e)),
+            }
+        }
+        let processed = &processed;
         let made = match &processed.encoded {
             Some(features) => prompt.encoded_item(
                 item.kind,
@@ -350,15 +393,8 @@ pub async fn prepare(
                 dropped.push(index);
                 Some(reason)
             }
-            Err(e) => {
-                return Err(ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "plugin_output_mismatch",
-                    format!("media item {index}: {e:#}"),
-                ));
-            }
+            Err(e) => return Err(unencodable(index, &e)),
         };
-        let mut account = MediaAccount::plugin(index, item.kind, &plugin, processed);
         if let Some(reason) = unencodable {
             account.drop_for(&reason);
         }
@@ -398,7 +434,17 @@ pub async fn prepare(
         media: report,
         stream: request.stream,
         include_usage: request.stream_options.is_some_and(|o| o.include_usage),
+        feeds,
     })
+}
+
+/// A plugin's output for item `index` that the model's encoder cannot take.
+fn unencodable(index: usize, e: &anyhow::Error) -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "plugin_output_mismatch",
+        format!("media item {index}: {e:#}"),
+    )
 }
 
 /// A request for a model whose server preprocesses media itself, planned here: every media part
@@ -786,6 +832,15 @@ pub struct Generation<'m> {
     /// The media accounts, updated when items are dropped.
     pub media: Vec<MediaAccount>,
     produced: bool,
+    /// The tasks handing parts still being made to the engine: stopped with the generation (a
+    /// part not yet begun is then never made).
+    feeding: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Generation<'_> {
+    fn drop(&mut self) {
+        self.stop_feeding();
+    }
 }
 
 pub enum Step {
@@ -799,6 +854,7 @@ impl<'m> Generation<'m> {
             request,
             messages,
             media,
+            feeds,
             ..
         } = prepared;
         let (max_tokens, stop, sampling) = (
@@ -812,6 +868,17 @@ impl<'m> Generation<'m> {
             .map_err(|e| internal(e.to_string()))?
             .submit(request)
             .map_err(|e| internal(e.to_string()))?;
+        // Each part goes to the engine as soon as it is made; the engine merges and prefills the
+        // pieces in order meanwhile.
+        let feeding = feeds
+            .into_iter()
+            .map(|(part, maker)| {
+                tokio::spawn(async move {
+                    let made = part.wait().await.map_err(|e| e.to_string());
+                    maker.deliver(made);
+                })
+            })
+            .collect();
         Ok(Self {
             model,
             handle,
@@ -821,6 +888,7 @@ impl<'m> Generation<'m> {
             sampling,
             media,
             produced: false,
+            feeding,
         })
     }
 
@@ -867,8 +935,15 @@ impl<'m> Generation<'m> {
         }
     }
 
+    fn stop_feeding(&mut self) {
+        for task in self.feeding.drain(..) {
+            task.abort();
+        }
+    }
+
     /// The drop policy: the same conversation with its media parts removed.
     fn rerun_without_media(&mut self, reason: &str) -> Result<(), ApiError> {
+        self.stop_feeding();
         for account in &mut self.media {
             if account.dropped.is_none() {
                 account.drop_for(reason);

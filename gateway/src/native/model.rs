@@ -7,14 +7,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, anyhow, bail};
-use mmgate_host::{ByteSamples, Dtype, Tensor};
+use mmgate_host::{ByteSamples, Dtype, PartPlan, Tensor};
 use mmgate_inference::Error as InferenceError;
 use mmgate_inference::backend::ByteSamplesView;
 use mmgate_inference::demo::{self, DemoFamily};
 use mmgate_inference::devices::{OpenDevice, Placement as DevicePlacement};
 use mmgate_inference::engine::{
-    BatchObserver, DeviceSpec, EncodeInput, EncoderPool, Engine, EngineConfig, FeatureStore,
-    InputPart, MediaItem, Piece, PixelSource, PixelValues, SharedFeatures,
+    BatchObserver, Delivery, DeviceSpec, EncodeInput, EncoderPool, Engine, EngineConfig,
+    FeatureStore, Handoff, InputPart, MediaItem, Piece, PixelSource, PixelValues, SharedFeatures,
 };
 use mmgate_inference::families::{self, FamilyModel, LoadedModel, Placement, PluginTensors};
 use mmgate_inference::models::GenerationConfig;
@@ -468,6 +468,72 @@ impl PromptModel {
         Ok(placed)
     }
 
+    /// The engine's items for an item whose parts are still being made (contract 0.5): each part
+    /// placed from its part plan (its tokens, and its placing tensors read as the family reads
+    /// embeddings made elsewhere) as a piece of item `index` whose input comes later through a
+    /// handoff; and, per part, the [`PieceMaker`] that turns its tensors into that input once
+    /// made. Pieces continue each other's M-RoPE block as [`Self::media_parts`] places them.
+    /// `None` when the model's encoder must see such an item whole (see
+    /// [`FamilyModel::row_bands`]): its parts are joined once all are made.
+    pub fn coming_parts(
+        &self,
+        kind: MediaKind,
+        tokens: u32,
+        plans: &[PartPlan],
+        index: usize,
+    ) -> anyhow::Result<Option<(PlacedItem, Vec<PieceMaker>)>> {
+        if self.family.row_bands(kind).is_some() {
+            return Ok(None);
+        }
+        let mut placed = PlacedItem {
+            items: Vec::with_capacity(plans.len()),
+            ids: Vec::new(),
+        };
+        let mut makers = Vec::with_capacity(plans.len());
+        let mut temporal_patches = 0;
+        for (n, plan) in plans.iter().enumerate() {
+            let view = PluginView {
+                tensors: &plan.placing,
+                lacks: |name| format!("a part plan lacks {name}"),
+            };
+            let part_tokens = plan.tokens as usize;
+            let placement = self
+                .family
+                .place_embeddings(kind, Some(&view), part_tokens)
+                .with_context(|| format!("part plan {n}"))?;
+            let one_block = placement.runs.is_empty() && placement.grid.is_some();
+            let piece = Piece {
+                item: index,
+                continues_at: (one_block && n > 0).then_some(temporal_patches),
+            };
+            temporal_patches += placement.grid.map_or(0, |g| g.t);
+            let (handoff, delivery) = Handoff::new();
+            makers.push(PieceMaker {
+                family: self.family.clone(),
+                kind,
+                part: n,
+                placement: placement.clone(),
+                tokens: part_tokens,
+                delivery,
+            });
+            let input = EncodeInput::Later {
+                grid: placement.grid,
+                handoff,
+            };
+            let mut part = self.place(kind, input, part_tokens, placement)?;
+            for item in &mut part.items {
+                item.piece = Some(piece);
+            }
+            placed.items.append(&mut part.items);
+            placed.ids.append(&mut part.ids);
+        }
+        let made: usize = placed.items.iter().map(|i| i.tokens).sum();
+        if made != tokens as usize {
+            bail!("the plugin planned {tokens} tokens but its part plans make {made}");
+        }
+        Ok(Some((placed, makers)))
+    }
+
     /// The engine's items for an item's input and the prompt ids that replace its templated
     /// placeholder: one run of `tokens` placeholders, or the family's runs between their texts,
     /// each an item taking its share of the input's tokens.
@@ -635,6 +701,57 @@ impl PromptModel {
             part: None,
             piece: None,
         })
+    }
+}
+
+/// What turns one part of an item, placed before it was made ([`PromptModel::coming_parts`]),
+/// into its encoder input once made, and hands that to the engine.
+pub struct PieceMaker {
+    family: Arc<dyn FamilyModel>,
+    kind: MediaKind,
+    part: usize,
+    /// Where the part was placed: what its tensors must make.
+    placement: Placement,
+    tokens: usize,
+    delivery: Delivery,
+}
+
+impl PieceMaker {
+    /// Hands the part's input to the engine: its tensors as the family reads them, checked to
+    /// make what was placed (the same tokens, grid, runs and M-RoPE step); or why there is none,
+    /// which fails the item in the engine as an encode error does.
+    pub fn deliver(self, made: Result<Vec<Tensor>, String>) {
+        let input = made.and_then(|tensors| {
+            self.input_of(&tensors)
+                .map_err(|e| format!("part {}: {e:#}", self.part))
+        });
+        self.delivery.deliver(input);
+    }
+
+    fn input_of(&self, tensors: &[Tensor]) -> anyhow::Result<EncodeInput> {
+        let view = PluginView {
+            tensors,
+            lacks: |name| format!("the part's output lacks {name}"),
+        };
+        let planned = self.family.plan_input(self.kind, &view)?;
+        let grid = match &planned.input {
+            EncodeInput::Vision { grid, .. } => Some(*grid),
+            _ => None,
+        };
+        let made = Placement {
+            grid,
+            time_interval: planned.time_interval,
+            runs: planned.runs,
+        };
+        if planned.tokens != self.tokens || made != self.placement {
+            bail!(
+                "its tensors make {} tokens placed as {made:?}, not the {} tokens placed as {:?} its part plan gave",
+                planned.tokens,
+                self.tokens,
+                self.placement
+            );
+        }
+        Ok(planned.input)
     }
 }
 
@@ -953,6 +1070,17 @@ mod tests {
         assert!(err.to_string().contains("video_fps_f64_bits"), "{err}");
     }
 
+    /// A built-in plugin's output for an item.
+    struct Made {
+        plan: mmgate_host::TokenPlan,
+        /// By `preprocess`.
+        whole: Vec<Tensor>,
+        /// By `preprocess-part`, in order.
+        parts: Vec<Vec<Tensor>>,
+        /// What `part-plans` said of the parts beforehand, if it places them.
+        part_plans: Option<Vec<PartPlan>>,
+    }
+
     /// A built-in plugin's output for `media` under `model`'s processor config (`config` adjusts
     /// it): whole (`preprocess`) and in its parts.
     fn whole_and_parts(
@@ -960,7 +1088,7 @@ mod tests {
         modality: &str,
         media: &[u8],
         config: impl FnOnce(&mut serde_json::Value),
-    ) -> (mmgate_host::TokenPlan, Vec<Tensor>, Vec<Vec<Tensor>>) {
+    ) -> Made {
         let sandbox =
             Arc::new(mmgate_host::Sandbox::new(mmgate_host::SandboxLimits::default()).unwrap());
         let registry = mmgate_host::PluginRegistry::builtin(&sandbox).unwrap();
@@ -984,17 +1112,22 @@ mod tests {
             )
             .unwrap();
         let whole = plugin.preprocess(&media, &plan, &config).unwrap();
-        let parts = (0..plugin.parts(&plan, &config).unwrap())
+        let count = plugin.parts(&plan, &config).unwrap();
+        let parts = (0..count)
             .map(|i| plugin.preprocess_part(&media, &plan, &config, i).unwrap())
             .collect::<Vec<_>>();
-        (plan, whole, parts)
+        let part_plans = plugin.part_plans(&plan, &config, count).unwrap();
+        Made {
+            plan,
+            whole,
+            parts,
+            part_plans,
+        }
     }
 
     /// The built-in video plugin's output for a 48-frame clip sampled at 12 fps under `model`'s
     /// processor config: whole and in parts (3 runs of 8 temporal patches).
-    fn video_whole_and_parts(
-        model: &ModelRuntime,
-    ) -> (mmgate_host::TokenPlan, Vec<Tensor>, Vec<Vec<Tensor>>) {
+    fn video_whole_and_parts(model: &ModelRuntime) -> Made {
         let clip = std::fs::read(
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/video/clips/12fps.mp4"),
         )
@@ -1006,7 +1139,7 @@ mod tests {
                 video["fps"] = 12.into();
             }
         });
-        assert_eq!(made.2.len(), 3);
+        assert_eq!(made.parts.len(), 3);
         made
     }
 
@@ -1035,8 +1168,23 @@ mod tests {
         rx.recv().unwrap().unwrap()
     }
 
-    /// Greedy tokens of a prompt holding `placed`.
+    /// Greedy tokens of a prompt holding `placed`, and the prompt's length.
     fn generate(model: &ModelRuntime, placed: &PlacedItem) -> (Vec<u32>, usize) {
+        let (events, prompt) = submit(model, placed);
+        match run(events) {
+            Ok(ids) => (ids, prompt),
+            Err(failure) => panic!("{failure:?}"),
+        }
+    }
+
+    /// Submits a prompt holding `placed`: its events, and the prompt's length.
+    fn submit(
+        model: &ModelRuntime,
+        placed: &PlacedItem,
+    ) -> (
+        tokio::sync::mpsc::UnboundedReceiver<mmgate_inference::engine::Event>,
+        usize,
+    ) {
         let text = &model.prompt.text;
         let mut prompt = text.encode("<|im_start|>user\nDescribe.").unwrap();
         prompt.extend(&placed.ids);
@@ -1052,13 +1200,20 @@ mod tests {
                 stop: Vec::new(),
             })
             .unwrap();
-        let mut events = handle.events;
+        (handle.events, prompt.len())
+    }
+
+    /// A request's greedy tokens, or how it failed.
+    fn run(
+        mut events: tokio::sync::mpsc::UnboundedReceiver<mmgate_inference::engine::Event>,
+    ) -> Result<Vec<u32>, mmgate_inference::engine::Failure> {
         let mut ids = Vec::new();
         loop {
             match events.blocking_recv() {
                 Some(mmgate_inference::engine::Event::Token { id, .. }) => ids.push(id),
-                Some(mmgate_inference::engine::Event::Done { .. }) => return (ids, prompt.len()),
-                other => panic!("{other:?}"),
+                Some(mmgate_inference::engine::Event::Done { .. }) => return Ok(ids),
+                Some(mmgate_inference::engine::Event::Failed(failure)) => return Err(failure),
+                None => panic!("the engine stopped"),
             }
         }
     }
@@ -1072,15 +1227,8 @@ mod tests {
         let cache = tempfile::tempdir().unwrap();
         for spec in ["demo", "demo-qwen2.5-vl", "demo-qwen3-vl"] {
             let model = runtime(spec, cache.path());
-            let (plan, whole, parts) = video_whole_and_parts(&model);
-            assert_pieces_are_the_whole(
-                &model,
-                MediaKind::Video,
-                plan.tokens,
-                &whole,
-                &parts,
-                spec,
-            );
+            let made = video_whole_and_parts(&model);
+            assert_pieces_are_the_whole(&model, MediaKind::Video, &made, spec);
         }
     }
 
@@ -1090,16 +1238,9 @@ mod tests {
     fn an_audio_file_in_pieces_is_exactly_the_file_whole() {
         let cache = tempfile::tempdir().unwrap();
         let model = runtime("demo-audio", cache.path());
-        let (plan, whole, parts) = whole_and_parts(&model, "audio", &long_pcm_wav(), |_| {});
-        assert_eq!(parts.len(), 2);
-        assert_pieces_are_the_whole(
-            &model,
-            MediaKind::Audio,
-            plan.tokens,
-            &whole,
-            &parts,
-            "demo-audio",
-        );
+        let made = whole_and_parts(&model, "audio", &long_pcm_wav(), |_| {});
+        assert_eq!(made.parts.len(), 2);
+        assert_pieces_are_the_whole(&model, MediaKind::Audio, &made, "demo-audio");
     }
 
     /// A large image made in bands of rows is joined back and placed whole (the vision tower
@@ -1115,10 +1256,17 @@ mod tests {
         .unwrap();
         for spec in ["demo", "demo-qwen3-vl"] {
             let model = runtime(spec, cache.path());
-            let (plan, whole, parts) = whole_and_parts(&model, "image", &photo, |config| {
+            let Made {
+                plan,
+                whole,
+                parts,
+                part_plans,
+            } = whole_and_parts(&model, "image", &photo, |config| {
                 config["min_pixels"] = 10_000_000.into();
                 config["max_pixels"] = 12_000_000.into();
             });
+            // Bands are joined before encoding: the image plugin does not place them ahead.
+            assert!(part_plans.is_none(), "{spec}");
             assert!(parts.len() > 1, "{spec}: {} parts", parts.len());
             let kind = MediaKind::Image;
             let bands = model
@@ -1179,20 +1327,21 @@ mod tests {
         wav
     }
 
-    fn assert_pieces_are_the_whole(
-        model: &ModelRuntime,
-        kind: MediaKind,
-        tokens: u32,
-        whole: &[Tensor],
-        parts: &[Vec<Tensor>],
-        spec: &str,
-    ) {
-        let whole = model.prompt.media_item(kind, tokens, whole).unwrap();
-        let pieces = model.prompt.media_parts(kind, tokens, parts, 0).unwrap();
+    /// The item made in parts, placed once all are made and placed beforehand with each part
+    /// handed over after the request was submitted (last part first, so the engine holds the
+    /// earlier pieces back until theirs arrive): the same prompt, the same encoder features bit
+    /// for bit, the same greedy tokens as the item made whole.
+    fn assert_pieces_are_the_whole(model: &ModelRuntime, kind: MediaKind, made: &Made, spec: &str) {
+        let tokens = made.plan.tokens;
+        let whole = model.prompt.media_item(kind, tokens, &made.whole).unwrap();
+        let pieces = model
+            .prompt
+            .media_parts(kind, tokens, &made.parts, 0)
+            .unwrap();
         assert_eq!(pieces.ids, whole.ids, "{spec}: the same prompt");
         let whole_features = encode(model, &whole.items[0].input);
         let (features, inputs) = piece_features(model, &pieces);
-        assert_eq!(inputs, parts.len(), "{spec}");
+        assert_eq!(inputs, made.parts.len(), "{spec}");
         assert!(
             features == *whole_features,
             "{spec}: the pieces' features are the whole's"
@@ -1203,5 +1352,83 @@ mod tests {
             piece_tokens, whole_tokens,
             "{spec}: {prompt_len} prompt tokens"
         );
+
+        let plans = made
+            .part_plans
+            .as_ref()
+            .expect("the plugin places its parts");
+        let (coming, makers) = model
+            .prompt
+            .coming_parts(kind, tokens, plans, 0)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            coming.ids, whole.ids,
+            "{spec}: placed beforehand, the same prompt"
+        );
+        let placed = |p: &PlacedItem| -> Vec<_> {
+            p.items
+                .iter()
+                .map(|i| (i.tokens, i.part, i.piece, i.time_interval))
+                .collect()
+        };
+        assert_eq!(placed(&coming), placed(&pieces), "{spec}");
+        let (events, _) = submit(model, &coming);
+        for (maker, part) in makers.into_iter().zip(&made.parts).rev() {
+            maker.deliver(Ok(part.clone()));
+        }
+        assert_eq!(
+            run(events).unwrap(),
+            whole_tokens,
+            "{spec}: pieces handed over after submission"
+        );
+    }
+
+    /// A piece that fails to be made, or is made unlike its part plan, fails its request as an
+    /// encode error of its item; the engine goes on with the next request.
+    #[test]
+    fn a_piece_made_wrong_or_not_at_all_fails_its_item() {
+        let cache = tempfile::tempdir().unwrap();
+        let model = runtime("demo", cache.path());
+        let made = video_whole_and_parts(&model);
+        let plans = made.part_plans.unwrap();
+        let kind = MediaKind::Video;
+        let tokens = made.plan.tokens;
+        // What goes wrong with part 1 (the others are made right), and what the failure says.
+        enum Fault {
+            PluginFailed,
+            /// The whole video's tensors where one part was placed.
+            UnlikeItsPlan,
+            MakerGone,
+        }
+        for (fault, expected) in [
+            (Fault::PluginFailed, "the plugin failed"),
+            (Fault::UnlikeItsPlan, "part plan"),
+            (Fault::MakerGone, "maker stopped"),
+        ] {
+            let (coming, makers) = model
+                .prompt
+                .coming_parts(kind, tokens, &plans, 3)
+                .unwrap()
+                .unwrap();
+            let (events, _) = submit(&model, &coming);
+            for (n, maker) in makers.into_iter().enumerate() {
+                match (n, &fault) {
+                    (1, Fault::PluginFailed) => maker.deliver(Err("the plugin failed".into())),
+                    (1, Fault::UnlikeItsPlan) => maker.deliver(Ok(made.whole.clone())),
+                    (1, Fault::MakerGone) => drop(maker),
+                    _ => maker.deliver(Ok(made.parts[n].clone())),
+                }
+            }
+            match run(events) {
+                Err(mmgate_inference::engine::Failure::Encode { message, .. }) => {
+                    assert!(message.contains(expected), "{expected}: {message}")
+                }
+                other => panic!("{expected}: {other:?}"),
+            }
+        }
+        let whole = model.prompt.media_item(kind, tokens, &made.whole).unwrap();
+        let (ids, _) = generate(&model, &whole);
+        assert!(!ids.is_empty());
     }
 }
