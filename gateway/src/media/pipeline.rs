@@ -131,6 +131,8 @@ pub enum Parts {
 pub struct Coming {
     pub plans: Vec<PartPlan>,
     pub parts: Vec<Started<Vec<Tensor>>>,
+    /// With a shared cache, each part's key there: its output is stored for other replicas.
+    pub share_keys: Vec<[u8; 32]>,
 }
 
 impl Coming {
@@ -154,6 +156,8 @@ pub struct Processed {
     pub parts: Vec<Vec<Tensor>>,
     /// The parts still being made, when they are handed on as each is made.
     pub coming: Option<Coming>,
+    /// The parts' outputs, when another replica had made them (see [`Coming::share_keys`]).
+    pub encoded_parts: Option<EncodedParts>,
     /// `reduce`'s files, when those were asked for.
     pub files: Option<ReducedItem>,
     /// The encoder's output, when another replica had made it (`tensors` then hold only what
@@ -171,15 +175,31 @@ pub struct Encoded {
     pub tensors: Vec<Tensor>,
 }
 
-/// An item looked up among the outputs other replicas made: its key there, and what was found.
-pub struct Looked {
-    pub key: [u8; 32],
-    pub hit: Option<Encoded>,
+/// The outputs other replicas made, as items are looked up there: a hit skips the item's
+/// preprocessing and encoding. An item is stored whole under its key, or, when it was made in
+/// parts placed beforehand, each part under its piece's key ([`SharedOutputs::piece_key`]).
+pub trait SharedOutputs: Send + Sync {
+    /// The key of an item (its plugin, media and plan).
+    fn item_key(&self, plugin: &LoadedPlugin, media: &Media, plan: &TokenPlan) -> [u8; 32];
+    /// What is stored under `key`.
+    fn get(&self, key: &[u8; 32]) -> Option<Encoded>;
+    /// The key of part `index` of the item under `item`.
+    fn piece_key(&self, item: &[u8; 32], index: usize) -> [u8; 32] {
+        let mut h = blake3::Hasher::new();
+        h.update(item);
+        h.update(b"piece");
+        h.update(&(index as u64).to_le_bytes());
+        *h.finalize().as_bytes()
+    }
 }
 
-/// Looks an item (its plugin, media and plan) up among the outputs other replicas made; a hit
-/// skips the item's preprocessing.
-pub type Lookup = Arc<dyn Fn(&LoadedPlugin, &Media, &TokenPlan) -> Looked + Send + Sync>;
+pub type Lookup = Arc<dyn SharedOutputs>;
+
+/// An item's parts as another replica encoded them, each placed by its part plan.
+pub struct EncodedParts {
+    pub plans: Vec<PartPlan>,
+    pub features: Vec<Arc<Vec<f32>>>,
+}
 
 pub struct Timings {
     pub probe: Duration,
@@ -220,6 +240,7 @@ pub fn process_together(
             tensors,
             parts: Vec::new(),
             coming: None,
+            encoded_parts: None,
             files: None,
             encoded: None,
             share_key: None,
@@ -308,57 +329,71 @@ pub async fn process_concurrently(
             );
             async move {
                 let started = Instant::now();
-                if let (Produce::Tensors { parts }, None) = (produce, &lookup)
+                // Found whole among other replicas' outputs: used as it is.
+                let looked = match (&lookup, produce) {
+                    (Some(lookup), Produce::Tensors { .. }) => {
+                        let (lookup, plugin, media, plan) =
+                            (lookup.clone(), plugin.clone(), media.clone(), plan.clone());
+                        let looked = pool.run(move || {
+                            let key = lookup.item_key(&plugin, &media, &plan);
+                            Ok((key, lookup.get(&key)))
+                        });
+                        Some(looked.await.map_err(plugin_error(item))?)
+                    }
+                    _ => None,
+                };
+                let share_key = looked.as_ref().map(|(key, _)| *key);
+                if let Some((_, Some(known))) = looked {
+                    let output = Output {
+                        tensors: known.tensors,
+                        encoded: Some(known.features),
+                        ..Output::default()
+                    };
+                    return Ok((output, share_key, started.elapsed()));
+                }
+                if let Produce::Tensors { parts } = produce
                     && parts != Parts::Whole
                 {
+                    let shared = lookup.clone().zip(share_key);
                     let (plugin, media, plan, config) =
                         (plugin.clone(), media.clone(), plan.clone(), config.clone());
-                    let made = made_in_parts(pool, plugin, media, plan, config, parts).await;
-                    match made.map_err(plugin_error(item))? {
-                        MadeParts::Whole => {}
-                        MadeParts::Made(parts) => {
-                            let output = Output {
-                                parts,
-                                ..Output::default()
-                            };
-                            return Ok((output, None, started.elapsed()));
-                        }
-                        MadeParts::Coming(coming) => {
-                            let output = Output {
-                                coming: Some(coming),
-                                ..Output::default()
-                            };
-                            return Ok((output, None, started.elapsed()));
-                        }
+                    let made =
+                        made_in_parts(pool, plugin, media, plan, config, parts, shared).await;
+                    let output = match made.map_err(plugin_error(item))? {
+                        MadeParts::Whole => None,
+                        MadeParts::Made(parts) => Some(Output {
+                            parts,
+                            ..Output::default()
+                        }),
+                        MadeParts::Coming(coming) => Some(Output {
+                            coming: Some(coming),
+                            ..Output::default()
+                        }),
+                        MadeParts::Known(known) => Some(Output {
+                            encoded_parts: Some(known),
+                            ..Output::default()
+                        }),
+                    };
+                    if let Some(output) = output {
+                        return Ok((output, None, started.elapsed()));
                     }
                 }
                 pool.run(move || {
-                    let (share_key, known) = match (produce, &lookup) {
-                        (Produce::Tensors { .. }, Some(lookup)) => {
-                            let looked = lookup(&plugin, &media, &plan);
-                            (Some(looked.key), looked.hit)
-                        }
-                        _ => (None, None),
-                    };
-                    let output = match (produce, known) {
-                        (_, Some(known)) => Ok(Output {
-                            tensors: known.tensors,
-                            encoded: Some(known.features),
-                            ..Output::default()
-                        }),
-                        (Produce::Tensors { .. }, None) => plugin
-                            .preprocess(&media, &plan, &config)
-                            .map(|tensors| Output {
-                                tensors,
-                                ..Output::default()
-                            }),
-                        (Produce::Files, None) => {
-                            plugin.reduce(&media, &plan, &config).map(|files| Output {
-                                files: Some(files),
-                                ..Output::default()
-                            })
-                        }
-                    };
+                    let output =
+                        match produce {
+                            Produce::Tensors { .. } => plugin
+                                .preprocess(&media, &plan, &config)
+                                .map(|tensors| Output {
+                                    tensors,
+                                    ..Output::default()
+                                }),
+                            Produce::Files => {
+                                plugin.reduce(&media, &plan, &config).map(|files| Output {
+                                    files: Some(files),
+                                    ..Output::default()
+                                })
+                            }
+                        };
                     output.map(|output| (output, share_key, started.elapsed()))
                 })
                 .await
@@ -382,6 +417,7 @@ pub async fn process_concurrently(
                 tensors: output.tensors,
                 parts: output.parts,
                 coming: output.coming,
+                encoded_parts: output.encoded_parts,
                 files: output.files,
                 encoded: output.encoded,
                 share_key,
@@ -401,6 +437,7 @@ struct Output {
     tensors: Vec<Tensor>,
     parts: Vec<Vec<Tensor>>,
     coming: Option<Coming>,
+    encoded_parts: Option<EncodedParts>,
     files: Option<ReducedItem>,
     encoded: Option<Arc<Vec<f32>>>,
 }
@@ -411,6 +448,8 @@ enum MadeParts {
     Whole,
     Made(Vec<Vec<Tensor>>),
     Coming(Coming),
+    /// Every part found among other replicas' outputs.
+    Known(EncodedParts),
 }
 
 /// An item's parts, each made on its own instance of the plugin pool, all queued at once: made
@@ -419,7 +458,9 @@ enum MadeParts {
 /// when fewer than two of the pool's workers are idle: parts cost more work in all than the whole
 /// (each is a call of its own; an image's second band re-reads the first's entropy-coded rows),
 /// which pays off only on cores that would otherwise wait. Under a backlog the item is made whole,
-/// the same tensors for less work.
+/// the same tensors for less work. With a shared cache (`shared`: it and the item's key there)
+/// only parts placed beforehand are made, each stored under its piece's key; when every piece is
+/// found there, nothing is made.
 async fn made_in_parts(
     pool: &PluginPool,
     plugin: Arc<LoadedPlugin>,
@@ -427,6 +468,7 @@ async fn made_in_parts(
     plan: TokenPlan,
     config: Arc<str>,
     parts: Parts,
+    shared: Option<(Lookup, [u8; 32])>,
 ) -> Result<MadeParts, CallError> {
     // Asked before `parts` too: under a backlog that call would wait in the queue for nothing.
     if pool.idle() < 2 {
@@ -444,8 +486,32 @@ async fn made_in_parts(
             Ok((count, plans))
         })
         .await?;
-    if count <= 1 || pool.idle() < 2 {
+    if count <= 1 || pool.idle() < 2 || (shared.is_some() && plans.is_none()) {
         return Ok(MadeParts::Whole);
+    }
+    let share_keys: Vec<[u8; 32]> = match (&shared, &plans) {
+        (Some((lookup, item)), Some(plans)) => (0..plans.len())
+            .map(|index| lookup.piece_key(item, index))
+            .collect(),
+        _ => Vec::new(),
+    };
+    if let (Some((lookup, _)), Some(plans)) = (&shared, &plans) {
+        let (lookup, keys) = (lookup.clone(), share_keys.clone());
+        // Stops at the first piece not there.
+        let found = pool
+            .run(move || {
+                Ok(keys
+                    .iter()
+                    .map(|key| lookup.get(key).map(|e| e.features))
+                    .collect::<Option<Vec<_>>>())
+            })
+            .await?;
+        if let Some(features) = found {
+            return Ok(MadeParts::Known(EncodedParts {
+                plans: plans.clone(),
+                features,
+            }));
+        }
     }
     let Some(plans) = plans else {
         let jobs = (0..count).map(|index| {
@@ -485,7 +551,11 @@ async fn made_in_parts(
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(MadeParts::Coming(Coming { plans, parts }))
+    Ok(MadeParts::Coming(Coming {
+        plans,
+        parts,
+        share_keys,
+    }))
 }
 
 /// The account of one item: the plugin, what the media is, the size/duration chosen, tokens, why
@@ -498,14 +568,16 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
         tensors,
         parts,
         coming,
+        encoded_parts,
         files,
         encoded,
         timings,
         ..
     } = processed;
-    let part_count = match coming {
-        Some(coming) => coming.plans.len(),
-        None => parts.len(),
+    let part_count = match (coming, encoded_parts) {
+        (Some(coming), _) => coming.plans.len(),
+        (_, Some(known)) => known.plans.len(),
+        _ => parts.len(),
     };
     let choices: Value = serde_json::from_str(&plan.choices).unwrap_or(Value::Null);
     let size = |w: Option<u64>, h: Option<u64>| match (w, h) {
@@ -549,7 +621,7 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
             "bytes": file.data.len(),
         })).collect::<Vec<_>>()),
         // Another replica's encoder output was used: nothing was preprocessed or encoded here.
-        "shared_encoding": encoded.is_some().then_some(true),
+        "shared_encoding": (encoded.is_some() || encoded_parts.is_some()).then_some(true),
         "time_ms": {
             "probe": ms(timings.probe),
             "plan": ms(timings.plan),

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use base64::Engine as _;
 use http::StatusCode;
-use mmgate_host::{LoadedPlugin, Media, PluginPool, PluginRegistry, ReducedItem, Started, Tensor};
+use mmgate_host::{
+    LoadedPlugin, Media, PluginPool, PluginRegistry, ReducedItem, Started, Tensor, TokenPlan,
+};
 use mmgate_inference::engine::{
     Event, Failure, FinishReason, GenerateRequest, MediaItem, RequestHandle, Usage,
 };
@@ -265,25 +267,37 @@ async fn gather(
     })
 }
 
-/// Looks items up among the encoder outputs other replicas made (see
+/// The encoder outputs other replicas made, as one model looks its items up there (see
 /// [`feature_cache::item_key`]).
-fn shared_lookup(shared: &SharedCache, processor_config: &str) -> pipeline::Lookup {
-    let (shared, processor_config) = (shared.clone(), processor_config.to_owned());
-    Arc::new(move |plugin, media, plan| {
-        let key = feature_cache::item_key(
-            &shared.namespace,
+struct SharedLookup {
+    shared: SharedCache,
+    processor_config: String,
+}
+
+impl pipeline::SharedOutputs for SharedLookup {
+    fn item_key(&self, plugin: &LoadedPlugin, media: &Media, plan: &TokenPlan) -> [u8; 32] {
+        feature_cache::item_key(
+            &self.shared.namespace,
             plugin.sha256(),
-            &processor_config,
+            &self.processor_config,
             &media.data,
             plan,
-        );
-        let hit = shared.features.get(&key).and_then(|(features, note)| {
-            Some(pipeline::Encoded {
-                features: Arc::new(features),
-                tensors: feature_cache::noted_tensors(&note)?,
-            })
-        });
-        pipeline::Looked { key, hit }
+        )
+    }
+
+    fn get(&self, key: &[u8; 32]) -> Option<pipeline::Encoded> {
+        let (features, note) = self.shared.features.get(key)?;
+        Some(pipeline::Encoded {
+            features: Arc::new(features),
+            tensors: feature_cache::noted_tensors(&note)?,
+        })
+    }
+}
+
+fn shared_lookup(shared: &SharedCache, processor_config: &str) -> pipeline::Lookup {
+    Arc::new(SharedLookup {
+        shared: shared.clone(),
+        processor_config: processor_config.to_owned(),
     })
 }
 
@@ -335,9 +349,27 @@ pub async fn prepare(
         };
         let mut account = MediaAccount::plugin(index, item.kind, &plugin, &processed);
         let mut processed = processed;
+        if let Some(known) = processed.encoded_parts.take() {
+            let tokens = processed.plan.tokens;
+            match prompt.encoded_parts(item.kind, tokens, &known.plans, known.features, index) {
+                Ok(placed) => {
+                    report.push(account);
+                    media.push(placed);
+                    continue;
+                }
+                Err(e) => return Err(unencodable(index, &e)),
+            }
+        }
         if let Some(coming) = processed.coming.take() {
             match prompt.coming_parts(item.kind, processed.plan.tokens, &coming.plans, index) {
-                Ok(Some((placed, makers))) => {
+                Ok(Some((mut placed, makers))) => {
+                    // Each part's output is stored for other replicas under its piece's key, its
+                    // part plan (what places it) beside it.
+                    if let Some(shared) = shared
+                        && !coming.share_keys.is_empty()
+                    {
+                        share_pieces(shared, &mut placed, &coming.plans, &coming.share_keys);
+                    }
                     feeds.extend(coming.parts.into_iter().zip(makers));
                     report.push(account);
                     media.push(placed);
@@ -436,6 +468,33 @@ pub async fn prepare(
         include_usage: request.stream_options.is_some_and(|o| o.include_usage),
         feeds,
     })
+}
+
+/// Keys each piece of `placed` (in part order) to be stored in the shared cache, and writes the
+/// note beside each: the part's placing tensors.
+fn share_pieces(
+    shared: &SharedCache,
+    placed: &mut PlacedItem,
+    plans: &[mmgate_host::PartPlan],
+    keys: &[[u8; 32]],
+) {
+    for (plan, key) in plans.iter().zip(keys) {
+        shared
+            .features
+            .put_note(key, feature_cache::note(&plan.placing));
+    }
+    // A piece may span several engine items (runs): they share its input, hence its key.
+    let mut piece = 0;
+    let mut previous: Option<&Arc<mmgate_inference::engine::EncodeInput>> = None;
+    let inputs: Vec<Arc<mmgate_inference::engine::EncodeInput>> =
+        placed.items.iter().map(|i| i.input.clone()).collect();
+    for (item, input) in placed.items.iter_mut().zip(&inputs) {
+        if previous.is_some_and(|p| !Arc::ptr_eq(p, input)) {
+            piece += 1;
+        }
+        previous = Some(input);
+        item.share_key = keys.get(piece).copied();
+    }
 }
 
 /// A plugin's output for item `index` that the model's encoder cannot take.

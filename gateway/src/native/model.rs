@@ -485,11 +485,77 @@ impl PromptModel {
         if self.family.row_bands(kind).is_some() {
             return Ok(None);
         }
+        let mut makers = Vec::with_capacity(plans.len());
+        let placed = self.placed_pieces(kind, tokens, plans, index, |n, placement| {
+            let (handoff, delivery) = Handoff::new();
+            makers.push(PieceMaker {
+                family: self.family.clone(),
+                kind,
+                part: n,
+                placement: placement.clone(),
+                tokens: plans[n].tokens as usize,
+                delivery,
+            });
+            Ok(EncodeInput::Later {
+                grid: placement.grid,
+                handoff,
+            })
+        })?;
+        Ok(Some((placed, makers)))
+    }
+
+    /// The engine's items for an item whose parts another replica encoded (stored piece by piece,
+    /// see [`Self::coming_parts`]): each part's output placed by its part plan as a piece of item
+    /// `index`, exactly as the parts made here would be.
+    pub fn encoded_parts(
+        &self,
+        kind: MediaKind,
+        tokens: u32,
+        plans: &[PartPlan],
+        features: Vec<Arc<Vec<f32>>>,
+        index: usize,
+    ) -> anyhow::Result<PlacedItem> {
+        if features.len() != plans.len() {
+            bail!(
+                "the shared entry has {} parts, not {}",
+                features.len(),
+                plans.len()
+            );
+        }
+        let mut features = features.into_iter();
+        self.placed_pieces(kind, tokens, plans, index, |n, placement| {
+            let embeddings = features
+                .next()
+                .ok_or_else(|| anyhow!("the shared entry lacks part {n}"))?;
+            if embeddings.len() != plans[n].tokens as usize * self.embedding_width {
+                bail!(
+                    "the shared entry's part {n} is not {} tokens",
+                    plans[n].tokens
+                );
+            }
+            Ok(EncodeInput::Embeddings {
+                embeddings,
+                grid: placement.grid,
+            })
+        })
+    }
+
+    /// An item's parts placed by their part plans (their placing tensors read as the family reads
+    /// embeddings made elsewhere), each the input `input_of` gives for it, as pieces of item
+    /// `index`: a piece laid out as one run continues the previous piece's M-RoPE block, as
+    /// [`Self::media_parts`] places them. The plans' tokens must add up to the plugin's plan.
+    fn placed_pieces(
+        &self,
+        kind: MediaKind,
+        tokens: u32,
+        plans: &[PartPlan],
+        index: usize,
+        mut input_of: impl FnMut(usize, &Placement) -> anyhow::Result<EncodeInput>,
+    ) -> anyhow::Result<PlacedItem> {
         let mut placed = PlacedItem {
             items: Vec::with_capacity(plans.len()),
             ids: Vec::new(),
         };
-        let mut makers = Vec::with_capacity(plans.len());
         let mut temporal_patches = 0;
         for (n, plan) in plans.iter().enumerate() {
             let view = PluginView {
@@ -507,19 +573,7 @@ impl PromptModel {
                 continues_at: (one_block && n > 0).then_some(temporal_patches),
             };
             temporal_patches += placement.grid.map_or(0, |g| g.t);
-            let (handoff, delivery) = Handoff::new();
-            makers.push(PieceMaker {
-                family: self.family.clone(),
-                kind,
-                part: n,
-                placement: placement.clone(),
-                tokens: part_tokens,
-                delivery,
-            });
-            let input = EncodeInput::Later {
-                grid: placement.grid,
-                handoff,
-            };
+            let input = input_of(n, &placement)?;
             let mut part = self.place(kind, input, part_tokens, placement)?;
             for item in &mut part.items {
                 item.piece = Some(piece);
@@ -531,7 +585,7 @@ impl PromptModel {
         if made != tokens as usize {
             bail!("the plugin planned {tokens} tokens but its part plans make {made}");
         }
-        Ok(Some((placed, makers)))
+        Ok(placed)
     }
 
     /// The engine's items for an item's input and the prompt ids that replace its templated

@@ -581,8 +581,8 @@ impl<L: Backend> Scheduler<L> {
                     };
                     let (fail, failing) = (store.clone(), key);
                     let submitted = match piece_id {
-                        Some(id) => pool.submit_piece(input, id, done),
-                        None => pool.submit_shared(input, None, done),
+                        Some(id) => pool.submit_piece(input, id, share_key, done),
+                        None => pool.submit_shared(input, share_key, done),
                     };
                     if let Err(e) = submitted {
                         fail.complete(failing, Err(e.to_string()));
@@ -591,7 +591,7 @@ impl<L: Backend> Scheduler<L> {
                 continue;
             }
             let submitted = match piece_id {
-                Some(id) => self.pool.submit_piece(input, id, done),
+                Some(id) => self.pool.submit_piece(input, id, share_key, done),
                 None => self.pool.submit_shared(input, share_key, done),
             };
             if let Err(e) = submitted {

@@ -161,13 +161,16 @@ impl EncoderPool {
     /// [`Self::submit`] of one piece of an item (`item`: an id no other item shares): pieces of one
     /// item are never in one batch, so they finish in order and the first can be merged while the
     /// next encode; pieces of different items batch as items do.
+    /// With `share_key`, the shared cache keeps the piece's output under it, as
+    /// [`Self::submit_shared`] does.
     pub fn submit_piece(
         &self,
         input: Arc<EncodeInput>,
         item: u64,
+        share_key: Option<[u8; 32]>,
         done: impl FnOnce(EncodeResult) + Send + 'static,
     ) -> Result<()> {
-        self.submit_job(input, None, Some(item), done)
+        self.submit_job(input, share_key, Some(item), done)
     }
 
     fn submit_job(
