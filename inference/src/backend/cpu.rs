@@ -3,6 +3,7 @@
 //! compete for the same threads (the "dedicated devices" of the design): work submitted to one
 //! device runs only on that device's threads.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
@@ -16,8 +17,11 @@ use super::{
 };
 use crate::error::{Error, Result};
 
-/// Query rows one attention task handles: bounds the scores scratch to `QUERY_BLOCK × keys` floats.
+/// Query rows one attention task handles.
 const QUERY_BLOCK: usize = 64;
+/// Keys one attention step scores at a time: a `QUERY_BLOCK × KEY_BLOCK` scores scratch (64 KiB)
+/// stays in cache, where scoring every key at once wrote and re-read 8 MiB per task at 32k keys.
+const KEY_BLOCK: usize = 256;
 
 #[derive(Clone)]
 pub struct CpuBackend {
@@ -617,64 +621,14 @@ fn attention(
         tasks
             .par_iter()
             .map(|t| {
-                let (nq, nk) = (t.q1 - t.q0, t.k1 - t.k0);
                 let kvh = t.head / group;
-                let mut scores = vec![0.0f32; nq * nk];
-                matmul(
-                    MatMut::row_major(&mut scores, nq, nk),
-                    MatRef {
-                        data: &q[t.q0 * q_stride + t.head * hd..],
-                        rows: nq,
-                        cols: hd,
-                        row_stride: q_stride,
-                        col_stride: 1,
-                    },
-                    MatRef {
-                        data: &k[t.k0 * kv_stride + kvh * hd..],
-                        rows: nk,
-                        cols: hd,
-                        row_stride: kv_stride,
-                        col_stride: 1,
-                    }
-                    .t(),
-                    false,
-                    Threads::One,
-                )?;
-                for (i, row) in scores.chunks_mut(nk).enumerate() {
-                    // Keys this row may see: all of them, or up to its own position.
-                    let visible = match t.causal_first {
-                        Some(first) => (first + i + 1 - t.k0).min(nk),
-                        None => nk,
-                    };
-                    let (seen, hidden) = row.split_at_mut(visible);
-                    let mut max = f32::NEG_INFINITY;
-                    for x in seen.iter_mut() {
-                        *x *= s.scale;
-                        max = max.max(*x);
-                    }
-                    let mut sum = 0.0;
-                    for x in seen.iter_mut() {
-                        *x = (*x - max).exp();
-                        sum += *x;
-                    }
-                    let inv = 1.0 / sum;
-                    seen.iter_mut().for_each(|x| *x *= inv);
-                    hidden.fill(0.0);
-                }
-                let mut out = vec![0.0f32; nq * hd];
-                matmul(
-                    MatMut::row_major(&mut out, nq, hd),
-                    MatRef::row_major(&scores, nq, nk),
-                    MatRef {
-                        data: &v[t.k0 * kv_stride + kvh * hd..],
-                        rows: nk,
-                        cols: hd,
-                        row_stride: kv_stride,
-                        col_stride: 1,
-                    },
-                    false,
-                    Threads::One,
-                )?;
+                let queries = head_rows(q, t.q0..t.q1, q_stride, t.head, hd);
+                let out = attend(t, queries, s.scale, |keys| {
+                    (
+                        head_rows(k, keys.clone(), kv_stride, kvh, hd),
+                        head_rows(v, keys, kv_stride, kvh, hd),
+                    )
+                })?;
                 Ok((t.head, t.q0, out))
             })
             .collect()
@@ -688,4 +642,285 @@ fn attention(
         }
     }
     Ok(out)
+}
+
+/// Rows `rows` of one head's `hd` columns in a `[rows, heads, hd]` buffer whose rows are `stride`
+/// floats apart.
+fn head_rows(
+    data: &[f32],
+    rows: Range<usize>,
+    stride: usize,
+    head: usize,
+    hd: usize,
+) -> MatRef<'_> {
+    MatRef {
+        data: &data[rows.start * stride + head * hd..],
+        rows: rows.len(),
+        cols: hd,
+        row_stride: stride,
+        col_stride: 1,
+    }
+}
+
+/// One task's attention output (`[q1 - q0, hd]`), its keys taken `KEY_BLOCK` at a time with an
+/// online softmax (each row's running maximum and sum, the output rescaled when the maximum
+/// grows), so the scores scratch stays `QUERY_BLOCK × KEY_BLOCK` floats in cache however long the
+/// context. Blocks start at multiples of `KEY_BLOCK` from the task's first key, so a row's blocks
+/// are the same whichever rows it is computed with. `keys_values(rows)` gives those rows of the
+/// head's keys and values.
+fn attend<'a>(
+    t: &Task,
+    queries: MatRef<'_>,
+    scale: f32,
+    keys_values: impl Fn(Range<usize>) -> (MatRef<'a>, MatRef<'a>),
+) -> Result<Vec<f32>> {
+    let (nq, hd) = (t.q1 - t.q0, queries.cols);
+    let mut out = vec![0.0f32; nq * hd];
+    let mut max = vec![f32::NEG_INFINITY; nq];
+    let mut sum = vec![0.0f32; nq];
+    let mut scores = vec![0.0f32; nq * KEY_BLOCK.min(t.k1 - t.k0)];
+    for b0 in (t.k0..t.k1).step_by(KEY_BLOCK) {
+        let b1 = (b0 + KEY_BLOCK).min(t.k1);
+        let nb = b1 - b0;
+        let (keys, values) = keys_values(b0..b1);
+        let scores = &mut scores[..nq * nb];
+        matmul(
+            MatMut::row_major(scores, nq, nb),
+            queries,
+            keys.t(),
+            false,
+            Threads::One,
+        )?;
+        for (i, row) in scores.chunks_mut(nb).enumerate() {
+            // Keys of this block the row may see: all of them, or up to its own position.
+            let visible = match t.causal_first {
+                Some(first) => (first + i + 1).saturating_sub(b0).min(nb),
+                None => nb,
+            };
+            let (seen, hidden) = row.split_at_mut(visible);
+            hidden.fill(0.0);
+            if seen.is_empty() {
+                continue;
+            }
+            let new_max = max[i].max(scale_and_max(seen, scale));
+            let block_sum = exp_and_sum(seen, new_max);
+            if new_max > max[i] {
+                // Earlier blocks' weights were relative to a smaller maximum.
+                let rescale = (max[i] - new_max).exp();
+                sum[i] *= rescale;
+                out[i * hd..(i + 1) * hd]
+                    .iter_mut()
+                    .for_each(|o| *o *= rescale);
+                max[i] = new_max;
+            }
+            sum[i] += block_sum;
+        }
+        matmul(
+            MatMut::row_major(&mut out, nq, hd),
+            MatRef::row_major(scores, nq, nb),
+            values,
+            true,
+            Threads::One,
+        )?;
+    }
+    for (row, &total) in out.chunks_mut(hd).zip(&sum) {
+        // A row always sees at least its own key, so its sum is at least 1.
+        let inv = 1.0 / total;
+        row.iter_mut().for_each(|o| *o *= inv);
+    }
+    Ok(out)
+}
+
+/// Lanes the softmax loops keep apart, so that they compile to SIMD (a float sum or maximum in one
+/// accumulator is a chain the compiler may not reorder).
+const LANES: usize = 8;
+
+/// Multiplies `row` by `scale` in place; returns its largest value.
+fn scale_and_max(row: &mut [f32], scale: f32) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (x, max) in chunk.iter_mut().zip(&mut lanes) {
+            *x *= scale;
+            if *x > *max {
+                *max = *x;
+            }
+        }
+    }
+    let mut max = lanes.into_iter().fold(f32::NEG_INFINITY, f32::max);
+    for x in chunks.into_remainder() {
+        *x *= scale;
+        max = max.max(*x);
+    }
+    max
+}
+
+/// Replaces each `x` of `row` by e^(x − max) (`max` at least every `x`); returns their sum.
+fn exp_and_sum(row: &mut [f32], max: f32) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (x, sum) in chunk.iter_mut().zip(&mut lanes) {
+            *x = exp_nonpositive(*x - max);
+            *sum += *x;
+        }
+    }
+    let mut sum: f32 = lanes.iter().sum();
+    for x in chunks.into_remainder() {
+        *x = exp_nonpositive(*x - max);
+        sum += *x;
+    }
+    sum
+}
+
+/// e^x for x ≤ 0, within 2 ulp of `f32::exp` (Cephes' `expf`: x = n·ln 2 + r with |r| ≤ ln 2 / 2,
+/// a degree-7 polynomial for e^r, 2^n put into the exponent bits), in straight-line float and
+/// integer arithmetic that the softmax loop vectorizes; `f32::exp` is a libm call per element,
+/// which was most of a long prefill's time. Below −87.3 (where e^x leaves the normal floats) it
+/// gives 2^−126 × e^r ≈ 1e−38, a weight that no sum of ones can see.
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split so that n · LN2_HI is exact for the n that occur.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 · 2^23: adding it rounds to an integer, held in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.max(-87.0);
+    let shifted = x * LOG2_E + ROUND;
+    let n = shifted - ROUND;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4_f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 5.000_000_1e-1;
+    let e_r = p * r * r + r + 1.0;
+    // n's bits as an integer: the low bits of `shifted` (|n| ≤ 126 here).
+    let n = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
+    e_r * f32::from_bits(((n + 127) as u32) << 23)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Segment;
+
+    /// Scaled dot-product attention in f64, one row at a time, keys `0..=visible(row)` (or the
+    /// segment's visible keys): the definition the blocked kernel must agree with.
+    fn reference(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Vec<f32> {
+        let (hd, group) = (s.head_dim, s.heads / s.kv_heads);
+        let keys_of = |row: usize| match &s.mask {
+            AttentionMask::Causal { first_query } => 0..first_query + row + 1,
+            AttentionMask::Segments(segments) => {
+                let seg = segments.iter().find(|g| g.rows.contains(&row)).unwrap();
+                seg.rows.start..seg.rows.start + seg.visible_keys
+            }
+        };
+        let mut out = vec![0.0f32; s.q_rows * s.heads * hd];
+        for row in 0..s.q_rows {
+            for head in 0..s.heads {
+                let kvh = head / group;
+                let qv = &q[(row * s.heads + head) * hd..][..hd];
+                let at = |j: usize| (j * s.kv_heads + kvh) * hd;
+                let scores: Vec<f64> = keys_of(row)
+                    .map(|j| {
+                        let dot: f64 = (0..hd).map(|d| qv[d] as f64 * k[at(j) + d] as f64).sum();
+                        dot * s.scale as f64
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for d in 0..hd {
+                    let acc: f64 = keys_of(row)
+                        .zip(&weights)
+                        .map(|(j, w)| w * v[at(j) + d] as f64)
+                        .sum();
+                    out[(row * s.heads + head) * hd + d] = (acc / total) as f32;
+                }
+            }
+        }
+        out
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8;
+                (x % 2001) as f32 / 500.0 - 2.0
+            })
+            .collect()
+    }
+
+    fn check(s: AttentionShape) {
+        let dev = CpuBackend::new("test", 2).unwrap();
+        let q = values(s.q_rows * s.heads * s.head_dim, 1);
+        let k = values(s.kv_rows * s.kv_heads * s.head_dim, 2);
+        let v = values(s.kv_rows * s.kv_heads * s.head_dim, 3);
+        let got = attention(&dev, &q, &k, &v, &s).unwrap();
+        let want = reference(&q, &k, &v, &s);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{:?} at {i}: {g} vs {w}",
+                s.mask
+            );
+        }
+    }
+
+    #[test]
+    fn the_softmax_exp_is_within_two_ulp_of_libm() {
+        let ulps = |a: f32, b: f32| (a.to_bits() as i64 - b.to_bits() as i64).abs();
+        let mut worst = 0;
+        for i in 0..=870_000 {
+            let x = -(i as f32) * 1e-4;
+            worst = worst.max(ulps(exp_nonpositive(x), x.exp()));
+        }
+        assert!(worst <= 2, "{worst} ulp");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert!(exp_nonpositive(-1e30) < 1e-37);
+    }
+
+    #[test]
+    fn blocked_causal_attention_is_the_softmax_over_every_visible_key() {
+        // Queries past the first query block, keys over several key blocks and a partial one,
+        // grouped-query heads; a chunk starting mid-sequence (a KV cache) and one from the start.
+        for first_query in [0, 300, 2 * KEY_BLOCK - 1] {
+            check(AttentionShape {
+                q_rows: QUERY_BLOCK + 37,
+                kv_rows: first_query + QUERY_BLOCK + 37,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 8,
+                scale: 0.35,
+                mask: AttentionMask::Causal { first_query },
+            });
+        }
+    }
+
+    #[test]
+    fn blocked_segment_attention_sees_only_each_segments_visible_keys() {
+        let rows = 2 * KEY_BLOCK + 90;
+        let segments = vec![
+            Segment {
+                rows: 0..KEY_BLOCK + 10,
+                visible_keys: KEY_BLOCK + 5,
+            },
+            Segment {
+                rows: KEY_BLOCK + 10..rows,
+                visible_keys: rows - KEY_BLOCK - 10,
+            },
+        ];
+        check(AttentionShape {
+            q_rows: rows,
+            kv_rows: rows,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 16,
+            scale: 0.25,
+            mask: AttentionMask::Segments(segments),
+        });
+    }
 }
