@@ -63,7 +63,7 @@ fn list_shows_builtin_plugins_with_contract_version() {
     let out = mmgate(&["plugin", "list"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
-    assert!(text.contains("host contract version 0.4.1"), "{text}");
+    assert!(text.contains("host contract version 0.5.0"), "{text}");
     let image = text.lines().find(|l| l.starts_with("image ")).expect(&text);
     assert!(
         image.contains("0.1.0") && image.contains("built-in"),
@@ -78,7 +78,7 @@ fn list_shows_builtin_plugins_with_contract_version() {
         .iter()
         .find(|p| p["name"] == "image")
         .unwrap();
-    assert_eq!(image["contract_version"], "0.4.1");
+    assert_eq!(image["contract_version"], "0.5.0");
     assert_eq!(image["modalities"][0], "image");
 }
 
@@ -107,7 +107,7 @@ fn check_accepts_a_good_plugin() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.starts_with("ok: testing 0.1.0"), "{text}");
-    assert!(text.contains("contract:        0.4.1"), "{text}");
+    assert!(text.contains("contract:        0.5.0"), "{text}");
 
     let dir = plugin_dir(&good_manifest());
     let out = mmgate(&[
@@ -204,14 +204,15 @@ fn check_rejects_a_plugin_built_for_another_contract_version() {
     // Rewrite the exported interface's version in a real plugin (same length, so the binary stays
     // valid): the host must refuse it by version, before linking.
     let bytes = std::fs::read(testing_wasm()).unwrap();
-    let ours = b"mmgate:modality/plugin@0.4.1";
+    let ours = b"mmgate:modality/plugin@0.5.0";
     assert!(bytes.windows(ours.len()).any(|w| w == ours));
     let dir = tempfile::tempdir().unwrap();
     for (version, needle) in [
         (
-            "0.5.0",
-            "built for contract 0.5.0, but this host implements 0.4.1",
+            "0.6.0",
+            "built for contract 0.6.0, but this host implements 0.5.0",
         ),
+        ("0.5.9", "built for contract 0.5.9"),
         ("0.4.9", "built for contract 0.4.9"),
         ("0.3.9", "built for contract 0.3.9"),
         ("0.2.9", "built for contract 0.2.9"),
