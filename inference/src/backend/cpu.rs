@@ -795,7 +795,7 @@ fn exp_nonpositive(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let e_r = p * r * r + r + 1.0;
     // n's bits as an integer: the low bits of `shifted` (|n| ≤ 126 here).
     let n = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
