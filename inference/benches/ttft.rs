@@ -4,38 +4,19 @@
 //!
 //!     cargo bench -p mmgate-inference --bench ttft
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use mmgate_inference::demo::{self, DemoFamily};
-use mmgate_inference::engine::{
-    DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig, Event, FeatureStore,
-    GenerateRequest, PositionScheme,
-};
-use mmgate_inference::models::Qwen2Vl;
+use mmgate_inference::Result;
+use mmgate_inference::engine::EncodeInput;
 use mmgate_inference::rope::Grid;
-use mmgate_inference::sampling::SamplingParams;
-use mmgate_inference::text::TextProcessor;
-use mmgate_inference::{CpuBackend, Result};
+
+use common::{demo_engine, ttft};
 
 const SAMPLES: usize = 100;
-
-fn ttft(engine: &Engine, prompt: &[u32]) -> Result<Duration> {
-    let start = Instant::now();
-    let mut h = engine.submit(GenerateRequest {
-        prompt: prompt.to_vec(),
-        media: Vec::new(),
-        sampling: SamplingParams::greedy(),
-        max_tokens: 1,
-        stop: Vec::new(),
-    })?;
-    match h.events.blocking_recv() {
-        Some(Event::Token { .. }) => Ok(start.elapsed()),
-        Some(Event::Failed(m)) => Err(mmgate_inference::Error::Input(m.to_string())),
-        Some(Event::Done { .. }) | None => Err(mmgate_inference::Error::Input("no token".into())),
-    }
-}
 
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
@@ -43,43 +24,15 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 fn main() -> Result<()> {
-    let cache = std::env::temp_dir().join(format!("mmgate-bench-{}", std::process::id()));
-    let dir = demo::ensure(&cache, DemoFamily::Qwen2Vl)?;
-    let llm_dev = CpuBackend::new("llm", 1)?;
-    let enc_dev = CpuBackend::new("enc", 1)?;
-    let model: Qwen2Vl<CpuBackend, CpuBackend> = Qwen2Vl::load(&dir, &enc_dev, &llm_dev)?;
-    let vision: Arc<dyn Encoder> = Arc::new(model.vision);
-    let pool = Arc::new(EncoderPool::new(
-        vec![DeviceSpec {
-            name: "enc".into(),
-            encoders: vec![vision],
-        }],
-        4,
-    )?);
-    let text = Arc::new(TextProcessor::load(&dir)?);
-    let config = EngineConfig {
-        model_name: "demo".into(),
-        positions: PositionScheme::MRope { merge: 2 },
-        max_running: 8,
-        prefill_chunk: 512,
-        kv_budget_tokens: 8192,
-        eos_token_ids: Vec::new(),
-        deepstack_levels: 0,
-    };
-    let engine = Engine::start(
-        config,
-        model.llm,
-        text.clone(),
-        pool.clone(),
-        Arc::new(FeatureStore::new(0)),
-    )?;
+    let demo = demo_engine(8, 8192)?;
+    let (engine, text, pool) = (&demo.engine, &demo.text, &demo.pool);
     let prompt = text.encode(&"Describe the weather in the garden today, please. ".repeat(8))?;
 
     for _ in 0..5 {
-        ttft(&engine, &prompt)?; // warm-up
+        ttft(engine, &prompt)?; // warm-up
     }
     let idle: Vec<Duration> = (0..SAMPLES)
-        .map(|_| ttft(&engine, &prompt))
+        .map(|_| ttft(engine, &prompt))
         .collect::<Result<_>>()?;
 
     // Keep the encoder device busy: 8 frames (4 temporal patches) of 448x448 per job, always queued.
@@ -117,7 +70,7 @@ fn main() -> Result<()> {
         std::thread::sleep(Duration::from_millis(5));
     }
     let busy: Vec<Duration> = (0..SAMPLES)
-        .map(|_| ttft(&engine, &prompt))
+        .map(|_| ttft(engine, &prompt))
         .collect::<Result<_>>()?;
     let jobs = done_jobs.load(Ordering::Relaxed);
     running.store(false, Ordering::Relaxed);
@@ -127,9 +80,8 @@ fn main() -> Result<()> {
     }
     // Idle again, so drift over the run (warm-up, clocks) shows up as two idle numbers apart.
     let idle_after: Vec<Duration> = (0..SAMPLES)
-        .map(|_| ttft(&engine, &prompt))
+        .map(|_| ttft(engine, &prompt))
         .collect::<Result<_>>()?;
-    let _ = std::fs::remove_dir_all(&cache);
 
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let (idle, busy, idle_after) = (median(idle), median(busy), median(idle_after));

@@ -1,0 +1,90 @@
+//! The demo Qwen2-VL model running in an engine on one LLM thread and one encoder thread (the
+//! devices two cores get), and the time to a prompt's first token: what the engine benches share.
+
+// Each bench compiles this module on its own and uses only part of it.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mmgate_inference::demo::{self, DemoFamily};
+use mmgate_inference::engine::{
+    DeviceSpec, Encoder, EncoderPool, Engine, EngineConfig, Event, FeatureStore, GenerateRequest,
+    PositionScheme,
+};
+use mmgate_inference::models::Qwen2Vl;
+use mmgate_inference::sampling::SamplingParams;
+use mmgate_inference::text::TextProcessor;
+use mmgate_inference::{CpuBackend, Result};
+
+pub struct DemoEngine {
+    pub engine: Engine,
+    pub text: Arc<TextProcessor>,
+    pub pool: Arc<EncoderPool>,
+    /// The demo checkpoint's directory, removed when this is dropped.
+    cache: PathBuf,
+}
+
+impl Drop for DemoEngine {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.cache);
+    }
+}
+
+/// The demo Qwen2-VL in an engine with prefill chunks of 512 tokens.
+pub fn demo_engine(max_running: usize, kv_budget_tokens: usize) -> Result<DemoEngine> {
+    let cache = std::env::temp_dir().join(format!("mmgate-bench-{}", std::process::id()));
+    let dir = demo::ensure(&cache, DemoFamily::Qwen2Vl)?;
+    let llm_dev = CpuBackend::new("llm", 1)?;
+    let enc_dev = CpuBackend::new("enc", 1)?;
+    let model: Qwen2Vl<CpuBackend, CpuBackend> = Qwen2Vl::load(&dir, &enc_dev, &llm_dev)?;
+    let vision: Arc<dyn Encoder> = Arc::new(model.vision);
+    let pool = Arc::new(EncoderPool::new(
+        vec![DeviceSpec {
+            name: "enc".into(),
+            encoders: vec![vision],
+        }],
+        4,
+    )?);
+    let text = Arc::new(TextProcessor::load(&dir)?);
+    let config = EngineConfig {
+        model_name: "demo".into(),
+        positions: PositionScheme::MRope { merge: 2 },
+        max_running,
+        prefill_chunk: 512,
+        kv_budget_tokens,
+        eos_token_ids: Vec::new(),
+        deepstack_levels: 0,
+    };
+    let engine = Engine::start(
+        config,
+        model.llm,
+        text.clone(),
+        pool.clone(),
+        Arc::new(FeatureStore::new(0)),
+    )?;
+    Ok(DemoEngine {
+        engine,
+        text,
+        pool,
+        cache,
+    })
+}
+
+/// Time to the first token of a text-only prompt.
+pub fn ttft(engine: &Engine, prompt: &[u32]) -> Result<Duration> {
+    let start = Instant::now();
+    let mut h = engine.submit(GenerateRequest {
+        prompt: prompt.to_vec(),
+        media: Vec::new(),
+        sampling: SamplingParams::greedy(),
+        max_tokens: 1,
+        stop: Vec::new(),
+    })?;
+    match h.events.blocking_recv() {
+        Some(Event::Token { .. }) => Ok(start.elapsed()),
+        Some(Event::Failed(m)) => Err(mmgate_inference::Error::Input(m.to_string())),
+        Some(Event::Done { .. }) | None => Err(mmgate_inference::Error::Input("no token".into())),
+    }
+}
