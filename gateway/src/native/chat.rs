@@ -361,14 +361,17 @@ pub async fn prepare(
             }
         }
         if let Some(coming) = processed.coming.take() {
-            match prompt.coming_parts(item.kind, processed.plan.tokens, &coming.plans, index) {
-                Ok(Some((mut placed, makers))) => {
-                    // Each part's output is stored for other replicas under its piece's key, its
-                    // part plan (what places it) beside it.
-                    if let Some(shared) = shared
-                        && !coming.share_keys.is_empty()
-                    {
-                        share_pieces(shared, &mut placed, &coming.plans, &coming.share_keys);
+            // With a shared cache, each part's output is stored for other replicas under its
+            // piece's key (none without one), its part plan (what places it) beside it.
+            let share_keys = &coming.share_keys;
+            let tokens = processed.plan.tokens;
+            match prompt.coming_parts(item.kind, tokens, &coming.plans, share_keys, index) {
+                Ok(Some((placed, makers))) => {
+                    if let Some(shared) = shared {
+                        for (plan, key) in coming.plans.iter().zip(share_keys) {
+                            let note = feature_cache::note(&plan.placing);
+                            shared.features.put_note(key, note);
+                        }
                     }
                     feeds.extend(coming.parts.into_iter().zip(makers));
                     report.push(account);
@@ -468,33 +471,6 @@ pub async fn prepare(
         include_usage: request.stream_options.is_some_and(|o| o.include_usage),
         feeds,
     })
-}
-
-/// Keys each piece of `placed` (in part order) to be stored in the shared cache, and writes the
-/// note beside each: the part's placing tensors.
-fn share_pieces(
-    shared: &SharedCache,
-    placed: &mut PlacedItem,
-    plans: &[mmgate_host::PartPlan],
-    keys: &[[u8; 32]],
-) {
-    for (plan, key) in plans.iter().zip(keys) {
-        shared
-            .features
-            .put_note(key, feature_cache::note(&plan.placing));
-    }
-    // A piece may span several engine items (runs): they share its input, hence its key.
-    let mut piece = 0;
-    let mut previous: Option<&Arc<mmgate_inference::engine::EncodeInput>> = None;
-    let inputs: Vec<Arc<mmgate_inference::engine::EncodeInput>> =
-        placed.items.iter().map(|i| i.input.clone()).collect();
-    for (item, input) in placed.items.iter_mut().zip(&inputs) {
-        if previous.is_some_and(|p| !Arc::ptr_eq(p, input)) {
-            piece += 1;
-        }
-        previous = Some(input);
-        item.share_key = keys.get(piece).copied();
-    }
 }
 
 /// A plugin's output for item `index` that the model's encoder cannot take.

@@ -473,34 +473,37 @@ impl PromptModel {
     /// embeddings made elsewhere) as a piece of item `index` whose input comes later through a
     /// handoff; and, per part, the [`PieceMaker`] that turns its tensors into that input once
     /// made. Pieces continue each other's M-RoPE block as [`Self::media_parts`] places them.
-    /// `None` when the model's encoder must see such an item whole (see
-    /// [`FamilyModel::row_bands`]): its parts are joined once all are made.
+    /// With `share_keys` (one per part, or none), each piece's output is stored in the shared
+    /// cache under its part's key. `None` when the model's encoder must see such an item whole
+    /// (see [`FamilyModel::row_bands`]): its parts are joined once all are made.
     pub fn coming_parts(
         &self,
         kind: MediaKind,
         tokens: u32,
         plans: &[PartPlan],
+        share_keys: &[[u8; 32]],
         index: usize,
     ) -> anyhow::Result<Option<(PlacedItem, Vec<PieceMaker>)>> {
         if self.family.row_bands(kind).is_some() {
             return Ok(None);
         }
         let mut makers = Vec::with_capacity(plans.len());
-        let placed = self.placed_pieces(kind, tokens, plans, index, |n, placement| {
-            let (handoff, delivery) = Handoff::new();
-            makers.push(PieceMaker {
-                family: self.family.clone(),
-                kind,
-                part: n,
-                placement: placement.clone(),
-                tokens: plans[n].tokens as usize,
-                delivery,
-            });
-            Ok(EncodeInput::Later {
-                grid: placement.grid,
-                handoff,
-            })
-        })?;
+        let placed =
+            self.placed_pieces(kind, tokens, plans, share_keys, index, |n, placement| {
+                let (handoff, delivery) = Handoff::new();
+                makers.push(PieceMaker {
+                    family: self.family.clone(),
+                    kind,
+                    part: n,
+                    placement: placement.clone(),
+                    tokens: plans[n].tokens as usize,
+                    delivery,
+                });
+                Ok(EncodeInput::Later {
+                    grid: placement.grid,
+                    handoff,
+                })
+            })?;
         Ok(Some((placed, makers)))
     }
 
@@ -523,7 +526,7 @@ impl PromptModel {
             );
         }
         let mut features = features.into_iter();
-        self.placed_pieces(kind, tokens, plans, index, |n, placement| {
+        self.placed_pieces(kind, tokens, plans, &[], index, |n, placement| {
             let embeddings = features
                 .next()
                 .ok_or_else(|| anyhow!("the shared entry lacks part {n}"))?;
@@ -543,12 +546,14 @@ impl PromptModel {
     /// An item's parts placed by their part plans (their placing tensors read as the family reads
     /// embeddings made elsewhere), each the input `input_of` gives for it, as pieces of item
     /// `index`: a piece laid out as one run continues the previous piece's M-RoPE block, as
-    /// [`Self::media_parts`] places them. The plans' tokens must add up to the plugin's plan.
+    /// [`Self::media_parts`] places them. The plans' tokens must add up to the plugin's plan. A
+    /// piece's engine items (one per run) carry its part's key in `share_keys`, if any.
     fn placed_pieces(
         &self,
         kind: MediaKind,
         tokens: u32,
         plans: &[PartPlan],
+        share_keys: &[[u8; 32]],
         index: usize,
         mut input_of: impl FnMut(usize, &Placement) -> anyhow::Result<EncodeInput>,
     ) -> anyhow::Result<PlacedItem> {
@@ -577,6 +582,7 @@ impl PromptModel {
             let mut part = self.place(kind, input, part_tokens, placement)?;
             for item in &mut part.items {
                 item.piece = Some(piece);
+                item.share_key = share_keys.get(n).copied();
             }
             placed.items.append(&mut part.items);
             placed.ids.append(&mut part.ids);
@@ -1413,7 +1419,7 @@ mod tests {
             .expect("the plugin places its parts");
         let (coming, makers) = model
             .prompt
-            .coming_parts(kind, tokens, plans, 0)
+            .coming_parts(kind, tokens, plans, &[], 0)
             .unwrap()
             .unwrap();
         assert_eq!(
@@ -1462,7 +1468,7 @@ mod tests {
         ] {
             let (coming, makers) = model
                 .prompt
-                .coming_parts(kind, tokens, &plans, 3)
+                .coming_parts(kind, tokens, &plans, &[], 3)
                 .unwrap()
                 .unwrap();
             let (events, _) = submit(&model, &coming);
