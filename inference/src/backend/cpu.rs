@@ -11,6 +11,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::gemm::{self, MatMut, MatRef, Threads, matmul};
+use super::softmax::{exp_and_sum, scale_and_max};
 use super::{
     Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, Values, check_attention,
     check_ids, check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
@@ -731,77 +732,6 @@ fn attend<'a>(
     Ok(out)
 }
 
-/// Lanes the softmax loops keep apart, so that they compile to SIMD (a float sum or maximum in one
-/// accumulator is a chain the compiler may not reorder).
-const LANES: usize = 8;
-
-/// Multiplies `row` by `scale` in place; returns its largest value.
-fn scale_and_max(row: &mut [f32], scale: f32) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    let mut chunks = row.chunks_exact_mut(LANES);
-    for chunk in &mut chunks {
-        for (x, max) in chunk.iter_mut().zip(&mut lanes) {
-            *x *= scale;
-            if *x > *max {
-                *max = *x;
-            }
-        }
-    }
-    let mut max = lanes.into_iter().fold(f32::NEG_INFINITY, f32::max);
-    for x in chunks.into_remainder() {
-        *x *= scale;
-        max = max.max(*x);
-    }
-    max
-}
-
-/// Replaces each `x` of `row` by e^(x − max) (`max` at least every `x`); returns their sum.
-fn exp_and_sum(row: &mut [f32], max: f32) -> f32 {
-    let mut lanes = [0.0f32; LANES];
-    let mut chunks = row.chunks_exact_mut(LANES);
-    for chunk in &mut chunks {
-        for (x, sum) in chunk.iter_mut().zip(&mut lanes) {
-            *x = exp_nonpositive(*x - max);
-            *sum += *x;
-        }
-    }
-    let mut sum: f32 = lanes.iter().sum();
-    for x in chunks.into_remainder() {
-        *x = exp_nonpositive(*x - max);
-        sum += *x;
-    }
-    sum
-}
-
-/// e^x for x ≤ 0, within 2 ulp of `f32::exp` (Cephes' `expf`: x = n·ln 2 + r with |r| ≤ ln 2 / 2,
-/// a degree-7 polynomial for e^r, 2^n put into the exponent bits), in straight-line float and
-/// integer arithmetic that the softmax loop vectorizes; `f32::exp` is a libm call per element,
-/// which was most of a long prefill's time. Below −87.3 (where e^x leaves the normal floats) it
-/// gives 2^−126 × e^r ≈ 1e−38, a weight that no sum of ones can see.
-#[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 split so that n · LN2_HI is exact for the n that occur.
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5 · 2^23: adding it rounds to an integer, held in the low mantissa bits.
-    const ROUND: f32 = 12_582_912.0;
-    let x = x.max(-87.0);
-    let shifted = x * LOG2_E + ROUND;
-    let n = shifted - ROUND;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_1e-4_f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    let e_r = p * r * r + r + 1.0;
-    // n's bits as an integer: the low bits of `shifted` (|n| ≤ 126 here).
-    let n = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
-    e_r * f32::from_bits(((n + 127) as u32) << 23)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -868,19 +798,6 @@ mod tests {
                 s.mask
             );
         }
-    }
-
-    #[test]
-    fn the_softmax_exp_is_within_two_ulp_of_libm() {
-        let ulps = |a: f32, b: f32| (a.to_bits() as i64 - b.to_bits() as i64).abs();
-        let mut worst = 0;
-        for i in 0..=870_000 {
-            let x = -(i as f32) * 1e-4;
-            worst = worst.max(ulps(exp_nonpositive(x), x.exp()));
-        }
-        assert!(worst <= 2, "{worst} ulp");
-        assert_eq!(exp_nonpositive(0.0), 1.0);
-        assert!(exp_nonpositive(-1e30) < 1e-37);
     }
 
     #[test]

@@ -13,6 +13,7 @@
 pub mod cpu;
 pub mod cuda;
 mod gemm;
+mod softmax;
 
 use crate::error::{Error, Result};
 
