@@ -10,17 +10,17 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::attention_kernels::{self, exp_and_sum, scale_and_max};
 use super::gemm::{self, MatMut, MatRef, Threads, matmul};
-use super::softmax::{exp_and_sum, scale_and_max};
 use super::{
     Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, Values, check_attention,
     check_ids, check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
 };
 use crate::error::{Error, Result};
 
-/// Query rows one attention task handles.
-const QUERY_BLOCK: usize = 64;
-/// Keys one attention step scores at a time: a `QUERY_BLOCK × KEY_BLOCK` scores scratch (64 KiB)
+/// Query rows one attention task handles: its keys are transposed once for all of them.
+const QUERY_BLOCK: usize = 256;
+/// Keys one attention step scores at a time: a `QUERY_BLOCK × KEY_BLOCK` scores scratch (256 KiB)
 /// stays in cache, where scoring every key at once wrote and re-read 8 MiB per task at 32k keys.
 const KEY_BLOCK: usize = 256;
 
@@ -618,25 +618,21 @@ fn attention(
 
     let group = heads / kv_heads;
     let (q_stride, kv_stride) = (heads * hd, kv_heads * hd);
-    let results: Vec<Result<(usize, usize, Vec<f32>)>> = dev.run(|| {
+    let results: Vec<(usize, usize, Vec<f32>)> = dev.run(|| {
         tasks
             .par_iter()
             .map(|t| {
                 let kvh = t.head / group;
                 let queries = head_rows(q, t.q0..t.q1, q_stride, t.head, hd);
-                let out = attend(t, queries, s.scale, |keys| {
-                    (
-                        head_rows(k, keys.clone(), kv_stride, kvh, hd),
-                        head_rows(v, keys, kv_stride, kvh, hd),
-                    )
-                })?;
-                Ok((t.head, t.q0, out))
+                let keys = head_rows(k, 0..s.kv_rows, kv_stride, kvh, hd);
+                let values = head_rows(v, 0..s.kv_rows, kv_stride, kvh, hd);
+                let out = attend(t, queries, keys, values, s.scale);
+                (t.head, t.q0, out)
             })
             .collect()
     });
     let mut out = vec![0.0f32; s.q_rows * q_stride];
-    for r in results {
-        let (head, q0, block) = r?;
+    for (head, q0, block) in results {
         for (i, row) in block.chunks(hd).enumerate() {
             let at = (q0 + i) * q_stride + head * hd;
             out[at..at + hd].copy_from_slice(row);
@@ -667,31 +663,46 @@ fn head_rows(
 /// online softmax (each row's running maximum and sum, the output rescaled when the maximum
 /// grows), so the scores scratch stays `QUERY_BLOCK × KEY_BLOCK` floats in cache however long the
 /// context. Blocks start at multiples of `KEY_BLOCK` from the task's first key, so a row's blocks
-/// are the same whichever rows it is computed with. `keys_values(rows)` gives those rows of the
-/// head's keys and values.
-fn attend<'a>(
+/// are the same whichever rows it is computed with. `keys` and `values` are the head's rows.
+fn attend(
     t: &Task,
     queries: MatRef<'_>,
+    keys: MatRef<'_>,
+    values: MatRef<'_>,
     scale: f32,
-    keys_values: impl Fn(Range<usize>) -> (MatRef<'a>, MatRef<'a>),
-) -> Result<Vec<f32>> {
+) -> Vec<f32> {
     let (nq, hd) = (t.q1 - t.q0, queries.cols);
+    let block = KEY_BLOCK.min(t.k1 - t.k0);
     let mut out = vec![0.0f32; nq * hd];
     let mut max = vec![f32::NEG_INFINITY; nq];
     let mut sum = vec![0.0f32; nq];
-    let mut scores = vec![0.0f32; nq * KEY_BLOCK.min(t.k1 - t.k0)];
+    let mut scores = vec![0.0f32; nq * block];
+    let mut keys_t = vec![0.0f32; hd * block];
     for b0 in (t.k0..t.k1).step_by(KEY_BLOCK) {
         let b1 = (b0 + KEY_BLOCK).min(t.k1);
         let nb = b1 - b0;
-        let (keys, values) = keys_values(b0..b1);
+        // The block's keys transposed (`[hd, nb]`), so that a row of scores is a sum of contiguous
+        // rows; a task's queries share it, so it costs 1/QUERY_BLOCK of the scores.
+        let keys_t = &mut keys_t[..hd * nb];
+        for (j, key) in keys.data[b0 * keys.row_stride..]
+            .chunks(keys.row_stride)
+            .take(nb)
+            .enumerate()
+        {
+            for (d, &x) in key[..hd].iter().enumerate() {
+                keys_t[d * nb + j] = x;
+            }
+        }
         let scores = &mut scores[..nq * nb];
-        matmul(
-            MatMut::row_major(scores, nq, nb),
-            queries,
-            keys.t(),
-            false,
-            Threads::One,
-        )?;
+        let keys_t = attention_kernels::Strided {
+            data: keys_t,
+            stride: nb,
+        };
+        let queries = attention_kernels::Strided {
+            data: queries.data,
+            stride: queries.row_stride,
+        };
+        attention_kernels::scores(queries, nq, keys_t, nb, hd, scores);
         for (i, row) in scores.chunks_mut(nb).enumerate() {
             // Keys of this block the row may see: all of them, or up to its own position.
             let visible = match t.causal_first {
@@ -716,20 +727,18 @@ fn attend<'a>(
             }
             sum[i] += block_sum;
         }
-        matmul(
-            MatMut::row_major(&mut out, nq, hd),
-            MatRef::row_major(scores, nq, nb),
-            values,
-            true,
-            Threads::One,
-        )?;
+        let values = attention_kernels::Strided {
+            data: &values.data[b0 * values.row_stride..],
+            stride: values.row_stride,
+        };
+        attention_kernels::add_weighted_values(scores, nq, values, nb, hd, &mut out);
     }
     for (row, &total) in out.chunks_mut(hd).zip(&sum) {
         // A row always sees at least its own key, so its sum is at least 1.
         let inv = 1.0 / total;
         row.iter_mut().for_each(|o| *o *= inv);
     }
-    Ok(out)
+    out
 }
 
 #[cfg(test)]

@@ -10,10 +10,10 @@
 //! Every buffer holds `f32` row-major data; shapes travel with [`crate::Tensor`], and each operation
 //! receives the dimensions it needs and checks them against the buffer lengths.
 
+mod attention_kernels;
 pub mod cpu;
 pub mod cuda;
 mod gemm;
-mod softmax;
 
 use crate::error::{Error, Result};
 

@@ -1,0 +1,387 @@
+//! The inner loops of CPU attention, for one block of query rows against one block of keys: the
+//! scores (queries × keys), the online softmax's row kernels (scale and maximum, then each score's
+//! weight e^(x − max) and their sum), and the weighted sum of the values. At long context these
+//! are all of a prefill (every query meets every earlier key), so they are compiled three times —
+//! for AVX-512, for AVX2 and for the baseline target (SSE2 on x86-64) — and the widest the CPU has
+//! is picked at run time; the baseline build alone ran them four floats at a time, and the `gemm`
+//! crate's AVX2 kernels, with their packing and dispatch per call, took twice as long on blocks
+//! this small (a head's 32 to 128 columns).
+//!
+//! Every version does the same float operations in the same order — a score or an output value
+//! is one fused multiply-add per term, terms in key (or column) order, whatever tile it is in; the
+//! softmax keeps LANES running maxima and sums; Rust never contracts `a * b + c` on its own — so
+//! results are bit-identical whichever version runs and wherever a row sits in its block: a
+//! prompt's answer depends neither on the CPU it was served on nor on how its prefill was cut.
+//! (Without hardware FMA, as on x86-64 CPUs older than 2013, `mul_add` is a slow library call.)
+
+#![allow(unsafe_code)]
+
+/// Rows of a matrix `stride` floats apart in `data`.
+#[derive(Clone, Copy)]
+pub struct Strided<'a> {
+    pub data: &'a [f32],
+    pub stride: usize,
+}
+
+/// Fills `scores` (`nq × nb`, row-major) with `q · kᵀ`: `q` holds `nq` query rows of `hd` values;
+/// `keys_t` the block's keys transposed (`hd` rows of `nb`: column `j` is key `j`).
+pub fn scores(
+    q: Strided<'_>,
+    nq: usize,
+    keys_t: Strided<'_>,
+    nb: usize,
+    hd: usize,
+    scores: &mut [f32],
+) {
+    let shape = Block { nq, nb, hd };
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx512() {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { x86::scores_avx512(q, keys_t, scores, shape) };
+        }
+        if has_avx2() {
+            // SAFETY: as above.
+            return unsafe { x86::scores_avx2(q, keys_t, scores, shape) };
+        }
+    }
+    scores_tiled::<4, 8>(q, keys_t, scores, shape)
+}
+
+/// Adds `weights · values` to `out` (`nq × hd`, row-major): `weights` is `nq × nb` (a softmax's
+/// unnormalised weights, zero where a key is hidden), `values` holds `nb` rows of `hd` values.
+pub fn add_weighted_values(
+    weights: &[f32],
+    nq: usize,
+    values: Strided<'_>,
+    nb: usize,
+    hd: usize,
+    out: &mut [f32],
+) {
+    let shape = Block { nq, nb, hd };
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx512() {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { x86::weighted_avx512(weights, values, out, shape) };
+        }
+        if has_avx2() {
+            // SAFETY: as above.
+            return unsafe { x86::weighted_avx2(weights, values, out, shape) };
+        }
+    }
+    weighted_tiled::<4, 8>(weights, values, out, shape)
+}
+
+/// A block's dimensions: query rows, keys, head dimension.
+#[derive(Clone, Copy)]
+struct Block {
+    nq: usize,
+    nb: usize,
+    hd: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma")
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+}
+
+/// `scores` for `R` query rows × `W` keys at a time (their accumulators held in registers), the
+/// rest one value at a time, every value accumulated over `d` in order from zero.
+#[inline(always)]
+fn scores_tiled<const R: usize, const W: usize>(
+    Strided {
+        data: q,
+        stride: q_stride,
+    }: Strided<'_>,
+    Strided {
+        data: keys_t,
+        stride: kt_stride,
+    }: Strided<'_>,
+    scores: &mut [f32],
+    Block { nq, nb, hd }: Block,
+) {
+    let (full_rows, full_cols) = (nq / R * R, nb / W * W);
+    for i0 in (0..full_rows).step_by(R) {
+        for j0 in (0..full_cols).step_by(W) {
+            let mut acc = [[0.0f32; W]; R];
+            for d in 0..hd {
+                let k = &keys_t[d * kt_stride + j0..][..W];
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let qv = q[(i0 + r) * q_stride + d];
+                    for (a, &kv) in acc.iter_mut().zip(k) {
+                        *a = qv.mul_add(kv, *a);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                scores[(i0 + r) * nb + j0..][..W].copy_from_slice(acc);
+            }
+        }
+    }
+    // The edges: rows past the last full tile (every key), keys past the last full tile.
+    let edge = |i: usize, j: usize| {
+        let mut a = 0.0f32;
+        for d in 0..hd {
+            a = q[i * q_stride + d].mul_add(keys_t[d * kt_stride + j], a);
+        }
+        a
+    };
+    for i in 0..nq {
+        let first = if i < full_rows { full_cols } else { 0 };
+        for j in first..nb {
+            scores[i * nb + j] = edge(i, j);
+        }
+    }
+}
+
+/// `add_weighted_values` for `R` rows × `W` columns at a time, the rest one value at a time, every
+/// value accumulated over the keys in order.
+#[inline(always)]
+fn weighted_tiled<const R: usize, const W: usize>(
+    weights: &[f32],
+    Strided {
+        data: values,
+        stride: v_stride,
+    }: Strided<'_>,
+    out: &mut [f32],
+    Block { nq, nb, hd }: Block,
+) {
+    let (full_rows, full_cols) = (nq / R * R, hd / W * W);
+    for i0 in (0..full_rows).step_by(R) {
+        for c0 in (0..full_cols).step_by(W) {
+            let mut acc = [[0.0f32; W]; R];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                acc.copy_from_slice(&out[(i0 + r) * hd + c0..][..W]);
+            }
+            for j in 0..nb {
+                let v = &values[j * v_stride + c0..][..W];
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let w = weights[(i0 + r) * nb + j];
+                    for (a, &vv) in acc.iter_mut().zip(v) {
+                        *a = w.mul_add(vv, *a);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                out[(i0 + r) * hd + c0..][..W].copy_from_slice(acc);
+            }
+        }
+    }
+    for i in 0..nq {
+        let first = if i < full_rows { full_cols } else { 0 };
+        for c in first..hd {
+            let mut a = out[i * hd + c];
+            for j in 0..nb {
+                a = weights[i * nb + j].mul_add(values[j * v_stride + c], a);
+            }
+            out[i * hd + c] = a;
+        }
+    }
+}
+
+/// Running maxima and sums kept apart, so that the loops compile to SIMD (a float sum or maximum
+/// in one accumulator is a chain the compiler may not reorder): one AVX-512 register.
+const LANES: usize = 16;
+
+/// Multiplies `row` by `scale` in place; returns its largest value.
+pub fn scale_and_max(row: &mut [f32], scale: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx512() {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { x86::scale_and_max_avx512(row, scale) };
+        }
+        if has_avx2() {
+            // SAFETY: as above.
+            return unsafe { x86::scale_and_max_avx2(row, scale) };
+        }
+    }
+    scale_and_max_portable(row, scale)
+}
+
+/// Replaces each `x` of `row` by e^(x − max) (`max` at least every `x`); returns their sum.
+pub fn exp_and_sum(row: &mut [f32], max: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx512() {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { x86::exp_and_sum_avx512(row, max) };
+        }
+        if has_avx2() {
+            // SAFETY: as above.
+            return unsafe { x86::exp_and_sum_avx2(row, max) };
+        }
+    }
+    exp_and_sum_portable(row, max)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Block, Strided, scores_tiled, weighted_tiled};
+
+    // Tiles: 8 rows × 32 floats is 16 of AVX-512's 32 registers; 4 × 16 is 8 of AVX2's 16.
+
+    #[target_feature(enable = "avx512f,fma")]
+    pub fn scores_avx512(q: Strided<'_>, keys_t: Strided<'_>, scores: &mut [f32], b: Block) {
+        scores_tiled::<8, 32>(q, keys_t, scores, b)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub fn scores_avx2(q: Strided<'_>, keys_t: Strided<'_>, scores: &mut [f32], b: Block) {
+        scores_tiled::<4, 16>(q, keys_t, scores, b)
+    }
+
+    #[target_feature(enable = "avx512f,fma")]
+    pub fn weighted_avx512(w: &[f32], values: Strided<'_>, out: &mut [f32], b: Block) {
+        weighted_tiled::<8, 32>(w, values, out, b)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub fn weighted_avx2(w: &[f32], values: Strided<'_>, out: &mut [f32], b: Block) {
+        weighted_tiled::<4, 16>(w, values, out, b)
+    }
+
+    #[target_feature(enable = "avx512f,fma")]
+    pub fn scale_and_max_avx512(row: &mut [f32], scale: f32) -> f32 {
+        super::scale_and_max_portable(row, scale)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub fn scale_and_max_avx2(row: &mut [f32], scale: f32) -> f32 {
+        super::scale_and_max_portable(row, scale)
+    }
+
+    #[target_feature(enable = "avx512f,fma")]
+    pub fn exp_and_sum_avx512(row: &mut [f32], max: f32) -> f32 {
+        super::exp_and_sum_portable(row, max)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub fn exp_and_sum_avx2(row: &mut [f32], max: f32) -> f32 {
+        super::exp_and_sum_portable(row, max)
+    }
+}
+
+/// The loop every version compiles (inlined into the feature-enabled functions above).
+#[inline(always)]
+fn scale_and_max_portable(row: &mut [f32], scale: f32) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (x, max) in chunk.iter_mut().zip(&mut lanes) {
+            *x *= scale;
+            if *x > *max {
+                *max = *x;
+            }
+        }
+    }
+    let mut max = lanes.into_iter().fold(f32::NEG_INFINITY, f32::max);
+    for x in chunks.into_remainder() {
+        *x *= scale;
+        max = max.max(*x);
+    }
+    max
+}
+
+#[inline(always)]
+fn exp_and_sum_portable(row: &mut [f32], max: f32) -> f32 {
+    let mut lanes = [0.0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (x, sum) in chunk.iter_mut().zip(&mut lanes) {
+            *x = exp_nonpositive(*x - max);
+            *sum += *x;
+        }
+    }
+    let mut sum: f32 = lanes.iter().sum();
+    for x in chunks.into_remainder() {
+        *x = exp_nonpositive(*x - max);
+        sum += *x;
+    }
+    sum
+}
+
+/// e^x for x ≤ 0, within 2 ulp of `f32::exp` (Cephes' `expf`: x = n·ln 2 + r with |r| ≤ ln 2 / 2,
+/// a degree-7 polynomial for e^r, 2^n put into the exponent bits), in straight-line float and
+/// integer arithmetic (fused multiply-adds) that the softmax loop vectorizes; `f32::exp` is a libm
+/// call per element, which was most of a long prefill's time. Below −87.3 (where e^x leaves the normal floats) it
+/// gives 2^−126 × e^r ≈ 1e−38, a weight that no sum of ones can see.
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split so that n · LN2_HI is exact for the n that occur.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 · 2^23: adding it rounds to an integer, held in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.max(-87.0);
+    let shifted = x.mul_add(LOG2_E, ROUND);
+    let n = shifted - ROUND;
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    let mut p = 1.987_569_1e-4_f32;
+    p = p.mul_add(r, 1.398_199_9e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 1.666_666_5e-1);
+    p = p.mul_add(r, 0.5);
+    let e_r = p.mul_add(r * r, r) + 1.0;
+    // n's bits as an integer: the low bits of `shifted` (|n| ≤ 126 here).
+    let n = shifted.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
+    e_r * f32::from_bits(((n + 127) as u32) << 23)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_softmax_exp_is_within_two_ulp_of_libm() {
+        let ulps = |a: f32, b: f32| (a.to_bits() as i64 - b.to_bits() as i64).abs();
+        let mut worst = 0;
+        for i in 0..=870_000 {
+            let x = -(i as f32) * 1e-4;
+            worst = worst.max(ulps(exp_nonpositive(x), x.exp()));
+        }
+        assert!(worst <= 2, "{worst} ulp");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert!(exp_nonpositive(-1e30) < 1e-37);
+    }
+
+    #[test]
+    fn every_compiled_version_gives_the_same_bits() {
+        // Rows with and without a remainder past the lanes; scores spread over [-40, 40).
+        for len in [1, 15, 16, 100, 256] {
+            let row: Vec<f32> = (0..len)
+                .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 8) as f32 / 209_715.2 - 40.0)
+                .collect();
+            let run = |scale_max: fn(&mut [f32], f32) -> f32,
+                       exp_sum: fn(&mut [f32], f32) -> f32| {
+                let mut r = row.clone();
+                let max = scale_max(&mut r, 0.37);
+                let sum = exp_sum(&mut r, max);
+                (
+                    r.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    max.to_bits(),
+                    sum.to_bits(),
+                )
+            };
+            let portable = run(scale_and_max_portable, exp_and_sum_portable);
+            assert_eq!(run(scale_and_max, exp_and_sum), portable, "len {len}");
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                // SAFETY: the CPU has AVX2.
+                let avx2 = run(
+                    |r, s| unsafe { x86::scale_and_max_avx2(r, s) },
+                    |r, m| unsafe { x86::exp_and_sum_avx2(r, m) },
+                );
+                assert_eq!(avx2, portable, "len {len}");
+            }
+        }
+    }
+}
