@@ -91,10 +91,65 @@ fn has_avx2() -> bool {
     std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
 }
 
-/// `scores` for `R` query rows × `W` keys at a time (their accumulators held in registers), the
-/// rest one value at a time, every value accumulated over `d` in order from zero.
+/// `scores` in tiles of `R` query rows × `W` keys (their accumulators held in registers), then
+/// single rows; the keys past the last `W`-wide tile in tiles of 16 and 8, then one at a time. Every
+/// score is accumulated over `d` in order from zero, whatever tile computes it.
 #[inline(always)]
 fn scores_tiled<const R: usize, const W: usize>(
+    q: Strided<'_>,
+    keys_t: Strided<'_>,
+    scores: &mut [f32],
+    b: Block,
+) {
+    let full_rows = b.nq / R * R;
+    for i0 in (0..full_rows).step_by(R) {
+        score_rows::<R, W>(q, keys_t, scores, b, i0);
+    }
+    for i0 in full_rows..b.nq {
+        score_rows::<1, W>(q, keys_t, scores, b, i0);
+    }
+}
+
+/// Scores of query rows `i0..i0 + R` against every key.
+#[inline(always)]
+fn score_rows<const R: usize, const W: usize>(
+    q: Strided<'_>,
+    keys_t: Strided<'_>,
+    scores: &mut [f32],
+    b: Block,
+    i0: usize,
+) {
+    let [wide, sixteen, eight] = column_tiles::<W>(b.nb);
+    for j0 in (0..wide).step_by(W) {
+        score_tile::<R, W>(q, keys_t, scores, b, i0, j0);
+    }
+    for j0 in (wide..sixteen).step_by(16) {
+        score_tile::<R, 16>(q, keys_t, scores, b, i0, j0);
+    }
+    for j0 in (sixteen..eight).step_by(8) {
+        score_tile::<R, 8>(q, keys_t, scores, b, i0, j0);
+    }
+    for j0 in eight..b.nb {
+        score_tile::<R, 1>(q, keys_t, scores, b, i0, j0);
+    }
+}
+
+/// Where `n` columns' `W`-wide tiles end, then the 16-wide tiles after them (when `W` is wider),
+/// then the 8-wide ones.
+#[inline(always)]
+fn column_tiles<const W: usize>(n: usize) -> [usize; 3] {
+    let wide = n / W * W;
+    let sixteen = if W > 16 {
+        wide + (n - wide) / 16 * 16
+    } else {
+        wide
+    };
+    [wide, sixteen, sixteen + (n - sixteen) / 8 * 8]
+}
+
+/// Scores of query rows `i0..i0 + R` against keys `j0..j0 + W`.
+#[inline(always)]
+fn score_tile<const R: usize, const W: usize>(
     Strided {
         data: q,
         stride: q_stride,
@@ -104,84 +159,96 @@ fn scores_tiled<const R: usize, const W: usize>(
         stride: kt_stride,
     }: Strided<'_>,
     scores: &mut [f32],
-    Block { nq, nb, hd }: Block,
+    Block { nb, hd, .. }: Block,
+    i0: usize,
+    j0: usize,
 ) {
-    let (full_rows, full_cols) = (nq / R * R, nb / W * W);
-    for i0 in (0..full_rows).step_by(R) {
-        for j0 in (0..full_cols).step_by(W) {
-            let mut acc = [[0.0f32; W]; R];
-            for d in 0..hd {
-                let k = &keys_t[d * kt_stride + j0..][..W];
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let qv = q[(i0 + r) * q_stride + d];
-                    for (a, &kv) in acc.iter_mut().zip(k) {
-                        *a = qv.mul_add(kv, *a);
-                    }
-                }
-            }
-            for (r, acc) in acc.iter().enumerate() {
-                scores[(i0 + r) * nb + j0..][..W].copy_from_slice(acc);
+    let mut acc = [[0.0f32; W]; R];
+    for d in 0..hd {
+        let k = &keys_t[d * kt_stride + j0..][..W];
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let qv = q[(i0 + r) * q_stride + d];
+            for (a, &kv) in acc.iter_mut().zip(k) {
+                *a = qv.mul_add(kv, *a);
             }
         }
     }
-    // The edges: rows past the last full tile (every key), keys past the last full tile.
-    let edge = |i: usize, j: usize| {
-        let mut a = 0.0f32;
-        for d in 0..hd {
-            a = q[i * q_stride + d].mul_add(keys_t[d * kt_stride + j], a);
-        }
-        a
-    };
-    for i in 0..nq {
-        let first = if i < full_rows { full_cols } else { 0 };
-        for j in first..nb {
-            scores[i * nb + j] = edge(i, j);
-        }
+    for (r, acc) in acc.iter().enumerate() {
+        scores[(i0 + r) * nb + j0..][..W].copy_from_slice(acc);
     }
 }
 
-/// `add_weighted_values` for `R` rows × `W` columns at a time, the rest one value at a time, every
-/// value accumulated over the keys in order.
+/// `add_weighted_values` in tiles of `R` rows × `W` columns, then single rows; the columns past
+/// the last `W`-wide tile in tiles of 16 and 8, then one at a time. Every output value accumulates its
+/// terms in key order, whatever tile computes it.
 #[inline(always)]
 fn weighted_tiled<const R: usize, const W: usize>(
+    weights: &[f32],
+    values: Strided<'_>,
+    out: &mut [f32],
+    b: Block,
+) {
+    let full_rows = b.nq / R * R;
+    for i0 in (0..full_rows).step_by(R) {
+        weighted_rows::<R, W>(weights, values, out, b, i0);
+    }
+    for i0 in full_rows..b.nq {
+        weighted_rows::<1, W>(weights, values, out, b, i0);
+    }
+}
+
+/// Adds the weighted values to output rows `i0..i0 + R`.
+#[inline(always)]
+fn weighted_rows<const R: usize, const W: usize>(
+    weights: &[f32],
+    values: Strided<'_>,
+    out: &mut [f32],
+    b: Block,
+    i0: usize,
+) {
+    let [wide, sixteen, eight] = column_tiles::<W>(b.hd);
+    for c0 in (0..wide).step_by(W) {
+        weighted_tile::<R, W>(weights, values, out, b, i0, c0);
+    }
+    for c0 in (wide..sixteen).step_by(16) {
+        weighted_tile::<R, 16>(weights, values, out, b, i0, c0);
+    }
+    for c0 in (sixteen..eight).step_by(8) {
+        weighted_tile::<R, 8>(weights, values, out, b, i0, c0);
+    }
+    for c0 in eight..b.hd {
+        weighted_tile::<R, 1>(weights, values, out, b, i0, c0);
+    }
+}
+
+/// Adds the weighted values to output rows `i0..i0 + R`, columns `c0..c0 + W`.
+#[inline(always)]
+fn weighted_tile<const R: usize, const W: usize>(
     weights: &[f32],
     Strided {
         data: values,
         stride: v_stride,
     }: Strided<'_>,
     out: &mut [f32],
-    Block { nq, nb, hd }: Block,
+    Block { nb, hd, .. }: Block,
+    i0: usize,
+    c0: usize,
 ) {
-    let (full_rows, full_cols) = (nq / R * R, hd / W * W);
-    for i0 in (0..full_rows).step_by(R) {
-        for c0 in (0..full_cols).step_by(W) {
-            let mut acc = [[0.0f32; W]; R];
-            for (r, acc) in acc.iter_mut().enumerate() {
-                acc.copy_from_slice(&out[(i0 + r) * hd + c0..][..W]);
-            }
-            for j in 0..nb {
-                let v = &values[j * v_stride + c0..][..W];
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let w = weights[(i0 + r) * nb + j];
-                    for (a, &vv) in acc.iter_mut().zip(v) {
-                        *a = w.mul_add(vv, *a);
-                    }
-                }
-            }
-            for (r, acc) in acc.iter().enumerate() {
-                out[(i0 + r) * hd + c0..][..W].copy_from_slice(acc);
+    let mut acc = [[0.0f32; W]; R];
+    for (r, acc) in acc.iter_mut().enumerate() {
+        acc.copy_from_slice(&out[(i0 + r) * hd + c0..][..W]);
+    }
+    for j in 0..nb {
+        let v = &values[j * v_stride + c0..][..W];
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let w = weights[(i0 + r) * nb + j];
+            for (a, &vv) in acc.iter_mut().zip(v) {
+                *a = w.mul_add(vv, *a);
             }
         }
     }
-    for i in 0..nq {
-        let first = if i < full_rows { full_cols } else { 0 };
-        for c in first..hd {
-            let mut a = out[i * hd + c];
-            for j in 0..nb {
-                a = weights[i * nb + j].mul_add(values[j * v_stride + c], a);
-            }
-            out[i * hd + c] = a;
-        }
+    for (r, acc) in acc.iter().enumerate() {
+        out[(i0 + r) * hd + c0..][..W].copy_from_slice(acc);
     }
 }
 
@@ -382,6 +449,52 @@ mod tests {
                 );
                 assert_eq!(avx2, portable, "len {len}");
             }
+        }
+    }
+
+    #[test]
+    fn scores_and_weighted_values_have_the_same_bits_in_every_tile() {
+        // Sizes off every tile's width and height; each value compared with the one-at-a-time
+        // version's (every tile edge is crossed).
+        for (nq, nb, hd) in [(13, 37, 24), (9, 64, 16), (17, 45, 40), (8, 32, 32)] {
+            let data = |n: usize, seed: u32| -> Vec<f32> {
+                (0..n)
+                    .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / 4e9 - 0.5)
+                    .collect()
+            };
+            let (q, keys_t, values) = (data(nq * hd, 1), data(hd * nb, 2), data(nb * hd, 3));
+            let q = Strided {
+                data: &q,
+                stride: hd,
+            };
+            let keys_t = Strided {
+                data: &keys_t,
+                stride: nb,
+            };
+            let values = Strided {
+                data: &values,
+                stride: hd,
+            };
+            let block = Block { nq, nb, hd };
+            let mut want = vec![0.0; nq * nb];
+            scores_tiled::<1, 1>(q, keys_t, &mut want, block);
+            let mut got = vec![0.0; nq * nb];
+            scores(q, nq, keys_t, nb, hd, &mut got);
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(g, w)| g.to_bits() == w.to_bits())
+            );
+            let mut want_out = data(nq * hd, 4);
+            let mut got_out = want_out.clone();
+            weighted_tiled::<1, 1>(&want, values, &mut want_out, block);
+            add_weighted_values(&want, nq, values, nb, hd, &mut got_out);
+            assert!(
+                got_out
+                    .iter()
+                    .zip(&want_out)
+                    .all(|(g, w)| g.to_bits() == w.to_bits())
+            );
         }
     }
 }

@@ -30,9 +30,28 @@ use sampling::{
 
 pub struct VideoPlugin;
 
-/// Temporal patches (pairs of frames) per part: 16 frames, 8 seconds at 2 frames a second, enough
-/// that opening the video and seeking again for each part costs little beside decoding them.
+/// Temporal patches (pairs of frames) per part once parts are full: 16 frames, 8 seconds at 2
+/// frames a second, enough that opening the video and seeking again for each part costs little
+/// beside decoding them.
 const PAIRS_PER_PART: usize = 8;
+
+/// Temporal patches of the first part; each next part is twice the one before until parts are
+/// full. The first piece is what the engine waits for before it can begin the item's prefill, so
+/// it is small; the later ones, made while the engine prefills, can be large.
+const FIRST_PART_PAIRS: usize = 2;
+
+/// The temporal patches of each part of a video of `pairs` temporal patches (at least one part).
+fn part_runs(pairs: usize) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let (mut first, mut size) = (0, FIRST_PART_PAIRS);
+    while first < pairs || runs.is_empty() {
+        let end = (first + size).min(pairs);
+        runs.push(first..end);
+        first = end;
+        size = (size * 2).min(PAIRS_PER_PART);
+    }
+    runs
+}
 
 /// Keyframe indices ride in `media-info.extra` from `probe` to `plan` (which sees nothing else).
 const KEYFRAMES_KEY: &str = "keyframes";
@@ -201,13 +220,13 @@ impl Plugin for VideoPlugin {
         temporal_patches(&media, &choices, &config, 0..pairs)
     }
 
-    /// Runs of [`PAIRS_PER_PART`] temporal patches: each part decodes and resizes only its frames,
-    /// and a vision tower that attends within each frame encodes each part on its own.
+    /// Runs of temporal patches ([`part_runs`]: 2, 4, then 8 each): each part decodes and resizes
+    /// only its frames, and a vision tower that attends within each frame encodes each part on its
+    /// own.
     fn parts(plan: TokenPlan, _config: ProcessorConfig) -> PluginResult<u32> {
         let choices: Choices = plan.choices()?;
         let pairs = choices.frame_indices.len() / FRAME_FACTOR;
-        u32::try_from(pairs.div_ceil(PAIRS_PER_PART).max(1))
-            .map_err(|_| PluginError::limit("too many frames"))
+        u32::try_from(part_runs(pairs).len()).map_err(|_| PluginError::limit("too many frames"))
     }
 
     fn preprocess_part(
@@ -218,18 +237,15 @@ impl Plugin for VideoPlugin {
     ) -> PluginResult<Vec<Tensor>> {
         let choices: Choices = plan.choices()?;
         let pairs = choices.frame_indices.len() / FRAME_FACTOR;
-        let first = (index as usize).saturating_mul(PAIRS_PER_PART);
-        if first >= pairs.max(1) {
-            return Err(PluginError::internal(format!(
-                "part {index} of a video of {pairs} temporal patches"
-            )));
-        }
-        temporal_patches(
-            &media,
-            &choices,
-            &config,
-            first..(first + PAIRS_PER_PART).min(pairs),
-        )
+        let run = part_runs(pairs)
+            .into_iter()
+            .nth(index as usize)
+            .ok_or_else(|| {
+                PluginError::internal(format!(
+                    "part {index} of a video of {pairs} temporal patches"
+                ))
+            })?;
+        temporal_patches(&media, &choices, &config, run)
     }
 
     /// Each part's tokens and its placing tensors, from the plan alone: the same values
@@ -238,10 +254,9 @@ impl Plugin for VideoPlugin {
         let config = VideoConfig::parse(&config)?;
         let choices: Choices = plan.choices()?;
         let pairs = choices.frame_indices.len() / FRAME_FACTOR;
-        (0..pairs.div_ceil(PAIRS_PER_PART).max(1))
-            .map(|part| {
-                let first = part * PAIRS_PER_PART;
-                let run = first..(first + PAIRS_PER_PART).min(pairs);
+        part_runs(pairs)
+            .into_iter()
+            .map(|run| {
                 let tokens = run.len()
                     * (choices.height / config.factor())
                     * (choices.width / config.factor());
@@ -499,4 +514,26 @@ fn placing_tensors(
             &[choices.source_fps_bits as i64],
         )?,
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::part_runs;
+
+    #[test]
+    fn parts_grow_from_two_temporal_patches_to_eight_and_cover_the_video_once() {
+        assert_eq!(part_runs(0), [0..0]);
+        assert_eq!(part_runs(1), [0..1]);
+        assert_eq!(part_runs(5), [0..2, 2..5]);
+        assert_eq!(part_runs(24), [0..2, 2..6, 6..14, 14..22, 22..24]);
+        for pairs in 1..100 {
+            let runs = part_runs(pairs);
+            assert!(runs.windows(2).all(|w| w[0].end == w[1].start), "{runs:?}");
+            assert_eq!((runs[0].start, runs[runs.len() - 1].end), (0, pairs));
+            assert!(
+                runs.iter()
+                    .all(|r| !r.is_empty() && r.len() <= super::PAIRS_PER_PART)
+            );
+        }
+    }
 }
