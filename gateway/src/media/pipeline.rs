@@ -542,8 +542,10 @@ async fn made_in_parts(
             );
             pool.start(move || {
                 let index = index as u32;
+                let started = std::time::Instant::now();
                 let part =
                     plugin.preprocess_planned_part(&media, &plan, &config, index, &part_plan)?;
+                tracing::debug!(index, took = ?started.elapsed(), "part made");
                 let size = mmgate_host::tensor_bytes(&part);
                 let total = made_bytes.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
                 plugin.check_output_size(total.saturating_add(size))?;

@@ -323,6 +323,7 @@ impl Worker {
                 })
                 .collect()
         };
+        tracing::debug!(device = %self.name, ?kind, items = batch.len(), took = ?started.elapsed(), "encoded");
         if let Some(observe) = &self.observer {
             observe(&BatchReport {
                 device: &self.name,
