@@ -33,19 +33,12 @@ pub fn scores(
     hd: usize,
     scores: &mut [f32],
 ) {
-    let shape = Block { nq, nb, hd };
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has_avx512() {
-            // SAFETY: the CPU has the features the function is compiled for.
-            return unsafe { x86::scores_avx512(q, keys_t, scores, shape) };
-        }
-        if has_avx2() {
-            // SAFETY: as above.
-            return unsafe { x86::scores_avx2(q, keys_t, scores, shape) };
-        }
-    }
-    scores_tiled::<4, 8>(q, keys_t, scores, shape)
+    compute(&mut Scores {
+        q,
+        keys_t,
+        scores,
+        block: Block { nq, nb, hd },
+    })
 }
 
 /// Adds `weights · values` to `out` (`nq × hd`, row-major): `weights` is `nq × nb` (a softmax's
@@ -58,19 +51,28 @@ pub fn add_weighted_values(
     hd: usize,
     out: &mut [f32],
 ) {
-    let shape = Block { nq, nb, hd };
+    compute(&mut WeightedValues {
+        weights,
+        values,
+        out,
+        block: Block { nq, nb, hd },
+    })
+}
+
+/// Computes `product` with the widest tiles the CPU has registers for.
+fn compute(product: &mut impl Tiles) {
     #[cfg(target_arch = "x86_64")]
     {
         if has_avx512() {
             // SAFETY: the CPU has the features the function is compiled for.
-            return unsafe { x86::weighted_avx512(weights, values, out, shape) };
+            return unsafe { x86::every_tile_avx512(product) };
         }
         if has_avx2() {
             // SAFETY: as above.
-            return unsafe { x86::weighted_avx2(weights, values, out, shape) };
+            return unsafe { x86::every_tile_avx2(product) };
         }
     }
-    weighted_tiled::<4, 8>(weights, values, out, shape)
+    every_tile::<4, 8>(product)
 }
 
 /// A block's dimensions: query rows, keys, head dimension.
@@ -91,164 +93,120 @@ fn has_avx2() -> bool {
     std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
 }
 
-/// `scores` in tiles of `R` query rows × `W` keys (their accumulators held in registers), then
-/// single rows; the keys past the last `W`-wide tile in tiles of 16 and 8, then one at a time. Every
-/// score is accumulated over `d` in order from zero, whatever tile computes it.
+/// A product computed a tile at a time: `tile::<R, W>(i0, c0)` computes its rows `i0..i0 + R`,
+/// columns `c0..c0 + W`, with `R × W` accumulators held in registers.
+trait Tiles {
+    /// The product's rows and columns.
+    fn shape(&self) -> (usize, usize);
+    fn tile<const R: usize, const W: usize>(&mut self, i0: usize, c0: usize);
+}
+
+/// Computes all of `product`: tiles of `R` rows × `W` columns, then single rows; the columns past
+/// the last `W`-wide tile in tiles of 16 (when `W` is wider) and 8, then one at a time.
 #[inline(always)]
-fn scores_tiled<const R: usize, const W: usize>(
-    q: Strided<'_>,
-    keys_t: Strided<'_>,
-    scores: &mut [f32],
-    b: Block,
-) {
-    let full_rows = b.nq / R * R;
+fn every_tile<const R: usize, const W: usize>(product: &mut impl Tiles) {
+    let (rows, cols) = product.shape();
+    let full_rows = rows / R * R;
     for i0 in (0..full_rows).step_by(R) {
-        score_rows::<R, W>(q, keys_t, scores, b, i0);
+        tiles_of_rows::<R, W>(product, i0, cols);
     }
-    for i0 in full_rows..b.nq {
-        score_rows::<1, W>(q, keys_t, scores, b, i0);
-    }
-}
-
-/// Scores of query rows `i0..i0 + R` against every key.
-#[inline(always)]
-fn score_rows<const R: usize, const W: usize>(
-    q: Strided<'_>,
-    keys_t: Strided<'_>,
-    scores: &mut [f32],
-    b: Block,
-    i0: usize,
-) {
-    let [wide, sixteen, eight] = column_tiles::<W>(b.nb);
-    for j0 in (0..wide).step_by(W) {
-        score_tile::<R, W>(q, keys_t, scores, b, i0, j0);
-    }
-    for j0 in (wide..sixteen).step_by(16) {
-        score_tile::<R, 16>(q, keys_t, scores, b, i0, j0);
-    }
-    for j0 in (sixteen..eight).step_by(8) {
-        score_tile::<R, 8>(q, keys_t, scores, b, i0, j0);
-    }
-    for j0 in eight..b.nb {
-        score_tile::<R, 1>(q, keys_t, scores, b, i0, j0);
+    for i0 in full_rows..rows {
+        tiles_of_rows::<1, W>(product, i0, cols);
     }
 }
 
-/// Where `n` columns' `W`-wide tiles end, then the 16-wide tiles after them (when `W` is wider),
-/// then the 8-wide ones.
+/// Every tile of rows `i0..i0 + R`.
 #[inline(always)]
-fn column_tiles<const W: usize>(n: usize) -> [usize; 3] {
-    let wide = n / W * W;
+fn tiles_of_rows<const R: usize, const W: usize>(product: &mut impl Tiles, i0: usize, cols: usize) {
+    let wide = cols / W * W;
     let sixteen = if W > 16 {
-        wide + (n - wide) / 16 * 16
+        wide + (cols - wide) / 16 * 16
     } else {
         wide
     };
-    [wide, sixteen, sixteen + (n - sixteen) / 8 * 8]
-}
-
-/// Scores of query rows `i0..i0 + R` against keys `j0..j0 + W`.
-#[inline(always)]
-fn score_tile<const R: usize, const W: usize>(
-    Strided {
-        data: q,
-        stride: q_stride,
-    }: Strided<'_>,
-    Strided {
-        data: keys_t,
-        stride: kt_stride,
-    }: Strided<'_>,
-    scores: &mut [f32],
-    Block { nb, hd, .. }: Block,
-    i0: usize,
-    j0: usize,
-) {
-    let mut acc = [[0.0f32; W]; R];
-    for d in 0..hd {
-        let k = &keys_t[d * kt_stride + j0..][..W];
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let qv = q[(i0 + r) * q_stride + d];
-            for (a, &kv) in acc.iter_mut().zip(k) {
-                *a = qv.mul_add(kv, *a);
-            }
-        }
-    }
-    for (r, acc) in acc.iter().enumerate() {
-        scores[(i0 + r) * nb + j0..][..W].copy_from_slice(acc);
-    }
-}
-
-/// `add_weighted_values` in tiles of `R` rows × `W` columns, then single rows; the columns past
-/// the last `W`-wide tile in tiles of 16 and 8, then one at a time. Every output value accumulates its
-/// terms in key order, whatever tile computes it.
-#[inline(always)]
-fn weighted_tiled<const R: usize, const W: usize>(
-    weights: &[f32],
-    values: Strided<'_>,
-    out: &mut [f32],
-    b: Block,
-) {
-    let full_rows = b.nq / R * R;
-    for i0 in (0..full_rows).step_by(R) {
-        weighted_rows::<R, W>(weights, values, out, b, i0);
-    }
-    for i0 in full_rows..b.nq {
-        weighted_rows::<1, W>(weights, values, out, b, i0);
-    }
-}
-
-/// Adds the weighted values to output rows `i0..i0 + R`.
-#[inline(always)]
-fn weighted_rows<const R: usize, const W: usize>(
-    weights: &[f32],
-    values: Strided<'_>,
-    out: &mut [f32],
-    b: Block,
-    i0: usize,
-) {
-    let [wide, sixteen, eight] = column_tiles::<W>(b.hd);
+    let eight = sixteen + (cols - sixteen) / 8 * 8;
     for c0 in (0..wide).step_by(W) {
-        weighted_tile::<R, W>(weights, values, out, b, i0, c0);
+        product.tile::<R, W>(i0, c0);
     }
     for c0 in (wide..sixteen).step_by(16) {
-        weighted_tile::<R, 16>(weights, values, out, b, i0, c0);
+        product.tile::<R, 16>(i0, c0);
     }
     for c0 in (sixteen..eight).step_by(8) {
-        weighted_tile::<R, 8>(weights, values, out, b, i0, c0);
+        product.tile::<R, 8>(i0, c0);
     }
-    for c0 in eight..b.hd {
-        weighted_tile::<R, 1>(weights, values, out, b, i0, c0);
+    for c0 in eight..cols {
+        product.tile::<R, 1>(i0, c0);
     }
 }
 
-/// Adds the weighted values to output rows `i0..i0 + R`, columns `c0..c0 + W`.
-#[inline(always)]
-fn weighted_tile<const R: usize, const W: usize>(
-    weights: &[f32],
-    Strided {
-        data: values,
-        stride: v_stride,
-    }: Strided<'_>,
-    out: &mut [f32],
-    Block { nb, hd, .. }: Block,
-    i0: usize,
-    c0: usize,
-) {
-    let mut acc = [[0.0f32; W]; R];
-    for (r, acc) in acc.iter_mut().enumerate() {
-        acc.copy_from_slice(&out[(i0 + r) * hd + c0..][..W]);
+/// `scores`' product: every score accumulated over `d` in order from zero, whatever tile computes
+/// it.
+struct Scores<'a> {
+    q: Strided<'a>,
+    keys_t: Strided<'a>,
+    scores: &'a mut [f32],
+    block: Block,
+}
+
+impl Tiles for Scores<'_> {
+    fn shape(&self) -> (usize, usize) {
+        (self.block.nq, self.block.nb)
     }
-    for j in 0..nb {
-        let v = &values[j * v_stride + c0..][..W];
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let w = weights[(i0 + r) * nb + j];
-            for (a, &vv) in acc.iter_mut().zip(v) {
-                *a = w.mul_add(vv, *a);
+
+    #[inline(always)]
+    fn tile<const R: usize, const W: usize>(&mut self, i0: usize, j0: usize) {
+        let Block { nb, hd, .. } = self.block;
+        let (q, keys_t) = (self.q, self.keys_t);
+        let mut acc = [[0.0f32; W]; R];
+        for d in 0..hd {
+            let k = &keys_t.data[d * keys_t.stride + j0..][..W];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let qv = q.data[(i0 + r) * q.stride + d];
+                for (a, &kv) in acc.iter_mut().zip(k) {
+                    *a = qv.mul_add(kv, *a);
+                }
             }
         }
+        for (r, acc) in acc.iter().enumerate() {
+            self.scores[(i0 + r) * nb + j0..][..W].copy_from_slice(acc);
+        }
     }
-    for (r, acc) in acc.iter().enumerate() {
-        out[(i0 + r) * hd + c0..][..W].copy_from_slice(acc);
+}
+
+/// `add_weighted_values`' product: every output value accumulates its terms in key order,
+/// whatever tile computes it.
+struct WeightedValues<'a> {
+    weights: &'a [f32],
+    values: Strided<'a>,
+    out: &'a mut [f32],
+    block: Block,
+}
+
+impl Tiles for WeightedValues<'_> {
+    fn shape(&self) -> (usize, usize) {
+        (self.block.nq, self.block.hd)
+    }
+
+    #[inline(always)]
+    fn tile<const R: usize, const W: usize>(&mut self, i0: usize, c0: usize) {
+        let Block { nb, hd, .. } = self.block;
+        let values = self.values;
+        let mut acc = [[0.0f32; W]; R];
+        for (r, acc) in acc.iter_mut().enumerate() {
+            acc.copy_from_slice(&self.out[(i0 + r) * hd + c0..][..W]);
+        }
+        for j in 0..nb {
+            let v = &values.data[j * values.stride + c0..][..W];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let w = self.weights[(i0 + r) * nb + j];
+                for (a, &vv) in acc.iter_mut().zip(v) {
+                    *a = w.mul_add(vv, *a);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            self.out[(i0 + r) * hd + c0..][..W].copy_from_slice(acc);
+        }
     }
 }
 
@@ -290,28 +248,18 @@ pub fn exp_and_sum(row: &mut [f32], max: f32) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Block, Strided, scores_tiled, weighted_tiled};
+    use super::{Tiles, every_tile};
 
     // Tiles: 8 rows × 32 floats is 16 of AVX-512's 32 registers; 4 × 16 is 8 of AVX2's 16.
 
     #[target_feature(enable = "avx512f,fma")]
-    pub fn scores_avx512(q: Strided<'_>, keys_t: Strided<'_>, scores: &mut [f32], b: Block) {
-        scores_tiled::<8, 32>(q, keys_t, scores, b)
+    pub fn every_tile_avx512(product: &mut impl Tiles) {
+        every_tile::<8, 32>(product)
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub fn scores_avx2(q: Strided<'_>, keys_t: Strided<'_>, scores: &mut [f32], b: Block) {
-        scores_tiled::<4, 16>(q, keys_t, scores, b)
-    }
-
-    #[target_feature(enable = "avx512f,fma")]
-    pub fn weighted_avx512(w: &[f32], values: Strided<'_>, out: &mut [f32], b: Block) {
-        weighted_tiled::<8, 32>(w, values, out, b)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub fn weighted_avx2(w: &[f32], values: Strided<'_>, out: &mut [f32], b: Block) {
-        weighted_tiled::<4, 16>(w, values, out, b)
+    pub fn every_tile_avx2(product: &mut impl Tiles) {
+        every_tile::<4, 16>(product)
     }
 
     #[target_feature(enable = "avx512f,fma")]
@@ -477,7 +425,12 @@ mod tests {
             };
             let block = Block { nq, nb, hd };
             let mut want = vec![0.0; nq * nb];
-            scores_tiled::<1, 1>(q, keys_t, &mut want, block);
+            every_tile::<1, 1>(&mut Scores {
+                q,
+                keys_t,
+                scores: &mut want,
+                block,
+            });
             let mut got = vec![0.0; nq * nb];
             scores(q, nq, keys_t, nb, hd, &mut got);
             assert!(
@@ -487,7 +440,12 @@ mod tests {
             );
             let mut want_out = data(nq * hd, 4);
             let mut got_out = want_out.clone();
-            weighted_tiled::<1, 1>(&want, values, &mut want_out, block);
+            every_tile::<1, 1>(&mut WeightedValues {
+                weights: &want,
+                values,
+                out: &mut want_out,
+                block,
+            });
             add_weighted_values(&want, nq, values, nb, hd, &mut got_out);
             assert!(
                 got_out

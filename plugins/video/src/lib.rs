@@ -37,8 +37,10 @@ const PAIRS_PER_PART: usize = 8;
 
 /// Temporal patches of the first part; each next part is twice the one before until parts are
 /// full. The first piece is what the engine waits for before it can begin the item's prefill, so
-/// it is small; the later ones, made while the engine prefills, can be large.
-const FIRST_PART_PAIRS: usize = 2;
+/// it is small; the later ones, made while the engine prefills, can be large. Not 2: pieces of 2
+/// temporal patches of the demo Qwen3-VL encode to features a few bits off the whole's (the exactness
+/// test fails), which 4 and 8 do not; the cause is not found yet.
+const FIRST_PART_PAIRS: usize = 4;
 
 /// The temporal patches of each part of a video of `pairs` temporal patches (at least one part).
 fn part_runs(pairs: usize) -> Vec<std::ops::Range<usize>> {
@@ -220,7 +222,7 @@ impl Plugin for VideoPlugin {
         temporal_patches(&media, &choices, &config, 0..pairs)
     }
 
-    /// Runs of temporal patches ([`part_runs`]: 2, 4, then 8 each): each part decodes and resizes
+    /// Runs of temporal patches ([`part_runs`]: 4, then 8 each): each part decodes and resizes
     /// only its frames, and a vision tower that attends within each frame encodes each part on its
     /// own.
     fn parts(plan: TokenPlan, _config: ProcessorConfig) -> PluginResult<u32> {
@@ -521,11 +523,11 @@ mod tests {
     use super::part_runs;
 
     #[test]
-    fn parts_grow_from_two_temporal_patches_to_eight_and_cover_the_video_once() {
+    fn parts_grow_from_four_temporal_patches_to_eight_and_cover_the_video_once() {
         assert_eq!(part_runs(0), [0..0]);
         assert_eq!(part_runs(1), [0..1]);
-        assert_eq!(part_runs(5), [0..2, 2..5]);
-        assert_eq!(part_runs(24), [0..2, 2..6, 6..14, 14..22, 22..24]);
+        assert_eq!(part_runs(5), [0..4, 4..5]);
+        assert_eq!(part_runs(24), [0..4, 4..12, 12..20, 20..24]);
         for pairs in 1..100 {
             let runs = part_runs(pairs);
             assert!(runs.windows(2).all(|w| w[0].end == w[1].start), "{runs:?}");
