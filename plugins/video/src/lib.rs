@@ -524,8 +524,8 @@ mod tests {
 
     #[test]
     fn parts_grow_from_four_temporal_patches_to_eight_and_cover_the_video_once() {
-        assert_eq!(part_runs(0), [0..0]);
-        assert_eq!(part_runs(1), [0..1]);
+        assert_eq!(part_runs(0), vec![0..0]);
+        assert_eq!(part_runs(1), vec![0..1]);
         assert_eq!(part_runs(5), [0..4, 4..5]);
         assert_eq!(part_runs(24), [0..4, 4..12, 12..20, 20..24]);
         for pairs in 1..100 {
