@@ -182,7 +182,7 @@ pub struct ModelConfig {
     /// The context served, when below the checkpoint's (`max_position_embeddings`): as vLLM's
     /// `--max-model-len`, every token budget uses it.
     pub max_model_len: Option<usize>,
-    /// Threads of the LLM's device (default: one per core), when it is the CPU.
+    /// Threads of the LLM's device (default: half the cores), when it is the CPU.
     pub llm_threads: Option<usize>,
     /// The LLM's device: `"cpu"` (default) or `"cuda:N"`.
     pub llm_device: Option<DeviceName>,

@@ -33,16 +33,16 @@ pub struct Devices {
 }
 
 impl Devices {
-    /// An LLM pool as wide as the machine and one encoder device of half the cores (at least one
-    /// thread). The LLM's threads run on the encoder's cores whenever it is idle — a whole item's
-    /// prefill, the last pieces' prefill after encoding is done, decoding — and share them with
-    /// it when both are busy; with half the cores each, the LLM left a core idle for most of a
-    /// long item's time to first token (on 2 cores every TTFT of `bench/pieces.py` was 27–35 %
-    /// longer, and text beside a long video answered no sooner).
+    /// Half the cores for the LLM, the other half for one encoder device (at least one each). An
+    /// LLM pool as wide as the machine made one long item's TTFT 27-35 % shorter on 2 cores, but
+    /// five servers on one machine (the replicas test) then crawled under load, their LLM threads
+    /// taking most of the CPU.
     pub fn split_cores() -> Self {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         Self {
-            llm: DevicePlacement::Cpu { threads: cores },
+            llm: DevicePlacement::Cpu {
+                threads: (cores / 2).max(1),
+            },
             encoders: vec![DevicePlacement::Cpu {
                 threads: (cores - cores / 2).max(1),
             }],
