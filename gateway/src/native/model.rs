@@ -34,9 +34,9 @@ pub struct Devices {
 
 impl Devices {
     /// Half the cores for the LLM, the other half for one encoder device (at least one each). An
-    /// LLM pool as wide as the machine made one long item's TTFT 27-35 % shorter on 2 cores, but
-    /// five servers on one machine (the replicas test) then crawled under load, their LLM threads
-    /// taking most of the CPU.
+    /// LLM pool as wide as the machine made one long item's TTFT 27-35 % shorter on 2 cores; it is
+    /// not the default because how it behaves with several servers or encoders busy on one
+    /// machine is not measured yet (`llm_threads` sets it).
     pub fn split_cores() -> Self {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         Self {
