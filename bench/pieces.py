@@ -11,7 +11,9 @@ encodes anew. For each, streaming chat requests with the video: time to the firs
 (TTFT); and text-only questions asked every 2 s while the video's request runs, whose TTFTs show
 what a long video does to other users. The same for a 10-minute 16 kHz PCM WAV on the demo audio
 model (Qwen2-Audio: 20 chunks of 30 s, 15 000 tokens), whole vs one piece per chunk. Prints medians
-and the pieces/whole ratios.
+and the pieces/whole ratios, and beside each the server's CPU seconds for the media's request
+(Linux: from /proc; the text questions' share is small) and that over the cores: no overlap of the
+stages can bring a TTFT below that bound, so it tells how far pieces can go on this machine.
 
 Run from the repository root after `cargo build --release -p mmgate-gateway` (./dev bench does it);
 `python3 bench/pieces.py audio` (or `video`) runs one half.
@@ -76,10 +78,21 @@ def make_audio(path: Path) -> None:
                     "-ac", "1", "-c:a", "pcm_s16le", str(path)], check=True)
 
 
-def measure(port: int, model: str, part: dict) -> tuple[float, list[float]]:
-    """(media TTFT, TTFTs of text questions asked every 2 s while the media's request runs)."""
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process `pid` so far, all its threads (0 where /proc is not)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(port: int, model: str, part: dict, pid: int) -> tuple[float, list[float], float]:
+    """(media TTFT, TTFTs of text questions asked every 2 s while the media's request runs, the
+    server's CPU seconds meanwhile)."""
     media = [part, {"type": "text", "text": "Describe it."}]
     result: list[float] = []
+    cpu_before = cpu_seconds(pid)
     thread = threading.Thread(target=lambda: result.append(ttft(port, model, media)))
     thread.start()
     text_ttft = []
@@ -88,7 +101,7 @@ def measure(port: int, model: str, part: dict) -> tuple[float, list[float]]:
         if thread.is_alive():
             text_ttft.append(ttft(port, model, "Describe a sunny day in a few words."))
     thread.join()
-    return result[0], text_ttft
+    return result[0], text_ttft, cpu_seconds(pid) - cpu_before
 
 
 def main() -> None:
@@ -128,15 +141,16 @@ def main() -> None:
             names = ["whole", "pieces", "whole-8k", "pieces-8k", "audio-whole", "audio-pieces"]
             only = sys.argv[1] if len(sys.argv) > 1 else None
             names = [n for n in names if only is None or ("audio" in n) == (only == "audio")]
-            results: dict[str, list[tuple[float, list[float]]]] = {name: [] for name in names}
+            results: dict[str, list[tuple[float, list[float], float]]] = {name: [] for name in names}
             # Warm-up: compiled plugins, first allocations.
             if only != "audio":
-                measure(port, "pieces-8k", video)
+                measure(port, "pieces-8k", video, server.pid)
             if only != "video":
-                measure(port, "audio-pieces", audio)
+                measure(port, "audio-pieces", audio, server.pid)
             for _ in range(ROUNDS):
                 for model in names:
-                    results[model].append(measure(port, model, audio if "audio" in model else video))
+                    results[model].append(
+                        measure(port, model, audio if "audio" in model else video, server.pid))
         finally:
             server.terminate()
             server.wait()
@@ -144,12 +158,15 @@ def main() -> None:
     cores = os.cpu_count()
     print(f"60 s 1080p H.264 video (demo model) and 10 min 16 kHz WAV (demo-audio), {cores} cores, "
           f"median of {ROUNDS} (interleaved)")
-    print(f"{'':<12} {'media TTFT s':>13} {'text beside: median s':>22} {'max s':>7}")
+    print(f"{'':<12} {'media TTFT s':>13} {'text beside: median s':>22} {'max s':>7} "
+          f"{'CPU s':>7} {'CPU s / cores':>14}")
     med = {}
     for model, runs in results.items():
-        texts = sorted(t for _, beside in runs for t in beside) or [0.0]
-        med[model] = statistics.median(v for v, _ in runs)
-        print(f"{model:<12} {med[model]:>13.2f} {statistics.median(texts):>22.3f} {texts[-1]:>7.3f}")
+        texts = sorted(t for _, beside, _ in runs for t in beside) or [0.0]
+        med[model] = statistics.median(v for v, _, _ in runs)
+        cpu = statistics.median(c for _, _, c in runs)
+        print(f"{model:<12} {med[model]:>13.2f} {statistics.median(texts):>22.3f} {texts[-1]:>7.3f} "
+              f"{cpu:>7.1f} {cpu / cores:>14.1f}")
     for suffix in ("", "-8k"):
         if "whole" + suffix in med:
             print(f"pieces / whole{suffix or ' (32k context)'}: video TTFT "

@@ -182,11 +182,12 @@ pub struct ModelConfig {
     /// The context served, when below the checkpoint's (`max_position_embeddings`): as vLLM's
     /// `--max-model-len`, every token budget uses it.
     pub max_model_len: Option<usize>,
-    /// Threads of the LLM's device (default: half the cores), when it is the CPU.
+    /// Threads of the LLM's device (default: as many as the machine has cores), when it is the CPU.
     pub llm_threads: Option<usize>,
     /// The LLM's device: `"cpu"` (default) or `"cuda:N"`.
     pub llm_device: Option<DeviceName>,
-    /// Dedicated encoder devices, each a thread pool of its own (default: one, half the cores).
+    /// Dedicated encoder devices, each a thread pool of its own (default: one, half the cores; the
+    /// LLM's threads share them while the encoder is idle).
     #[serde(default)]
     pub encoder_devices: Vec<EncoderDevice>,
     /// Sequences decoded together.

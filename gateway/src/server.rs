@@ -42,7 +42,7 @@ fn load_model(
     encoders_only: bool,
 ) -> anyhow::Result<NativeModel> {
     let dir = resolve_model_dir(spec, &default_cache_dir())?;
-    let mut devices = Devices::split_cores();
+    let mut devices = Devices::for_this_machine();
     match (model.llm_device, model.llm_threads) {
         (Some(DeviceName::Cuda(ordinal)), _) => devices.llm = Placement::Cuda { ordinal },
         (_, Some(threads)) => devices.llm = Placement::Cpu { threads },
