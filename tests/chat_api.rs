@@ -1029,6 +1029,53 @@ fn an_item_the_model_cannot_encode_is_dropped_or_fails_the_request_as_the_model_
     assert_eq!(status, 200, "{body}");
 }
 
+/// Gauge `name`'s value in the server's metrics.
+fn gauge(server: &Server, name: &str) -> Option<f64> {
+    metrics(server)
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// A text-only question needs no plugin: it is answered while the only plugin worker is held by
+/// another request's media (a plugin looping until its deadline), not after.
+#[test]
+fn a_text_question_is_answered_while_every_plugin_worker_is_busy() {
+    let work = tempfile::tempdir().unwrap();
+    let plugins = testing_plugin_dir(work.path());
+    let (server, _dir) = start(&format!(
+        "plugin_dir = {plugins:?}\nmodels = [{{ name = \"demo\", path = \"demo\" }}]\n\
+         [plugins]\nthreads = 1\n[sandbox]\ndeadline_ms = 15000\n"
+    ));
+    let spinning = chat(
+        "demo",
+        json!([image_part(&data_url("application/x-mmgate-test", b"spin")),
+               {"type": "text", "text": "Describe this."}]),
+    );
+    std::thread::scope(|s| {
+        let spin = s.spawn(|| post(&server, "/v1/chat/completions", &spinning));
+        // The worker has taken the call (its probe and plan are over in a moment; the loop runs
+        // to the deadline).
+        while gauge(&server, "mmgate_plugin_running") != Some(1.0) {
+            assert!(!spin.is_finished(), "the spinning request ended early");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let (status, body) = post(
+            &server,
+            "/v1/chat/completions",
+            &chat("demo", json!("Say something.")),
+        );
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            !spin.is_finished(),
+            "the text question was answered only after the plugin call ended"
+        );
+        // Stopped at its deadline: media too complex to preprocess.
+        let (status, body) = spin.join().unwrap();
+        assert_eq!(status, 422, "{body}");
+        assert_eq!(body["error"]["code"], "media_too_complex", "{body}");
+    });
+}
+
 /// A plugin that traps or runs out of its memory in the middle of a request fails that request
 /// only: an error in OpenAI's shape, while a request with a good image beside it is answered and the
 /// gateway serves on (the sandbox's instance is discarded, not reused).

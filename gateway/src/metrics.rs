@@ -92,6 +92,7 @@ pub struct Snapshot {
     pub encoder_queues: Vec<(String, usize)>,
     pub upstreams: Vec<(String, String, bool)>,
     pub plugin_queue: usize,
+    pub plugin_running: usize,
     pub file_bytes: usize,
 }
 
@@ -119,6 +120,7 @@ pub struct Metrics {
     last_piece_ms: Family<ModelLabels, Gauge>,
     upstream_healthy: Family<UpstreamLabels, Gauge>,
     plugin_queue: Gauge,
+    plugin_running: Gauge,
     file_bytes: Gauge,
     shared_features: LookupCounters,
 }
@@ -248,6 +250,12 @@ impl Metrics {
             "Plugin calls waiting for a worker",
             plugin_queue.clone(),
         );
+        let plugin_running = Gauge::default();
+        registry.register(
+            "plugin_running",
+            "Plugin calls running on a worker",
+            plugin_running.clone(),
+        );
         let file_bytes = Gauge::default();
         registry.register(
             "file_store_bytes",
@@ -285,6 +293,7 @@ impl Metrics {
             last_piece_ms: next(),
             upstream_healthy,
             plugin_queue,
+            plugin_running,
             file_bytes,
             shared_features,
             registry: Mutex::new(registry),
@@ -397,6 +406,8 @@ impl Metrics {
         }
         self.plugin_queue
             .set(i64::try_from(snapshot.plugin_queue).unwrap_or(i64::MAX));
+        self.plugin_running
+            .set(i64::try_from(snapshot.plugin_running).unwrap_or(i64::MAX));
         self.file_bytes
             .set(i64::try_from(snapshot.file_bytes).unwrap_or(i64::MAX));
         let mut text = String::new();

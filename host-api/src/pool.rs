@@ -2,20 +2,25 @@
 //! never run on an async reactor thread, where one slow image would stall every connection. Callers
 //! `await` the result; when every worker is busy and the queue is full they get `Overloaded` at once
 //! instead of queueing without bound.
+//!
+//! Two queues: the short calls that decide what a request does (choosing a plugin, probe, plan)
+//! go [ahead](PluginPool::run_ahead) of the queued preprocessing, so that a request asking for a
+//! small image is not planned only after another's long video has been made part by part.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
-use crossbeam_channel::{Sender, TrySendError};
+use crossbeam_channel::{Receiver, Sender, TrySendError};
 
 use crate::error::CallError;
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
 
 pub struct PluginPool {
-    sender: Option<Sender<Job>>,
+    /// Preprocessing, and the short calls ahead of it; `None` once the pool is shutting down.
+    queues: Option<Queues>,
     workers: Vec<JoinHandle<()>>,
     queue_capacity: usize,
     /// Calls running on a worker right now.
@@ -38,17 +43,42 @@ impl Drop for Running {
     }
 }
 
+struct Queues {
+    normal: Sender<Job>,
+    ahead: Sender<Job>,
+}
+
+/// Which queue a call waits in.
+#[derive(Clone, Copy)]
+enum Lane {
+    Normal,
+    Ahead,
+}
+
+/// The next call for a worker: one waiting ahead if any, else whichever comes first; `None` once
+/// both queues are closed and empty.
+fn next_job(ahead: &Receiver<Job>, normal: &Receiver<Job>) -> Option<Job> {
+    if let Ok(job) = ahead.try_recv() {
+        return Some(job);
+    }
+    crossbeam_channel::select_biased! {
+        recv(ahead) -> job => job.ok().or_else(|| normal.recv().ok()),
+        recv(normal) -> job => job.ok().or_else(|| ahead.recv().ok()),
+    }
+}
+
 impl PluginPool {
-    /// `threads` workers (at least one) and room for `queue_capacity` waiting calls.
+    /// `threads` workers (at least one) and room for `queue_capacity` waiting calls in each queue.
     pub fn new(threads: usize, queue_capacity: usize) -> std::io::Result<PluginPool> {
-        let (sender, receiver) = crossbeam_channel::bounded::<Job>(queue_capacity);
+        let (normal, normal_rx) = crossbeam_channel::bounded::<Job>(queue_capacity);
+        let (ahead, ahead_rx) = crossbeam_channel::bounded::<Job>(queue_capacity);
         let mut workers = Vec::new();
         for index in 0..threads.max(1) {
-            let receiver = receiver.clone();
+            let (normal_rx, ahead_rx) = (normal_rx.clone(), ahead_rx.clone());
             let worker = std::thread::Builder::new()
                 .name(format!("mmgate-plugin-{index}"))
                 .spawn(move || {
-                    for job in receiver {
+                    while let Some(job) = next_job(&ahead_rx, &normal_rx) {
                         // A panic in host code must cost one call, not a worker: the caller sees its
                         // result channel close and gets a host error.
                         if std::panic::catch_unwind(AssertUnwindSafe(job)).is_err() {
@@ -61,7 +91,7 @@ impl PluginPool {
             workers.push(worker);
         }
         Ok(PluginPool {
-            sender: Some(sender),
+            queues: Some(Queues { normal, ahead }),
             workers,
             queue_capacity,
             running: Arc::new(AtomicUsize::new(0)),
@@ -72,15 +102,22 @@ impl PluginPool {
         self.workers.len()
     }
 
+    /// Calls running on a worker right now.
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
+    }
+
     /// Calls waiting for a worker right now.
     pub fn queued(&self) -> usize {
-        self.sender.as_ref().map_or(0, Sender::len)
+        self.queues
+            .as_ref()
+            .map_or(0, |q| q.normal.len() + q.ahead.len())
     }
 
     /// Workers neither running a call nor about to take a waiting one, right now: a hint (it may
     /// change the moment it is read) for work that is worth splitting only when cores are free.
     pub fn idle(&self) -> usize {
-        let taken = self.running.load(Ordering::SeqCst) + self.queued();
+        let taken = self.running() + self.queued();
         self.threads().saturating_sub(taken)
     }
 
@@ -92,10 +129,27 @@ impl PluginPool {
         self.start(call)?.wait().await
     }
 
+    /// [`Self::run`] for a short call that decides what a request does (choosing a plugin, probe,
+    /// plan): it goes before every call waiting in the other queue.
+    pub async fn run_ahead<R: Send + 'static>(
+        &self,
+        call: impl FnOnce() -> Result<R, CallError> + Send + 'static,
+    ) -> Result<R, CallError> {
+        self.queue(Lane::Ahead, call)?.wait().await
+    }
+
     /// Queue `call` now (before anything awaits: calls started one after another run in that
     /// order) and hand back where its result will come; refused at once when the queue is full.
     pub fn start<R: Send + 'static>(
         &self,
+        call: impl FnOnce() -> Result<R, CallError> + Send + 'static,
+    ) -> Result<Started<R>, CallError> {
+        self.queue(Lane::Normal, call)
+    }
+
+    fn queue<R: Send + 'static>(
+        &self,
+        lane: Lane,
         call: impl FnOnce() -> Result<R, CallError> + Send + 'static,
     ) -> Result<Started<R>, CallError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -114,10 +168,14 @@ impl PluginPool {
             };
             let _ = tx.send(result);
         });
-        let sender = self
-            .sender
+        let queues = self
+            .queues
             .as_ref()
             .ok_or_else(|| CallError::Host("the plugin pool is shut down".into()))?;
+        let sender = match lane {
+            Lane::Normal => &queues.normal,
+            Lane::Ahead => &queues.ahead,
+        };
         sender.try_send(job).map_err(|e| match e {
             TrySendError::Full(_) => CallError::Overloaded {
                 queued: self.queue_capacity,
@@ -142,8 +200,8 @@ impl<R> Started<R> {
 
 impl Drop for PluginPool {
     fn drop(&mut self) {
-        // Closing the channel ends each worker's loop once the queued calls are done.
-        self.sender.take();
+        // Closing the queues ends each worker's loop once the queued calls are done.
+        self.queues.take();
         for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
@@ -189,5 +247,53 @@ mod tests {
         });
         // The panicking call's count is dropped during unwinding, before its channel closes.
         assert_eq!(pool.idle(), 2);
+    }
+
+    /// A call run ahead goes before the calls waiting in the other queue, whatever their order;
+    /// the others keep theirs; dropping the pool runs every queued call first.
+    #[test]
+    fn calls_ahead_go_before_the_queued_ones() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let pool = PluginPool::new(1, 4).unwrap();
+        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let (release, release_rx) = std::sync::mpsc::channel::<()>();
+        let record = |name: &'static str| {
+            let order = order.clone();
+            move || {
+                order.lock().unwrap().push(name);
+                Ok(())
+            }
+        };
+        runtime.block_on(async {
+            // The only worker is busy until released.
+            let busy = pool
+                .start(move || {
+                    started_tx.send(()).unwrap();
+                    release_rx.recv().unwrap();
+                    Ok(())
+                })
+                .unwrap();
+            started.recv().unwrap();
+            let first = pool.start(record("part 1")).unwrap();
+            let second = pool.start(record("part 2")).unwrap();
+            let ahead = pool.run_ahead(record("plan"));
+            let release = async {
+                release.send(()).unwrap();
+            };
+            let (planned, ()) = tokio::join!(ahead, release);
+            planned.unwrap();
+            busy.wait().await.unwrap();
+            first.wait().await.unwrap();
+            second.wait().await.unwrap();
+        });
+        assert_eq!(*order.lock().unwrap(), ["plan", "part 1", "part 2"]);
+
+        let late = pool.start(record("queued at shutdown")).unwrap();
+        drop(pool);
+        assert_eq!(order.lock().unwrap().last(), Some(&"queued at shutdown"));
+        drop(late);
     }
 }

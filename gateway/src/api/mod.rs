@@ -327,6 +327,7 @@ impl Gateway {
             encoder_queues,
             upstreams,
             plugin_queue: self.pool.queued(),
+            plugin_running: self.pool.running(),
             file_bytes: self.files.local_bytes(),
         }
     }

@@ -283,11 +283,16 @@ pub async fn process_concurrently(
     produce: Produce,
     lookup: Option<Lookup>,
 ) -> Result<Vec<Processed>, BudgetError> {
+    // A text-only request has nothing to plan: it must not wait for a plugin worker (they may all
+    // be busy with another request's parts).
+    if items.is_empty() {
+        return Ok(Vec::new());
+    }
     let plugin_error = |item: usize| move |error| BudgetError::Plugin { item, error };
     let probes = items.iter().enumerate().map(|(item, (plugin, media))| {
         let (plugin, media) = (plugin.clone(), media.clone());
         async move {
-            pool.run(move || {
+            pool.run_ahead(move || {
                 let started = Instant::now();
                 plugin.probe(&media).map(|info| (info, started.elapsed()))
             })
@@ -307,7 +312,7 @@ pub async fn process_concurrently(
     let planning_infos = infos.clone();
     let config = processor_config.clone();
     let (plans, plan_times) = pool
-        .run(move || {
+        .run_ahead(move || {
             let plugins: Vec<&LoadedPlugin> = plugins.iter().map(AsRef::as_ref).collect();
             Ok(plan_items(&plugins, &planning_infos, &config, budget))
         })
@@ -334,7 +339,7 @@ pub async fn process_concurrently(
                     (Some(lookup), Produce::Tensors { .. }) => {
                         let (lookup, plugin, media, plan) =
                             (lookup.clone(), plugin.clone(), media.clone(), plan.clone());
-                        let looked = pool.run(move || {
+                        let looked = pool.run_ahead(move || {
                             let key = lookup.item_key(&plugin, &media, &plan);
                             Ok((key, lookup.get(&key)))
                         });
@@ -476,7 +481,7 @@ async fn made_in_parts(
     }
     let asking = (plugin.clone(), plan.clone(), config.clone());
     let (count, plans) = pool
-        .run(move || {
+        .run_ahead(move || {
             let (plugin, plan, config) = asking;
             let count = plugin.parts(&plan, &config)?;
             let plans = match parts {
@@ -499,7 +504,7 @@ async fn made_in_parts(
         let (lookup, keys) = (lookup.clone(), share_keys.clone());
         // Stops at the first piece not there.
         let found = pool
-            .run(move || {
+            .run_ahead(move || {
                 Ok(keys
                     .iter()
                     .map(|key| lookup.get(key).map(|e| e.features))

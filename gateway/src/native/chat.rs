@@ -639,12 +639,16 @@ async fn resolve_media(
         resolved.push((index, kind, Media { data, mime_type }));
     }
 
-    // Choosing a plugin may probe: plugin work runs on the plugin pool.
+    // A text-only request must not wait for a plugin worker (all may be busy with another's parts).
+    if resolved.is_empty() {
+        return Ok(items.into_iter().map(|(_, item)| item).collect());
+    }
+    // Choosing a plugin may probe: plugin work runs on the plugin pool, ahead of preprocessing.
     let registry = services.registry.clone();
     let processor_config = runtime.processor_config.clone();
     let chosen = services
         .pool
-        .run(move || {
+        .run_ahead(move || {
             Ok(resolved
                 .into_iter()
                 .map(|(index, kind, media)| {
