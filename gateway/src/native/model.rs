@@ -37,8 +37,8 @@ impl Devices {
     /// one thread each). The pools overlap on purpose: while the encoder is idle (a text-only
     /// request, or the long prefill after a video's last piece) the LLM's threads use its cores,
     /// and while both are busy the OS shares them. Measured on 2 cores: a long item's TTFT
-    /// 27-35 % shorter than with half the cores each, a mixed burst on one server 12 % sooner
-    /// done, and three servers under load together no slower (`llm_threads` and
+    /// 27-35 % shorter than with half the cores each, a mixed burst on one server 0.93x the time,
+    /// three servers bursting together 0.98x (`bench/llm_pool.py`; `llm_threads` and
     /// `encoder_devices` set other sizes).
     pub fn for_this_machine() -> Self {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
