@@ -13,12 +13,13 @@ The verdict (exit status 1 when any fails):
     swing with what is in flight, ±7 % in a 30-minute run here: a leak is a trend, not a swing);
     the spread of the stretches is printed too. Runs under 10 minutes (CI's 2) are a smoke test for
     gross leaks, their thirds a few samples with warm-up in them: 10 %;
-  - file descriptors flat: no upward trend under load (over the last two thirds of the run, as for
-    memory, the median of the last third of the samples within a connection per sender of the
-    first third's: the connections in flight and the upstream's pool swing with the load, a leak
-    grows with every request), and back
-    to the idle count from before the load once it stops (within 8, plus the upstream's idle pool,
-    up to a connection per sender for its 60 s);
+  - file descriptors flat, the gateway's kept-alive connections to its upstream counted apart: the
+    others with no upward trend under load (over the last two thirds of the run, as for memory, the
+    median of the last third of the samples within a connection per sender of the first third's:
+    the client connections in flight swing with the load, a leak grows with every request) and
+    back to the idle count from before the load once it stops (within 8); the upstream's idle
+    connections within their bound, a connection per sender on each HTTP worker thread (each
+    keeps a pool of its own, for 60 s; one the upstream closed meanwhile is found out when taken);
   - once the load stops, the KV caches and the features pinned for requests in flight are back to 0.
 
     python3 bench/soak.py [--minutes 30]     (./dev soak; ./dev test runs --minutes 2)
@@ -244,10 +245,39 @@ def gauges(port: int) -> dict[str, float]:
     return values
 
 
-def process_sample(pid: int) -> tuple[int, int]:
+def process_sample(pid: int, upstream_port: int) -> tuple[int, int, int]:
+    """(resident bytes, descriptors other than connections to `upstream_port`, those connections)."""
     status = Path(f"/proc/{pid}/status").read_text()
     rss = int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) * 1024
-    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+    # Sockets whose remote end is the upstream's port, by inode (/proc/PID/net/tcp: remote
+    # address in field 2 as hex "ADDR:PORT", inode in field 9).
+    to_upstream = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == upstream_port:
+                to_upstream.add(fields[9])
+    fds, pooled = 0, 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:[") and target[8:-1] in to_upstream:
+            pooled += 1
+        else:
+            fds += 1
+    return rss, fds, pooled
+
+
+def http_threads(pid: int) -> int:
+    """The gateway's HTTP worker threads (pingora's, each with its own upstream pool)."""
+    names = [Path(task, "comm").read_text().strip() for task in Path(f"/proc/{pid}/task").iterdir()]
+    return max(1, sum(name.startswith("mmgate http") for name in names))
 
 
 def main() -> None:
@@ -269,14 +299,15 @@ def main() -> None:
             print(f"capacity {rate:.1f} req/s from {WORKERS} clients; the soak sends {target:.1f} req/s "
                   f"for {args.minutes:g} min", flush=True)
 
-            _, idle_fds_before = process_sample(front.pid)
+            _, idle_fds_before, _ = process_sample(front.pid, up_port)
+            pool_bound = SENDERS * http_threads(front.pid)
             tally, samples = Tally(), []
             stop = threading.Event()
 
             def sampler() -> None:
                 while not stop.wait(period):
-                    rss, fds = process_sample(front.pid)
-                    samples.append((time.time(), rss, fds, gauges(port)))
+                    rss, fds, pooled = process_sample(front.pid, up_port)
+                    samples.append((time.time(), rss, fds, gauges(port), pooled))
 
             sampling = threading.Thread(target=sampler)
             sampling.start()
@@ -300,7 +331,7 @@ def main() -> None:
                 if time.time() > deadline:
                     break
                 time.sleep(0.5)
-            idle_rss, idle_fds = process_sample(front.pid)
+            idle_rss, idle_fds, idle_pooled = process_sample(front.pid, up_port)
         finally:
             for process in (front, upstream):
                 process.terminate()
@@ -309,19 +340,21 @@ def main() -> None:
     elapsed = time.time() - start_time
     print(f"sent {tally.done()} requests in {elapsed:.0f} s ({tally.done() / elapsed:.1f}/s); statuses "
           f"{dict(sorted(tally.statuses.items()))}")
-    print(f"{'t (s)':>6} {'RSS (MiB)':>10} {'fds':>5} {'KV (MiB)':>9} {'pinned (MiB)':>13} {'cached (MiB)':>13}")
+    print(f"{'t (s)':>6} {'RSS (MiB)':>10} {'fds':>5} {'upstream':>9} {'KV (MiB)':>9} "
+          f"{'pinned (MiB)':>13} {'cached (MiB)':>13}")
     step = max(1, len(samples) // 20)
-    for t, rss, fds, g in samples[::step]:
-        print(f"{t - start_time:>6.0f} {rss / 2**20:>10.1f} {fds:>5} {g['kv'] / 2**20:>9.2f} "
+    for t, rss, fds, g, pooled in samples[::step]:
+        print(f"{t - start_time:>6.0f} {rss / 2**20:>10.1f} {fds:>5} {pooled:>9} {g['kv'] / 2**20:>9.2f} "
               f"{g['pinned'] / 2**20:>13.2f} {g['cached'] / 2**20:>13.2f}")
-    print(f"{'idle':>6} {idle_rss / 2**20:>10.1f} {idle_fds:>5} {idle['kv'] / 2**20:>9.2f} "
-          f"{idle['pinned'] / 2**20:>13.2f} {idle['cached'] / 2**20:>13.2f}")
+    print(f"{'idle':>6} {idle_rss / 2**20:>10.1f} {idle_fds:>5} {idle_pooled:>9} "
+          f"{idle['kv'] / 2**20:>9.2f} {idle['pinned'] / 2**20:>13.2f} {idle['cached'] / 2**20:>13.2f}")
 
     window = [s for s in samples if s[0] - start_time >= duration / 3]
     rss = [s[1] for s in window]
     # Descriptors over the same window: in the first third the upstream's connection pool is still
     # growing towards the concurrency the load reaches (a 2-minute run is mostly that).
     fds = [s[2] for s in window]
+    pooled_all = [s[4] for s in samples] + [idle_pooled]
     stretches = [statistics.median(rss[i:i + 10]) for i in range(0, len(rss), 10) if len(rss[i:i + 10]) >= 5]
     part = max(1, len(stretches) // 3)
     rss_first, rss_last = statistics.median(stretches[:part]), statistics.median(stretches[-part:])
@@ -340,9 +373,13 @@ def main() -> None:
          f"medians of the first and last thirds {rss_first / 2**20:.0f} and {rss_last / 2**20:.0f} MiB "
          f"({rss_growth:+.1%}); stretches of 10 samples {min(stretches) / 2**20:.0f}..{max(stretches) / 2**20:.0f} "
          f"MiB (spread {rss_spread:.1%})"),
-        ("file descriptors flat", fds_last <= fds_first + SENDERS and idle_fds <= idle_fds_before + SENDERS + 8,
-         f"idle {idle_fds_before} before; over the last two thirds {min(fds)}..{max(fds)}, medians of the first and "
-         f"last thirds {fds_first:.0f} and {fds_last:.0f}; idle {idle_fds} after"),
+        ("file descriptors flat", fds_last <= fds_first + SENDERS and idle_fds <= idle_fds_before + 8,
+         f"besides the upstream's: idle {idle_fds_before} before; over the last two thirds "
+         f"{min(fds)}..{max(fds)}, medians of the first and last thirds {fds_first:.0f} and "
+         f"{fds_last:.0f}; idle {idle_fds} after"),
+        ("kept-alive upstream connections within their bound", max(pooled_all) <= pool_bound,
+         f"at most {max(pooled_all)} (bound {pool_bound}: a connection per sender on each HTTP "
+         f"worker thread); {idle_pooled} idle after"),
         ("KV and pinned features back to 0 when idle", idle["kv"] == 0 and idle["pinned"] == 0,
          f"KV {idle['kv']:.0f} B, pinned {idle['pinned']:.0f} B"),
     ]
