@@ -4,9 +4,9 @@
 //! each idle connection (what pingora's shared pool does, at a spawn and a wake-up per request).
 //! With `http_work_stealing = false` each worker is a single-threaded runtime, so a connection stays
 //! with the reactor that registered it; with work stealing the runtime's one reactor serves every
-//! worker and the pools are only split per thread. A connection the server closed while it sat here is found out when it is
-//! taken (a read that does not block sees the end of the stream); one older than the idle timeout is
-//! dropped then too.
+//! worker and the pools are only split per thread. A connection the server closed while it sat here is
+//! found out when it is taken (a read that does not block sees the end of the stream), or, the
+//! oldest one, when another is returned; one older than the idle timeout is dropped then too.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -58,6 +58,7 @@ pub fn take(server: Key) -> Option<Stream> {
 pub fn put(server: Key, stream: Stream) {
     IDLE.with_borrow_mut(|idle| {
         let connections = idle.entry(server).or_default();
+        retire_oldest(connections);
         if connections.len() < MAX_IDLE_PER_SERVER {
             connections.push(Idle {
                 stream,
@@ -65,6 +66,23 @@ pub fn put(server: Key, stream: Stream) {
             });
         }
     });
+}
+
+/// Drops the kept connections past the idle timeout, and the oldest one if its server has closed
+/// it. Reuse takes the newest first, so without this a connection the server closed (its socket
+/// in CLOSE-WAIT here) would wait until the load next reached that deep; one look a return keeps
+/// the cost of a return at one read that does not block.
+fn retire_oldest(connections: &mut Vec<Idle>) {
+    let expired = connections
+        .iter()
+        .take_while(|c| c.since.elapsed() > IDLE_TIMEOUT)
+        .count();
+    connections.drain(..expired);
+    if let Some(oldest) = connections.first_mut()
+        && !still_open(&mut oldest.stream)
+    {
+        connections.remove(0);
+    }
 }
 
 /// Whether an idle connection can take a request: a server never speaks first on an idle HTTP/1
@@ -115,5 +133,34 @@ mod tests {
             }
         }
         assert!(take(server).is_none(), "a closed connection was handed out");
+    }
+
+    /// Returning connections retires the oldest kept one once its server has closed it, though
+    /// reuse (newest first) never reaches it.
+    #[tokio::test]
+    async fn returning_a_connection_retires_the_oldest_once_its_server_closed_it() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = (addr, 1);
+        let oldest = TokioTcpStream::connect(addr).await.unwrap();
+        let (oldest_peer, _) = listener.accept().await.unwrap();
+        let newest = TokioTcpStream::connect(addr).await.unwrap();
+        let (_newest_peer, _) = listener.accept().await.unwrap();
+        put(server, Box::new(TcpStream::from(oldest)));
+        put(server, Box::new(TcpStream::from(newest)));
+
+        drop(oldest_peer);
+        let kept = || IDLE.with_borrow(|idle| idle[&server].len());
+        // The server's FIN reaches the client's reactor within a few turns of it.
+        for _ in 0..500 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let stream = take(server).unwrap();
+            put(server, stream);
+            if kept() == 1 {
+                break;
+            }
+        }
+        assert_eq!(kept(), 1, "the connection its server closed is still kept");
+        assert!(take(server).is_some(), "the open one was retired instead");
     }
 }
