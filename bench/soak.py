@@ -19,7 +19,8 @@ The verdict (exit status 1 when any fails):
     the client connections in flight swing with the load, a leak grows with every request) and
     back to the idle count from before the load once it stops (within 8); the upstream's idle
     connections within their bound, a connection per sender on each HTTP worker thread (each
-    keeps a pool of its own, for 60 s; one the upstream closed meanwhile is found out when taken);
+    keeps a pool of its own, for 60 s; one the upstream closed meanwhile goes when it is taken or,
+    the oldest, when another is returned);
   - once the load stops, the KV caches and the features pinned for requests in flight are back to 0.
 
     python3 bench/soak.py [--minutes 30]     (./dev soak; ./dev test runs --minutes 2)

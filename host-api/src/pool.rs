@@ -55,12 +55,9 @@ enum Lane {
     Ahead,
 }
 
-/// The next call for a worker: one waiting ahead if any, else whichever comes first; `None` once
-/// both queues are closed and empty.
+/// The next call for a worker: one waiting ahead if any (the biased select takes the first ready
+/// queue in its list), else whichever comes first; `None` once both queues are closed and empty.
 fn next_job(ahead: &Receiver<Job>, normal: &Receiver<Job>) -> Option<Job> {
-    if let Ok(job) = ahead.try_recv() {
-        return Some(job);
-    }
     crossbeam_channel::select_biased! {
         recv(ahead) -> job => job.ok().or_else(|| normal.recv().ok()),
         recv(normal) -> job => job.ok().or_else(|| ahead.recv().ok()),
