@@ -190,6 +190,14 @@ impl Gateway {
         ClientHop::new(ip, self.https, &self.trusted_proxies)
     }
 
+    /// The forwarding headers of the lane's requests over `stream`: the lane takes no request that
+    /// carries such headers of its own, so there is nothing of the client's to keep.
+    fn forwarding_headers(&self, stream: &pingora::protocols::Stream) -> Vec<u8> {
+        let digest = stream.get_socket_digest();
+        self.client_hop(digest.as_deref().and_then(|d| d.peer_addr()))
+            .headers(|_| None)
+    }
+
     /// With `api_keys` configured, `/v1/*` needs `Authorization: Bearer <one of them>`.
     fn authenticate(&self, session: &ServerSession) -> Result<(), ApiError> {
         self.check_key(authorization(session))
