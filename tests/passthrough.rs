@@ -1110,6 +1110,44 @@ fn an_upstream_that_never_answers_times_out() {
     }
 }
 
+/// A kept-alive connection's waits are timed anew each time (the lane keeps one timer per
+/// connection for the client's requests and one for the upstream's answers, re-armed per wait):
+/// after answers that came in time and a pause longer than `upstream_timeout_ms`, a request the
+/// upstream never answers still gets its 504 after `upstream_timeout_ms`, and the connection, idle
+/// after it, is closed after `idle_timeout_ms`.
+#[test]
+fn a_kept_alive_connections_waits_are_each_timed_anew() {
+    let (upstream, _seen) = scripted_upstream();
+    let (front, _d) = start(&format!(
+        "models = [{{ name = \"demo\", upstreams = [\"{upstream}\"], upstream_timeout_ms = 300, health_check = {{ path = \"\", interval_ms = 3600000 }} }}]\n\
+         [connections]\nidle_timeout_ms = 2000\n"
+    ));
+    let mut client = connect(&front);
+    for _ in 0..2 {
+        send(&mut client, &chat_request("demo", "X-Case: length\r\n"));
+        assert_eq!(read_response(&mut client).status, 200);
+    }
+    std::thread::sleep(Duration::from_millis(400));
+    let sent = std::time::Instant::now();
+    send(&mut client, &chat_request("demo", "X-Case: silent\r\n"));
+    let response = read_response(&mut client);
+    assert_eq!(response.status, 504);
+    assert_eq!(response.json()["error"]["code"], "upstream_timeout");
+    // Not at once, as a timer left at an earlier wait's deadline (long past) would have it.
+    assert!(
+        sent.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        sent.elapsed()
+    );
+    // Idle now: the gateway closes it (the read sees the end, not its own 120 s timeout).
+    let mut byte = [0u8; 1];
+    assert_eq!(
+        client.read(&mut byte).unwrap(),
+        0,
+        "the idle connection was kept"
+    );
+}
+
 /// A client that reads none of its answer holds no more of it than the sockets' buffers: after
 /// `send_timeout_ms` the gateway drops it, and the upstream connection with it (nothing is kept
 /// for it in memory meanwhile) — through the lane and through pingora's session.

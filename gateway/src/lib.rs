@@ -5,6 +5,7 @@
 mod api;
 pub mod cli;
 mod config;
+mod deadline;
 mod error;
 pub mod fuzzing;
 mod keylimits;

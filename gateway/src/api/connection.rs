@@ -23,8 +23,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::Gateway;
 use crate::config::ConnectionsConfig;
+use crate::deadline::Deadline;
 use crate::error::ApiError;
-use crate::upstream::{ClientSide, Relayed, send_within, within};
+use crate::upstream::{ClientSide, Relayed, send_within};
 use crate::wire::http1::{self, Request, RequestCheck};
 
 use super::replay::Replay;
@@ -54,6 +55,14 @@ enum Lane {
     Closed,
 }
 
+/// What stays with a client connection from one of its relayed requests to the next.
+struct ConnectionSide<'c> {
+    /// The forwarding headers its requests carry upstream.
+    forwarding: &'c [u8],
+    /// The timer its upstream's answers are waited for by.
+    answer_deadline: &'c mut Deadline,
+}
+
 #[async_trait]
 impl ServerApp for App {
     async fn process_new(
@@ -71,9 +80,14 @@ impl ServerApp for App {
         // Who the client is does not change over a connection: the forwarding headers every
         // relayed request carries are made once (formatting them took 2 % of a relayed request).
         let forwarding = gateway.forwarding_headers(&stream);
+        let mut answer_deadline = Deadline::default();
         loop {
+            let side = ConnectionSide {
+                forwarding: &forwarding,
+                answer_deadline: &mut answer_deadline,
+            };
             match gateway
-                .passthrough(&mut stream, &mut buf, &mut clock, &forwarding, shutdown)
+                .passthrough(&mut stream, &mut buf, &mut clock, side, shutdown)
                 .await
             {
                 Lane::Served { keep_alive: true } => {}
@@ -82,7 +96,7 @@ impl ServerApp for App {
                     (stream, buf) = gateway.serve_one(stream, buf, shutdown).await?;
                 }
             }
-            clock = HeadClock::kept_alive(&gateway.connections);
+            clock.next_request();
         }
     }
 }
@@ -110,11 +124,12 @@ impl Drop for ConnectionSlot<'_> {
 
 /// When the head of the request being read must have arrived: `head_timeout` from a new
 /// connection's start, or from a kept-alive connection's first byte of its next request (which it
-/// may wait `idle_timeout` for).
+/// may wait `idle_timeout` for); and the connection's timer for reading requests.
 struct HeadClock {
     deadline: Option<Instant>,
     head: Duration,
     idle: Duration,
+    reads: Deadline,
 }
 
 impl HeadClock {
@@ -123,15 +138,13 @@ impl HeadClock {
             deadline: Some(Instant::now() + config.head_timeout()),
             head: config.head_timeout(),
             idle: config.idle_timeout(),
+            reads: Deadline::default(),
         }
     }
 
-    fn kept_alive(config: &ConnectionsConfig) -> HeadClock {
-        HeadClock {
-            deadline: None,
-            head: config.head_timeout(),
-            idle: config.idle_timeout(),
-        }
+    /// The connection is kept alive for another request: the clock starts at its first byte.
+    fn next_request(&mut self) {
+        self.deadline = None;
     }
 
     /// How long the next read of the head may wait, `buf` holding what has come of it.
@@ -155,7 +168,7 @@ impl Gateway {
         stream: &mut Stream,
         buf: &mut BytesMut,
         clock: &mut HeadClock,
-        forwarding: &[u8],
+        side: ConnectionSide<'_>,
         shutdown: &ShutdownWatch,
     ) -> Lane {
         let passable = loop {
@@ -178,7 +191,7 @@ impl Gateway {
             return Lane::Pingora;
         }
         while buf.len() < passable.len() {
-            if !self.read_body(stream, buf).await {
+            if !self.read_body(stream, buf, clock).await {
                 return Lane::Closed;
             }
         }
@@ -220,10 +233,11 @@ impl Gateway {
             tally.request(passable.len() - passable.head_len);
         }
         let side = ClientSide {
-            forwarding,
+            forwarding: side.forwarding,
             closing,
             tally,
             send_timeout: self.connections.send_timeout(),
+            answer_deadline: side.answer_deadline,
         };
         let relayed = pool.relay(stream, &request, &passable, &key, side).await;
         let (status, keep_alive) = match relayed {
@@ -316,7 +330,7 @@ impl Gateway {
                 if at - head.head_len > max_body {
                     break;
                 }
-                if !self.read_body(stream, buf).await {
+                if !self.read_body(stream, buf, clock).await {
                     return Lane::Closed;
                 }
             }
@@ -357,7 +371,8 @@ impl Gateway {
         buf: &mut BytesMut,
         clock: &mut HeadClock,
     ) -> Option<Lane> {
-        match read_more(stream, buf, clock.wait(buf)).await {
+        let wait = clock.wait(buf);
+        match read_more(stream, buf, wait, &mut clock.reads).await {
             Read::More => None,
             Read::Closed => Some(Lane::Closed),
             Read::TimedOut if buf.is_empty() => Some(Lane::Closed),
@@ -377,9 +392,17 @@ impl Gateway {
 
     /// Reads more of a request's body; false when the client closed, failed or went quiet for
     /// `idle_timeout`.
-    async fn read_body(&self, stream: &mut Stream, buf: &mut BytesMut) -> bool {
+    async fn read_body(
+        &self,
+        stream: &mut Stream,
+        buf: &mut BytesMut,
+        clock: &mut HeadClock,
+    ) -> bool {
         let wait = self.connections.idle_timeout();
-        matches!(read_more(stream, buf, wait).await, Read::More)
+        matches!(
+            read_more(stream, buf, wait, &mut clock.reads).await,
+            Read::More
+        )
     }
 
     /// Answers a connection past `connections.max` with 503 and closes it. What the client sent
@@ -397,7 +420,11 @@ impl Gateway {
         );
         error.retry_after = Some(1);
         let mut buf = BytesMut::new();
-        if matches!(read_more(stream, &mut buf, BRIEFLY).await, Read::Closed) {
+        let mut reads = Deadline::default();
+        if matches!(
+            read_more(stream, &mut buf, BRIEFLY, &mut reads).await,
+            Read::Closed
+        ) {
             return;
         }
         if send_within(stream, &error_response(&error, true), BRIEFLY)
@@ -406,7 +433,10 @@ impl Gateway {
         {
             let _ = stream.shutdown().await;
             while buf.len() < MAX_LANE_HEAD
-                && matches!(read_more(stream, &mut buf, BRIEFLY).await, Read::More)
+                && matches!(
+                    read_more(stream, &mut buf, BRIEFLY, &mut reads).await,
+                    Read::More
+                )
             {}
         }
         self.metrics
@@ -474,10 +504,15 @@ enum Read {
     TimedOut,
 }
 
-/// Reads more of a request into `buf`, waiting at most `wait`.
-async fn read_more(stream: &mut Stream, buf: &mut BytesMut, wait: Duration) -> Read {
+/// Reads more of a request into `buf`, waiting at most `wait` (kept by `deadline`).
+async fn read_more(
+    stream: &mut Stream,
+    buf: &mut BytesMut,
+    wait: Duration,
+    deadline: &mut Deadline,
+) -> Read {
     buf.reserve(READ_SIZE);
-    match within(wait, stream.read_buf(buf)).await {
+    match deadline.within(wait, stream.read_buf(buf)).await {
         Ok(Ok(0)) => Read::Closed,
         Ok(Ok(_)) => Read::More,
         Ok(Err(e)) => {

@@ -23,8 +23,8 @@ mod relay;
 pub mod tls;
 
 pub use forwarded::ClientHop;
+pub(crate) use relay::send_within;
 pub use relay::{ClientSide, Relayed};
-pub(crate) use relay::{send_within, within};
 
 use std::borrow::Cow;
 use std::collections::BTreeSet;

@@ -4,14 +4,13 @@
 //! streams included) relayed read by read. No header maps are built on either side:
 //! [`crate::wire::http1`] finds where the head and the body end.
 
-use std::task::Poll;
-
 use bytes::{Buf, BytesMut};
 use http::StatusCode;
 use pingora::protocols::Stream;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{Attempts, Connection, Target, UpstreamAuth, UpstreamPool, idle};
+use crate::deadline::{Deadline, within};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
 use crate::wire::http1::{self, Framing, Passable, ResponseHead};
@@ -57,6 +56,8 @@ pub struct ClientSide<'c> {
     pub tally: Option<&'c TokenTally>,
     /// How long the client may take none of the answer before it is dropped.
     pub send_timeout: std::time::Duration,
+    /// The client connection's timer for its upstream's answers, re-armed for each.
+    pub answer_deadline: &'c mut Deadline,
 }
 
 impl UpstreamPool {
@@ -76,6 +77,7 @@ impl UpstreamPool {
             closing,
             tally,
             send_timeout,
+            answer_deadline,
         } = side;
         let mut attempts = Attempts::new(self, key);
         while let Some(Connection {
@@ -100,7 +102,8 @@ impl UpstreamPool {
                 }
             }
             let mut buf = BytesMut::with_capacity(READ_SIZE);
-            let head = within(self.answer_timeout, read_head(&mut upstream, &mut buf));
+            let head =
+                answer_deadline.within(self.answer_timeout, read_head(&mut upstream, &mut buf));
             return match head.await {
                 Ok(Ok(head)) => {
                     let answer = Answer {
@@ -110,6 +113,7 @@ impl UpstreamPool {
                         timeout: self.answer_timeout,
                         tally,
                         send_timeout,
+                        deadline: &mut *answer_deadline,
                     };
                     relay_answer(client, upstream, buf, head, answer).await
                 }
@@ -186,6 +190,8 @@ struct Answer<'m> {
     tally: Option<&'m TokenTally>,
     /// How long the client may take none of the answer.
     send_timeout: std::time::Duration,
+    /// What `timeout` is kept by.
+    deadline: &'m mut Deadline,
 }
 
 /// Relays the answer whose head `buf` starts with, then keeps the upstream connection for the
@@ -204,6 +210,7 @@ async fn relay_answer(
         timeout,
         tally,
         send_timeout,
+        deadline,
     } = answer;
     let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let (server, _) = idle_key;
@@ -238,7 +245,7 @@ async fn relay_answer(
     while !progress.done {
         buf.clear();
         buf.reserve(READ_SIZE);
-        let failure = match within(timeout, upstream.read_buf(&mut buf)).await {
+        let failure = match deadline.within(timeout, upstream.read_buf(&mut buf)).await {
             Ok(Ok(0)) if framing == Framing::Close => break,
             Ok(Ok(0)) => Some("the connection closed mid-body".to_owned()),
             Ok(Ok(_)) => None,
@@ -333,35 +340,6 @@ pub(crate) async fn send_within(
         .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
 }
 
-/// `future`'s output if it comes within `wait`, as [`tokio::time::timeout`]; but the timer is
-/// only made once `future` has had to wait. Most of a busy proxy's writes, and many of its reads,
-/// are done at the first poll, and a timer made and cleared for each cost about 2 % of a relayed
-/// request (the clock read, the timer wheel's entry).
-pub(crate) async fn within<F: Future>(
-    wait: std::time::Duration,
-    future: F,
-) -> Result<F::Output, TimedOut> {
-    let mut future = std::pin::pin!(future);
-    let mut timer = std::pin::pin!(None::<tokio::time::Sleep>);
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(output) = future.as_mut().poll(cx) {
-            return Poll::Ready(Ok(output));
-        }
-        if timer.is_none() {
-            timer.set(Some(tokio::time::sleep(wait)));
-        }
-        match timer.as_mut().as_pin_mut() {
-            Some(timer) => timer.poll(cx).map(|()| Err(TimedOut)),
-            None => Poll::Pending,
-        }
-    })
-    .await
-}
-
-/// What [`within`] gives when its wait ran out.
-#[derive(Debug)]
-pub(crate) struct TimedOut;
-
 /// The client left: the upstream connection is dropped with its unread answer, not reused.
 fn client_gone(status: StatusCode, error: &std::io::Error) -> Relayed {
     tracing::debug!(error = %error, "client went away mid-answer");
@@ -379,21 +357,6 @@ mod tests {
     use crate::config::UpstreamAddr;
     use crate::upstream::ClientHop;
     use crate::wire::http1::Request;
-
-    /// `within` gives what is ready at once or comes in time, and gives up on what never comes.
-    #[tokio::test]
-    async fn within_gives_what_comes_in_time_and_gives_up_on_what_never_does() {
-        let minute = std::time::Duration::from_secs(60);
-        assert!(matches!(within(minute, async { 7 }).await, Ok(7)));
-        let later = async {
-            tokio::task::yield_now().await;
-            8
-        };
-        assert!(matches!(within(minute, later).await, Ok(8)));
-        let never = std::future::pending::<()>();
-        let short = std::time::Duration::from_millis(5);
-        assert!(matches!(within(short, never).await, Err(TimedOut)));
-    }
 
     #[test]
     fn the_relayed_request_names_the_server_and_carries_the_key_the_pool_says() {
