@@ -13,7 +13,8 @@ what a long video does to other users. The same for a 10-minute 16 kHz PCM WAV o
 model (Qwen2-Audio: 20 chunks of 30 s, 15 000 tokens), whole vs one piece per chunk. Prints medians
 and the pieces/whole ratios, and beside each the server's CPU seconds for the media's request
 (Linux: from /proc; the text questions' share is small) and that over the cores: no overlap of the
-stages can bring a TTFT below that bound, so it tells how far pieces can go on this machine.
+stages can bring a TTFT below that bound, so it tells how far pieces can go on this machine; and
+for the pieced items, from the engine's metrics, when their first and last pieces were encoded.
 
 Run from the repository root after `cargo build --release -p mmgate-gateway` (./dev bench does it);
 `python3 bench/pieces.py audio` (or `video`) runs one half.
@@ -87,11 +88,27 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(port: int, model: str, part: dict, pid: int) -> tuple[float, list[float], float]:
+def piece_sums(port: int, model: str) -> tuple[float, float, float]:
+    """The engine's counters for `model`'s items made in pieces: (items, milliseconds from admission
+    to their first piece encoded, to their last), summed since start."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    value = {}
+    for line in text.splitlines():
+        for name in ("pieced_items", "first_piece_ms_sum", "last_piece_ms_sum"):
+            if line.startswith(f'mmgate_engine_{name}{{model="{model}"}} '):
+                value[name] = float(line.rsplit(" ", 1)[1])
+    return (value.get("pieced_items", 0.0), value.get("first_piece_ms_sum", 0.0),
+            value.get("last_piece_ms_sum", 0.0))
+
+
+def measure(port: int, model: str, part: dict, pid: int) -> tuple[float, list[float], float,
+                                                                   tuple[float, float] | None]:
     """(media TTFT, TTFTs of text questions asked every 2 s while the media's request runs, the
-    server's CPU seconds meanwhile)."""
+    server's CPU seconds meanwhile, and for an item made in pieces the seconds from its admission to
+    its first and to its last piece encoded)."""
     media = [part, {"type": "text", "text": "Describe it."}]
     result: list[float] = []
+    pieces_before = piece_sums(port, model)
     cpu_before = cpu_seconds(pid)
     thread = threading.Thread(target=lambda: result.append(ttft(port, model, media)))
     thread.start()
@@ -101,7 +118,10 @@ def measure(port: int, model: str, part: dict, pid: int) -> tuple[float, list[fl
         if thread.is_alive():
             text_ttft.append(ttft(port, model, "Describe a sunny day in a few words."))
     thread.join()
-    return result[0], text_ttft, cpu_seconds(pid) - cpu_before
+    cpu = cpu_seconds(pid) - cpu_before
+    items, first, last = (a - b for a, b in zip(piece_sums(port, model), pieces_before))
+    pieces = (first / items / 1e3, last / items / 1e3) if items else None
+    return result[0], text_ttft, cpu, pieces
 
 
 def main() -> None:
@@ -141,7 +161,8 @@ def main() -> None:
             names = ["whole", "pieces", "whole-8k", "pieces-8k", "audio-whole", "audio-pieces"]
             only = sys.argv[1] if len(sys.argv) > 1 else None
             names = [n for n in names if only is None or ("audio" in n) == (only == "audio")]
-            results: dict[str, list[tuple[float, list[float], float]]] = {name: [] for name in names}
+            results: dict[str, list[tuple[float, list[float], float, tuple[float, float] | None]]] = {
+                name: [] for name in names}
             # Warm-up: compiled plugins, first allocations.
             if only != "audio":
                 measure(port, "pieces-8k", video, server.pid)
@@ -159,14 +180,19 @@ def main() -> None:
     print(f"60 s 1080p H.264 video (demo model) and 10 min 16 kHz WAV (demo-audio), {cores} cores, "
           f"median of {ROUNDS} (interleaved)")
     print(f"{'':<12} {'media TTFT s':>13} {'text beside: median s':>22} {'max s':>7} "
-          f"{'CPU s':>7} {'CPU s / cores':>14}")
+          f"{'CPU s':>7} {'CPU s / cores':>14} {'1st piece s':>12} {'last piece s':>13}")
     med = {}
     for model, runs in results.items():
-        texts = sorted(t for _, beside, _ in runs for t in beside) or [0.0]
-        med[model] = statistics.median(v for v, _, _ in runs)
-        cpu = statistics.median(c for _, _, c in runs)
+        texts = sorted(t for _, beside, _, _ in runs for t in beside) or [0.0]
+        med[model] = statistics.median(v for v, _, _, _ in runs)
+        cpu = statistics.median(c for _, _, c, _ in runs)
+        pieces = [p for _, _, _, p in runs if p]
+        first, last = (
+            (f"{statistics.median(p[0] for p in pieces):>12.2f}",
+             f"{statistics.median(p[1] for p in pieces):>13.2f}") if pieces else
+            (f"{'-':>12}", f"{'-':>13}"))
         print(f"{model:<12} {med[model]:>13.2f} {statistics.median(texts):>22.3f} {texts[-1]:>7.3f} "
-              f"{cpu:>7.1f} {cpu / cores:>14.1f}")
+              f"{cpu:>7.1f} {cpu / cores:>14.1f} {first} {last}")
     for suffix in ("", "-8k"):
         if "whole" + suffix in med:
             print(f"pieces / whole{suffix or ' (32k context)'}: video TTFT "
