@@ -147,18 +147,84 @@ pub fn matmul(
         }
         return Ok(());
     }
+    let rows = rows_summed_as_large_products(dst.cols);
+    if (2..rows).contains(&dst.rows) {
+        return matmul_padded(dst, lhs, rhs, accumulate, threads, rows);
+    }
     let parallelism = match threads {
         Threads::One => gemm::Parallelism::None,
         Threads::Pool(n) if n > 1 => gemm::Parallelism::Rayon(n),
         Threads::Pool(_) => gemm::Parallelism::None,
     };
+    // SAFETY: the views were checked above (`check`, `dst_fits`) and their shapes agree.
+    unsafe { gemm_checked(&mut { dst }, lhs, rhs, accumulate, parallelism) };
+    Ok(())
+}
+
+/// gemm sums a product's inner dimension in runs it picks from the sizes (512 values for at most
+/// 64 rows and columns, else from the cache sizes), and a product of at most 256 values with dot
+/// products in another order, so the same row came out a few bits apart multiplied alone or among
+/// many: the patch embedding of a 64-row video piece was off the same rows within the whole video.
+/// Such products are made with zero rows added up to this many, which gemm multiplies as it does
+/// large ones. (One row goes to gemm's vector kernels, as a decoding step's does: not padded.)
+fn rows_summed_as_large_products(cols: usize) -> usize {
+    if cols <= 64 { 65 } else { 256 / cols + 1 }
+}
+
+/// [`matmul`] of a product too small for gemm to sum as it sums large ones (see
+/// [`rows_summed_as_large_products`]), through copies padded with zero rows.
+fn matmul_padded(
+    dst: MatMut<'_>,
+    lhs: MatRef<'_>,
+    rhs: MatRef<'_>,
+    accumulate: bool,
+    threads: Threads,
+    rows: usize,
+) -> Result<()> {
+    let (m, k, n) = (dst.rows, lhs.cols, dst.cols);
+    let mut padded_lhs = vec![0.0; rows * k];
+    for (r, row) in padded_lhs.chunks_exact_mut(k).take(m).enumerate() {
+        for (c, value) in row.iter_mut().enumerate() {
+            *value = lhs.data[r * lhs.row_stride + c * lhs.col_stride];
+        }
+    }
+    let mut padded_dst = vec![0.0; rows * n];
+    if accumulate {
+        for (r, row) in padded_dst.chunks_exact_mut(n).take(m).enumerate() {
+            row.copy_from_slice(&dst.data[r * dst.row_stride..r * dst.row_stride + n]);
+        }
+    }
+    matmul(
+        MatMut::row_major(&mut padded_dst, rows, n),
+        MatRef::row_major(&padded_lhs, rows, k),
+        rhs,
+        accumulate,
+        threads,
+    )?;
+    for (r, row) in padded_dst.chunks_exact(n).take(m).enumerate() {
+        dst.data[r * dst.row_stride..r * dst.row_stride + n].copy_from_slice(row);
+    }
+    Ok(())
+}
+
+/// # Safety
+/// Every element of `lhs`, `rhs` (`r·row_stride + c·col_stride` for r < rows, c < cols) and of
+/// `dst` (`r·row_stride + c`) lies inside its slice, `dst.row_stride >= dst.cols`, and the
+/// shapes agree.
+unsafe fn gemm_checked(
+    dst: &mut MatMut<'_>,
+    lhs: MatRef<'_>,
+    rhs: MatRef<'_>,
+    read_dst: bool,
+    parallelism: gemm::Parallelism,
+) {
     // Strides fit in isize: each is at most the length of an allocated slice.
     let stride = |s: usize| s as isize;
-    // SAFETY: every element index gemm computes, `r·row_stride + c·col_stride` for r < rows and
-    // c < cols, was checked above to lie inside the corresponding slice; the destination is borrowed
-    // mutably (no other reference to it exists) and its elements are pairwise distinct (unit column
-    // stride, row stride ≥ cols), so gemm's threads write disjoint locations; the sources are only
-    // read. With `read_dst == false` gemm does not read the destination.
+    // SAFETY: every element index gemm computes lies inside the corresponding slice (the caller's
+    // contract); the destination is borrowed mutably (no other reference to it exists) and its
+    // elements are pairwise distinct (unit column stride, row stride ≥ cols), so gemm's threads
+    // write disjoint locations; the sources are only read. With `read_dst == false` gemm does not
+    // read the destination.
     unsafe {
         gemm::gemm(
             dst.rows,
@@ -167,7 +233,7 @@ pub fn matmul(
             dst.data.as_mut_ptr(),
             1,
             stride(dst.row_stride),
-            accumulate,
+            read_dst,
             lhs.data.as_ptr(),
             stride(lhs.col_stride),
             stride(lhs.row_stride),
@@ -182,7 +248,6 @@ pub fn matmul(
             parallelism,
         );
     }
-    Ok(())
 }
 
 /// `Σ a[i] · b[i]` over equal-length slices (the shorter length otherwise), with eight
@@ -337,6 +402,40 @@ mod tests {
         .unwrap();
         for (g, w) in got_t.iter().zip(&want) {
             assert!((g - w).abs() < 1e-5);
+        }
+    }
+
+    /// A row's product is the same bits however many rows (two or more) come with it: a video's
+    /// piece is encoded to exactly its rows of the whole video's features. (Multiplied as they
+    /// came, 64 rows or fewer of a 1 536-deep patch embedding into 64 columns were off.)
+    #[test]
+    fn a_rows_product_does_not_depend_on_the_rows_beside_it() {
+        for (k, n) in [(1536, 64), (700, 100)] {
+            let a: Vec<f32> = (0..200 * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos() * 0.05).collect();
+            let product = |m: usize, threads, accumulate: bool| {
+                let mut out: Vec<f32> = (0..m * n).map(|i| i as f32 * 0.5).collect();
+                matmul(
+                    MatMut::row_major(&mut out, m, n),
+                    MatRef::row_major(&a[..m * k], m, k),
+                    MatRef::row_major(&w, n, k).t(),
+                    accumulate,
+                    threads,
+                )
+                .unwrap();
+                out
+            };
+            for accumulate in [false, true] {
+                let all = product(200, Threads::Pool(2), accumulate);
+                for m in [2, 3, 16, 63, 64, 65, 128] {
+                    for threads in [Threads::One, Threads::Pool(2)] {
+                        assert!(
+                            product(m, threads, accumulate) == all[..m * n],
+                            "{m} rows of {k}x{n}, {threads:?}, accumulate {accumulate}"
+                        );
+                    }
+                }
+            }
         }
     }
 
