@@ -36,7 +36,7 @@ impl std::fmt::Display for PluginOrigin {
 }
 
 /// Most parts one item may be made in: the host runs a call for each (a 768-frame video in the
-/// built-in plugin's runs of 4, then 8 temporal patches is 48).
+/// built-in plugin's runs of 2, then up to 8 temporal patches is 49).
 pub const MAX_PARTS: u32 = 1024;
 
 /// A component pre-linked against the bindings of the contract version it was built for.

@@ -1190,7 +1190,7 @@ mod tests {
     }
 
     /// The built-in video plugin's output for a 48-frame clip sampled at 12 fps under `model`'s
-    /// processor config: whole and in parts (runs of 4, 8, 8 and 4 of its 24 temporal patches).
+    /// processor config: whole and in parts (runs of 2, 6, 6, 5 and 5 of its 24 temporal patches).
     fn video_whole_and_parts(model: &ModelRuntime) -> Made {
         let clip = std::fs::read(
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/video/clips/12fps.mp4"),
@@ -1203,7 +1203,7 @@ mod tests {
                 video["fps"] = 12.into();
             }
         });
-        assert_eq!(made.parts.len(), 4);
+        assert_eq!(made.parts.len(), 5);
         made
     }
 
