@@ -10,7 +10,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::attention_kernels::{self, exp_and_sum, scale_and_max};
+use super::attention_kernels::{self, exp2_and_sum, row_max};
 use super::gemm::{self, MatMut, MatRef, Threads, matmul};
 use super::{
     Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, Values, check_attention,
@@ -618,6 +618,12 @@ fn attention(
 
     let group = heads / kv_heads;
     let (q_stride, kv_stride) = (heads * hd, kv_heads * hd);
+    // The queries scaled once by the attention's scale and log2 e: every score is then its
+    // softmax exponent in powers of two (see `attention_kernels::exp2_and_sum`), with no pass
+    // over the scores to scale them.
+    let to_log2 = s.scale * std::f32::consts::LOG2_E;
+    let q: Vec<f32> = dev.run(|| q.par_iter().map(|&x| x * to_log2).collect());
+    let q = q.as_slice();
     // Each KV head's keys transposed once (`[hd, kv_rows]`): a block of keys is then a range of its
     // columns, and a row of scores a sum of contiguous rows. Transposed per task and block, the
     // same blocks were transposed again for every query block of every head of the group: about
@@ -639,7 +645,7 @@ fn attention(
                     stride: transposed_stride(s.kv_rows),
                 };
                 let values = head_rows(v, 0..s.kv_rows, kv_stride, kvh, hd);
-                let out = attend(t, queries, keys_t, values, s.scale);
+                let out = attend(t, queries, keys_t, values);
                 (t.head, t.q0, out)
             })
             .collect()
@@ -702,14 +708,14 @@ fn transposed_stride(rows: usize) -> usize {
 /// online softmax (each row's running maximum and sum, the output rescaled when the maximum
 /// grows), so the scores scratch stays `QUERY_BLOCK × KEY_BLOCK` floats in cache however long the
 /// context. Blocks start at multiples of `KEY_BLOCK` from the task's first key, so a row's blocks
-/// are the same whichever rows it is computed with. `keys_t` holds the head's keys transposed
-/// (`hd` rows of all its keys), `values` the head's rows.
+/// are the same whichever rows it is computed with. `queries` come scaled to powers of two (see
+/// [`attention`]), `keys_t` holds the head's keys transposed (`hd` rows of all its keys), `values`
+/// the head's rows.
 fn attend(
     t: &Task,
     queries: MatRef<'_>,
     keys_t: attention_kernels::Strided<'_>,
     values: MatRef<'_>,
-    scale: f32,
 ) -> Vec<f32> {
     let (nq, hd) = (t.q1 - t.q0, queries.cols);
     let block = KEY_BLOCK.min(t.k1 - t.k0);
@@ -741,11 +747,11 @@ fn attend(
             if seen.is_empty() {
                 continue;
             }
-            let new_max = max[i].max(scale_and_max(seen, scale));
-            let block_sum = exp_and_sum(seen, new_max);
+            let new_max = max[i].max(row_max(seen));
+            let block_sum = exp2_and_sum(seen, new_max);
             if new_max > max[i] {
                 // Earlier blocks' weights were relative to a smaller maximum.
-                let rescale = (max[i] - new_max).exp();
+                let rescale = (max[i] - new_max).exp2();
                 sum[i] *= rescale;
                 out[i * hd..(i + 1) * hd]
                     .iter_mut()
