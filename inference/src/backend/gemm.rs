@@ -156,8 +156,36 @@ pub fn matmul(
         Threads::Pool(n) if n > 1 => gemm::Parallelism::Rayon(n),
         Threads::Pool(_) => gemm::Parallelism::None,
     };
-    // SAFETY: the views were checked above (`check`, `dst_fits`) and their shapes agree.
-    unsafe { gemm_checked(&mut { dst }, lhs, rhs, accumulate, parallelism) };
+    // Strides fit in isize: each is at most the length of an allocated slice.
+    let stride = |s: usize| s as isize;
+    // SAFETY: every element index gemm computes, `r·row_stride + c·col_stride` for r < rows and
+    // c < cols, was checked above to lie inside the corresponding slice; the destination is borrowed
+    // mutably (no other reference to it exists) and its elements are pairwise distinct (unit column
+    // stride, row stride ≥ cols), so gemm's threads write disjoint locations; the sources are only
+    // read. With `read_dst == false` gemm does not read the destination.
+    unsafe {
+        gemm::gemm(
+            dst.rows,
+            dst.cols,
+            lhs.cols,
+            dst.data.as_mut_ptr(),
+            1,
+            stride(dst.row_stride),
+            accumulate,
+            lhs.data.as_ptr(),
+            stride(lhs.col_stride),
+            stride(lhs.row_stride),
+            rhs.data.as_ptr(),
+            stride(rhs.col_stride),
+            stride(rhs.row_stride),
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
     Ok(())
 }
 
@@ -205,49 +233,6 @@ fn matmul_padded(
         dst.data[r * dst.row_stride..r * dst.row_stride + n].copy_from_slice(row);
     }
     Ok(())
-}
-
-/// # Safety
-/// Every element of `lhs`, `rhs` (`r·row_stride + c·col_stride` for r < rows, c < cols) and of
-/// `dst` (`r·row_stride + c`) lies inside its slice, `dst.row_stride >= dst.cols`, and the
-/// shapes agree.
-unsafe fn gemm_checked(
-    dst: &mut MatMut<'_>,
-    lhs: MatRef<'_>,
-    rhs: MatRef<'_>,
-    read_dst: bool,
-    parallelism: gemm::Parallelism,
-) {
-    // Strides fit in isize: each is at most the length of an allocated slice.
-    let stride = |s: usize| s as isize;
-    // SAFETY: every element index gemm computes lies inside the corresponding slice (the caller's
-    // contract); the destination is borrowed mutably (no other reference to it exists) and its
-    // elements are pairwise distinct (unit column stride, row stride ≥ cols), so gemm's threads
-    // write disjoint locations; the sources are only read. With `read_dst == false` gemm does not
-    // read the destination.
-    unsafe {
-        gemm::gemm(
-            dst.rows,
-            dst.cols,
-            lhs.cols,
-            dst.data.as_mut_ptr(),
-            1,
-            stride(dst.row_stride),
-            read_dst,
-            lhs.data.as_ptr(),
-            stride(lhs.col_stride),
-            stride(lhs.row_stride),
-            rhs.data.as_ptr(),
-            stride(rhs.col_stride),
-            stride(rhs.row_stride),
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
 }
 
 /// `Σ a[i] · b[i]` over equal-length slices (the shorter length otherwise), with eight
