@@ -9,9 +9,11 @@ mod common;
 
 use mmgate_inference::Result;
 
-use common::{demo_engine, ttft};
+use common::{decode_per_token, demo_engine, ttft};
 
 const CONTEXTS: [usize; 3] = [2_048, 8_192, 30_000];
+/// Tokens decoded after each context's prompt, to time a decoding step there.
+const DECODED: usize = 32;
 
 fn main() -> Result<()> {
     let demo = demo_engine(1, 32_768)?;
@@ -32,6 +34,11 @@ fn main() -> Result<()> {
             "  {context:>6} tokens: {:>8.1} ms ({:.1} µs a token), best of {rounds}",
             best.as_secs_f64() * 1e3,
             best.as_secs_f64() * 1e6 / context as f64
+        );
+        let decode = decode_per_token(engine, &prompt, DECODED)?;
+        println!(
+            "  {context:>6} tokens: then {:>6.2} ms a token decoded ({DECODED} tokens)",
+            decode.as_secs_f64() * 1e3
         );
     }
     Ok(())

@@ -3,7 +3,7 @@
 //! Shapes are checked here, before any backend call, so a model bug or a malformed input surfaces as
 //! [`Error::Shape`] naming the operation instead of a panic inside a kernel.
 
-use crate::backend::{Activation, AttentionShape, Backend, Conv1dShape, Values};
+use crate::backend::{Activation, AttentionShape, Backend, Conv1dShape, KvLayout, Values};
 use crate::error::{Error, Result};
 
 pub struct Tensor<B: Backend> {
@@ -258,6 +258,17 @@ impl<B: Backend> Tensor<B> {
         Ok(self.with(buffer, vec![shape.q_rows, shape.heads * shape.head_dim]))
     }
 
+    /// Attention of these queries over the first `shape.kv_rows` rows of a KV cache layer.
+    pub fn attention_cached(&self, kv: &KvLayer<B>, shape: &AttentionShape) -> Result<Self> {
+        let buffer = self.device.attention_cached(
+            &self.buffer,
+            (&kv.keys, &kv.values),
+            &kv.layout,
+            shape,
+        )?;
+        Ok(self.with(buffer, vec![shape.q_rows, shape.heads * shape.head_dim]))
+    }
+
     /// The im2col patches of a 1-D convolution over this time-major input; see
     /// [`Backend::im2col_1d`].
     pub fn im2col_1d(&self, shape: &Conv1dShape) -> Result<Self> {
@@ -328,5 +339,64 @@ impl<B: Backend> Tensor<B> {
             .device
             .slice_rows(&self.buffer, self.cols(), start, count)?;
         Ok(self.with(buffer, vec![count, self.cols()]))
+    }
+}
+
+/// One layer's KV cache on a device, in the arrangement the device attends over fastest (see
+/// [`Backend::kv_cache`]): rows are written with [`Self::write`] and read by
+/// [`Tensor::attention_cached`].
+pub struct KvLayer<B: Backend> {
+    keys: B::Buffer,
+    values: B::Buffer,
+    layout: KvLayout,
+    device: B,
+}
+
+impl<B: Backend> KvLayer<B> {
+    pub fn new(device: &B, layout: KvLayout) -> Result<Self> {
+        let (keys, values) = device.kv_cache(&layout)?;
+        Ok(Self {
+            keys,
+            values,
+            layout,
+            device: device.clone(),
+        })
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Stores `keys` and `values` (`[n, kv_heads · head_dim]` each) as rows `at..at + n`.
+    pub fn write(&mut self, at: usize, keys: &Tensor<B>, values: &Tensor<B>) -> Result<()> {
+        let (width, n) = (self.layout.width(), keys.rows());
+        if keys.shape() != [n, width] || values.shape() != [n, width] {
+            return Err(Error::shape(
+                "write_kv",
+                format!(
+                    "keys {:?} and values {:?} for rows of {width}",
+                    keys.shape(),
+                    values.shape()
+                ),
+            ));
+        }
+        if at + n > self.layout.capacity {
+            return Err(Error::shape(
+                "write_kv",
+                format!("rows {at}..{} of {}", at + n, self.layout.capacity),
+            ));
+        }
+        self.device.write_kv(
+            (&mut self.keys, &mut self.values),
+            &self.layout,
+            at,
+            &keys.buffer,
+            &values.buffer,
+        )
+    }
+
+    /// Device bytes held (whatever is filled).
+    pub fn bytes(&self) -> usize {
+        self.device.bytes(&self.keys) + self.device.bytes(&self.values)
     }
 }

@@ -88,3 +88,33 @@ pub fn ttft(engine: &Engine, prompt: &[u32]) -> Result<Duration> {
         Some(Event::Done { .. }) | None => Err(mmgate_inference::Error::Input("no token".into())),
     }
 }
+
+/// Time per generated token after a prompt's first: `tokens` more decoding steps, timed from the
+/// first token to the last.
+pub fn decode_per_token(engine: &Engine, prompt: &[u32], tokens: usize) -> Result<Duration> {
+    let mut h = engine.submit(GenerateRequest {
+        prompt: prompt.to_vec(),
+        media: Vec::new(),
+        sampling: SamplingParams::greedy(),
+        max_tokens: tokens + 1,
+        stop: Vec::new(),
+    })?;
+    let (mut first, mut seen) = (None, 0);
+    loop {
+        match h.events.blocking_recv() {
+            Some(Event::Token { .. }) => {
+                seen += 1;
+                first.get_or_insert_with(Instant::now);
+            }
+            Some(Event::Failed(m)) => return Err(mmgate_inference::Error::Input(m.to_string())),
+            Some(Event::Done { .. }) | None => break,
+        }
+    }
+    match first {
+        Some(first) if seen == tokens + 1 => Ok(first.elapsed() / tokens as u32),
+        _ => Err(mmgate_inference::Error::Input(format!(
+            "{seen} tokens of {}",
+            tokens + 1
+        ))),
+    }
+}

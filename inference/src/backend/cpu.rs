@@ -13,8 +13,9 @@ use rayon::prelude::*;
 use super::attention_kernels::{self, exp2_and_sum, row_max};
 use super::gemm::{self, MatMut, MatRef, Threads, matmul};
 use super::{
-    Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, Values, check_attention,
-    check_ids, check_row_range, check_scatter_rows, expect_len, pooled_rows, rows_of,
+    Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, KvLayout, Values,
+    check_attention, check_cached_attention, check_ids, check_row_range, check_scatter_rows,
+    expect_len, pooled_rows, rows_of,
 };
 use crate::error::{Error, Result};
 
@@ -293,6 +294,68 @@ impl Backend for CpuBackend {
         attention(self, q, k, v, shape).map(CpuBuffer::F32)
     }
 
+    fn kv_cache(&self, layout: &KvLayout) -> Result<(CpuBuffer, CpuBuffer)> {
+        let (keys, values) = kv_cache_lens(layout);
+        Ok((self.zeros(keys)?, self.zeros(values)?))
+    }
+
+    fn write_kv(
+        &self,
+        (keys, values): (&mut CpuBuffer, &mut CpuBuffer),
+        layout: &KvLayout,
+        at: usize,
+        new_keys: &CpuBuffer,
+        new_values: &CpuBuffer,
+    ) -> Result<()> {
+        let (keys, values) = (keys.f32s_mut("write_kv")?, values.f32s_mut("write_kv")?);
+        let (new_keys, new_values) = (new_keys.f32s("write_kv")?, new_values.f32s("write_kv")?);
+        let (width, hd, capacity) = (layout.width(), layout.head_dim, layout.capacity);
+        let (keys_len, values_len) = kv_cache_lens(layout);
+        expect_len("write_kv", "keys cache", keys.len(), keys_len)?;
+        expect_len("write_kv", "values cache", values.len(), values_len)?;
+        let n = rows_of("write_kv", new_keys.len(), width)?;
+        expect_len("write_kv", "values", new_values.len(), n * width)?;
+        check_row_range("write_kv", at, n, capacity)?;
+        let stride = transposed_stride(capacity);
+        for (h, (keys_t, head_values)) in keys
+            .chunks_exact_mut(hd * stride)
+            .zip(values.chunks_exact_mut(capacity * hd))
+            .enumerate()
+        {
+            transpose_into(head_rows(new_keys, 0..n, width, h, hd), keys_t, stride, at);
+            for (j, row) in head_values[at * hd..(at + n) * hd]
+                .chunks_exact_mut(hd)
+                .enumerate()
+            {
+                row.copy_from_slice(&new_values[j * width + h * hd..][..hd]);
+            }
+        }
+        Ok(())
+    }
+
+    fn attention_cached(
+        &self,
+        q: &CpuBuffer,
+        (keys, values): (&CpuBuffer, &CpuBuffer),
+        layout: &KvLayout,
+        shape: &AttentionShape,
+    ) -> Result<CpuBuffer> {
+        check_cached_attention(layout, shape)?;
+        let q = q.f32s("attention_cached")?;
+        let (keys, values) = (
+            keys.f32s("attention_cached")?,
+            values.f32s("attention_cached")?,
+        );
+        let (keys_len, values_len) = kv_cache_lens(layout);
+        expect_len("attention_cached", "keys cache", keys.len(), keys_len)?;
+        expect_len("attention_cached", "values cache", values.len(), values_len)?;
+        // The rows' lengths the mask and heads are checked against (the cache holds at least them).
+        let rows_len = shape.kv_rows * layout.width();
+        check_attention(shape, q.len(), rows_len, rows_len)?;
+        let heads = cached_heads(keys, values, layout);
+        Ok(CpuBuffer::F32(attend_heads(self, q, &heads, shape)))
+    }
+
     fn im2col_1d(&self, x: &CpuBuffer, c: &Conv1dShape) -> Result<CpuBuffer> {
         let x = x.f32s("im2col_1d")?;
         c.check(x.len())?;
@@ -559,17 +622,30 @@ impl HalfFloat for f16 {
     }
 }
 
-/// One unit of attention work: query rows `q0..q1` of one head, against key rows `k0..k1`.
+/// One unit of attention work: the query rows of positions `q0..q1` of every head of one KV
+/// head's group, against key rows `k0..k1`.
 struct Task {
-    head: usize,
+    kv_head: usize,
     q0: usize,
     q1: usize,
     k0: usize,
     k1: usize,
-    /// Absolute key position of query row `q0` under a causal mask (`None`: no mask in range).
+    /// Absolute key position of query position `q0` under a causal mask (`None`: no mask in
+    /// range).
     causal_first: Option<usize>,
 }
 
+/// Where one KV head's keys and values are: the keys transposed (`hd` rows of all its keys, so a
+/// block of keys is a range of columns and a row of scores a sum of contiguous rows), the values
+/// as rows of `hd`.
+#[derive(Clone, Copy)]
+struct HeadKv<'a> {
+    keys_t: attention_kernels::Strided<'a>,
+    values: attention_kernels::Strided<'a>,
+}
+
+/// Attention over keys and values given as `[kv_rows, kv_heads · hd]` rows (an encoder's, made
+/// for this call): each KV head's keys are transposed once for every task that reads them.
 fn attention(
     dev: &CpuBackend,
     q: &[f32],
@@ -578,15 +654,89 @@ fn attention(
     s: &AttentionShape,
 ) -> Result<Vec<f32>> {
     check_attention(s, q.len(), k.len(), v.len())?;
-    let (hd, heads, kv_heads) = (s.head_dim, s.heads, s.kv_heads);
+    let (hd, kv_heads) = (s.head_dim, s.kv_heads);
+    let kv_stride = kv_heads * hd;
+    let keys_t: Vec<Vec<f32>> = dev.run(|| {
+        (0..kv_heads)
+            .into_par_iter()
+            .map(|h| {
+                let mut out = vec![0.0f32; hd * transposed_stride(s.kv_rows)];
+                transpose_into(
+                    head_rows(k, 0..s.kv_rows, kv_stride, h, hd),
+                    &mut out,
+                    transposed_stride(s.kv_rows),
+                    0,
+                );
+                out
+            })
+            .collect()
+    });
+    let heads: Vec<HeadKv<'_>> = keys_t
+        .iter()
+        .enumerate()
+        .map(|(h, keys_t)| HeadKv {
+            keys_t: attention_kernels::Strided {
+                data: keys_t,
+                stride: transposed_stride(s.kv_rows),
+            },
+            values: attention_kernels::Strided {
+                data: &v[h * hd..],
+                stride: kv_stride,
+            },
+        })
+        .collect();
+    Ok(attend_heads(dev, q, &heads, s))
+}
+
+/// The CPU's KV cache layer: each KV head's keys transposed (`hd` rows of
+/// [`transposed_stride`]`(capacity)` floats: row `d` holds every key's value `d`), then each KV
+/// head's values as `capacity` rows of `hd`. Attention reads them in place: kept as rows, every
+/// step transposed the whole context's keys again (a 30k-token context's decoding step spent more
+/// time there than attending) and read each head's values out of rows holding every head's.
+fn kv_cache_lens(layout: &KvLayout) -> (usize, usize) {
+    let (heads, hd) = (layout.kv_heads, layout.head_dim);
+    (
+        heads * hd * transposed_stride(layout.capacity),
+        heads * layout.capacity * hd,
+    )
+}
+
+/// The KV heads of a cache laid out as [`kv_cache_lens`] says.
+fn cached_heads<'a>(keys: &'a [f32], values: &'a [f32], layout: &KvLayout) -> Vec<HeadKv<'a>> {
+    let (hd, stride) = (layout.head_dim, transposed_stride(layout.capacity));
+    (0..layout.kv_heads)
+        .map(|h| HeadKv {
+            keys_t: attention_kernels::Strided {
+                data: &keys[h * hd * stride..],
+                stride,
+            },
+            values: attention_kernels::Strided {
+                data: &values[h * layout.capacity * hd..],
+                stride: hd,
+            },
+        })
+        .collect()
+}
+
+/// Attention of `q` over each KV head's keys and values in `heads`. A task takes every query head
+/// of one KV head's group, its rows interleaved (position by position, each group's heads in
+/// order), so the group's keys and values are read once for all of them: a decoding step (one
+/// position) or a short chunk at long context reads the whole context's keys and values, and that
+/// reading, not the arithmetic, is most of its time.
+fn attend_heads(dev: &CpuBackend, q: &[f32], heads: &[HeadKv<'_>], s: &AttentionShape) -> Vec<f32> {
+    let (hd, kv_heads) = (s.head_dim, s.kv_heads);
+    let group = s.heads / kv_heads;
+    let q_stride = s.heads * hd;
+    // Positions per task: QUERY_BLOCK rows of queries.
+    let positions = (QUERY_BLOCK / group).max(1);
     let mut tasks = Vec::new();
     match &s.mask {
         AttentionMask::Causal { first_query } => {
-            for head in 0..heads {
-                for q0 in (0..s.q_rows).step_by(QUERY_BLOCK) {
-                    let q1 = (q0 + QUERY_BLOCK).min(s.q_rows);
+            for kv_head in 0..kv_heads {
+                for q0 in (0..s.q_rows).step_by(positions) {
+                    let q1 = (q0 + positions).min(s.q_rows);
                     tasks.push(Task {
-                        head,
+                        kv_head,
                         q0,
                         q1,
                         k0: 0,
@@ -598,12 +748,12 @@ fn attention(
         }
         AttentionMask::Segments(segments) => {
             for seg in segments {
-                for head in 0..heads {
-                    for q0 in seg.rows.clone().step_by(QUERY_BLOCK) {
-                        let q1 = (q0 + QUERY_BLOCK).min(seg.rows.end);
+                for kv_head in 0..kv_heads {
+                    for q0 in seg.rows.clone().step_by(positions) {
+                        let q1 = (q0 + positions).min(seg.rows.end);
                         let (k0, k1) = (seg.rows.start, seg.rows.start + seg.visible_keys);
                         tasks.push(Task {
-                            head,
+                            kv_head,
                             q0,
                             q1,
                             k0,
@@ -616,48 +766,48 @@ fn attention(
         }
     }
 
-    let group = heads / kv_heads;
-    let (q_stride, kv_stride) = (heads * hd, kv_heads * hd);
-    // The queries scaled once by the attention's scale and log2 e: every score is then its
-    // softmax exponent in powers of two (see `attention_kernels::exp2_and_sum`), with no pass
-    // over the scores to scale them.
+    // The queries scaled once by the attention's scale and log2 e (every score is then its
+    // softmax exponent in powers of two, see `attention_kernels::exp2_and_sum`, with no pass over
+    // the scores to scale them), and laid out as the tasks read them: `[kv_heads, q_rows, group,
+    // hd]` (a group's heads are adjacent in a query row already).
     let to_log2 = s.scale * std::f32::consts::LOG2_E;
-    let q: Vec<f32> = dev.run(|| q.par_iter().map(|&x| x * to_log2).collect());
-    let q = q.as_slice();
-    // Each KV head's keys transposed once (`[hd, kv_rows]`): a block of keys is then a range of its
-    // columns, and a row of scores a sum of contiguous rows. Transposed per task and block, the
-    // same blocks were transposed again for every query block of every head of the group: about
-    // 5 % of a long prefill.
-    let keys_t: Vec<Vec<f32>> = dev.run(|| {
-        (0..kv_heads)
-            .into_par_iter()
-            .map(|h| transposed(head_rows(k, 0..s.kv_rows, kv_stride, h, hd)))
-            .collect()
+    let group_width = group * hd;
+    let mut grouped = vec![0.0f32; q.len()];
+    dev.run(|| {
+        grouped
+            .par_chunks_mut(s.q_rows * group_width)
+            .enumerate()
+            .for_each(|(kv_head, dst)| {
+                for (i, dst) in dst.chunks_mut(group_width).enumerate() {
+                    let src = &q[i * q_stride + kv_head * group_width..][..group_width];
+                    dst.iter_mut().zip(src).for_each(|(d, &x)| *d = x * to_log2);
+                }
+            })
     });
     let results: Vec<(usize, usize, Vec<f32>)> = dev.run(|| {
         tasks
             .par_iter()
             .map(|t| {
-                let kvh = t.head / group;
-                let queries = head_rows(q, t.q0..t.q1, q_stride, t.head, hd);
-                let keys_t = attention_kernels::Strided {
-                    data: &keys_t[kvh],
-                    stride: transposed_stride(s.kv_rows),
+                let queries = attention_kernels::Strided {
+                    data: &grouped[(t.kv_head * s.q_rows + t.q0) * group_width..],
+                    stride: hd,
                 };
-                let values = head_rows(v, 0..s.kv_rows, kv_stride, kvh, hd);
-                let out = attend(t, queries, keys_t, values);
-                (t.head, t.q0, out)
+                (
+                    t.kv_head,
+                    t.q0,
+                    attend(t, group, hd, queries, heads[t.kv_head]),
+                )
             })
             .collect()
     });
     let mut out = vec![0.0f32; s.q_rows * q_stride];
-    for (head, q0, block) in results {
-        for (i, row) in block.chunks(hd).enumerate() {
-            let at = (q0 + i) * q_stride + head * hd;
-            out[at..at + hd].copy_from_slice(row);
+    for (kv_head, q0, block) in results {
+        for (i, rows) in block.chunks(group_width).enumerate() {
+            let at = (q0 + i) * q_stride + kv_head * group_width;
+            out[at..at + group_width].copy_from_slice(rows);
         }
     }
-    Ok(out)
+    out
 }
 
 /// Rows `rows` of one head's `hd` columns in a `[rows, heads, hd]` buffer whose rows are `stride`
@@ -678,46 +828,43 @@ fn head_rows(
     }
 }
 
-/// `m` transposed: `m.cols` rows of `m.rows` values, [`transposed_stride`] apart.
-fn transposed(m: MatRef<'_>) -> Vec<f32> {
+/// Writes `m` transposed into `out` (`m.cols` rows, `stride` floats apart) from column `col0`.
+fn transpose_into(m: MatRef<'_>, out: &mut [f32], stride: usize, col0: usize) {
     // In blocks of 16 rows, so that each output row gets 64 contiguous bytes at a time (a write per
     // value, each to another output row, was most of the transposition's time).
     const BLOCK: usize = 16;
-    let stride = transposed_stride(m.rows);
-    let mut out = vec![0.0f32; m.cols * stride];
     for j0 in (0..m.rows).step_by(BLOCK) {
         let rows = BLOCK.min(m.rows - j0);
         for d in 0..m.cols {
-            let column = &mut out[d * stride + j0..][..rows];
+            let column = &mut out[d * stride + col0 + j0..][..rows];
             for (j, x) in column.iter_mut().enumerate() {
                 *x = m.data[(j0 + j) * m.row_stride + d];
             }
         }
     }
-    out
 }
 
-/// Floats from one row of [`transposed`] keys to the next: their count rounded up to a multiple of
+/// Floats from one row of transposed keys to the next: their count rounded up to a multiple of
 /// 32 and 16 more, never a multiple of 128 bytes, so the rows a tile reads at once do not all fall
 /// in the same cache sets (as they would 4 KiB apart or any multiple of it).
 fn transposed_stride(rows: usize) -> usize {
     rows.div_ceil(32) * 32 + 16
 }
 
-/// One task's attention output (`[q1 - q0, hd]`), its keys taken `KEY_BLOCK` at a time with an
-/// online softmax (each row's running maximum and sum, the output rescaled when the maximum
-/// grows), so the scores scratch stays `QUERY_BLOCK × KEY_BLOCK` floats in cache however long the
-/// context. Blocks start at multiples of `KEY_BLOCK` from the task's first key, so a row's blocks
-/// are the same whichever rows it is computed with. `queries` come scaled to powers of two (see
-/// [`attention`]), `keys_t` holds the head's keys transposed (`hd` rows of all its keys), `values`
-/// the head's rows.
+/// One task's attention output (`[(q1 - q0) · group, hd]`, rows interleaved as the queries), its
+/// keys taken `KEY_BLOCK` at a time with an online softmax (each row's running maximum and sum,
+/// the output rescaled when the maximum grows), so the scores scratch stays `QUERY_BLOCK ×
+/// KEY_BLOCK` floats in cache however long the context. Blocks start at multiples of `KEY_BLOCK`
+/// from the task's first key, so a row's blocks are the same whichever rows it is computed with.
+/// `queries` come scaled to powers of two (see [`attend_heads`]).
 fn attend(
     t: &Task,
-    queries: MatRef<'_>,
-    keys_t: attention_kernels::Strided<'_>,
-    values: MatRef<'_>,
+    group: usize,
+    hd: usize,
+    queries: attention_kernels::Strided<'_>,
+    kv: HeadKv<'_>,
 ) -> Vec<f32> {
-    let (nq, hd) = (t.q1 - t.q0, queries.cols);
+    let nq = (t.q1 - t.q0) * group;
     let block = KEY_BLOCK.min(t.k1 - t.k0);
     let mut out = vec![0.0f32; nq * hd];
     let mut max = vec![f32::NEG_INFINITY; nq];
@@ -728,18 +875,14 @@ fn attend(
         let nb = b1 - b0;
         let scores = &mut scores[..nq * nb];
         let block_keys_t = attention_kernels::Strided {
-            data: &keys_t.data[b0..],
-            stride: keys_t.stride,
-        };
-        let queries = attention_kernels::Strided {
-            data: queries.data,
-            stride: queries.row_stride,
+            data: &kv.keys_t.data[b0..],
+            stride: kv.keys_t.stride,
         };
         attention_kernels::scores(queries, nq, block_keys_t, nb, hd, scores);
         for (i, row) in scores.chunks_mut(nb).enumerate() {
             // Keys of this block the row may see: all of them, or up to its own position.
             let visible = match t.causal_first {
-                Some(first) => (first + i + 1).saturating_sub(b0).min(nb),
+                Some(first) => (first + i / group + 1).saturating_sub(b0).min(nb),
                 None => nb,
             };
             let (seen, hidden) = row.split_at_mut(visible);
@@ -761,8 +904,8 @@ fn attend(
             sum[i] += block_sum;
         }
         let values = attention_kernels::Strided {
-            data: &values.data[b0 * values.row_stride..],
-            stride: values.row_stride,
+            data: &kv.values.data[b0 * kv.values.stride..],
+            stride: kv.values.stride,
         };
         attention_kernels::add_weighted_values(scores, nq, values, nb, hd, &mut out);
     }
@@ -881,5 +1024,89 @@ mod tests {
             scale: 0.25,
             mask: AttentionMask::Segments(segments),
         });
+    }
+
+    #[test]
+    fn attention_over_a_cache_filled_chunk_by_chunk_is_the_whole_prompts_bit_for_bit() {
+        // Chunks of one row (decoding steps), of less than a key block and of more than a query
+        // block; one head per KV head, groups of two and of six.
+        let dev = CpuBackend::new("test", 2).unwrap();
+        let chunks = [1, 300, 1, 37, KEY_BLOCK, 1, 2 * QUERY_BLOCK + 3, 1];
+        let rows: usize = chunks.iter().sum();
+        for (heads, kv_heads, hd) in [(4, 4, 8), (4, 2, 16), (6, 1, 8)] {
+            let (q_width, width) = (heads * hd, kv_heads * hd);
+            let (q, k, v) = (
+                values(rows * q_width, 1),
+                values(rows * width, 2),
+                values(rows * width, 3),
+            );
+            let shape = |q_rows, first_query| AttentionShape {
+                q_rows,
+                kv_rows: first_query + q_rows,
+                heads,
+                kv_heads,
+                head_dim: hd,
+                scale: 0.3,
+                mask: AttentionMask::Causal { first_query },
+            };
+            let whole = attention(&dev, &q, &k, &v, &shape(rows, 0)).unwrap();
+            let layout = KvLayout {
+                capacity: rows + 5,
+                kv_heads,
+                head_dim: hd,
+            };
+            let (mut keys, mut cached_values) = dev.kv_cache(&layout).unwrap();
+            let mut at = 0;
+            for n in chunks {
+                let part = |x: &[f32], w: usize| CpuBuffer::F32(x[at * w..(at + n) * w].to_vec());
+                dev.write_kv(
+                    (&mut keys, &mut cached_values),
+                    &layout,
+                    at,
+                    &part(&k, width),
+                    &part(&v, width),
+                )
+                .unwrap();
+                let got = dev
+                    .attention_cached(
+                        &part(&q, q_width),
+                        (&keys, &cached_values),
+                        &layout,
+                        &shape(n, at),
+                    )
+                    .unwrap();
+                let got = dev.download(&got).unwrap();
+                let want = &whole[at * q_width..(at + n) * q_width];
+                assert!(
+                    got.iter()
+                        .zip(want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits()),
+                    "{heads} heads over {kv_heads}: rows {at}..{}",
+                    at + n
+                );
+                at += n;
+            }
+            // Nothing is written or read past the cache's rows.
+            let row = |w: usize| CpuBuffer::F32(vec![0.0; 6 * w]);
+            assert!(
+                dev.write_kv(
+                    (&mut keys, &mut cached_values),
+                    &layout,
+                    rows,
+                    &row(width),
+                    &row(width)
+                )
+                .is_err()
+            );
+            assert!(
+                dev.attention_cached(
+                    &row(q_width),
+                    (&keys, &cached_values),
+                    &layout,
+                    &shape(6, rows)
+                )
+                .is_err()
+            );
+        }
     }
 }

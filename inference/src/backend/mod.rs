@@ -201,6 +201,21 @@ pub struct AttentionShape {
     pub mask: AttentionMask,
 }
 
+/// One layer's KV cache: room for `capacity` rows of `kv_heads` heads of `head_dim` keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub capacity: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// Values in one row of keys (or of values): every head's.
+    pub fn width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
 /// A compute device: memory plus the operations models are written in.
 ///
 /// Operations that return a buffer allocate it; `*_assign`/in-place ones overwrite their first
@@ -300,6 +315,37 @@ pub trait Backend: Clone + Send + Sync + 'static {
         v: &Self::Buffer,
         shape: &AttentionShape,
     ) -> Result<Self::Buffer>;
+    /// One layer's KV cache (keys, values), arranged as this device attends over it fastest. The
+    /// default is what [`Self::attention`] takes: `[capacity, kv_heads · head_dim]` rows each.
+    fn kv_cache(&self, layout: &KvLayout) -> Result<(Self::Buffer, Self::Buffer)> {
+        let len = layout.capacity * layout.width();
+        Ok((self.zeros(len)?, self.zeros(len)?))
+    }
+    /// Stores `new_keys` and `new_values` (`[n, kv_heads · head_dim]` rows each) as rows
+    /// `at..at + n` of a cache made by [`Self::kv_cache`].
+    fn write_kv(
+        &self,
+        (keys, values): (&mut Self::Buffer, &mut Self::Buffer),
+        layout: &KvLayout,
+        at: usize,
+        new_keys: &Self::Buffer,
+        new_values: &Self::Buffer,
+    ) -> Result<()> {
+        self.write_rows(keys, layout.width(), at, new_keys)?;
+        self.write_rows(values, layout.width(), at, new_values)
+    }
+    /// [`Self::attention`] over the first `shape.kv_rows` rows of a cache made by
+    /// [`Self::kv_cache`].
+    fn attention_cached(
+        &self,
+        q: &Self::Buffer,
+        (keys, values): (&Self::Buffer, &Self::Buffer),
+        layout: &KvLayout,
+        shape: &AttentionShape,
+    ) -> Result<Self::Buffer> {
+        check_cached_attention(layout, shape)?;
+        self.attention(q, keys, values, shape)
+    }
     /// The patches a 1-D convolution multiplies by its `[out, channels · kernel]` weight:
     /// `[segments · out_len, channels · kernel]`, element `(t, c · kernel + j)` being input step
     /// `t · stride + j − padding` of channel `c` (zero outside the segment).
@@ -355,6 +401,26 @@ pub(crate) fn rows_of(op: &'static str, len: usize, dim: usize) -> Result<usize>
         ));
     }
     Ok(len / dim)
+}
+
+/// An attention over a KV cache reads inside it, with its heads.
+pub(crate) fn check_cached_attention(layout: &KvLayout, s: &AttentionShape) -> Result<()> {
+    if s.kv_rows > layout.capacity || s.kv_heads != layout.kv_heads || s.head_dim != layout.head_dim
+    {
+        return Err(Error::shape(
+            "attention_cached",
+            format!(
+                "{} rows of {} heads of {} over a cache of {} rows of {} heads of {}",
+                s.kv_rows,
+                s.kv_heads,
+                s.head_dim,
+                layout.capacity,
+                layout.kv_heads,
+                layout.head_dim
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Everything an attention call's buffers and mask must satisfy, whatever device runs it: head

@@ -5,11 +5,11 @@
 //! and config say. It takes input embeddings rather than token ids so that encoder outputs can be
 //! merged in before the prefill.
 
-use crate::backend::{AttentionMask, AttentionShape, Backend};
+use crate::backend::{AttentionMask, AttentionShape, Backend, KvLayout};
 use crate::error::{Error, Result};
 use crate::models::config::TextConfig;
 use crate::rope;
-use crate::tensor::Tensor;
+use crate::tensor::{KvLayer, Tensor};
 use crate::weights::Weights;
 
 struct DecoderLayer<B: Backend> {
@@ -59,11 +59,10 @@ pub struct Deepstack<'a, B: Backend> {
     pub features: &'a [Tensor<B>],
 }
 
-/// Keys and values of every layer for one sequence: `[capacity, kv_heads · head_dim]` per layer,
-/// the first `len` rows filled.
+/// Keys and values of every layer for one sequence, room for `capacity` rows each, the first `len`
+/// filled.
 pub struct KvCache<B: Backend> {
-    keys: Vec<Tensor<B>>,
-    values: Vec<Tensor<B>>,
+    layers: Vec<KvLayer<B>>,
     len: usize,
     capacity: usize,
 }
@@ -83,11 +82,7 @@ impl<B: Backend> KvCache<B> {
 
     /// Device bytes held (whatever is filled).
     pub fn bytes(&self) -> usize {
-        self.keys
-            .iter()
-            .chain(&self.values)
-            .map(Tensor::bytes)
-            .sum()
+        self.layers.iter().map(KvLayer::bytes).sum()
     }
 }
 
@@ -219,16 +214,18 @@ impl<B: Backend> Qwen2<B> {
 
     /// A KV cache for a sequence of up to `capacity` tokens.
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache<B>> {
-        let width = self.config.kv_heads * self.config.head_dim;
-        let mut keys = Vec::with_capacity(self.layers.len());
-        let mut values = Vec::with_capacity(self.layers.len());
-        for _ in &self.layers {
-            keys.push(Tensor::zeros(&self.device, &[capacity, width])?);
-            values.push(Tensor::zeros(&self.device, &[capacity, width])?);
-        }
+        let layout = KvLayout {
+            capacity,
+            kv_heads: self.config.kv_heads,
+            head_dim: self.config.head_dim,
+        };
+        let layers = self
+            .layers
+            .iter()
+            .map(|_| KvLayer::new(&self.device, layout))
+            .collect::<Result<_>>()?;
         Ok(KvCache {
-            keys,
-            values,
+            layers,
             len: 0,
             capacity,
         })
@@ -277,7 +274,7 @@ impl<B: Backend> Qwen2<B> {
                     ),
                 ));
             }
-            if s.cache.len + n > s.cache.capacity || s.cache.keys.len() != self.layers.len() {
+            if s.cache.len + n > s.cache.capacity || s.cache.layers.len() != self.layers.len() {
                 return Err(Error::Input(format!(
                     "{n} tokens do not fit the KV cache ({} of {} used)",
                     s.cache.len, s.cache.capacity
@@ -324,8 +321,8 @@ impl<B: Backend> Qwen2<B> {
             let mut attn = Tensor::zeros(&self.device, &[total, q_width])?;
             for (at, n, cache) in seqs.iter_mut() {
                 let (at, n) = (*at, *n);
-                cache.keys[i].write_rows(cache.len, &k.slice_rows(at, n)?)?;
-                cache.values[i].write_rows(cache.len, &v.slice_rows(at, n)?)?;
+                let len = cache.len;
+                cache.layers[i].write(len, &k.slice_rows(at, n)?, &v.slice_rows(at, n)?)?;
                 let shape = AttentionShape {
                     q_rows: n,
                     kv_rows: cache.len + n,
@@ -338,10 +335,7 @@ impl<B: Backend> Qwen2<B> {
                     },
                 };
                 let q_seq = q.slice_rows(at, n)?;
-                attn.write_rows(
-                    at,
-                    &q_seq.attention(&cache.keys[i], &cache.values[i], &shape)?,
-                )?;
+                attn.write_rows(at, &q_seq.attention_cached(&cache.layers[i], &shape)?)?;
             }
             x.add_assign(&attn.linear(&layer.o, None)?)?;
 
