@@ -727,11 +727,11 @@ fn attend_heads(dev: &CpuBackend, q: &[f32], heads: &[HeadKv<'_>], s: &Attention
     let (hd, kv_heads) = (s.head_dim, s.kv_heads);
     let group = s.heads / kv_heads;
     let q_stride = s.heads * hd;
-    // Positions per task: QUERY_BLOCK rows of queries.
-    let positions = (QUERY_BLOCK / group).max(1);
+    let split = |rows: usize| task_positions(rows, group, kv_heads, dev.threads());
     let mut tasks = Vec::new();
     match &s.mask {
         AttentionMask::Causal { first_query } => {
+            let positions = split(s.q_rows);
             for kv_head in 0..kv_heads {
                 for q0 in (0..s.q_rows).step_by(positions) {
                     let q1 = (q0 + positions).min(s.q_rows);
@@ -748,6 +748,7 @@ fn attend_heads(dev: &CpuBackend, q: &[f32], heads: &[HeadKv<'_>], s: &Attention
         }
         AttentionMask::Segments(segments) => {
             for seg in segments {
+                let positions = split(seg.rows.len());
                 for kv_head in 0..kv_heads {
                     for q0 in seg.rows.clone().step_by(positions) {
                         let q1 = (q0 + positions).min(seg.rows.end);
@@ -808,6 +809,19 @@ fn attend_heads(dev: &CpuBackend, q: &[f32], heads: &[HeadKv<'_>], s: &Attention
         }
     }
     out
+}
+
+/// Query positions per attention task over `positions` positions, each with `group` query heads
+/// on each of `kv_heads` KV heads: at most `QUERY_BLOCK` rows a task (its scores scratch), the
+/// positions split evenly (a short remainder task left one thread working alone), and at least
+/// two tasks a thread while each keeps a register tile's 8 rows, so a thread held up (the LLM
+/// shares its cores with the encoders and plugins) leaves work the others can take.
+fn task_positions(positions: usize, group: usize, kv_heads: usize, threads: usize) -> usize {
+    const TILE_ROWS: usize = 8;
+    let rows = positions * group;
+    let for_scratch = rows.div_ceil(QUERY_BLOCK);
+    let for_threads = (2 * threads).div_ceil(kv_heads).min(rows / TILE_ROWS);
+    positions.div_ceil(for_scratch.max(for_threads).max(1)).max(1)
 }
 
 /// Rows `rows` of one head's `hd` columns in a `[rows, heads, hd]` buffer whose rows are `stride`
