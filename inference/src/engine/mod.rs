@@ -42,7 +42,11 @@ use crate::text::{TextProcessor, TextStream};
 /// A prefill chunk shared with other sequences costs at most a full chunk's attention over this
 /// many keys (see `Scheduler::step`).
 const SHARED_STEP_CONTEXT: usize = 4096;
-/// Fewest rows a long prompt's shared chunk is cut to.
+/// A prompt prefilling alone costs at most a full chunk's attention over this many keys a step:
+/// a request arriving meanwhile waits for the step in flight, and a full chunk at the end of a
+/// 32k-token context took about twice as long as one here.
+const LONE_STEP_CONTEXT: usize = 16_384;
+/// Fewest rows a long prompt's chunk is cut to.
 const MIN_SHARED_ROWS: usize = 32;
 
 /// How prompt positions are numbered.
@@ -696,10 +700,11 @@ impl<L: Backend> Scheduler<L> {
     /// One batched forward over decodes and prefill chunks. Returns whether anything ran.
     fn step(&mut self) -> Result<bool> {
         let mut budget = self.config.prefill_chunk.max(1);
-        // Sequences with rows to feed this step: when there is more than one, a long prompt's
-        // chunk is also cut by its attention cost (rows × keys), so that a step stays about as
+        // Sequences with rows to feed this step: a long prompt's chunk is also cut by its
+        // attention cost (rows × keys); when there is more than one, so that a step stays about as
         // long as a full chunk over a short context and the others' tokens are not held up
-        // behind it (a long video prefilling piece by piece beside a text question).
+        // behind it (a long video prefilling piece by piece beside a text question), else less
+        // (smaller steps cost more in all: each reads the whole context's keys and values).
         let active = self
             .running
             .iter()
@@ -714,7 +719,12 @@ impl<L: Backend> Scheduler<L> {
                             })
             })
             .count();
-        let attention_budget = self.config.prefill_chunk.max(1) * SHARED_STEP_CONTEXT;
+        let step_context = if active > 1 {
+            SHARED_STEP_CONTEXT
+        } else {
+            LONE_STEP_CONTEXT
+        };
+        let attention_budget = self.config.prefill_chunk.max(1) * step_context;
         // (sequence index, rows fed, whether its last row yields a token)
         let mut plan: Vec<(usize, Range<usize>, bool)> = Vec::new();
         for (i, seq) in self.running.iter().enumerate() {
@@ -733,10 +743,8 @@ impl<L: Backend> Scheduler<L> {
             };
             if seq.prefilled < limit && budget > 0 {
                 let mut n = (limit - seq.prefilled).min(budget);
-                if active > 1 {
-                    let keys = seq.prefilled + n;
-                    n = n.min((attention_budget / keys.max(1)).max(MIN_SHARED_ROWS));
-                }
+                let keys = seq.prefilled + n;
+                n = n.min((attention_budget / keys.max(1)).max(MIN_SHARED_ROWS));
                 budget -= n;
                 let rows = seq.prefilled..seq.prefilled + n;
                 plan.push((i, rows.clone(), rows.end == seq.ids.len()));
