@@ -821,7 +821,9 @@ fn task_positions(positions: usize, group: usize, kv_heads: usize, threads: usiz
     let rows = positions * group;
     let for_scratch = rows.div_ceil(QUERY_BLOCK);
     let for_threads = (2 * threads).div_ceil(kv_heads).min(rows / TILE_ROWS);
-    positions.div_ceil(for_scratch.max(for_threads).max(1)).max(1)
+    positions
+        .div_ceil(for_scratch.max(for_threads).max(1))
+        .max(1)
 }
 
 /// Rows `rows` of one head's `hd` columns in a `[rows, heads, hd]` buffer whose rows are `stride`
