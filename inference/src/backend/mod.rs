@@ -7,8 +7,10 @@
 //! implementation of this trait and touches no model code. Host data crosses only at `upload` and
 //! `download`.
 //!
-//! Every buffer holds `f32` row-major data; shapes travel with [`crate::Tensor`], and each operation
-//! receives the dimensions it needs and checks them against the buffer lengths.
+//! Every buffer holds `f32` row-major data, except a KV cache's, which each device lays out as its
+//! attention reads it fastest ([`Backend::kv_cache`]: the CPU keeps keys transposed per head);
+//! shapes travel with [`crate::Tensor`], and each operation receives the dimensions it needs and
+//! checks them against the buffer lengths.
 
 mod attention_kernels;
 pub mod cpu;
