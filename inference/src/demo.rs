@@ -19,7 +19,7 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 use crate::error::{Error, Result};
 
-/// Bumped whenever what [`write`] produces changes, so cached copies are regenerated.
+/// Bumped whenever what [`write()`] produces changes, so cached copies are regenerated.
 /// 4: Qwen2's pre-tokenizer (digits one by one), and the audio template takes `{"type": "audio"}`.
 pub const DEMO_VERSION: u32 = 4;
 

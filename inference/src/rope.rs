@@ -16,8 +16,8 @@ pub fn inv_freq(dim: usize, theta: f32) -> Vec<f32> {
 /// `sections` is M-RoPE's `mrope_section` (e.g. `[16, 24, 24]`), `None` for plain RoPE (all
 /// temporal). Contiguous (Qwen2-VL): the first 16 frequencies turn by the temporal position, the
 /// next 24 by the height, the last 24 by the width. Interleaved (Qwen3-VL's `mrope_interleaved`):
-/// frequency j turns by the height when j % 3 == 1 and j < 3 · sections[1], by the width when
-/// j % 3 == 2 and j < 3 · sections[2], by the temporal position otherwise.
+/// frequency j turns by the height when j % 3 == 1 and j < 3 · sections\[1\], by the width when
+/// j % 3 == 2 and j < 3 · sections\[2\], by the temporal position otherwise.
 pub fn frequency_components(
     half: usize,
     sections: Option<&[usize]>,
