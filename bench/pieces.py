@@ -4,8 +4,8 @@ parts, in one run.
 Makes a 60 s 1080p H.264 clip with ffmpeg, serves it from a loopback HTTP server, and starts the
 release `mmgate serve` with the demo model as `whole` (`media_parts = false`: one plugin call makes
 the whole video, then it is encoded, then prefilled) and `pieces` (the default: the video plugin's
-runs of 8 temporal patches made on every core at once, each encoded and prefilled as soon as it and
-what precedes it are ready), each at the demo's full 32 768-token context (the plan fills it: the
+parts, 2 temporal patches first and then runs of at most 8, made on every core at once, each
+encoded and prefilled as soon as it and what precedes it are ready), each at the demo's full 32 768-token context (the plan fills it: the
 LLM's prefill dominates) and at 8 192 (`max_model_len`). No feature cache: every request decodes and
 encodes anew. For each, streaming chat requests with the video: time to the first content token
 (TTFT); and text-only questions asked every 2 s while the video's request runs, whose TTFTs show
@@ -22,6 +22,7 @@ Run from the repository root after `cargo build --release -p mmgate-gateway` (./
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import http.server
 import json
@@ -101,11 +102,21 @@ def piece_sums(port: int, model: str) -> tuple[float, float, float]:
             value.get("last_piece_ms_sum", 0.0))
 
 
-def measure(port: int, model: str, part: dict, pid: int) -> tuple[float, list[float], float,
-                                                                   tuple[float, float] | None]:
-    """(media TTFT, TTFTs of text questions asked every 2 s while the media's request runs, the
-    server's CPU seconds meanwhile, and for an item made in pieces the seconds from its admission to
-    its first and to its last piece encoded)."""
+@dataclasses.dataclass
+class Measurement:
+    """One media request and what ran beside it."""
+    media_ttft: float
+    # TTFTs of the text questions asked every 2 s while the media's request ran.
+    text_ttfts: list[float]
+    # The server's CPU seconds meanwhile.
+    cpu_seconds: float
+    # For an item made in pieces: seconds from its admission to its first and its last piece
+    # encoded.
+    pieces: tuple[float, float] | None
+
+
+def measure(port: int, model: str, part: dict, pid: int) -> Measurement:
+    """Sends the media with a question and, every 2 s until it answers, a text-only question."""
     media = [part, {"type": "text", "text": "Describe it."}]
     result: list[float] = []
     pieces_before = piece_sums(port, model)
@@ -121,7 +132,7 @@ def measure(port: int, model: str, part: dict, pid: int) -> tuple[float, list[fl
     cpu = cpu_seconds(pid) - cpu_before
     items, first, last = (a - b for a, b in zip(piece_sums(port, model), pieces_before))
     pieces = (first / items / 1e3, last / items / 1e3) if items else None
-    return result[0], text_ttft, cpu, pieces
+    return Measurement(result[0], text_ttft, cpu, pieces)
 
 
 def main() -> None:
@@ -161,8 +172,7 @@ def main() -> None:
             names = ["whole", "pieces", "whole-8k", "pieces-8k", "audio-whole", "audio-pieces"]
             only = sys.argv[1] if len(sys.argv) > 1 else None
             names = [n for n in names if only is None or ("audio" in n) == (only == "audio")]
-            results: dict[str, list[tuple[float, list[float], float, tuple[float, float] | None]]] = {
-                name: [] for name in names}
+            results: dict[str, list[Measurement]] = {name: [] for name in names}
             # Warm-up: compiled plugins, first allocations.
             if only != "audio":
                 measure(port, "pieces-8k", video, server.pid)
@@ -183,10 +193,10 @@ def main() -> None:
           f"{'CPU s':>7} {'CPU s / cores':>14} {'1st piece s':>12} {'last piece s':>13}")
     med = {}
     for model, runs in results.items():
-        texts = sorted(t for _, beside, _, _ in runs for t in beside) or [0.0]
-        med[model] = statistics.median(v for v, _, _, _ in runs)
-        cpu = statistics.median(c for _, _, c, _ in runs)
-        pieces = [p for _, _, _, p in runs if p]
+        texts = sorted(t for run in runs for t in run.text_ttfts) or [0.0]
+        med[model] = statistics.median(run.media_ttft for run in runs)
+        cpu = statistics.median(run.cpu_seconds for run in runs)
+        pieces = [run.pieces for run in runs if run.pieces]
         first, last = (
             (f"{statistics.median(p[0] for p in pieces):>12.2f}",
              f"{statistics.median(p[1] for p in pieces):>13.2f}") if pieces else
