@@ -363,10 +363,6 @@ impl<B: Backend> KvLayer<B> {
         })
     }
 
-    pub fn layout(&self) -> &KvLayout {
-        &self.layout
-    }
-
     /// Stores `keys` and `values` (`[n, kv_heads · head_dim]` each) as rows `at..at + n`.
     pub fn write(&mut self, at: usize, keys: &Tensor<B>, values: &Tensor<B>) -> Result<()> {
         let (width, n) = (self.layout.width(), keys.rows());

@@ -72,16 +72,21 @@ pub fn demo_engine(max_running: usize, kv_budget_tokens: usize) -> Result<DemoEn
     })
 }
 
-/// Time to the first token of a text-only prompt.
-pub fn ttft(engine: &Engine, prompt: &[u32]) -> Result<Duration> {
-    let start = Instant::now();
-    let mut h = engine.submit(GenerateRequest {
+/// A text-only greedy request for up to `max_tokens` tokens.
+fn greedy_text(prompt: &[u32], max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
         prompt: prompt.to_vec(),
         media: Vec::new(),
         sampling: SamplingParams::greedy(),
-        max_tokens: 1,
+        max_tokens,
         stop: Vec::new(),
-    })?;
+    }
+}
+
+/// Time to the first token of a text-only prompt.
+pub fn ttft(engine: &Engine, prompt: &[u32]) -> Result<Duration> {
+    let start = Instant::now();
+    let mut h = engine.submit(greedy_text(prompt, 1))?;
     match h.events.blocking_recv() {
         Some(Event::Token { .. }) => Ok(start.elapsed()),
         Some(Event::Failed(m)) => Err(mmgate_inference::Error::Input(m.to_string())),
@@ -92,13 +97,7 @@ pub fn ttft(engine: &Engine, prompt: &[u32]) -> Result<Duration> {
 /// Time per generated token after a prompt's first: `tokens` more decoding steps, timed from the
 /// first token to the last.
 pub fn decode_per_token(engine: &Engine, prompt: &[u32], tokens: usize) -> Result<Duration> {
-    let mut h = engine.submit(GenerateRequest {
-        prompt: prompt.to_vec(),
-        media: Vec::new(),
-        sampling: SamplingParams::greedy(),
-        max_tokens: tokens + 1,
-        stop: Vec::new(),
-    })?;
+    let mut h = engine.submit(greedy_text(prompt, tokens + 1))?;
     let (mut first, mut seen) = (None, 0);
     loop {
         match h.events.blocking_recv() {

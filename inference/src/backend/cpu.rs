@@ -655,18 +655,14 @@ fn attention(
 ) -> Result<Vec<f32>> {
     check_attention(s, q.len(), k.len(), v.len())?;
     let (hd, kv_heads) = (s.head_dim, s.kv_heads);
-    let kv_stride = kv_heads * hd;
+    let (kv_stride, keys_stride) = (kv_heads * hd, transposed_stride(s.kv_rows));
     let keys_t: Vec<Vec<f32>> = dev.run(|| {
         (0..kv_heads)
             .into_par_iter()
             .map(|h| {
-                let mut out = vec![0.0f32; hd * transposed_stride(s.kv_rows)];
-                transpose_into(
-                    head_rows(k, 0..s.kv_rows, kv_stride, h, hd),
-                    &mut out,
-                    transposed_stride(s.kv_rows),
-                    0,
-                );
+                let mut out = vec![0.0f32; hd * keys_stride];
+                let keys = head_rows(k, 0..s.kv_rows, kv_stride, h, hd);
+                transpose_into(keys, &mut out, keys_stride, 0);
                 out
             })
             .collect()
@@ -677,7 +673,7 @@ fn attention(
         .map(|(h, keys_t)| HeadKv {
             keys_t: attention_kernels::Strided {
                 data: keys_t,
-                stride: transposed_stride(s.kv_rows),
+                stride: keys_stride,
             },
             values: attention_kernels::Strided {
                 data: &v[h * hd..],

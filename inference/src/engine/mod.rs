@@ -47,7 +47,7 @@ const SHARED_STEP_CONTEXT: usize = 4096;
 /// 32k-token context took about twice as long as one here.
 const LONE_STEP_CONTEXT: usize = 16_384;
 /// Fewest rows a long prompt's chunk is cut to.
-const MIN_SHARED_ROWS: usize = 32;
+const MIN_CUT_ROWS: usize = 32;
 
 /// How prompt positions are numbered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -744,7 +744,7 @@ impl<L: Backend> Scheduler<L> {
             if seq.prefilled < limit && budget > 0 {
                 let mut n = (limit - seq.prefilled).min(budget);
                 let keys = seq.prefilled + n;
-                n = n.min((attention_budget / keys.max(1)).max(MIN_SHARED_ROWS));
+                n = n.min((attention_budget / keys.max(1)).max(MIN_CUT_ROWS));
                 budget -= n;
                 let rows = seq.prefilled..seq.prefilled + n;
                 plan.push((i, rows.clone(), rows.end == seq.ids.len()));
