@@ -328,7 +328,7 @@ fn exp2_and_sum_portable(row: &mut [f32], max: f32) -> f32 {
 /// −126 (where 2^x leaves the normal floats) it gives 2^−126 × 2^r ≈ 1e−38, a weight no sum of
 /// ones can see.
 #[inline(always)]
-fn exp2_nonpositive(x: f32) -> f32 {
+pub(super) fn exp2_nonpositive(x: f32) -> f32 {
     // 1.5 · 2^23: adding it rounds to an integer, held in the low mantissa bits.
     const ROUND: f32 = 12_582_912.0;
     let x = x.max(-126.0);

@@ -10,6 +10,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::amx;
 use super::attention_kernels::{self, exp2_and_sum, row_max};
 use super::gemm::{self, MatMut, MatRef, Threads, matmul};
 use super::{
@@ -24,11 +25,15 @@ const QUERY_BLOCK: usize = 256;
 /// Keys one attention step scores at a time: a `QUERY_BLOCK × KEY_BLOCK` scores scratch (256 KiB)
 /// stays in cache, where scoring every key at once wrote and re-read 8 MiB per task at 32k keys.
 const KEY_BLOCK: usize = 256;
+/// Set to `0`, CPU devices keep their KV caches in f32 even where the CPU has AMX tiles.
+pub const NO_AMX_VAR: &str = "MMGATE_CPU_AMX";
 
 #[derive(Clone)]
 pub struct CpuBackend {
     pool: Arc<rayon::ThreadPool>,
     label: Arc<str>,
+    /// KV caches are kept for, and attended with, AMX tiles (see [`amx`]).
+    amx: bool,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -53,7 +58,20 @@ impl CpuBackend {
         Ok(Self {
             pool: Arc::new(pool),
             label: label.into(),
+            amx: amx::available() && std::env::var_os(NO_AMX_VAR).is_none_or(|v| v != "0"),
         })
+    }
+
+    /// This device with its KV caches in f32, attended with AVX-512, AVX2 or SSE2 whatever the CPU
+    /// (as on a CPU without AMX tiles).
+    pub fn without_amx(mut self) -> Self {
+        self.amx = false;
+        self
+    }
+
+    /// Whether this device's KV caches are attended with AMX tiles.
+    pub fn uses_amx(&self) -> bool {
+        self.amx
     }
 
     pub fn threads(&self) -> usize {
@@ -81,7 +99,8 @@ impl Backend for CpuBackend {
     type Buffer = CpuBuffer;
 
     fn name(&self) -> String {
-        format!("cpu:{} ({} threads)", self.label, self.threads())
+        let amx = if self.amx { ", AMX attention" } else { "" };
+        format!("cpu:{} ({} threads{amx})", self.label, self.threads())
     }
 
     fn run_on<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
@@ -295,6 +314,11 @@ impl Backend for CpuBackend {
     }
 
     fn kv_cache(&self, layout: &KvLayout) -> Result<(CpuBuffer, CpuBuffer)> {
+        if self.amx {
+            let len = amx_shape(layout).len();
+            let zeros = || CpuBuffer::Bf16(vec![bf16::ZERO; len]);
+            return Ok((zeros(), zeros()));
+        }
         let (keys, values) = kv_cache_lens(layout);
         Ok((self.zeros(keys)?, self.zeros(values)?))
     }
@@ -307,15 +331,22 @@ impl Backend for CpuBackend {
         new_keys: &CpuBuffer,
         new_values: &CpuBuffer,
     ) -> Result<()> {
-        let (keys, values) = (keys.f32s_mut("write_kv")?, values.f32s_mut("write_kv")?);
         let (new_keys, new_values) = (new_keys.f32s("write_kv")?, new_values.f32s("write_kv")?);
         let (width, hd, capacity) = (layout.width(), layout.head_dim, layout.capacity);
-        let (keys_len, values_len) = kv_cache_lens(layout);
-        expect_len("write_kv", "keys cache", keys.len(), keys_len)?;
-        expect_len("write_kv", "values cache", values.len(), values_len)?;
         let n = rows_of("write_kv", new_keys.len(), width)?;
         expect_len("write_kv", "values", new_values.len(), n * width)?;
         check_row_range("write_kv", at, n, capacity)?;
+        if let (CpuBuffer::Bf16(keys), CpuBuffer::Bf16(values)) = (&mut *keys, &mut *values) {
+            let shape = amx_shape(layout);
+            expect_len("write_kv", "keys cache", keys.len(), shape.len())?;
+            expect_len("write_kv", "values cache", values.len(), shape.len())?;
+            amx::write(&shape, (keys, values), at, new_keys, new_values);
+            return Ok(());
+        }
+        let (keys, values) = (keys.f32s_mut("write_kv")?, values.f32s_mut("write_kv")?);
+        let (keys_len, values_len) = kv_cache_lens(layout);
+        expect_len("write_kv", "keys cache", keys.len(), keys_len)?;
+        expect_len("write_kv", "values cache", values.len(), values_len)?;
         let stride = transposed_stride(capacity);
         for (h, (keys_t, head_values)) in keys
             .chunks_exact_mut(hd * stride)
@@ -342,6 +373,35 @@ impl Backend for CpuBackend {
     ) -> Result<CpuBuffer> {
         check_cached_attention(layout, shape)?;
         let q = q.f32s("attention_cached")?;
+        let rows_len = shape.kv_rows * layout.width();
+        if let (CpuBuffer::Bf16(keys), CpuBuffer::Bf16(values)) = (keys, values) {
+            let cache = amx_shape(layout);
+            expect_len("attention_cached", "keys cache", keys.len(), cache.len())?;
+            expect_len(
+                "attention_cached",
+                "values cache",
+                values.len(),
+                cache.len(),
+            )?;
+            check_attention(shape, q.len(), rows_len, rows_len)?;
+            let AttentionMask::Causal { .. } = shape.mask else {
+                return Err(Error::shape(
+                    "attention_cached",
+                    "an AMX cache is attended with a causal mask only",
+                ));
+            };
+            let group = shape.heads / shape.kv_heads;
+            let out = attend_heads(self, q, shape, |t, queries| {
+                amx::attend(
+                    queries,
+                    (t.q1 - t.q0) * group,
+                    t.causal_first.unwrap_or(0),
+                    group,
+                    amx::HeadCache::of(cache, keys, values, t.kv_head),
+                )
+            });
+            return Ok(CpuBuffer::F32(out));
+        }
         let (keys, values) = (
             keys.f32s("attention_cached")?,
             values.f32s("attention_cached")?,
@@ -350,10 +410,9 @@ impl Backend for CpuBackend {
         expect_len("attention_cached", "keys cache", keys.len(), keys_len)?;
         expect_len("attention_cached", "values cache", values.len(), values_len)?;
         // The rows' lengths the mask and heads are checked against (the cache holds at least them).
-        let rows_len = shape.kv_rows * layout.width();
         check_attention(shape, q.len(), rows_len, rows_len)?;
         let heads = cached_heads(keys, values, layout);
-        Ok(CpuBuffer::F32(attend_heads(self, q, &heads, shape)))
+        Ok(CpuBuffer::F32(attend_heads_f32(self, q, &heads, shape)))
     }
 
     fn im2col_1d(&self, x: &CpuBuffer, c: &Conv1dShape) -> Result<CpuBuffer> {
@@ -681,7 +740,29 @@ fn attention(
             },
         })
         .collect();
-    Ok(attend_heads(dev, q, &heads, s))
+    Ok(attend_heads_f32(dev, q, &heads, s))
+}
+
+/// [`attend_heads`] with the f32 kernels, over each KV head's keys and values in `heads`.
+fn attend_heads_f32(
+    dev: &CpuBackend,
+    q: &[f32],
+    heads: &[HeadKv<'_>],
+    s: &AttentionShape,
+) -> Vec<f32> {
+    let (group, hd) = (s.heads / s.kv_heads, s.head_dim);
+    attend_heads(dev, q, s, |t, queries| {
+        let queries = attention_kernels::Strided {
+            data: queries,
+            stride: hd,
+        };
+        attend(t, group, hd, queries, heads[t.kv_head])
+    })
+}
+
+/// The AMX layout of a cache of `layout`.
+fn amx_shape(layout: &KvLayout) -> amx::CacheShape {
+    amx::CacheShape::new(layout.capacity, layout.kv_heads, layout.head_dim)
 }
 
 /// The CPU's KV cache layer: each KV head's keys transposed (`hd` rows of
@@ -714,12 +795,17 @@ fn cached_heads<'a>(keys: &'a [f32], values: &'a [f32], layout: &KvLayout) -> Ve
         .collect()
 }
 
-/// Attention of `q` over each KV head's keys and values in `heads`. A task takes every query head
-/// of one KV head's group, its rows interleaved (position by position, each group's heads in
-/// order), so the group's keys and values are read once for all of them: a decoding step (one
-/// position) or a short chunk at long context reads the whole context's keys and values, and that
-/// reading, not the arithmetic, is most of its time.
-fn attend_heads(dev: &CpuBackend, q: &[f32], heads: &[HeadKv<'_>], s: &AttentionShape) -> Vec<f32> {
+/// Attention of `q` by `kernel`, a task at a time: a task takes every query head of one KV head's
+/// group, its rows interleaved (position by position, each group's heads in order: `kernel` gets
+/// them from the task's first, rows of `hd`), so the group's keys and values are read once for all
+/// of them: a decoding step (one position) or a short chunk at long context reads the whole
+/// context's keys and values, and that reading, not the arithmetic, is most of its time.
+fn attend_heads(
+    dev: &CpuBackend,
+    q: &[f32],
+    s: &AttentionShape,
+    kernel: impl Fn(&Task, &[f32]) -> Vec<f32> + Sync,
+) -> Vec<f32> {
     let (hd, kv_heads) = (s.head_dim, s.kv_heads);
     let group = s.heads / kv_heads;
     let q_stride = s.heads * hd;
@@ -785,15 +871,9 @@ fn attend_heads(dev: &CpuBackend, q: &[f32], heads: &[HeadKv<'_>], s: &Attention
         tasks
             .par_iter()
             .map(|t| {
-                let queries = attention_kernels::Strided {
-                    data: &grouped[(t.kv_head * s.q_rows + t.q0) * group_width..],
-                    stride: hd,
-                };
-                (
-                    t.kv_head,
-                    t.q0,
-                    attend(t, group, hd, queries, heads[t.kv_head]),
-                )
+                let queries = &grouped[(t.kv_head * s.q_rows + t.q0) * group_width..]
+                    [..(t.q1 - t.q0) * group_width];
+                (t.kv_head, t.q0, kernel(t, queries))
             })
             .collect()
     });
@@ -1040,12 +1120,64 @@ mod tests {
 
     #[test]
     fn attention_over_a_cache_filled_chunk_by_chunk_is_the_whole_prompts_bit_for_bit() {
-        // Chunks of one row (decoding steps), of less than a key block and of more than a query
-        // block; one head per KV head, groups of two and of six.
+        let dev = CpuBackend::new("test", 2).unwrap().without_amx();
+        // The f32 cache: the same bits as attention over the whole prompt's keys and values.
+        chunk_by_chunk(&dev, |q, k, v, shape| {
+            attention(&dev, q, k, v, shape).unwrap()
+        });
+    }
+
+    #[test]
+    fn amx_attention_chunk_by_chunk_is_its_whole_prompts_bit_for_bit_and_f32_within_1e_4() {
         let dev = CpuBackend::new("test", 2).unwrap();
+        if !dev.uses_amx() {
+            eprintln!("this CPU has no AMX tiles: nothing to test");
+            return;
+        }
+        let mut worst = 0.0f32;
+        chunk_by_chunk(&dev, |q, k, v, shape| {
+            // The whole prompt in one step over an AMX cache, checked against the f64 definition.
+            let layout = KvLayout {
+                capacity: shape.kv_rows,
+                kv_heads: shape.kv_heads,
+                head_dim: shape.head_dim,
+            };
+            let (mut keys, mut cached_values) = dev.kv_cache(&layout).unwrap();
+            let f32s = |x: &[f32]| CpuBuffer::F32(x.to_vec());
+            dev.write_kv(
+                (&mut keys, &mut cached_values),
+                &layout,
+                0,
+                &f32s(k),
+                &f32s(v),
+            )
+            .unwrap();
+            let got = dev
+                .attention_cached(&f32s(q), (&keys, &cached_values), &layout, shape)
+                .unwrap();
+            let got = dev.download(&got).unwrap();
+            let want = reference(q, k, v, shape);
+            for (g, w) in got.iter().zip(&want) {
+                worst = worst.max((g - w).abs() / (1.0 + w.abs()));
+            }
+            got
+        });
+        // Scores here reach ±48 (in powers of two), so a score's 2⁻¹⁷ relative error is up to 4e-4 of
+        // a weight; measured 3.6e-5 (f32: 1e-7).
+        assert!(worst < 1e-4, "relative error {worst:e}");
+    }
+
+    /// Attends a prompt over a cache of `dev`'s filled a chunk at a time and checks each chunk's
+    /// output against `whole`'s over the whole prompt, bit for bit.
+    fn chunk_by_chunk(
+        dev: &CpuBackend,
+        mut whole: impl FnMut(&[f32], &[f32], &[f32], &AttentionShape) -> Vec<f32>,
+    ) {
+        // Chunks of one row (decoding steps), of less than a key block and of more than a query
+        // block; one head per KV head, groups of two and of six; head dimensions of 8, 16 and 40.
         let chunks = [1, 300, 1, 37, KEY_BLOCK, 1, 2 * QUERY_BLOCK + 3, 1];
         let rows: usize = chunks.iter().sum();
-        for (heads, kv_heads, hd) in [(4, 4, 8), (4, 2, 16), (6, 1, 8)] {
+        for (heads, kv_heads, hd) in [(4, 4, 8), (4, 2, 16), (6, 1, 8), (4, 2, 40)] {
             let (q_width, width) = (heads * hd, kv_heads * hd);
             let (q, k, v) = (
                 values(rows * q_width, 1),
@@ -1061,7 +1193,7 @@ mod tests {
                 scale: 0.3,
                 mask: AttentionMask::Causal { first_query },
             };
-            let whole = attention(&dev, &q, &k, &v, &shape(rows, 0)).unwrap();
+            let whole = whole(&q, &k, &v, &shape(rows, 0));
             let layout = KvLayout {
                 capacity: rows + 5,
                 kv_heads,
