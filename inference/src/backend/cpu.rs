@@ -1,4 +1,4 @@
-//! The CPU device: buffers are `Vec<f32>` (weights may stay bf16/f16: [`CpuBuffer`]), linears are `gemm` calls, everything else is rayon over
+//! The CPU device: buffers are `Vec<f32>` (weights may stay bf16/f16, and a KV cache is bf16 halves on a CPU with AMX tiles: [`CpuBuffer`], `backend::amx`), linears are `gemm` calls, everything else is rayon over
 //! rows. Each `CpuBackend` owns its own rayon thread pool, so an encoder device and the LLM never
 //! compete for the same threads (the "dedicated devices" of the design): work submitted to one
 //! device runs only on that device's threads.
@@ -1165,6 +1165,30 @@ mod tests {
         // Scores here reach ±48 (in powers of two), so a score's 2⁻¹⁷ relative error is up to 4e-4 of
         // a weight; measured 3.6e-5 (f32: 1e-7).
         assert!(worst < 1e-4, "relative error {worst:e}");
+        // An AMX cache is attended causally only (an encoder's segments never reach a cache).
+        let layout = KvLayout {
+            capacity: 8,
+            kv_heads: 1,
+            head_dim: 8,
+        };
+        let (keys, cached_values) = dev.kv_cache(&layout).unwrap();
+        let segments = AttentionShape {
+            q_rows: 4,
+            kv_rows: 4,
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 8,
+            scale: 1.0,
+            mask: AttentionMask::Segments(vec![Segment {
+                rows: 0..4,
+                visible_keys: 4,
+            }]),
+        };
+        let q = CpuBuffer::F32(vec![0.0; 32]);
+        assert!(
+            dev.attention_cached(&q, (&keys, &cached_values), &layout, &segments)
+                .is_err()
+        );
     }
 
     /// Attends a prompt over a cache of `dev`'s filled a chunk at a time and checks each chunk's
