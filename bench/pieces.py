@@ -17,7 +17,8 @@ stages can bring a TTFT below that bound, so it tells how far pieces can go on t
 for the pieced items, from the engine's metrics, when their first and last pieces were encoded.
 
 Run from the repository root after `cargo build --release -p mmgate-gateway` (./dev bench does it);
-`python3 bench/pieces.py audio` (or `video`) runs one half.
+`python3 bench/pieces.py audio` (or `video`) runs one half; `ENCODER_DEVICES=2` gives each model two
+encoder devices of half the cores (two pieces of an item encode at once, a whole item on one).
 """
 
 from __future__ import annotations
@@ -155,13 +156,19 @@ def main() -> None:
         audio = {"type": "audio_url", "audio_url": {"url": f"{base}/audio.wav"}}
         config = tmp / "mmgate.toml"
         models = ""
+        # ENCODER_DEVICES=2: two encoder devices of half the cores each (the default is one), so
+        # that two pieces of an item encode at once; a whole item still encodes on one.
+        devices = int(os.environ.get("ENCODER_DEVICES", "1"))
+        half = max((os.cpu_count() or 2) // 2, 1)
+        encoders = ("encoder_devices = [" + ", ".join([f"{{ threads = {half} }}"] * devices) + "]\n"
+                    if devices > 1 else "")
         for context, suffix in ((32768, ""), (8192, "-8k")):
             for name, parts in (("whole", "false"), ("pieces", "true")):
                 models += (f'[[models]]\nname = "{name}{suffix}"\npath = "demo"\nmedia_parts = {parts}\n'
-                           f'feature_cache_bytes = 0\nmax_model_len = {context}\n\n')
+                           f'feature_cache_bytes = 0\nmax_model_len = {context}\n{encoders}\n')
         for name, parts in (("whole", "false"), ("pieces", "true")):
             models += (f'[[models]]\nname = "audio-{name}"\npath = "demo-audio"\n'
-                       f'media_parts = {parts}\nfeature_cache_bytes = 0\n\n')
+                       f'media_parts = {parts}\nfeature_cache_bytes = 0\n{encoders}\n')
         config.write_text('[fetch]\nallow = ["127.0.0.1/32"]\n\n' + models)
         port = free_port()
         env = dict(os.environ, RUST_LOG="warn", XDG_CACHE_HOME=str(tmp / "cache"))
@@ -187,8 +194,9 @@ def main() -> None:
             server.wait()
             files.shutdown()
     cores = os.cpu_count()
+    devices = int(os.environ.get("ENCODER_DEVICES", "1"))
     print(f"60 s 1080p H.264 video (demo model) and 10 min 16 kHz WAV (demo-audio), {cores} cores, "
-          f"median of {ROUNDS} (interleaved)")
+          f"{devices} encoder device(s), median of {ROUNDS} (interleaved)")
     print(f"{'':<12} {'media TTFT s':>13} {'text beside: median s':>22} {'max s':>7} "
           f"{'CPU s':>7} {'CPU s / cores':>14} {'1st piece s':>12} {'last piece s':>13}")
     med = {}
