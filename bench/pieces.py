@@ -139,6 +139,7 @@ def measure(port: int, model: str, part: dict, pid: int) -> Measurement:
 def main() -> None:
     if not MMGATE.exists():
         sys.exit(f"{MMGATE} is missing: cargo build --release -p mmgate-gateway")
+    devices = int(os.environ.get("ENCODER_DEVICES", "1"))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         clip = tmp / "clip.mp4"
@@ -158,7 +159,6 @@ def main() -> None:
         models = ""
         # ENCODER_DEVICES=2: two encoder devices of half the cores each (the default is one), so
         # that two pieces of an item encode at once; a whole item still encodes on one.
-        devices = int(os.environ.get("ENCODER_DEVICES", "1"))
         half = max((os.cpu_count() or 2) // 2, 1)
         encoders = ("encoder_devices = [" + ", ".join([f"{{ threads = {half} }}"] * devices) + "]\n"
                     if devices > 1 else "")
@@ -194,7 +194,6 @@ def main() -> None:
             server.wait()
             files.shutdown()
     cores = os.cpu_count()
-    devices = int(os.environ.get("ENCODER_DEVICES", "1"))
     print(f"60 s 1080p H.264 video (demo model) and 10 min 16 kHz WAV (demo-audio), {cores} cores, "
           f"{devices} encoder device(s), median of {ROUNDS} (interleaved)")
     print(f"{'':<12} {'media TTFT s':>13} {'text beside: median s':>22} {'max s':>7} "

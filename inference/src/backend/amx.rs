@@ -113,24 +113,19 @@ impl CacheShape {
     }
 }
 
-/// `x` rounded to the nearest bf16 (ties to even; every value here is finite), as its bits.
-#[inline(always)]
-fn bf16_bits(x: f32) -> u32 {
-    let bits = x.to_bits();
-    (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-}
-
-/// `x`'s high half: `x` rounded to bf16 (rounded, not cut, so that the low half is at most 2⁻⁹
-/// of `x` and the product of two low halves, which is dropped, at most 2⁻¹⁸).
+/// `x`'s high half, as bf16 bits: `x` rounded to the nearest bf16, ties to even (rounded, not cut,
+/// so that the low half is at most 2⁻⁹ of `x` and the product of two low halves, which is
+/// dropped, at most 2⁻¹⁸). Wrapping: a NaN's bits may carry out, and stay a NaN's.
 #[inline(always)]
 fn high_bits(x: f32) -> u32 {
-    bf16_bits(x)
+    let bits = x.to_bits();
+    bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16
 }
 
 /// `x − high(x)` rounded to bf16.
 #[inline(always)]
 fn low_bits(x: f32) -> u32 {
-    bf16_bits(x - f32::from_bits(high_bits(x) << 16))
+    high_bits(x - f32::from_bits(high_bits(x) << 16))
 }
 
 /// Writes rows `at..at + n` of a layer's keys and values (`new_keys`, `new_values`: `n` rows of

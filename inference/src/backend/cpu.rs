@@ -26,7 +26,7 @@ const QUERY_BLOCK: usize = 256;
 /// stays in cache, where scoring every key at once wrote and re-read 8 MiB per task at 32k keys.
 const KEY_BLOCK: usize = 256;
 /// Set to `0`, CPU devices keep their KV caches in f32 even where the CPU has AMX tiles.
-pub const NO_AMX_VAR: &str = "MMGATE_CPU_AMX";
+const NO_AMX_VAR: &str = "MMGATE_CPU_AMX";
 
 #[derive(Clone)]
 pub struct CpuBackend {
@@ -373,7 +373,9 @@ impl Backend for CpuBackend {
     ) -> Result<CpuBuffer> {
         check_cached_attention(layout, shape)?;
         let q = q.f32s("attention_cached")?;
+        // The rows' lengths the mask and heads are checked against (the cache holds at least them).
         let rows_len = shape.kv_rows * layout.width();
+        check_attention(shape, q.len(), rows_len, rows_len)?;
         if let (CpuBuffer::Bf16(keys), CpuBuffer::Bf16(values)) = (keys, values) {
             let cache = amx_shape(layout);
             expect_len("attention_cached", "keys cache", keys.len(), cache.len())?;
@@ -383,7 +385,6 @@ impl Backend for CpuBackend {
                 values.len(),
                 cache.len(),
             )?;
-            check_attention(shape, q.len(), rows_len, rows_len)?;
             let AttentionMask::Causal { .. } = shape.mask else {
                 return Err(Error::shape(
                     "attention_cached",
@@ -409,8 +410,6 @@ impl Backend for CpuBackend {
         let (keys_len, values_len) = kv_cache_lens(layout);
         expect_len("attention_cached", "keys cache", keys.len(), keys_len)?;
         expect_len("attention_cached", "values cache", values.len(), values_len)?;
-        // The rows' lengths the mask and heads are checked against (the cache holds at least them).
-        check_attention(shape, q.len(), rows_len, rows_len)?;
         let heads = cached_heads(keys, values, layout);
         Ok(CpuBuffer::F32(attend_heads_f32(self, q, &heads, shape)))
     }
