@@ -18,7 +18,9 @@ for the pieced items, from the engine's metrics, when their first and last piece
 
 Run from the repository root after `cargo build --release -p mmgate-gateway` (./dev bench does it);
 `python3 bench/pieces.py audio` (or `video`) runs one half; `ENCODER_DEVICES=2` gives each model two
-encoder devices of half the cores (two pieces of an item encode at once, a whole item on one).
+encoder devices of half the cores (two pieces of an item encode at once, a whole item on one);
+`PLUGIN_NICE=0` runs the plugin workers at the encoders' and the LLM's priority (the default is
+`plugins.nice`'s, 10).
 """
 
 from __future__ import annotations
@@ -140,6 +142,7 @@ def main() -> None:
     if not MMGATE.exists():
         sys.exit(f"{MMGATE} is missing: cargo build --release -p mmgate-gateway")
     devices = int(os.environ.get("ENCODER_DEVICES", "1"))
+    plugin_nice = os.environ.get("PLUGIN_NICE")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         clip = tmp / "clip.mp4"
@@ -169,7 +172,8 @@ def main() -> None:
         for name, parts in (("whole", "false"), ("pieces", "true")):
             models += (f'[[models]]\nname = "audio-{name}"\npath = "demo-audio"\n'
                        f'media_parts = {parts}\nfeature_cache_bytes = 0\n{encoders}\n')
-        config.write_text('[fetch]\nallow = ["127.0.0.1/32"]\n\n' + models)
+        plugins = f"[plugins]\nnice = {int(plugin_nice)}\n\n" if plugin_nice is not None else ""
+        config.write_text('[fetch]\nallow = ["127.0.0.1/32"]\n\n' + plugins + models)
         port = free_port()
         env = dict(os.environ, RUST_LOG="warn", XDG_CACHE_HOME=str(tmp / "cache"))
         server = subprocess.Popen([str(MMGATE), "serve", "--config", str(config), "--listen",
@@ -195,7 +199,8 @@ def main() -> None:
             files.shutdown()
     cores = os.cpu_count()
     print(f"60 s 1080p H.264 video (demo model) and 10 min 16 kHz WAV (demo-audio), {cores} cores, "
-          f"{devices} encoder device(s), median of {ROUNDS} (interleaved)")
+          f"{devices} encoder device(s), plugin workers at nice "
+          f"{plugin_nice if plugin_nice is not None else 'default'}, median of {ROUNDS} (interleaved)")
     print(f"{'':<12} {'media TTFT s':>13} {'text beside: median s':>22} {'max s':>7} "
           f"{'CPU s':>7} {'CPU s / cores':>14} {'1st piece s':>12} {'last piece s':>13}")
     med = {}

@@ -103,8 +103,12 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
     let sandbox = crate::media::plugins::sandbox(config.sandbox.clone(), &config.plugins)?;
     let plugins = Arc::new(LivePlugins::load(sandbox, config.plugin_dir.as_deref())?);
     let reload = plugins.watch()?;
-    let pool = PluginPool::new(config.plugins.threads(), config.plugins.queue())
-        .context("starting the plugin pool")?;
+    let pool = PluginPool::new(
+        config.plugins.threads(),
+        config.plugins.queue(),
+        config.plugins.nice(),
+    )
+    .context("starting the plugin pool")?;
 
     let metrics = Metrics::new();
     let redis = match config.store.kind {

@@ -29,6 +29,7 @@ pub mod image;
 pub mod manifest;
 pub mod plugin;
 pub mod pool;
+pub mod priority;
 pub mod registry;
 pub mod sandbox;
 pub mod video;

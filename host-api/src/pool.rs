@@ -65,8 +65,9 @@ fn next_job(ahead: &Receiver<Job>, normal: &Receiver<Job>) -> Option<Job> {
 }
 
 impl PluginPool {
-    /// `threads` workers (at least one) and room for `queue_capacity` waiting calls in each queue.
-    pub fn new(threads: usize, queue_capacity: usize) -> std::io::Result<PluginPool> {
+    /// `threads` workers (at least one) at priority `nice` (see [`crate::priority`]; 0: this
+    /// thread's) and room for `queue_capacity` waiting calls in each queue.
+    pub fn new(threads: usize, queue_capacity: usize, nice: u8) -> std::io::Result<PluginPool> {
         let (normal, normal_rx) = crossbeam_channel::bounded::<Job>(queue_capacity);
         let (ahead, ahead_rx) = crossbeam_channel::bounded::<Job>(queue_capacity);
         let mut workers = Vec::new();
@@ -75,6 +76,7 @@ impl PluginPool {
             let worker = std::thread::Builder::new()
                 .name(format!("mmgate-plugin-{index}"))
                 .spawn(move || {
+                    crate::priority::lower_this_thread(nice);
                     while let Some(job) = next_job(&ahead_rx, &normal_rx) {
                         // A panic in host code must cost one call, not a worker: the caller sees its
                         // result channel close and gets a host error.
@@ -218,7 +220,7 @@ mod tests {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
-        let pool = PluginPool::new(2, 4).unwrap();
+        let pool = PluginPool::new(2, 4, 0).unwrap();
         assert_eq!(pool.idle(), 2);
         let (started_tx, started) = std::sync::mpsc::channel();
         let (release, release_rx) = std::sync::mpsc::channel::<()>();
@@ -253,7 +255,7 @@ mod tests {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
-        let pool = PluginPool::new(1, 4).unwrap();
+        let pool = PluginPool::new(1, 4, 0).unwrap();
         let order = Arc::new(std::sync::Mutex::new(Vec::new()));
         let (started_tx, started) = std::sync::mpsc::channel();
         let (release, release_rx) = std::sync::mpsc::channel::<()>();

@@ -230,7 +230,7 @@ fn a_full_pool_refuses_instead_of_queueing_without_bound() {
         .build()
         .unwrap();
     runtime.block_on(async {
-        let pool = Arc::new(PluginPool::new(1, 1).unwrap());
+        let pool = Arc::new(PluginPool::new(1, 1, 0).unwrap());
         let (started_tx, started_rx) = tokio::sync::oneshot::channel();
         let busy = {
             let (pool, plugin) = (pool.clone(), plugin.clone());

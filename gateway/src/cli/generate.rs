@@ -113,7 +113,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         Some(dir) => PluginRegistry::with_dir(&sandbox, dir),
         None => PluginRegistry::builtin(&sandbox),
     }?);
-    let pool = PluginPool::new(plugins.threads(), plugins.queue())?;
+    let pool = PluginPool::new(plugins.threads(), plugins.queue(), plugins.nice())?;
     // Local files: no limit but the file's own size.
     let limits = RequestLimits {
         max_media_items: files.len(),
