@@ -896,10 +896,10 @@ fn attend_heads(
 
 /// Query positions per attention task over `positions` positions, each with `group` query heads
 /// on each of `kv_heads` KV heads: at most `task_rows` rows a task (the f32 kernels' scores
-/// scratch holds [`QUERY_BLOCK`]), the
-/// positions split evenly (a short remainder task left one thread working alone), and at least
-/// two tasks a thread while each keeps a register tile's 8 rows, so a thread held up (the LLM
-/// shares its cores with the encoders and plugins) leaves work the others can take.
+/// scratch holds [`QUERY_BLOCK`]), the positions split evenly (a short remainder task left one
+/// thread working alone), and at least two tasks a thread while each keeps a register tile's 8
+/// rows, so a thread held up (the LLM shares its cores with the encoders and plugins) leaves work
+/// the others can take.
 fn task_positions(
     positions: usize,
     group: usize,
@@ -909,11 +909,9 @@ fn task_positions(
 ) -> usize {
     const TILE_ROWS: usize = 8;
     let rows = positions * group;
-    let for_scratch = rows.div_ceil(task_rows);
+    let for_size = rows.div_ceil(task_rows);
     let for_threads = (2 * threads).div_ceil(kv_heads).min(rows / TILE_ROWS);
-    positions
-        .div_ceil(for_scratch.max(for_threads).max(1))
-        .max(1)
+    positions.div_ceil(for_size.max(for_threads).max(1)).max(1)
 }
 
 /// Rows `rows` of one head's `hd` columns in a `[rows, heads, hd]` buffer whose rows are `stride`
