@@ -230,6 +230,15 @@ pub fn attend(
     out
 }
 
+/// Attention of `nq` query rows (scaled as [`attend`] says) against every one of the first `keys`
+/// keys of `cache`: an encoder's bidirectional segment, laid out as a cache of its own.
+///
+/// The caller must have checked [`available`].
+pub fn attend_every_key(queries: &[f32], nq: usize, keys: usize, cache: HeadCache<'_>) -> Vec<f32> {
+    // Every row at the last key's position: a group as large as the rows puts them all there.
+    attend(queries, nq, keys.saturating_sub(1), nq.max(1), cache)
+}
+
 /// Up to 16 queries, a lane each, and their softmax's running state.
 struct QueryTile {
     /// The queries transposed into pairs of head dimensions (a tile's second operand: row `r`

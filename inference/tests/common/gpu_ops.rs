@@ -102,7 +102,9 @@ fn check_attention<D: Device>(
 /// Runs every backend operation on `gpu` and on the CPU backend and compares them, and the u8
 /// sample expansion against the contract's layout: every kernel is launched at least once.
 pub fn every_op_matches_the_cpu_backend<D: Device>(gpu: &CudaBackend<D>) {
-    let cpu = CpuBackend::new("reference", 1).unwrap();
+    // The f32 kernels: AMX tiles (where the CPU has them) round to bf16 halves, further from the
+    // CUDA kernels' f32 than the tolerances checked here.
+    let cpu = CpuBackend::new("reference", 1).unwrap().without_amx();
     let cpu = &cpu;
 
     for dtype in [DType::F32, DType::Bf16] {
