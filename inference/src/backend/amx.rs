@@ -365,7 +365,7 @@ fn attend_blocks(query_tiles: &mut [QueryTile], cache: HeadCache<'_>) {
                 score(next_tile, keys, depth, next);
             }
             softmax::weigh(&mut tiles[i], b0, this, (&mut p_hi, &mut p_lo));
-            add_weighted_values(&mut tiles[i], values, (&p_hi, &p_lo));
+            add_weighted_values(&mut tiles[i], values, cache.shape.head_dim, (&p_hi, &p_lo));
         }
     }
 }
@@ -405,16 +405,31 @@ fn score(
 
 #[cfg(target_arch = "x86_64")]
 /// `Oᵀ += Vᵀ·Pᵀ` for `tile`, 16 head dimensions a tile, two tiles at a time, the same three
-/// products.
+/// products; a tile of padding only (past `head_dim`, as the second of a head of 16 or the last of
+/// one of 80) is left out.
 #[inline(always)]
 fn add_weighted_values(
     tile: &mut QueryTile,
     (values_hi, values_lo): (&[bf16], &[bf16]),
+    head_dim: usize,
     (p_hi, p_lo): (&[[u32; LANES]; KEYS / 2], &[[u32; LANES]; KEYS / 2]),
 ) {
     // SAFETY: as in `score`; the accumulators are 16 rows of 16 f32 each in `out_t`.
     unsafe {
         for e in (0..tile.out_t.len() / OUT_ROWS).step_by(2) {
+            if (e + 1) * OUT_ROWS >= head_dim {
+                let value_tile =
+                    |values: &[bf16]| values[e * OUT_ROWS * KEYS..][..OUT_ROWS * KEYS].as_ptr();
+                let acc = &mut tile.out_t[e * OUT_ROWS..][..OUT_ROWS];
+                tiles::load::<0>(acc.as_ptr().cast(), LANES * 4);
+                tiles::load::<4>(value_tile(values_hi).cast(), KEYS * 2);
+                tiles::load::<6>(value_tile(values_lo).cast(), KEYS * 2);
+                tiles::load::<2>(p_hi.as_ptr().cast(), LANES * 4);
+                tiles::load::<3>(p_lo.as_ptr().cast(), LANES * 4);
+                tiles::three_products_into_one();
+                tiles::store::<0>(acc.as_mut_ptr().cast(), LANES * 4);
+                continue;
+            }
             let value_tile = |values: &[bf16], i: usize| {
                 values[(e + i) * OUT_ROWS * KEYS..][..OUT_ROWS * KEYS].as_ptr()
             };
@@ -591,6 +606,19 @@ mod tiles {
         unsafe {
             asm!("tilestored [{0} + {1}*1], tmm{t}", in(reg) at, in(reg) stride, t = const T,
                 options(nostack))
+        }
+    }
+
+    /// `tmm0 += tmm4·tmm2 + tmm4·tmm3 + tmm6·tmm2` alone (see [`three_products`]).
+    pub unsafe fn three_products_into_one() {
+        // SAFETY: configured.
+        unsafe {
+            asm!(
+                "tdpbf16ps tmm0, tmm4, tmm2",
+                "tdpbf16ps tmm0, tmm4, tmm3",
+                "tdpbf16ps tmm0, tmm6, tmm2",
+                options(nostack, nomem)
+            )
         }
     }
 
