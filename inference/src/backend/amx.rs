@@ -1,7 +1,8 @@
 //! Causal attention over a KV cache on Intel's AMX tiles (Sapphire Rapids and later), where the CPU
-//! has them. At long context attention is nearly all of a prefill (every query meets every earlier
-//! key), and AVX-512's fused multiply-adds run it at 16 products a cycle; a tile multiply
-//! (`tdpbf16ps`, 16 × 16 × 32 bf16 products into f32) does 512 a cycle.
+//! has them, and an encoder's attention within each segment (its keys and values laid out as a
+//! cache of their own: [`attend_every_key`]). At long context attention is nearly all of a prefill
+//! (every query meets every earlier key), and AVX-512's fused multiply-adds run it at 16 products a
+//! cycle; a tile multiply (`tdpbf16ps`, 16 × 16 × 32 bf16 products into f32) does 512 a cycle.
 //!
 //! **Precision.** Tiles multiply bf16 (8 bits of mantissa), so each f32 operand is split in two
 //! bf16 halves, `x = hi + lo` (`hi` is `x` rounded to bf16, `lo` the rest rounded to bf16: 16 bits
@@ -424,6 +425,7 @@ fn add_weighted_values(
                 tiles::load::<0>(acc.as_ptr().cast(), LANES * 4);
                 tiles::load::<4>(value_tile(values_hi).cast(), KEYS * 2);
                 tiles::load::<6>(value_tile(values_lo).cast(), KEYS * 2);
+                // The weights last, as below.
                 tiles::load::<2>(p_hi.as_ptr().cast(), LANES * 4);
                 tiles::load::<3>(p_lo.as_ptr().cast(), LANES * 4);
                 tiles::three_products_into_one();
