@@ -11,13 +11,13 @@
 //! (softmax weights times values) are each three tile multiplies; the softmax runs in f32.
 //!
 //! **Layout.** Every tile holds 16 queries as its 16 columns (the transposed problem: scores are
-//! `S = K·Qᵀ`, the output `Oᵀ = Vᵀ·Pᵀ`), so a query's running maximum, sum and rescaling are one
+//! `S = K·Qᵀ`, the output `Oᵀ = Vᵀ·Pᵀ`), so a query's reference score, sum and rescaling are one
 //! vector lane, with no reduction across a vector: the cache keeps each KV head's keys as rows and
 //! its values transposed, both split and padded to whole tiles, block by block ([`CacheShape`]).
 //!
 //! **Exactness.** A query's result depends only on its own row: keys are taken in blocks of
 //! [`KEYS`] from key 0 whatever query tile the row sits in, a key it may not see weighs exactly 0,
-//! and its maximum grows (rescaling its sum and output) only by its own scores. So a prompt
+//! and its reference score moves (rescaling its sum and output) only by its own scores. So a prompt
 //! prefilled in chunks of any size gives the same bits as in one step.
 
 #![allow(unsafe_code)]
@@ -252,9 +252,10 @@ struct QueryTile {
     position: [i32; LANES],
     lowest: usize,
     highest: usize,
-    /// Each lane's running maximum score (`f32::MIN` before any: finite, so that rescaling from
-    /// it is a factor of 0, never a NaN) and sum of weights.
-    max: [f32; LANES],
+    /// Each lane's reference score, the exponent its weights are relative to (see
+    /// [`softmax::weigh`]; `f32::MIN` before any: finite, so that rescaling from it is a factor of
+    /// 0, never a NaN), and its sum of weights.
+    reference: [f32; LANES],
     sum: [f32; LANES],
     /// Oᵀ: `depth` rows of 16 lanes, the weighted sums so far.
     out_t: Vec<[f32; LANES]>,
@@ -292,7 +293,7 @@ impl QueryTile {
             position,
             lowest: position_of(0),
             highest: position_of(rows - 1),
-            max: [f32::MIN; LANES],
+            reference: [f32::MIN; LANES],
             sum: [0.0; LANES],
             out_t: vec![[0.0; LANES]; shape.depth],
         }
@@ -461,9 +462,19 @@ mod softmax {
 
     use super::{KEYS, LANES, QueryTile};
 
-    /// Updates `tile`'s maxima (rescaling its sum and output where one grows), adds the weights
-    /// 2^(s − max) of the block's keys from `b0` (0 for a key past a lane's position) to its sums,
-    /// and writes them as pairs of keys, high halves and low (a tile's second operand).
+    /// Largest sum of one block's weights a lane takes without moving its reference (at most
+    /// 2¹⁶: its weights stay far from f32's range, summed over any context).
+    const BLOCK_SUM_LIMIT: f32 = 65_536.0;
+
+    /// Adds the weights 2^(s − m) of the block's keys from `b0` (0 for a key past a lane's
+    /// position) to `tile`'s sums, and writes them as pairs of keys, high halves and low (a tile's
+    /// second operand). `m` is a lane's **reference**, not its running maximum: a score above it
+    /// weighs more than 1, which f32 carries as well, so the block's maximum is not needed. Only
+    /// where a lane's block sums past [`BLOCK_SUM_LIMIT`] (or the lane has no reference yet) does
+    /// it move its reference to the block's maximum, rescaling its sum and output, and weigh the
+    /// block again. A block's maximum was a pass over its scores each time, a chain of 32 waits
+    /// (6 % of the AMX attention's time). A lane's reference moves by its own scores only, so its
+    /// result is still its row's alone.
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16,fma")]
     pub fn weigh(
         tile: &mut QueryTile,
@@ -485,55 +496,65 @@ mod softmax {
                 }
             };
             let score = |j: usize| _mm512_loadu_ps(scores[j].as_ptr());
-            let old_max = _mm512_loadu_ps(tile.max.as_ptr());
-            let mut max = old_max;
-            for j in 0..KEYS {
-                max = _mm512_mask_max_ps(max, visible(j), max, score(j));
-            }
-            let mut sum = _mm512_loadu_ps(tile.sum.as_ptr());
-            if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(max, old_max) != 0 {
-                // Earlier blocks' weights were relative to a smaller maximum (2^0 = 1 exactly
-                // where it did not grow).
-                let rescale = exp2(_mm512_sub_ps(old_max, max));
-                sum = _mm512_mul_ps(sum, rescale);
-                for row in tile.out_t.iter_mut() {
-                    let scaled = _mm512_mul_ps(_mm512_loadu_ps(row.as_ptr()), rescale);
-                    _mm512_storeu_ps(row.as_mut_ptr(), scaled);
-                }
-                _mm512_storeu_ps(tile.max.as_mut_ptr(), max);
-            }
             // Word 2n of a pair is key 2r's lane n, word 2n + 1 key 2r + 1's.
             let interleave = _mm512_set_epi16(
                 31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
                 20, 4, 19, 3, 18, 2, 17, 1, 16, 0,
             );
             let high_mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
-            // The block's weights summed in two chains (one chain of 32 additions waited on each),
-            // then added to the running sums: the same order for every lane and block.
-            let mut block_sums = [_mm512_setzero_ps(); 2];
-            for r in 0..KEYS / 2 {
-                let weight = |j: usize| {
-                    let w = exp2(_mm512_sub_ps(score(j), max));
-                    _mm512_maskz_mov_ps(visible(j), w)
-                };
-                let (a, b) = (weight(2 * r), weight(2 * r + 1));
-                block_sums[0] = _mm512_add_ps(block_sums[0], a);
-                block_sums[1] = _mm512_add_ps(block_sums[1], b);
-                // bf16 pairs, rounded to nearest: [a's 16, b's 16] interleaved lane by lane.
-                let hi: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(b, a));
-                let hi = _mm512_permutexvar_epi16(interleave, hi);
-                let a_hi = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(hi));
-                let b_hi = _mm512_castsi512_ps(_mm512_and_si512(hi, high_mask));
-                let lo: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(
-                    _mm512_sub_ps(b, b_hi),
-                    _mm512_sub_ps(a, a_hi),
-                ));
-                let lo = _mm512_permutexvar_epi16(interleave, lo);
-                _mm512_storeu_si512(p_hi[r].as_mut_ptr().cast(), hi);
-                _mm512_storeu_si512(p_lo[r].as_mut_ptr().cast(), lo);
+            // Writes the block's weights relative to `reference` and returns their sums, in two
+            // chains (one chain of 32 additions waited on each), added together: the same order
+            // for every lane and block.
+            let mut weigh_block = |reference: __m512| {
+                let mut block_sums = [_mm512_setzero_ps(); 2];
+                for r in 0..KEYS / 2 {
+                    let weight = |j: usize| {
+                        let w = exp2(_mm512_sub_ps(score(j), reference));
+                        _mm512_maskz_mov_ps(visible(j), w)
+                    };
+                    let (a, b) = (weight(2 * r), weight(2 * r + 1));
+                    block_sums[0] = _mm512_add_ps(block_sums[0], a);
+                    block_sums[1] = _mm512_add_ps(block_sums[1], b);
+                    // bf16 pairs, rounded to nearest: [a's 16, b's 16] interleaved lane by lane.
+                    let hi: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(b, a));
+                    let hi = _mm512_permutexvar_epi16(interleave, hi);
+                    let a_hi = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(hi));
+                    let b_hi = _mm512_castsi512_ps(_mm512_and_si512(hi, high_mask));
+                    let lo: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(
+                        _mm512_sub_ps(b, b_hi),
+                        _mm512_sub_ps(a, a_hi),
+                    ));
+                    let lo = _mm512_permutexvar_epi16(interleave, lo);
+                    _mm512_storeu_si512(p_hi[r].as_mut_ptr().cast(), hi);
+                    _mm512_storeu_si512(p_lo[r].as_mut_ptr().cast(), lo);
+                }
+                _mm512_add_ps(block_sums[0], block_sums[1])
+            };
+            let reference = _mm512_loadu_ps(tile.reference.as_ptr());
+            let mut block_sum = weigh_block(reference);
+            let mut sum = _mm512_loadu_ps(tile.sum.as_ptr());
+            // Not "above the limit": a lane without a reference sums to infinity or NaN.
+            let within =
+                _mm512_cmp_ps_mask::<_CMP_LE_OQ>(block_sum, _mm512_set1_ps(BLOCK_SUM_LIMIT));
+            if within != 0xFFFF {
+                let mut block_max = _mm512_set1_ps(f32::MIN);
+                for j in 0..KEYS {
+                    block_max = _mm512_mask_max_ps(block_max, visible(j), block_max, score(j));
+                }
+                // A lane past the limit has a score above its reference (its weights sum to more
+                // than 32), so its reference only grows; the others keep theirs, rescaled by
+                // 2^0 = 1 exactly and weighed again to the same bits.
+                let moved = _mm512_mask_mov_ps(reference, !within, block_max);
+                let rescale = exp2(_mm512_sub_ps(reference, moved));
+                sum = _mm512_mul_ps(sum, rescale);
+                for row in tile.out_t.iter_mut() {
+                    let scaled = _mm512_mul_ps(_mm512_loadu_ps(row.as_ptr()), rescale);
+                    _mm512_storeu_ps(row.as_mut_ptr(), scaled);
+                }
+                _mm512_storeu_ps(tile.reference.as_mut_ptr(), moved);
+                block_sum = weigh_block(moved);
             }
-            let sum = _mm512_add_ps(sum, _mm512_add_ps(block_sums[0], block_sums[1]));
-            _mm512_storeu_ps(tile.sum.as_mut_ptr(), sum);
+            _mm512_storeu_ps(tile.sum.as_mut_ptr(), _mm512_add_ps(sum, block_sum));
         }
     }
 

@@ -1346,6 +1346,85 @@ mod tests {
         );
     }
 
+    #[test]
+    fn amx_attention_whose_scores_climb_key_by_key_moves_each_rows_reference_alone() {
+        let Some(dev) = amx_device() else {
+            return;
+        };
+        // Keys whose first dimension grows along the prompt: a query with a positive first
+        // dimension meets, block after block, scores far above any before (its reference moves
+        // many times), beside queries in the same tile whose scores fall (their references must
+        // stay as they are).
+        let (rows, heads, kv_heads, hd) = (700, 2, 1, 16);
+        let q = values(rows * heads * hd, 7);
+        let mut k = values(rows * kv_heads * hd, 8);
+        for (j, row) in k.chunks_mut(hd).enumerate() {
+            row[0] += 0.12 * j as f32;
+        }
+        let v = values(rows * kv_heads * hd, 9);
+        let score = |row: usize, head: usize, key: usize| -> f32 {
+            let q = &q[(row * heads + head) * hd..][..hd];
+            q.iter().zip(&k[key * hd..][..hd]).map(|(a, b)| a * b).sum()
+        };
+        // Some row's scores climb by more than 60 powers of two (four moves of a reference).
+        let climb = (0..rows)
+            .map(|row| {
+                (0..=row)
+                    .map(|j| score(row, 0, j) - score(row, 0, 0))
+                    .fold(0.0, f32::max)
+            })
+            .fold(0.0, f32::max);
+        assert!(climb * std::f32::consts::LOG2_E > 60.0, "climb {climb}");
+        let shape = |q_rows, first_query| AttentionShape {
+            q_rows,
+            kv_rows: first_query + q_rows,
+            heads,
+            kv_heads,
+            head_dim: hd,
+            scale: 1.0,
+            mask: AttentionMask::Causal { first_query },
+        };
+        let layout = KvLayout {
+            capacity: rows,
+            kv_heads,
+            head_dim: hd,
+        };
+        let (mut keys, mut cached_values) = dev.kv_cache(&layout).unwrap();
+        let f32s = |x: &[f32]| CpuBuffer::F32(x.to_vec());
+        dev.write_kv(
+            (&mut keys, &mut cached_values),
+            &layout,
+            0,
+            &f32s(&k),
+            &f32s(&v),
+        )
+        .unwrap();
+        let attend = |q: &[f32], shape: &AttentionShape| {
+            let out = dev.attention_cached(&f32s(q), (&keys, &cached_values), &layout, shape);
+            dev.download(&out.unwrap()).unwrap()
+        };
+        let whole = attend(&q, &shape(rows, 0));
+        // Scores of ±60 powers of two carry their split's 2⁻¹⁷ relative error into weights
+        // (5e-4 of one): measured 8.3e-4, as before references moved lazily. A weight lost or
+        // left unrescaled would be off by far more.
+        let worst = worst_error(&whole, &reference(&q, &k, &v, &shape(rows, 0)));
+        assert!(worst < 2e-3, "relative error {worst:e}");
+        // In chunks (one row alone among them), each row gives the whole prompt's bits.
+        let width = heads * hd;
+        let mut at = 0;
+        for n in [1, 37, 300, 1, 361] {
+            let got = attend(&q[at * width..(at + n) * width], &shape(n, at));
+            assert_eq!(
+                got,
+                whole[at * width..(at + n) * width],
+                "rows {at}..{}",
+                at + n
+            );
+            at += n;
+        }
+        assert_eq!(at, rows);
+    }
+
     /// Attends a prompt over a cache of `dev`'s filled a chunk at a time and checks each chunk's
     /// output against `whole`'s over the whole prompt, bit for bit.
     fn chunk_by_chunk(
