@@ -385,7 +385,7 @@ impl LoadedPlugin {
         }
         let config = processor_config.to_owned();
         let tensors = self
-            .call(|store, instance| match instance {
+            .call_making(Making::Part, |store, instance| match instance {
                 Instance::Current(p) => p.mmgate_modality_plugin().call_preprocess_part(
                     &mut *store,
                     media,
@@ -489,11 +489,21 @@ impl LoadedPlugin {
         &self,
         f: impl FnOnce(&mut Store<CallState>, &Instance) -> wasmtime::Result<R>,
     ) -> Result<R, CallError> {
+        self.call_making(Making::Item, f)
+    }
+
+    /// [`Self::call`] for a call that makes `making`.
+    fn call_making<R>(
+        &self,
+        making: Making,
+        f: impl FnOnce(&mut Store<CallState>, &Instance) -> wasmtime::Result<R>,
+    ) -> Result<R, CallError> {
         let limits = self.sandbox.limits();
-        let mut store = Store::new(
-            self.sandbox.engine(),
-            CallState::new(self.name.clone(), limits),
-        );
+        let mut state = CallState::new(self.name.clone(), limits);
+        if making == Making::Part {
+            state.decode_videos_on_one_thread();
+        }
+        let mut store = Store::new(self.sandbox.engine(), state);
         store.limiter(|state| state.limiter());
         store.set_epoch_deadline(self.sandbox.deadline_ticks());
         // wasmtime caps what one call may copy out of the guest (128 MiB by default, which a large
@@ -510,6 +520,17 @@ impl LoadedPlugin {
         let result = instance.and_then(|instance| f(&mut store, &instance));
         result.map_err(|error| classify(error, store.data(), &self.sandbox))
     }
+}
+
+/// What a plugin call makes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Making {
+    /// A whole item, or whatever else a call returns.
+    Item,
+    /// One part of an item: the gateway makes an item in parts only while two plugin workers or
+    /// more are idle, so its parts run beside each other, and a part's video is decoded on one
+    /// thread (a second decoder thread only adds FFmpeg's handing frames between its threads).
+    Part,
 }
 
 /// Bytes of tensor data, saturating.

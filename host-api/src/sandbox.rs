@@ -248,6 +248,12 @@ impl CallState {
         }
     }
 
+    /// Videos this call opens are decoded on one thread, whatever `sandbox.video.decoder_threads`
+    /// says (see `Making::Part`).
+    pub(crate) fn decode_videos_on_one_thread(&mut self) {
+        self.videos.decode_on_one_thread();
+    }
+
     /// When the call's deadline passes: host work done on the plugin's behalf stops there too.
     pub fn deadline_at(&self) -> Instant {
         self.deadline_at

@@ -33,6 +33,10 @@ impl CallVideos {
             open: 0,
         }
     }
+
+    pub(crate) fn decode_on_one_thread(&mut self) {
+        self.limits.decoder_threads = 1;
+    }
 }
 
 fn contract_error(error: DecodeError) -> VideoError {
