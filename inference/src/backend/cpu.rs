@@ -1375,15 +1375,7 @@ mod tests {
             })
             .fold(0.0, f32::max);
         assert!(climb * std::f32::consts::LOG2_E > 60.0, "climb {climb}");
-        let shape = |q_rows, first_query| AttentionShape {
-            q_rows,
-            kv_rows: first_query + q_rows,
-            heads,
-            kv_heads,
-            head_dim: hd,
-            scale: 1.0,
-            mask: AttentionMask::Causal { first_query },
-        };
+        let shape = causal_shape(heads, kv_heads, hd, 1.0);
         let layout = KvLayout {
             capacity: rows,
             kv_heads,
@@ -1425,6 +1417,24 @@ mod tests {
         assert_eq!(at, rows);
     }
 
+    /// The shape of a causal attention step: `q_rows` rows after `first_query` cached positions.
+    fn causal_shape(
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+    ) -> impl Fn(usize, usize) -> AttentionShape {
+        move |q_rows, first_query| AttentionShape {
+            q_rows,
+            kv_rows: first_query + q_rows,
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
+            mask: AttentionMask::Causal { first_query },
+        }
+    }
+
     /// Attends a prompt over a cache of `dev`'s filled a chunk at a time and checks each chunk's
     /// output against `whole`'s over the whole prompt, bit for bit.
     fn chunk_by_chunk(
@@ -1442,15 +1452,7 @@ mod tests {
                 values(rows * width, 2),
                 values(rows * width, 3),
             );
-            let shape = |q_rows, first_query| AttentionShape {
-                q_rows,
-                kv_rows: first_query + q_rows,
-                heads,
-                kv_heads,
-                head_dim: hd,
-                scale: 0.3,
-                mask: AttentionMask::Causal { first_query },
-            };
+            let shape = causal_shape(heads, kv_heads, hd, 0.3);
             let whole = whole(&q, &k, &v, &shape(rows, 0));
             let layout = KvLayout {
                 capacity: rows + 5,
