@@ -558,10 +558,10 @@ mod softmax {
         }
     }
 
-    /// 2^x for x ≤ 0 (−∞ and NaN give NaN: callers mask those lanes): x = n + r with n = ⌊x⌋ and
-    /// r ∈ [0, 1) (`vreduceps`: one instruction, where rounding to the nearest integer and
-    /// subtracting it were two, 4 % of the AMX attention's time), 2^r a degree-4 polynomial with
-    /// 2^0 = 1 exactly (fitted for relative error on [0, 1): within 3.0e-6, about 2⁻¹⁸, as close as
+    /// 2^x (x > 0 for a score above a lane's reference, +∞ past f32's range; −∞ and NaN give NaN:
+    /// callers mask those lanes): x = n + r with n = ⌊x⌋ and r ∈ [0, 1) (`vreduceps`: one
+    /// instruction, where rounding to the nearest integer and subtracting it were two, 4 % of the
+    /// AMX attention's time), 2^r a degree-4 polynomial with 2^0 = 1 exactly (fitted for relative error on [0, 1): within 3.0e-6, about 2⁻¹⁸, as close as
     /// the weights' split into bf16 halves keeps them; the f32 kernels' degree 6 cost two more
     /// multiply-adds a score), scaled by 2^⌊x⌋ (`vscalefps` takes the floor of its exponent).
     #[target_feature(enable = "avx512f,avx512dq,fma")]
@@ -680,7 +680,8 @@ mod tests {
             return;
         }
         let mut worst = 0.0f64;
-        for i in 0..=200_000 {
+        // Below a lane's reference and above it (weights up to 2¹⁶ and more before it moves).
+        for i in -200_000..=200_000 {
             let x = -(i as f32) * 1e-4;
             // SAFETY: `available()` says the CPU has AVX-512.
             let got = unsafe {

@@ -1362,15 +1362,16 @@ mod tests {
             row[0] += 0.12 * j as f32;
         }
         let v = values(rows * kv_heads * hd, 9);
-        let score = |row: usize, head: usize, key: usize| -> f32 {
-            let q = &q[(row * heads + head) * hd..][..hd];
+        // The first head's scores.
+        let score = |row: usize, key: usize| -> f32 {
+            let q = &q[row * heads * hd..][..hd];
             q.iter().zip(&k[key * hd..][..hd]).map(|(a, b)| a * b).sum()
         };
         // Some row's scores climb by more than 60 powers of two (four moves of a reference).
         let climb = (0..rows)
             .map(|row| {
                 (0..=row)
-                    .map(|j| score(row, 0, j) - score(row, 0, 0))
+                    .map(|j| score(row, j) - score(row, 0))
                     .fold(0.0, f32::max)
             })
             .fold(0.0, f32::max);
