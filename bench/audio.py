@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from machine import cpu_name
 from common import ROOT, build_rust_sides, median_ms, native_ms, wasm_ms  # sets one thread first
 
 import librosa  # noqa: E402
@@ -61,6 +62,7 @@ def hf_ms(extractor: WhisperFeatureExtractor, path: Path, torch_path: bool, iter
 
 
 def main() -> None:
+    print(f"# {cpu_name()}")
     extractor = WhisperFeatureExtractor(feature_size=128)
     build_rust_sides()
 

@@ -25,6 +25,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from machine import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 MMGATE = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "mmgate"
@@ -81,6 +82,7 @@ def bmp(seed: int) -> bytes:
 
 
 def main() -> None:
+    print(f"# {cpu_name()}")
     if not MMGATE.exists():
         sys.exit(f"{MMGATE} is missing: cargo build --release -p mmgate-gateway")
     jpeg = (ROOT / "tests/fixtures/image/images/photo-640x480.jpg").read_bytes()

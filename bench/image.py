@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from machine import cpu_name
 from common import ROOT, build_rust_sides, median_ms, native_ms, peer_ms, wasm_ms  # sets one thread first
 
 import torch  # noqa: E402
@@ -50,6 +51,7 @@ def hf_ms(processor, data: bytes, iterations: int) -> float:
 
 
 def main() -> None:
+    print(f"# {cpu_name()}")
     config = {k: v for k, v in json.loads(CONFIG.read_text()).items() if k != "image_processor_type"}
     slow = Qwen2VLImageProcessorPil(**config)
     fast = Qwen2VLImageProcessor(**config)

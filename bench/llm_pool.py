@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from machine import cpu_name
 from common import free_port, wait_for_health
 from pieces import MMGATE, make_audio, make_clip, ttft
 
@@ -72,6 +73,7 @@ def together(ports: list[int], model: str, video: dict, audio: dict, scale: int)
 
 
 def main() -> None:
+    print(f"# {cpu_name()}")
     if not MMGATE.exists():
         sys.exit(f"{MMGATE} is missing: cargo build --release -p mmgate-gateway")
     with tempfile.TemporaryDirectory() as tmp:

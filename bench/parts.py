@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from machine import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 ITERATIONS = 3
@@ -52,6 +53,7 @@ def make_inputs(tmp: Path) -> list[tuple[str, str, Path, Path]]:
 
 
 def main() -> None:
+    print(f"# {cpu_name()}")
     subprocess.run(["cargo", "bench", "--locked", "-q", "-p", "mmgate-host", "--bench",
                     "plugin_parts", "--no-run"], cwd=ROOT, check=True)
     with tempfile.TemporaryDirectory() as tmp:

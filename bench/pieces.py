@@ -39,6 +39,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from machine import cpu_name
 from common import free_port, wait_for_health
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,6 +140,7 @@ def measure(port: int, model: str, part: dict, pid: int) -> Measurement:
 
 
 def main() -> None:
+    print(f"# {cpu_name()}")
     if not MMGATE.exists():
         sys.exit(f"{MMGATE} is missing: cargo build --release -p mmgate-gateway")
     devices = int(os.environ.get("ENCODER_DEVICES", "1"))

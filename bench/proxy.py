@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from machine import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 MMGATE = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "mmgate"
@@ -122,6 +123,7 @@ def wrk(port: int, connections: int, script: Path,
 
 
 def main() -> None:
+    print(f"# {cpu_name()}")
     if not MMGATE.exists():
         sys.exit(f"{MMGATE} is missing: cargo build --release -p mmgate-gateway")
     with tempfile.TemporaryDirectory() as tmp:

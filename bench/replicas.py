@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from chat import bmp, chat, data_url, free_port, post
+from machine import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 MMGATE = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "mmgate"
@@ -119,6 +120,7 @@ def models_latency_ms(port: int, n: int = 2000) -> float:
 
 
 def main() -> None:
+    print(f"# {cpu_name()}")
     if not MMGATE.exists():
         sys.exit(f"{MMGATE} is missing: cargo build --release -p mmgate-gateway")
     model = 'models = [{ name = "demo", path = "demo" }]\n'

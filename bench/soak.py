@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from chat import bmp, data_url, free_port
+from machine import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -282,6 +283,7 @@ def http_threads(pid: int) -> int:
 
 
 def main() -> None:
+    print(f"# {cpu_name()}")
     parser = argparse.ArgumentParser()
     parser.add_argument("--minutes", type=float, default=30.0)
     args = parser.parse_args()

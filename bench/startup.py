@@ -23,6 +23,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from machine import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 MMGATE = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "mmgate"
@@ -64,6 +65,7 @@ def start_seconds(config: Path) -> float:
 
 
 def main() -> None:
+    print(f"# {cpu_name()}")
     if not MMGATE.exists():
         sys.exit(f"{MMGATE} is missing: cargo build --release -p mmgate-gateway")
     with tempfile.TemporaryDirectory() as tmp:

@@ -33,6 +33,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from machine import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 MMGATE = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release" / "mmgate"
@@ -167,6 +168,7 @@ def gateway_plugin_ms(headers: dict, answer: dict) -> float | None:
 
 
 def main() -> None:
+    print(f"# {cpu_name()}")
     if not (VENV / "bin/transformers").exists():
         sys.exit(f"no engine venv at {VENV}: ./dev test installs it")
     scratch = Path(tempfile.mkdtemp(prefix="mmgate-bench-upstream-"))

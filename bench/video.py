@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from machine import cpu_name
 from common import ROOT, _last_json_line, build_rust_sides, median_ms  # sets one thread first
 
 os.environ["FORCE_QWENVL_VIDEO_READER"] = "decord"
@@ -43,6 +44,7 @@ def reference_ms(path: Path) -> float:
 
 
 def main() -> None:
+    print(f"# {cpu_name()}")
     build_rust_sides()
     with tempfile.TemporaryDirectory() as tmp:
         clip = Path(tmp) / "clip-1080p-10s.mp4"
