@@ -66,6 +66,9 @@ impl ApiError {
     }
 }
 
+/// The `Retry-After` of a plugin call stopped by its deadline.
+const SERVER_BUSY_RETRY_SECONDS: u64 = 2;
+
 impl From<&CallError> for ApiError {
     fn from(error: &CallError) -> ApiError {
         let message = error.to_string();
@@ -89,12 +92,15 @@ impl From<&CallError> for ApiError {
                     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "plugin_error", message)
                 }
             },
-            // The media made the plugin run too long or too big: the client's item is the cause.
-            CallError::Deadline(_) => ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "media_too_complex",
-                message,
-            ),
+            // The media's cost is bounded by the limits (checked on what the client sent): a call
+            // that still ran out of time is a stuck plugin or a server too busy, never the
+            // client's fault; a retry may well succeed.
+            CallError::Deadline(_) => {
+                let mut api =
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_busy", message);
+                api.retry_after = Some(SERVER_BUSY_RETRY_SECONDS);
+                api
+            }
             CallError::Memory { .. } | CallError::OutputTooLarge { .. } => {
                 ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "media_too_large", message)
             }
@@ -127,6 +133,25 @@ mod tests {
                 .as_str()
                 .unwrap()
                 .contains("unreachable")
+        );
+    }
+
+    #[test]
+    fn a_deadline_is_the_servers_status_with_a_retry() {
+        let passed = CallError::Deadline(mmgate_host::DeadlinePassed {
+            plugin: "video".into(),
+            call: "preprocess-part",
+            clock: mmgate_host::DeadlineClock::PluginCpu,
+            limit: std::time::Duration::from_secs(10),
+            spent: std::time::Duration::from_millis(10_004),
+        });
+        let api = ApiError::from(&passed);
+        assert_eq!(api.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!((api.code, api.retry_after), ("server_busy", Some(2)));
+        assert!(
+            api.message.contains("video") && api.message.contains("preprocess-part"),
+            "{}",
+            api.message
         );
     }
 }

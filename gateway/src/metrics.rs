@@ -61,6 +61,11 @@ pub struct ModelLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PluginLabels {
+    pub plugin: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UpstreamLabels {
     pub model: String,
     pub upstream: String,
@@ -93,6 +98,8 @@ pub struct Snapshot {
     pub upstreams: Vec<(String, String, bool)>,
     pub plugin_queue: usize,
     pub plugin_running: usize,
+    /// Per plugin loaded now: its calls stopped by a deadline since it was loaded.
+    pub plugin_deadlines: Vec<(String, u64)>,
     pub file_bytes: usize,
 }
 
@@ -121,6 +128,7 @@ pub struct Metrics {
     upstream_healthy: Family<UpstreamLabels, Gauge>,
     plugin_queue: Gauge,
     plugin_running: Gauge,
+    plugin_deadlines: Family<PluginLabels, Counter>,
     file_bytes: Gauge,
     shared_features: LookupCounters,
     /// The series of the passthrough lane's usual outcome (a chat completion relayed with a 200),
@@ -263,6 +271,12 @@ impl Metrics {
             "Plugin calls running on a worker",
             plugin_running.clone(),
         );
+        let plugin_deadlines = Family::<PluginLabels, Counter>::default();
+        registry.register(
+            "plugin_deadlines",
+            "Plugin calls stopped by their deadline (a stuck plugin, or a server too busy)",
+            plugin_deadlines.clone(),
+        );
         let file_bytes = Gauge::default();
         registry.register(
             "file_store_bytes",
@@ -301,6 +315,7 @@ impl Metrics {
             upstream_healthy,
             plugin_queue,
             plugin_running,
+            plugin_deadlines,
             file_bytes,
             shared_features,
             relayed_ok: OnceLock::new(),
@@ -426,6 +441,17 @@ impl Metrics {
             .set(i64::try_from(snapshot.plugin_queue).unwrap_or(i64::MAX));
         self.plugin_running
             .set(i64::try_from(snapshot.plugin_running).unwrap_or(i64::MAX));
+        for (plugin, passed) in snapshot.plugin_deadlines {
+            // The plugin counts its own; a reloaded plugin starts again from 0, and the counter
+            // moves on only once it is past what it showed.
+            let counter = self
+                .plugin_deadlines
+                .get_or_create(&PluginLabels { plugin });
+            let shown = counter.get();
+            if passed > shown {
+                counter.inc_by(passed - shown);
+            }
+        }
         self.file_bytes
             .set(i64::try_from(snapshot.file_bytes).unwrap_or(i64::MAX));
         let mut text = String::new();
@@ -451,6 +477,7 @@ mod tests {
             upstreams: Vec::new(),
             plugin_queue: 0,
             plugin_running: 0,
+            plugin_deadlines: Vec::new(),
             file_bytes: 0,
         }
     }

@@ -8,9 +8,11 @@ use crate::contract::PluginError;
 /// Why one plugin call failed. Every case ends that call only: the host and other calls go on.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
-    /// The plugin ran past its deadline and was interrupted.
-    #[error("plugin ran past its deadline of {0:?} and was stopped")]
-    Deadline(Duration),
+    /// The call ran past its deadline and was stopped: a stuck or hostile plugin, or a server too
+    /// loaded to finish in time; not something the media alone decides (its cost is bounded by
+    /// the limits, checked on what the client sent).
+    #[error("{0}")]
+    Deadline(DeadlinePassed),
     /// The plugin tried to grow its memory past the cap.
     #[error("plugin tried to use more than its memory limit of {limit} bytes")]
     Memory { limit: usize },
@@ -34,6 +36,45 @@ pub enum CallError {
     /// The host itself failed (e.g. the pool shut down).
     #[error("plugin host error: {0}")]
     Host(String),
+}
+
+/// Which deadline a call ran past, in which call, after how long.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadlinePassed {
+    pub plugin: String,
+    /// The contract function called (`probe`, `preprocess`, `preprocess-part`, ...).
+    pub call: &'static str,
+    pub clock: DeadlineClock,
+    pub limit: Duration,
+    /// Time on that clock when the call was stopped.
+    pub spent: Duration,
+}
+
+/// The two clocks a call is held to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadlineClock {
+    /// The plugin's own code: its thread's CPU time less what host capabilities (video and image
+    /// decoding) spent for it, so a loaded machine does not fail work it will finish.
+    PluginCpu,
+    /// Wall-clock time, host work included: the backstop for a call that makes no progress.
+    Wall,
+}
+
+impl std::fmt::Display for DeadlinePassed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let clock = match self.clock {
+            DeadlineClock::PluginCpu => "its own CPU time",
+            DeadlineClock::Wall => "wall-clock time",
+        };
+        write!(
+            f,
+            "plugin {} was stopped in {} after {} ms of {clock} (the limit is {} ms)",
+            self.plugin,
+            self.call,
+            self.spent.as_millis(),
+            self.limit.as_millis()
+        )
+    }
 }
 
 /// Why a plugin could not be loaded. Loading never panics and never leaves a half-registered plugin.

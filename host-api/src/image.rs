@@ -34,10 +34,11 @@ fn contract_error(error: DecodeError) -> ImageError {
 impl CallState {
     /// The limits of one decode: the plugin's, narrowed by the host's; what the plugin does not
     /// set (bytes, decoder memory) is the host's alone. A decode cannot be interrupted half-way
-    /// (its cost is bounded by the limits), so one asked for after the call's deadline is not
-    /// started (the plugin traps on its next instruction).
-    fn decode_limits(&self, limits: ImageLimits) -> Result<Limits, ImageError> {
-        if Instant::now() >= self.deadline_at() {
+    /// (its cost is bounded by the limits), so one asked for after the call's wall-clock
+    /// deadline is not started, and the call fails for that.
+    fn decode_limits(&mut self, limits: ImageLimits) -> Result<Limits, ImageError> {
+        if Instant::now() >= self.wall_deadline() {
+            self.host_ran_out();
             return Err(ImageError::LimitExceeded(
                 "the call's deadline passed before the image was decoded".into(),
             ));
@@ -65,7 +66,7 @@ fn contract_image(image: mmgate_image_decode::RgbImage) -> RgbImage {
 impl Host for CallState {
     fn decode_jpeg(&mut self, data: Vec<u8>, limits: ImageLimits) -> Result<RgbImage, ImageError> {
         let limits = self.decode_limits(limits)?;
-        mmgate_image_decode::decode_jpeg(&data, &limits)
+        self.host_work(|_| mmgate_image_decode::decode_jpeg(&data, &limits))
             .map(contract_image)
             .map_err(contract_error)
     }
@@ -79,7 +80,7 @@ impl Host for CallState {
     ) -> Result<RgbImage, ImageError> {
         let limits = self.decode_limits(limits)?;
         let rows = first_row..first_row.saturating_add(rows);
-        mmgate_image_decode::decode_jpeg_rows(&data, &limits, rows)
+        self.host_work(|_| mmgate_image_decode::decode_jpeg_rows(&data, &limits, rows))
             .map(contract_image)
             .map_err(contract_error)
     }

@@ -21,6 +21,7 @@
 //! tensors it returns.
 
 pub mod builtin;
+mod call_clock;
 pub mod compile_cache;
 pub mod component;
 pub mod contract;
@@ -40,7 +41,7 @@ pub use contract::{
     PluginError, REPEATS_SUFFIX, ReducedItem, TABLE_SUFFIX, Tensor, TokenPlan, Version,
     companion_of, f32_values, le_f32s, le_i64s, with_f32_values,
 };
-pub use error::{CallError, LoadError};
+pub use error::{CallError, DeadlineClock, DeadlinePassed, LoadError};
 pub use manifest::Manifest;
 pub use plugin::{LoadedPlugin, PluginOrigin, tensor_bytes};
 pub use pool::{PluginPool, Started};

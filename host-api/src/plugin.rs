@@ -4,10 +4,11 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use sha2::{Digest, Sha256};
 use wasmtime::component::Component;
-use wasmtime::{Store, Trap};
+use wasmtime::{Store, Trap, UpdateDeadline};
 
 use crate::contract::{
     Budget, CONTRACT_VERSION, Descriptor, Media, MediaInfo, ModalityPlugin, ModalityPluginPre,
@@ -96,6 +97,8 @@ pub struct LoadedPlugin {
     origin: PluginOrigin,
     sha256: String,
     name: Arc<str>,
+    /// Calls stopped by a deadline since the plugin was loaded.
+    deadlines_passed: AtomicU64,
 }
 
 impl LoadedPlugin {
@@ -156,9 +159,12 @@ impl LoadedPlugin {
             sha256,
             name: Arc::from(label.as_str()),
             origin,
+            deadlines_passed: AtomicU64::new(0),
         };
         let descriptor = plugin
-            .call(|store, p| on_plugin!(p, |e| e.call_describe(store)))
+            .call("describe", |store, p| {
+                on_plugin!(p, |e| e.call_describe(store))
+            })
             .map_err(|source| LoadError::Describe {
                 origin: label.clone(),
                 source,
@@ -189,6 +195,12 @@ impl LoadedPlugin {
         &self.origin
     }
 
+    /// Calls stopped by a deadline since the plugin was loaded: a stuck plugin, or a server too
+    /// loaded to finish its calls.
+    pub fn deadlines_passed(&self) -> u64 {
+        self.deadlines_passed.load(Ordering::Relaxed)
+    }
+
     /// Hex sha256 of the component bytes.
     pub fn sha256(&self) -> &str {
         &self.sha256
@@ -196,13 +208,17 @@ impl LoadedPlugin {
 
     /// `describe()`, in a fresh sandbox.
     pub fn describe(&self) -> Result<Descriptor, CallError> {
-        self.call(|store, p| on_plugin!(p, |e| e.call_describe(store)))
+        self.call("describe", |store, p| {
+            on_plugin!(p, |e| e.call_describe(store))
+        })
     }
 
     /// `probe(media)`: read the header.
     pub fn probe(&self, media: &Media) -> Result<MediaInfo, CallError> {
-        self.call(|store, p| on_plugin!(p, |e| e.call_probe(&mut *store, media)))?
-            .map_err(CallError::Plugin)
+        self.call("probe", |store, p| {
+            on_plugin!(p, |e| e.call_probe(&mut *store, media))
+        })?
+        .map_err(CallError::Plugin)
     }
 
     /// `plan(info, budget, config)`: decide what to produce and its exact token cost.
@@ -213,8 +229,10 @@ impl LoadedPlugin {
         processor_config: &str,
     ) -> Result<TokenPlan, CallError> {
         let config = processor_config.to_owned();
-        self.call(|store, p| on_plugin!(p, |e| e.call_plan(&mut *store, info, budget, &config)))?
-            .map_err(CallError::Plugin)
+        self.call("plan", |store, p| {
+            on_plugin!(p, |e| e.call_plan(&mut *store, info, budget, &config))
+        })?
+        .map_err(CallError::Plugin)
     }
 
     /// `preprocess(media, plan, config)`: produce the tensors, checked against the contract and the
@@ -227,7 +245,7 @@ impl LoadedPlugin {
     ) -> Result<Vec<Tensor>, CallError> {
         let config = processor_config.to_owned();
         let tensors = self
-            .call(|store, p| {
+            .call("preprocess", |store, p| {
                 on_plugin!(p, |e| e.call_preprocess(&mut *store, media, plan, &config))
             })?
             .map_err(CallError::Plugin)?;
@@ -242,7 +260,7 @@ impl LoadedPlugin {
         }
         let config = processor_config.to_owned();
         let parts = self
-            .call(|store, instance| match instance {
+            .call("parts", |store, instance| match instance {
                 Instance::Current(p) => {
                     p.mmgate_modality_plugin()
                         .call_parts(&mut *store, plan, &config)
@@ -326,7 +344,7 @@ impl LoadedPlugin {
             return Ok(None);
         }
         let config = processor_config.to_owned();
-        let plans = self.call(|store, instance| match instance {
+        let plans = self.call("part-plans", |store, instance| match instance {
             Instance::Current(p) => {
                 p.mmgate_modality_plugin()
                     .call_part_plans(&mut *store, plan, &config)
@@ -385,29 +403,33 @@ impl LoadedPlugin {
         }
         let config = processor_config.to_owned();
         let tensors = self
-            .call_making(Making::Part, |store, instance| match instance {
-                Instance::Current(p) => p.mmgate_modality_plugin().call_preprocess_part(
-                    &mut *store,
-                    media,
-                    plan,
-                    &config,
-                    index,
-                ),
-                Instance::V0_4(p) => p.mmgate_modality_plugin().call_preprocess_part(
-                    &mut *store,
-                    media,
-                    plan,
-                    &config,
-                    index,
-                ),
-                // Checked above: an older plugin is never asked.
-                Instance::V0_3(_) | Instance::V0_2(_) | Instance::V0_1(_) => {
-                    Err(wasmtime::format_err!(
-                        "preprocess-part called on a plugin of contract {}",
-                        self.contract
-                    ))
-                }
-            })?
+            .call_making(
+                "preprocess-part",
+                Making::Part,
+                |store, instance| match instance {
+                    Instance::Current(p) => p.mmgate_modality_plugin().call_preprocess_part(
+                        &mut *store,
+                        media,
+                        plan,
+                        &config,
+                        index,
+                    ),
+                    Instance::V0_4(p) => p.mmgate_modality_plugin().call_preprocess_part(
+                        &mut *store,
+                        media,
+                        plan,
+                        &config,
+                        index,
+                    ),
+                    // Checked above: an older plugin is never asked.
+                    Instance::V0_3(_) | Instance::V0_2(_) | Instance::V0_1(_) => {
+                        Err(wasmtime::format_err!(
+                            "preprocess-part called on a plugin of contract {}",
+                            self.contract
+                        ))
+                    }
+                },
+            )?
             .map_err(CallError::Plugin)?;
         self.checked_output(tensors)
     }
@@ -444,7 +466,7 @@ impl LoadedPlugin {
         }
         let config = processor_config.to_owned();
         let reduced = self
-            .call(|store, instance| match instance {
+            .call("reduce", |store, instance| match instance {
                 Instance::Current(p) => {
                     p.mmgate_modality_plugin()
                         .call_reduce(&mut *store, media, plan, &config)
@@ -487,25 +509,35 @@ impl LoadedPlugin {
     /// went wrong into a typed [`CallError`].
     fn call<R>(
         &self,
+        function: &'static str,
         f: impl FnOnce(&mut Store<CallState>, &Instance) -> wasmtime::Result<R>,
     ) -> Result<R, CallError> {
-        self.call_making(Making::Item, f)
+        self.call_making(function, Making::Item, f)
     }
 
     /// [`Self::call`] for a call that makes `making`.
     fn call_making<R>(
         &self,
+        function: &'static str,
         making: Making,
         f: impl FnOnce(&mut Store<CallState>, &Instance) -> wasmtime::Result<R>,
     ) -> Result<R, CallError> {
         let limits = self.sandbox.limits();
-        let mut state = CallState::new(self.name.clone(), limits);
+        let mut state = CallState::new(self.name.clone(), function, limits);
         if making == Making::Part {
             state.decode_videos_on_one_thread();
         }
         let mut store = Store::new(self.sandbox.engine(), state);
         store.limiter(|state| state.limiter());
-        store.set_epoch_deadline(self.sandbox.deadline_ticks());
+        // The epoch deadline is when to look at the call's clocks again: the plugin's own time
+        // left can only pass when that much wall time has.
+        store.set_epoch_deadline(Sandbox::ticks(
+            limits.deadline().min(limits.wall_deadline()),
+        ));
+        store.epoch_deadline_callback(|mut store| match store.data_mut().next_check() {
+            Ok(ticks) => Ok(UpdateDeadline::Continue(ticks)),
+            Err(_) => Err(Trap::Interrupt.into()),
+        });
         // wasmtime caps what one call may copy out of the guest (128 MiB by default, which a large
         // image's f32 patches exceed); our own cap is max_output_bytes, checked precisely after the
         // copy, so wasmtime's is set just above it and only stops a guest that goes far past it.
@@ -518,6 +550,12 @@ impl LoadedPlugin {
             Pre::V0_1(pre) => pre.instantiate(&mut store).map(Instance::V0_1),
         };
         let result = instance.and_then(|instance| f(&mut store, &instance));
+        // A deadline that passed fails the call even when the plugin made something of the host
+        // capability's error that stopped at it (the plugin may only see "limit exceeded").
+        if let Some(passed) = store.data().deadline_passed() {
+            self.deadlines_passed.fetch_add(1, Ordering::Relaxed);
+            return Err(CallError::Deadline(passed.clone()));
+        }
         result.map_err(|error| classify(error, store.data(), &self.sandbox))
     }
 }
@@ -560,7 +598,8 @@ fn classify(error: wasmtime::Error, state: &CallState, sandbox: &Sandbox) -> Cal
         };
     }
     match error.downcast_ref::<Trap>() {
-        Some(Trap::Interrupt) => CallError::Deadline(sandbox.limits().deadline()),
+        // Interrupted but no deadline recorded: the engine's epoch went on without a check.
+        Some(Trap::Interrupt) => CallError::Trap("interrupted".into()),
         Some(Trap::StackOverflow) => CallError::Trap("wasm stack overflow".into()),
         Some(trap) => CallError::Trap(trap.to_string()),
         None => CallError::Host(format!("{error:#}")),

@@ -15,9 +15,10 @@ use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
+use crate::call_clock::CallClock;
 use crate::compile_cache::CompileCache;
 use crate::contract::{LogLevel, ModalityPlugin, mmgate, v0_1, v0_2, v0_3, v0_4};
-use crate::error::LoadError;
+use crate::error::{DeadlinePassed, LoadError};
 
 /// How often the epoch advances. A deadline is rounded up to whole ticks, so a call overruns its
 /// deadline by at most one tick (plus the time to unwind).
@@ -44,9 +45,14 @@ const KEEP_RESIDENT_BYTES: usize = 128 << 20;
 pub struct SandboxLimits {
     /// Most bytes of linear memory one call may use.
     pub memory_bytes: usize,
-    /// Deadline of one call in milliseconds: wall-clock time from the start of the call, enforced by
-    /// epoch interruption, so a plugin stuck in a loop is stopped however busy the machine is.
+    /// Deadline of one call in milliseconds of the plugin's own CPU time (its thread's, less what
+    /// host capabilities such as video decoding spent for it; see `call_clock`), enforced by
+    /// epoch interruption, so a plugin stuck in a loop is stopped however busy the machine is and
+    /// a busy machine does not stop a plugin that is making progress.
     pub deadline_ms: u64,
+    /// Wall-clock deadline of one call in milliseconds, host work included: the backstop for a
+    /// call that makes no progress at all.
+    pub wall_deadline_ms: u64,
     /// Most bytes one call may return (sum of its tensors' data).
     pub max_output_bytes: usize,
     /// Most bytes of wasm stack.
@@ -65,6 +71,7 @@ impl Default for SandboxLimits {
             // A 12.8 MP image (Qwen2-VL's max_pixels) is ~37 MB decoded and ~80 MB of u8 patches.
             memory_bytes: 1 << 30,
             deadline_ms: 10_000,
+            wall_deadline_ms: 120_000,
             max_output_bytes: 512 << 20,
             max_wasm_stack: 1 << 20,
             max_instances: 64,
@@ -77,6 +84,10 @@ impl Default for SandboxLimits {
 impl SandboxLimits {
     pub fn deadline(&self) -> Duration {
         Duration::from_millis(self.deadline_ms)
+    }
+
+    pub fn wall_deadline(&self) -> Duration {
+        Duration::from_millis(self.wall_deadline_ms)
     }
 }
 
@@ -165,11 +176,11 @@ impl Sandbox {
         &self.limits
     }
 
-    /// Deadline in epoch ticks, rounded up, plus one because the current tick may be nearly over.
-    pub fn deadline_ticks(&self) -> u64 {
+    /// Epoch ticks until `time` has passed on any clock at least as slow as the wall's: rounded
+    /// up, plus one because the current tick may be nearly over.
+    pub fn ticks(time: Duration) -> u64 {
         let tick = EPOCH_TICK.as_micros().max(1);
-        let deadline = self.limits.deadline().as_micros();
-        u64::try_from(deadline.div_ceil(tick))
+        u64::try_from(time.as_micros().div_ceil(tick))
             .unwrap_or(u64::MAX)
             .saturating_add(1)
     }
@@ -219,14 +230,15 @@ pub struct CallState {
     table: ResourceTable,
     limiter: MemoryLimiter,
     plugin: Arc<str>,
-    deadline_at: Instant,
+    clock: CallClock,
     /// Each host capability's share of the call, owned by its module.
     pub(crate) videos: crate::video::CallVideos,
     pub(crate) images: crate::image::CallImages,
 }
 
 impl CallState {
-    pub fn new(plugin: Arc<str>, limits: &SandboxLimits) -> CallState {
+    /// The state of a call of `call` (the contract function) to `plugin`.
+    pub fn new(plugin: Arc<str>, call: &'static str, limits: &SandboxLimits) -> CallState {
         // The default builder already inherits nothing; the network switches are spelled out because
         // they are the sandbox's promise, not an accident of defaults.
         let wasi = WasiCtx::builder()
@@ -241,8 +253,8 @@ impl CallState {
                 limit: limits.memory_bytes,
                 hit: false,
             },
+            clock: CallClock::start(&plugin, call, limits.deadline(), limits.wall_deadline()),
             plugin,
-            deadline_at: Instant::now() + limits.deadline(),
             videos: crate::video::CallVideos::new(limits),
             images: crate::image::CallImages::new(limits),
         }
@@ -254,9 +266,36 @@ impl CallState {
         self.videos.decode_on_one_thread();
     }
 
-    /// When the call's deadline passes: host work done on the plugin's behalf stops there too.
-    pub fn deadline_at(&self) -> Instant {
-        self.deadline_at
+    /// When the call's wall-clock deadline passes: host work done on the plugin's behalf stops
+    /// there too (and [`Self::host_ran_out`] says so).
+    pub fn wall_deadline(&self) -> Instant {
+        self.clock.wall_deadline()
+    }
+
+    /// Runs `work` a host capability does for the plugin, charged to the host rather than to the
+    /// plugin's own time.
+    pub(crate) fn host_work<R>(&mut self, work: impl FnOnce(&mut Self) -> R) -> R {
+        let mark = self.clock.host_work_starts();
+        let result = work(self);
+        self.clock.host_work_ends(mark);
+        result
+    }
+
+    /// A host capability stopped at the wall-clock deadline: the call fails for that, whatever
+    /// the plugin makes of the capability's error.
+    pub(crate) fn host_ran_out(&mut self) {
+        self.clock.host_ran_out();
+    }
+
+    /// Checked at each epoch deadline: epoch ticks the plugin may run before the next check, or
+    /// the deadline it passed.
+    pub(crate) fn next_check(&mut self) -> Result<u64, DeadlinePassed> {
+        self.clock.check().map(Sandbox::ticks)
+    }
+
+    /// The deadline the call passed, if one did.
+    pub fn deadline_passed(&self) -> Option<&DeadlinePassed> {
+        self.clock.passed()
     }
 
     pub(crate) fn table(&mut self) -> &mut ResourceTable {
@@ -343,9 +382,7 @@ impl mmgate::modality::host::Host for CallState {
     }
 
     fn time_remaining(&mut self) -> u64 {
-        self.deadline_at
-            .saturating_duration_since(Instant::now())
-            .as_nanos() as u64
+        u64::try_from(self.clock.remaining().as_nanos()).unwrap_or(u64::MAX)
     }
 }
 

@@ -2,8 +2,6 @@
 //! `mmgate-video-decode`, owned by the call's resource table so everything a plugin opened is freed
 //! when its call ends. 0.2's interface is 0.3's under another version: served by the same code.
 
-use std::time::Instant;
-
 use mmgate_video_decode::{Video, VideoError as DecodeError};
 use wasmtime::component::Resource;
 
@@ -44,8 +42,26 @@ fn contract_error(error: DecodeError) -> VideoError {
         DecodeError::InvalidMedia(m) => VideoError::InvalidMedia(m),
         DecodeError::Unsupported(m) => VideoError::Unsupported(m),
         DecodeError::LimitExceeded(m) => VideoError::LimitExceeded(m),
+        // The contract has no such case: the plugin is told a limit was hit, and the call fails
+        // for the time the host ran out of (see `CallState::host_ran_out`), whatever it answers.
+        DecodeError::TimedOut(m) => VideoError::LimitExceeded(m),
         DecodeError::BadRequest(m) => VideoError::BadRequest(m),
         DecodeError::Internal(m) => VideoError::Internal(m),
+    }
+}
+
+impl CallState {
+    /// `decode` run as host work for the plugin (not charged to its own time); a decode that ran
+    /// out of time fails the call for that.
+    fn decoding<R>(
+        &mut self,
+        decode: impl FnOnce(&mut Self) -> Result<R, DecodeError>,
+    ) -> Result<R, VideoError> {
+        let result = self.host_work(decode);
+        if matches!(result, Err(DecodeError::TimedOut(_))) {
+            self.host_ran_out();
+        }
+        result.map_err(contract_error)
     }
 }
 
@@ -68,7 +84,7 @@ impl HostVideoDecoder for CallState {
             )));
         }
         let limits = self.videos.limits.clone();
-        let video = Video::open(&data, limits).map_err(contract_error)?;
+        let video = self.decoding(|_| Video::open(&data, limits))?;
         // FFmpeg reads its own in-memory copy: the call's copy can go now.
         drop(data);
         let handle = self
@@ -115,11 +131,11 @@ impl HostVideoDecoder for CallState {
     }
 
     fn frame(&mut self, handle: Resource<HostVideo>, index: u64) -> Result<Frame, VideoError> {
-        let deadline: Instant = self.deadline_at();
-        let frame = self
-            .video(&handle)?
-            .frame(index, Some(deadline))
-            .map_err(contract_error)?;
+        let deadline = self.wall_deadline();
+        let frame = self.decoding(|state| match state.video(&handle) {
+            Ok(video) => video.frame(index, Some(deadline)),
+            Err(e) => Err(DecodeError::Internal(e.to_string())),
+        })?;
         Ok(Frame {
             index: frame.index,
             timestamp: frame.timestamp,

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use mmgate_host::builtin::artifact_dir;
 use mmgate_host::{
-    Budget, CallError, Dtype, LoadedPlugin, Media, PluginError, PluginOrigin, PluginPool, Sandbox,
-    SandboxLimits, TokenPlan,
+    Budget, CallError, DeadlineClock, Dtype, LoadedPlugin, Media, PluginError, PluginOrigin,
+    PluginPool, Sandbox, SandboxLimits, TokenPlan,
 };
 
 const MEMORY: usize = 64 << 20;
@@ -91,9 +91,38 @@ fn endless_loop_is_stopped_by_the_deadline() {
     let plugin = test_plugin();
     let error = preprocess(&plugin, b"spin").unwrap_err();
     assert!(
-        matches!(error, CallError::Deadline(d) if d == Duration::from_millis(DEADLINE_MS)),
+        matches!(&error, CallError::Deadline(passed)
+            if passed.limit == Duration::from_millis(DEADLINE_MS)
+                && passed.clock == DeadlineClock::PluginCpu
+                && passed.call == "preprocess"
+                && passed.plugin == "testing"),
         "{error:?}"
     );
+    assert_healthy(&plugin);
+}
+
+/// The deadline is the plugin's own CPU time: a call whose thread waits (as on a machine whose
+/// cores other work holds) is not stopped for the wall-clock time that passes meanwhile; the
+/// wall-clock deadline, far larger, still stops a call that never gets anywhere.
+#[test]
+fn waiting_off_the_cpu_is_not_the_deadline_but_the_wall_clock_backstop_is() {
+    let plugin = test_plugin();
+    let waits = format!("sleep:{}", DEADLINE_MS * 3);
+    let tensors = preprocess(&plugin, waits.as_bytes()).expect("a call that only waited");
+    assert_eq!(tensors[0].name, "slept");
+    assert_eq!(plugin.deadlines_passed(), 0);
+
+    let plugin = testing_plugin_with(SandboxLimits {
+        wall_deadline_ms: DEADLINE_MS,
+        ..limits()
+    });
+    let error = preprocess(&plugin, waits.as_bytes()).unwrap_err();
+    assert!(
+        matches!(&error, CallError::Deadline(passed)
+            if passed.clock == DeadlineClock::Wall && passed.spent >= Duration::from_millis(DEADLINE_MS)),
+        "{error:?}"
+    );
+    assert_eq!(plugin.deadlines_passed(), 1);
     assert_healthy(&plugin);
 }
 

@@ -8,9 +8,14 @@ pub enum VideoError {
     /// A container or codec this build of FFmpeg cannot decode.
     #[error("{0}")]
     Unsupported(String),
-    /// The video exceeds a limit (bytes, duration, pixels per frame, frames decoded, decode time).
+    /// The video exceeds a limit (bytes, duration, pixels per frame, frames indexed or decoded).
     #[error("{0}")]
     LimitExceeded(String),
+    /// Indexing or decoding ran past a wall-clock limit (the video's `max_decode_ms`, or the
+    /// caller's deadline): how long it takes depends on the machine and its load, not only on the
+    /// upload, so it is not the upload's fault.
+    #[error("{0}")]
+    TimedOut(String),
     /// The caller asked for something impossible (frame indices out of range or not increasing).
     #[error("{0}")]
     BadRequest(String),

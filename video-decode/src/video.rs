@@ -322,7 +322,7 @@ impl Video {
     }
 
     fn time_limit(&self) -> VideoError {
-        VideoError::LimitExceeded(format!(
+        VideoError::TimedOut(format!(
             "decoding took longer than {} ms",
             self.limits.max_decode_ms
         ))
@@ -402,7 +402,7 @@ impl Video {
                 return Err(self.time_limit());
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(VideoError::LimitExceeded(
+                return Err(VideoError::TimedOut(
                     "the call's deadline passed while decoding".into(),
                 ));
             }

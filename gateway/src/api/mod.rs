@@ -336,6 +336,9 @@ impl Gateway {
             upstreams,
             plugin_queue: self.pool.queued(),
             plugin_running: self.pool.running(),
+            plugin_deadlines: (self.plugins.registry().iter())
+                .map(|p| (p.name().to_owned(), p.deadlines_passed()))
+                .collect(),
             file_bytes: self.files.local_bytes(),
         }
     }

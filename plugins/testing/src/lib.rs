@@ -5,6 +5,7 @@
 //! |--------------------|-------------------------------------------------------------------|
 //! | `echo` + payload   | returns the whole media as one `u8` tensor (benchmarks, healthy)  |
 //! | `spin`             | loops forever (deadline)                                          |
+//! | `sleep:MS`         | sleeps `MS` ms off the CPU, then loops a little (the deadlines' clocks) |
 //! | `grow`             | allocates memory without bound (memory cap)                       |
 //! | `recurse`          | recurses until the wasm (host-managed) stack overflows            |
 //! | `recurse-shadow`   | recurses with big frames until its in-memory shadow stack overflows |
@@ -129,6 +130,20 @@ impl Plugin for TestPlugin {
         }
         match text.split(':').next().unwrap_or_default() {
             "spin" => spin(),
+            "sleep" => {
+                let ms: u64 = text
+                    .split(':')
+                    .nth(1)
+                    .and_then(|s| s.trim().parse().ok())
+                    .ok_or_else(|| PluginError::invalid("sleep:MS needs milliseconds"))?;
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+                // A loop's back edges are where the sandbox looks at the call's clocks.
+                let mut x = 0u64;
+                for i in 0..1000 {
+                    x = black_box(x.wrapping_add(i));
+                }
+                Ok(vec![Tensor::from_i64("slept", &[1], &[x as i64])?])
+            }
             "grow" => grow(),
             "recurse" => Ok(vec![Tensor::from_i64("depth", &[1], &[recurse(1) as i64])?]),
             "recurse-shadow" => Ok(vec![Tensor::from_i64("depth", &[1], &[recurse_shadow(1)])?]),
