@@ -272,3 +272,67 @@ fn generation_config_eos_ids_end_a_generation() {
     );
     assert_eq!(stopped["usage"]["completion_tokens"], stop_at + 1);
 }
+
+/// Items made in several parts flow to the engine as each part is made; `mmgate generate` must
+/// keep feeding them until the generation ends (it once dropped them, failing every video and
+/// audio file of more than one part). Each answers exactly as the same item made whole does.
+#[test]
+fn media_made_in_parts_generate_as_the_whole_items_do() {
+    let cache = tempfile::tempdir().unwrap();
+    let run = |model: &str, flag: &str, media: &str, whole: bool| {
+        let mut args = vec![
+            "--model",
+            model,
+            flag,
+            media,
+            "--prompt",
+            "Describe it.",
+            "--max-tokens",
+            "4",
+        ];
+        if whole {
+            args.push("--whole-media");
+        }
+        json(&generate(cache.path(), &args))
+    };
+    let mut cases: Vec<(&str, &str, String)> = std::fs::read_dir(fixture("video/clips"))
+        .unwrap()
+        .map(|e| ("demo", "--video", e.unwrap().path().display().to_string()))
+        .collect();
+    cases.sort();
+    // Long enough (at its 12 fps) to be made in parts.
+    let several_parts = fixture("video/clips/12fps.mp4");
+    cases.push(("demo-qwen2.5-vl", "--video", several_parts.clone()));
+    cases.push(("demo-qwen3-vl", "--video", several_parts));
+    cases.push((
+        "demo-audio",
+        "--audio",
+        fixture("audio/clips/long-61s-16k.flac"),
+    ));
+    let mut in_parts = std::collections::BTreeSet::new();
+    for (model, flag, media) in &cases {
+        let pieces = run(model, flag, media, false);
+        let whole = run(model, flag, media, true);
+        assert_eq!(pieces["token_ids"], whole["token_ids"], "{model} {media}");
+        for count in ["prompt_tokens", "completion_tokens"] {
+            assert_eq!(
+                pieces["usage"][count], whole["usage"][count],
+                "{model} {media}"
+            );
+        }
+        let media_tokens = |r: &Value| r["usage"]["media"][0]["tokens"].clone();
+        assert_eq!(
+            media_tokens(&pieces),
+            media_tokens(&whole),
+            "{model} {media}"
+        );
+        if pieces["usage"]["media"][0]["parts"].as_u64().unwrap_or(1) > 1 {
+            in_parts.insert(*model);
+        }
+    }
+    // The clips cover what the regression was about: items of several parts, on every family.
+    assert_eq!(
+        in_parts.into_iter().collect::<Vec<_>>(),
+        ["demo", "demo-audio", "demo-qwen2.5-vl", "demo-qwen3-vl"]
+    );
+}

@@ -10,14 +10,13 @@ use anyhow::{Context, anyhow, bail};
 use base64::Engine as _;
 use clap::Args;
 use mmgate_host::{PluginPool, PluginRegistry, SandboxLimits};
-use mmgate_inference::engine::{Event, FinishReason};
 use serde_json::{Value, json};
 
 use crate::config::{EncodeErrorPolicy, PluginsConfig, RequestLimits};
 use crate::media::fetch::{FetchConfig, Fetcher};
 use crate::media::files::{FileStore, FilesConfig};
 use crate::media::sniff::sniff_mime_type;
-use crate::native::chat::{self, ChatServices, NativeModel};
+use crate::native::chat::{self, ChatServices, Generation, NativeModel, Step};
 use crate::native::model::{
     MediaKind, ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir,
 };
@@ -26,8 +25,8 @@ use crate::wire::openai::ChatCompletionRequest;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// An HF model directory (Qwen2-VL or Qwen2-Audio), or `demo` / `demo-audio` for the built-in
-    /// demo models.
+    /// An HF model directory of a natively served family, or a built-in demo model's name
+    /// (`demo`, `demo-qwen2.5-vl`, `demo-qwen3-vl`, `demo-audio`).
     #[arg(long)]
     model: PathBuf,
     /// An image file (repeatable; in order, before the text).
@@ -54,6 +53,10 @@ pub struct GenerateArgs {
     /// Extra plugins (a directory of NAME.wasm + NAME.toml).
     #[arg(long)]
     plugin_dir: Option<PathBuf>,
+    /// Make each medium whole before encoding it, instead of in its plugin's parts flowing to the
+    /// engine as each is made (the config's `media_parts = false`): the same tokens, later.
+    #[arg(long)]
+    whole_media: bool,
 }
 
 /// The request a chat client would send for these arguments: the files (images, then videos,
@@ -83,7 +86,8 @@ fn chat_request(args: &GenerateArgs, files: &[(MediaKind, &PathBuf)]) -> anyhow:
         "top_p": args.top_p,
     });
     if let Some(seed) = args.seed {
-        request["seed"] = json!(seed);
+        // The API's seed is signed; the same bits give the same sampler seed back.
+        request["seed"] = json!(i64::from_ne_bytes(seed.to_ne_bytes()));
     }
     Ok(request)
 }
@@ -99,7 +103,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         runtime,
         on_encode_error: EncodeErrorPolicy::Error,
         accept_image_embeds: false,
-        media_parts: true,
+        media_parts: !args.whole_media,
     };
     let files: Vec<(MediaKind, &PathBuf)> = (args.image.iter().map(|f| (MediaKind::Image, f)))
         .chain(args.video.iter().map(|f| (MediaKind::Video, f)))
@@ -137,44 +141,43 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let prepared = runtime
-        .block_on(chat::prepare(&model, request, &services))
-        .map_err(|e| {
-            let items: Vec<String> = files
-                .iter()
-                .enumerate()
-                .map(|(i, (_, path))| format!("{i} = {}", path.display()))
-                .collect();
-            anyhow!("{} (media items: {})", e.message, items.join(", "))
-        })?;
-    let (request, accounts) = prepared.into_request();
-    // A run's output repeats exactly for a seed: its plugins' timings are left out.
-    let media_report: Vec<Value> = accounts.iter().map(|a| a.to_json(false)).collect();
-    let mut handle = model.runtime.engine()?.submit(request)?;
-
-    let (mut token_ids, mut text) = (Vec::new(), String::new());
-    let (finish, usage) = loop {
-        match handle.events.blocking_recv() {
-            Some(Event::Token { id, text: t }) => {
-                token_ids.push(id);
-                text.push_str(&t);
+    // Driven as the chat route drives a request: the parts of items still being made are fed to
+    // the engine by tasks on this runtime, which must keep running until the generation ends.
+    let line = runtime.block_on(async {
+        let prepared = chat::prepare(&model, request, &services)
+            .await
+            .map_err(|e| {
+                let items: Vec<String> = files
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (_, path))| format!("{i} = {}", path.display()))
+                    .collect();
+                anyhow!("{} (media items: {})", e.message, items.join(", "))
+            })?;
+        let mut generation = Generation::start(&model, prepared)
+            .map_err(|e| anyhow!("generation failed: {}", e.message))?;
+        let mut text = String::new();
+        let (finish, usage) = loop {
+            match generation.next().await {
+                Ok(Step::Text(delta)) => text.push_str(&delta),
+                Ok(Step::Done { finish, usage }) => break (finish, usage),
+                Err(e) => bail!("generation failed: {}", e.message),
             }
-            Some(Event::Done { finish, usage }) => break (finish, usage),
-            Some(Event::Failed(failure)) => bail!("generation failed: {failure}"),
-            None => bail!("the engine stopped"),
-        }
-    };
-    let line = json!({
-        "token_ids": token_ids,
-        "text": text,
-        "finish_reason": match finish { FinishReason::Stop => "stop", FinishReason::Length => "length" },
-        "usage": {
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "media": media_report,
-        },
-    });
+        };
+        // A run's output repeats exactly for a seed: its plugins' timings are left out.
+        let media_report: Vec<Value> = generation.media.iter().map(|a| a.to_json(false)).collect();
+        anyhow::Ok(json!({
+            "token_ids": generation.token_ids,
+            "text": text,
+            "finish_reason": finish,
+            "usage": {
+                "prompt_tokens": usage["prompt_tokens"],
+                "completion_tokens": usage["completion_tokens"],
+                "total_tokens": usage["total_tokens"],
+                "media": media_report,
+            },
+        }))
+    })?;
     println!("{line}");
     Ok(ExitCode::SUCCESS)
 }

@@ -550,11 +550,6 @@ pub async fn plan_for_upstream(
 }
 
 impl Prepared {
-    /// The request as the engine takes it, and every media item's account.
-    pub fn into_request(self) -> (GenerateRequest, Vec<MediaAccount>) {
-        (self.request, self.media)
-    }
-
     /// The media as the engine takes them (dropped items left out), and every item's account.
     pub fn into_media(self) -> (Vec<MediaItem>, Vec<MediaAccount>) {
         // One per item: the parts of an input split over several runs share it, and of an item
@@ -871,9 +866,11 @@ pub struct Generation<'m> {
     /// The media accounts, updated when items are dropped.
     pub media: Vec<MediaAccount>,
     produced: bool,
-    /// The tasks handing parts still being made to the engine: stopped with the generation (a
-    /// part not yet begun is then never made).
-    feeding: Vec<tokio::task::JoinHandle<()>>,
+    /// The tokens generated so far.
+    pub token_ids: Vec<u32>,
+    /// One per task handing a part still being made to the engine: dropping it stops the task
+    /// (a part not yet begun is then never made).
+    feeding: Vec<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl Drop for Generation<'_> {
@@ -912,10 +909,14 @@ impl<'m> Generation<'m> {
         let feeding = feeds
             .into_iter()
             .map(|(part, maker)| {
+                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
                 tokio::spawn(async move {
-                    let made = part.wait().await.map_err(|e| e.to_string());
-                    maker.deliver(made);
-                })
+                    tokio::select! {
+                        made = part.wait() => maker.deliver(made.map_err(|e| e.to_string())),
+                        _ = stopped => maker.cancel(),
+                    }
+                });
+                stop
             })
             .collect();
         Ok(Self {
@@ -927,6 +928,7 @@ impl<'m> Generation<'m> {
             sampling,
             media,
             produced: false,
+            token_ids: Vec::new(),
             feeding,
         })
     }
@@ -941,8 +943,9 @@ impl<'m> Generation<'m> {
                 .await
                 .ok_or_else(|| internal("the inference engine stopped"))?;
             match event {
-                Event::Token { text, .. } => {
+                Event::Token { id, text } => {
                     self.produced = true;
+                    self.token_ids.push(id);
                     if !text.is_empty() {
                         return Ok(Step::Text(text));
                     }
@@ -975,9 +978,7 @@ impl<'m> Generation<'m> {
     }
 
     fn stop_feeding(&mut self) {
-        for task in self.feeding.drain(..) {
-            task.abort();
-        }
+        self.feeding.clear();
     }
 
     /// The drop policy: the same conversation with its media parts removed.

@@ -498,10 +498,11 @@ impl PromptModel {
                 makers.push(PieceMaker {
                     family: self.family.clone(),
                     kind,
+                    item: index,
                     part: n,
                     placement: placement.clone(),
                     tokens: plans[n].tokens as usize,
-                    delivery,
+                    delivery: Some(delivery),
                 });
                 Ok(EncodeInput::Later {
                     grid: placement.grid,
@@ -769,27 +770,40 @@ impl PromptModel {
 }
 
 /// What turns one part of an item, placed before it was made ([`PromptModel::coming_parts`]),
-/// into its encoder input once made, and hands that to the engine.
+/// into its encoder input once made, and hands that to the engine. Dropped before delivering
+/// while its request still waits, it is a bug in whatever drives the request: it fails the item
+/// saying which part was never made, and logs that once.
 pub struct PieceMaker {
     family: Arc<dyn FamilyModel>,
     kind: MediaKind,
+    /// The media item's index in the request, and the part's within the item.
+    item: usize,
     part: usize,
     /// Where the part was placed: what its tensors must make.
     placement: Placement,
     tokens: usize,
-    delivery: Delivery,
+    /// Taken when delivered.
+    delivery: Option<Delivery>,
 }
 
 impl PieceMaker {
     /// Hands the part's input to the engine: its tensors as the family reads them, checked to
-    /// make what was placed (the same tokens, grid, runs and M-RoPE step); or why there is none,
-    /// which fails the item in the engine as an encode error does.
-    pub fn deliver(self, made: Result<Vec<Tensor>, String>) {
+    /// make what was placed (the same tokens, grid, runs and M-RoPE step); or why there is none
+    /// (the maker's own error), which fails the item in the engine as an encode error does.
+    pub fn deliver(mut self, made: Result<Vec<Tensor>, String>) {
         let input = made.and_then(|tensors| {
             self.input_of(&tensors)
-                .map_err(|e| format!("part {}: {e:#}", self.part))
+                .map_err(|e| format!("media item {} part {}: {e:#}", self.item, self.part))
         });
-        self.delivery.deliver(input);
+        if let Some(delivery) = self.delivery.take() {
+            delivery.deliver(input);
+        }
+    }
+
+    /// Lets the part go unmade because its request is being stopped (the client left, or the
+    /// request is rerun without its media): not the bug dropping an awaited maker is.
+    pub fn cancel(mut self) {
+        self.delivery.take();
     }
 
     fn input_of(&self, tensors: &[Tensor]) -> anyhow::Result<EncodeInput> {
@@ -816,6 +830,24 @@ impl PieceMaker {
             );
         }
         Ok(planned.input)
+    }
+}
+
+impl Drop for PieceMaker {
+    fn drop(&mut self) {
+        let Some(delivery) = self.delivery.take() else {
+            return;
+        };
+        if !delivery.awaited() {
+            // The request is gone (cancelled or over): nobody waits for this part.
+            return;
+        }
+        let message = format!(
+            "media item {} part {} was never made: what drove the request stopped feeding its parts to the engine",
+            self.item, self.part
+        );
+        tracing::error!(item = self.item, part = self.part, "{message}");
+        delivery.deliver(Err(message));
     }
 }
 
@@ -1468,7 +1500,8 @@ mod tests {
         for (fault, expected) in [
             (Fault::PluginFailed, "the plugin failed"),
             (Fault::UnlikeItsPlan, "part plan"),
-            (Fault::MakerGone, "maker stopped"),
+            // Which part of which item was never made (item 3 below).
+            (Fault::MakerGone, "media item 3 part 1 was never made"),
         ] {
             let (coming, makers) = model
                 .prompt

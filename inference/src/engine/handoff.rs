@@ -97,6 +97,14 @@ impl Delivery {
             handoff.put(input);
         }
     }
+
+    /// Whether a request still waits for this input: false once the engine let go of its item
+    /// (the request finished, failed or was cancelled), when dropping it undelivered is expected.
+    pub fn awaited(&self) -> bool {
+        self.0
+            .as_ref()
+            .is_some_and(|handoff| Arc::strong_count(handoff) > 1)
+    }
 }
 
 impl Drop for Delivery {
@@ -159,6 +167,14 @@ mod tests {
         let seen = seen.lock().unwrap();
         assert_eq!(seen.len(), 1);
         assert!(seen[0].as_ref().is_err_and(|e| e.contains("stopped")));
+    }
+
+    #[test]
+    fn a_delivery_is_awaited_while_its_handoff_is_held() {
+        let (handoff, delivery) = Handoff::new();
+        assert!(delivery.awaited());
+        drop(handoff);
+        assert!(!delivery.awaited());
     }
 
     #[test]
