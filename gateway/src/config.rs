@@ -37,6 +37,8 @@ pub struct Config {
     /// On SIGTERM, how long the gateway goes on accepting requests while `/ready` answers 503,
     /// before it stops accepting: the time a load balancer (Kubernetes' endpoints) needs to notice.
     pub drain_seconds: u64,
+    /// How log lines are written (`text` or `json`); `--log-format` overrides it.
+    pub log_format: crate::logging::LogFormat,
     /// The threads plugin calls run on, and where compiled plugins are kept.
     pub plugins: PluginsConfig,
     /// Limits of every plugin call.
@@ -433,6 +435,9 @@ pub struct RequestLimits {
     pub max_total_image_bytes: usize,
     pub max_audio_bytes: usize,
     pub max_video_bytes: usize,
+    /// The text of all messages together (UTF-8 bytes): a request's text is held, templated and
+    /// tokenized several times over, so its size bounds what one request costs in memory.
+    pub max_text_bytes: usize,
 }
 
 impl Default for RequestLimits {
@@ -444,6 +449,7 @@ impl Default for RequestLimits {
             max_total_image_bytes: 50_000_000,
             max_audio_bytes: 25_000_000,
             max_video_bytes: 64_000_000,
+            max_text_bytes: 8 << 20,
         }
     }
 }
@@ -637,6 +643,7 @@ impl Default for Config {
             http_work_stealing: true,
             shutdown_grace_seconds: 5,
             drain_seconds: 0,
+            log_format: crate::logging::LogFormat::default(),
             plugins: PluginsConfig::default(),
             sandbox: SandboxLimits::default(),
             models: demo_models(),

@@ -2,6 +2,7 @@
 //! (`gateway/fuzz`) and the corpus replay test reach the parsers that see client and upstream bytes
 //! through [`fuzzing`]. Everything else is private to the crate.
 
+mod access;
 mod api;
 pub mod cli;
 mod config;

@@ -19,16 +19,30 @@ pub const HANDSHAKE_REPORT_INTERVAL: Duration = Duration::from_secs(10);
 const HANDSHAKE_TARGET: &str = "pingora_core::services::listening";
 const HANDSHAKE_PREFIX: &str = "Downstream handshake";
 
-pub fn init(filter: Option<&str>) {
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// One line of text per record.
+    #[default]
+    Text,
+    /// One JSON object per line: what log collectors parse without a pattern.
+    Json,
+}
+
+pub fn init(filter: Option<&str>, format: LogFormat) {
     let filter = match filter {
         Some(f) => EnvFilter::new(f),
         None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
     };
-    let subscriber = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .finish();
-    if tracing::subscriber::set_global_default(subscriber).is_err() {
+        .with_writer(std::io::stderr);
+    let set = match format {
+        LogFormat::Text => tracing::subscriber::set_global_default(builder.finish()),
+        LogFormat::Json => tracing::subscriber::set_global_default(builder.json().finish()),
+    };
+    if set.is_err() {
         return; // already set (a test harness)
     }
     if log::set_boxed_logger(Box::new(Bridge::default())).is_ok() {

@@ -3,14 +3,13 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use mmgate::{cli, logging};
+use mmgate::cli;
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = cli::Cli::parse();
-    logging::init(args.log.as_deref());
     match cli::run(args) {
         Ok(code) => code,
         Err(error) => {

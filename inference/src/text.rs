@@ -140,6 +140,30 @@ impl TextProcessor {
         Ok(encoding.get_ids().to_vec())
     }
 
+    /// Whether `text` surely makes more than `tokens` tokens wherever it stands in a prompt,
+    /// found without tokenizing all of it: it is tokenized in pieces cut before whitespace, each
+    /// piece's count taken less [`BOUNDARY_SLACK`] (what a merge across the cut could save), and
+    /// the answer is known once the sum passes `tokens` (a text of megabytes meant for a context
+    /// of thousands is refused after reading a few hundred kilobytes of it).
+    pub fn surely_longer_than(&self, text: &str, tokens: usize) -> Result<bool> {
+        let mut at_least = 0usize;
+        let mut rest = text;
+        while !rest.is_empty() {
+            let piece = piece_before_whitespace(rest, COUNTING_PIECE_BYTES);
+            rest = &rest[piece.len()..];
+            let made = self
+                .tokenizer
+                .encode_fast(piece, false)
+                .map_err(|e| Error::Input(format!("tokenizing: {e}")))?
+                .len();
+            at_least += made.saturating_sub(BOUNDARY_SLACK);
+            if at_least > tokens {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         self.tokenizer
             .decode(ids, skip_special_tokens)
@@ -201,6 +225,30 @@ impl TextProcessor {
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
+}
+
+/// Bytes of text tokenized at a time by [`TextProcessor::surely_longer_than`].
+const COUNTING_PIECE_BYTES: usize = 16 << 10;
+
+/// Tokens a cut between two pieces of text may cost at most: pre-tokenizers split text before
+/// whitespace, so a merge across a cut there joins at most the tokens either side of it.
+const BOUNDARY_SLACK: usize = 2;
+
+/// The start of `text` up to about `bytes`, cut before a whitespace character when there is one
+/// in the second half (else at a character boundary): all of `text` when it is shorter.
+fn piece_before_whitespace(text: &str, bytes: usize) -> &str {
+    if text.len() <= bytes {
+        return text;
+    }
+    let mut cut = bytes;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let cut = text[bytes / 2..cut]
+        .rfind(char::is_whitespace)
+        .map_or(cut, |at| bytes / 2 + at);
+    // A cut at 0 cannot happen (bytes / 2 > 0 for any useful size), but never return nothing.
+    &text[..cut.max(text.chars().next().map_or(0, char::len_utf8))]
 }
 
 /// Incremental detokenization state (holds no borrow of the tokenizer, so it can live in a

@@ -124,3 +124,36 @@ fn demo_audio_model_loads_and_its_template_marks_the_audio() {
         ]
     );
 }
+
+/// `surely_longer_than` is a lower bound: on texts long enough to be counted in many pieces (words,
+/// runs of whitespace, no whitespace at all, multi-byte characters, special tokens written in the
+/// text) it never says a text is longer than its real token count, and it finds a text of a
+/// megabyte longer than a context of thousands.
+#[test]
+fn a_text_is_found_surely_longer_without_overcounting() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = demo::ensure(tmp.path(), DemoFamily::Qwen2Vl).unwrap();
+    let text = TextProcessor::load(&dir).unwrap();
+    let words: String = (0..12_000)
+        .map(|i| format!("word{} ", i % 97))
+        .collect::<String>();
+    let samples = [
+        words.clone(),
+        words.replace(' ', "  \n\t "),
+        "x".repeat(70_000),
+        "Ünïcödé ✓ 漢字かな ".repeat(3_000),
+        "<|im_start|>user\nhello<|im_end|>\n".repeat(2_000),
+    ];
+    for sample in &samples {
+        let exact = text.encode(sample).unwrap().len();
+        assert!(
+            !text.surely_longer_than(sample, exact).unwrap(),
+            "overcounted a text of {} bytes and {exact} tokens",
+            sample.len()
+        );
+        assert!(text.surely_longer_than(sample, exact / 2).unwrap());
+    }
+    let megabyte = words.repeat(12);
+    assert!(text.surely_longer_than(&megabyte, 32_768).unwrap());
+    assert!(!text.surely_longer_than("a short question", 32_768).unwrap());
+}

@@ -35,7 +35,12 @@ impl Server {
 
     /// The same, with extra environment variables.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
-        Server::start_until(args, env, answers_health)
+        Server::start_until(args, env, Stdio::inherit(), answers_health)
+    }
+
+    /// The same, its log (stderr) written to `log`.
+    pub fn start_logging_to(args: &[&str], env: &[(&str, &str)], log: std::fs::File) -> Server {
+        Server::start_until(args, env, Stdio::from(log), answers_health)
     }
 
     /// The same for a server whose config makes it serve HTTPS: ready once `GET /health` answers
@@ -46,7 +51,7 @@ impl Server {
             .timeout(Duration::from_secs(5))
             .build()
             .unwrap();
-        Server::start_until(args, env, |addr| {
+        Server::start_until(args, env, Stdio::inherit(), |addr| {
             let port = addr.rsplit(':').next().unwrap_or_default();
             client
                 .get(format!("https://localhost:{port}/health"))
@@ -55,7 +60,12 @@ impl Server {
         })
     }
 
-    fn start_until(args: &[&str], env: &[(&str, &str)], ready: impl Fn(&str) -> bool) -> Server {
+    fn start_until(
+        args: &[&str],
+        env: &[(&str, &str)],
+        stderr: Stdio,
+        ready: impl Fn(&str) -> bool,
+    ) -> Server {
         let addr = format!("127.0.0.1:{}", free_port());
         let child = super::mmgate_command()
             .envs(env.iter().copied())
@@ -63,7 +73,7 @@ impl Server {
             .args(args)
             .args(["--listen", &addr])
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("start mmgate serve");
         let mut server = Server { child, addr };

@@ -15,6 +15,7 @@ use serde_json::{Value, json};
 
 use super::io::{EventStream, read_body, write_error, write_json};
 use super::{Gateway, Route, UpstreamMedia};
+use crate::access::{Access, Tokens};
 use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
@@ -42,6 +43,9 @@ fn accounts_header(accounts: &[MediaAccount]) -> Option<HeaderValue> {
         .and_then(|a| HeaderValue::from_str(&a).ok())
 }
 
+/// Characters of a requested model's name the access log keeps (a client may send any string).
+const MODEL_NAME_LOGGED: usize = 128;
+
 /// Just what routing needs; the rest of the body is left to whoever serves the model.
 #[derive(Deserialize)]
 struct RoutingFields<'a> {
@@ -58,18 +62,20 @@ impl Gateway {
         &self,
         session: &mut ServerSession,
         tally: Option<&TokenTally>,
+        mut access: Access,
     ) {
         let started = Instant::now();
-        let outcome = self.chat_inner(session, tally).await;
-        let (route, status) = match &outcome {
-            Ok(answered) => *answered,
-            Err((route, error)) => (*route, error.status),
+        let outcome = self.chat_inner(session, tally, &mut access).await;
+        let (route, status, code) = match &outcome {
+            Ok((route, status)) => (*route, *status, None),
+            Err((route, error)) => (*route, error.status, Some(error.code)),
         };
         if let Err((_, error)) = outcome {
             write_error(session, &error).await;
         }
         self.metrics
             .request_done("/v1/chat/completions", route, status, started.elapsed());
+        access.log("/v1/chat/completions", route, status, code);
     }
 
     /// The route taken ("native", "upstream", or "none") and the status answered, or the error to
@@ -78,6 +84,7 @@ impl Gateway {
         &self,
         session: &mut ServerSession,
         tally: Option<&TokenTally>,
+        access: &mut Access,
     ) -> Result<(&'static str, StatusCode), (&'static str, ApiError)> {
         let body = read_body(session, self.limits.max_body_bytes)
             .await
@@ -87,6 +94,7 @@ impl Gateway {
         }
         let routing: RoutingFields =
             serde_json::from_slice(&body).map_err(|e| ("none", invalid_json(&e)))?;
+        access.model = Some(routing.model.chars().take(MODEL_NAME_LOGGED).collect());
         let caller = self.caller(session);
         match self.models.get(routing.model.as_ref()) {
             None => Err((
@@ -113,9 +121,8 @@ impl Gateway {
                 }
             }
             Some(Route::Native(model)) => {
-                let request = chat_request(&body).map_err(|e| ("native", e))?;
-                drop(body);
-                self.native(session, &caller, model, request, tally)
+                let request = parsed_off_thread(body).await.map_err(|e| ("native", e))?;
+                self.native(session, &caller, model, request, tally, access)
                     .await
                     .map(|()| ("native", StatusCode::OK))
                     .map_err(|e| ("native", e))
@@ -209,8 +216,7 @@ impl Gateway {
         mut value: Value,
         body: Bytes,
     ) -> Result<(Value, ReplyAdditions), ApiError> {
-        let request = chat_request(&body)?;
-        drop(body);
+        let request = parsed_off_thread(body).await?;
         let planned = chat::plan_for_upstream(
             prompt,
             pool.accept_image_embeds,
@@ -269,9 +275,11 @@ impl Gateway {
         model: &NativeModel,
         request: ChatCompletionRequest,
         tally: Option<&TokenTally>,
+        access: &mut Access,
     ) -> Result<(), ApiError> {
         let prepared = self.prepare(caller, model, request).await?;
-        let used = |usage: &Value| {
+        let mut used = |usage: &Value| {
+            access.tokens = Some(Tokens::of_usage(usage));
             if let (Some(tally), Some(total)) = (tally, usage["total_tokens"].as_u64()) {
                 tally.used(total);
             }
@@ -506,6 +514,26 @@ fn encode_failed(message: &str) -> ApiError {
 /// The body as a chat completion request, every route's way.
 fn chat_request(body: &[u8]) -> Result<ChatCompletionRequest, ApiError> {
     serde_json::from_slice(body).map_err(|e| invalid_json(&e))
+}
+
+/// Bodies from which size [`parsed_off_thread`] parses on a blocking thread.
+const BODY_WORTH_A_THREAD: usize = 1 << 20;
+
+/// [`chat_request`], on a blocking thread for a large body: parsing megabytes holds up every
+/// other connection of the thread that serves this one.
+async fn parsed_off_thread(body: Bytes) -> Result<ChatCompletionRequest, ApiError> {
+    if body.len() < BODY_WORTH_A_THREAD {
+        return chat_request(&body);
+    }
+    tokio::task::spawn_blocking(move || chat_request(&body))
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                e.to_string(),
+            )
+        })?
 }
 
 fn invalid_json(error: &serde_json::Error) -> ApiError {

@@ -22,6 +22,7 @@ use pingora::server::ShutdownWatch;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::Gateway;
+use crate::access::Access;
 use crate::config::ConnectionsConfig;
 use crate::deadline::Deadline;
 use crate::error::ApiError;
@@ -99,6 +100,12 @@ impl ServerApp for App {
             clock.next_request();
         }
     }
+}
+
+/// The client's address on `stream`.
+fn peer_ip(stream: &Stream) -> Option<std::net::IpAddr> {
+    let digest = stream.get_socket_digest()?;
+    digest.peer_addr()?.as_inet().map(|addr| addr.ip())
 }
 
 /// One of the `connections.max` client connections, given back when dropped.
@@ -185,6 +192,7 @@ impl Gateway {
             }
         };
         let started = Instant::now();
+        let mut access = Access::start("POST", peer_ip(stream));
         let authorization = passable.authorization.clone().map(|r| &buf[r]);
         if self.check_key(authorization).is_err() {
             // Refused in pingora's session, as every other unauthenticated request is.
@@ -200,11 +208,10 @@ impl Gateway {
             return Lane::Pingora;
         };
         let request = buf.split_to(passable.len());
-        let permit = match self
-            .key_limits
-            .admit(&self.caller_for(authorization_of(&request, &passable)))
-            .await
-        {
+        let caller = self.caller_for(authorization_of(&request, &passable));
+        access.key = Some(caller.as_str().to_owned());
+        access.model = Some(pool.model.clone());
+        let permit = match self.key_limits.admit(&caller).await {
             Ok(permit) => permit,
             Err(error) => {
                 let closing = *shutdown.borrow();
@@ -219,6 +226,12 @@ impl Gateway {
                     "none",
                     error.status,
                     started.elapsed(),
+                );
+                access.log(
+                    "/v1/chat/completions",
+                    "none",
+                    error.status,
+                    Some(error.code),
                 );
                 return Lane::Served {
                     keep_alive: written.is_ok() && !closing,
@@ -240,8 +253,8 @@ impl Gateway {
             answer_deadline: side.answer_deadline,
         };
         let relayed = pool.relay(stream, &request, &passable, &key, side).await;
-        let (status, keep_alive) = match relayed {
-            Relayed::Answered { status, keep_alive } => (status, keep_alive),
+        let (status, code, keep_alive) = match relayed {
+            Relayed::Answered { status, keep_alive } => (status, None, keep_alive),
             Relayed::Failed(error) => {
                 let written = send_within(
                     stream,
@@ -249,7 +262,7 @@ impl Gateway {
                     self.connections.send_timeout(),
                 )
                 .await;
-                (error.status, written.is_ok() && !closing)
+                (error.status, Some(error.code), written.is_ok() && !closing)
             }
         };
         self.metrics.request_done(
@@ -258,6 +271,7 @@ impl Gateway {
             status,
             started.elapsed(),
         );
+        access.log("/v1/chat/completions", "upstream", status, code);
         Lane::Served { keep_alive }
     }
 
@@ -348,6 +362,7 @@ impl Gateway {
         message: &str,
     ) -> Lane {
         let error = ApiError::new(status, code, message);
+        Access::start("-", peer_ip(stream)).log("other", "none", status, Some(code));
         let written = send_within(
             stream,
             &error_response(&error, true),
@@ -441,6 +456,7 @@ impl Gateway {
         }
         self.metrics
             .request_done("other", "none", error.status, Duration::ZERO);
+        Access::start("-", peer_ip(stream)).log("other", "none", error.status, Some(error.code));
     }
 
     /// Serves the request at the start of `buf` (and of what follows on `stream`) in a pingora

@@ -19,6 +19,7 @@ use mmgate_host::{CONTRACT_VERSION, PluginPool};
 use pingora::protocols::http::ServerSession;
 use serde_json::{Value, json};
 
+use crate::access::Access;
 use crate::config::{ConnectionsConfig, RequestLimits};
 use crate::error::ApiError;
 use crate::keylimits::{KeyLimits, Permit};
@@ -97,14 +98,22 @@ impl Gateway {
         let started = Instant::now();
         let method = session.req_header().method.as_str().to_owned();
         let path = session.req_header().uri.path().to_owned();
+        let client = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip());
+        let mut access = Access::start(&method, client);
         let mut _permit = None;
         if path.starts_with("/v1/") {
             let admitted = match self.authenticate(session) {
-                Ok(()) => self
-                    .key_limits
-                    .admit(&self.caller(session))
-                    .await
-                    .map_err(|e| ("limited", e)),
+                Ok(()) => {
+                    let caller = self.caller(session);
+                    access.key = Some(caller.as_str().to_owned());
+                    self.key_limits
+                        .admit(&caller)
+                        .await
+                        .map_err(|e| ("limited", e))
+                }
                 Err(e) => Err(("unauthenticated", e)),
             };
             match admitted {
@@ -114,6 +123,7 @@ impl Gateway {
                     write_error(session, &error).await;
                     self.metrics
                         .request_done(label, "none", error.status, started.elapsed());
+                    access.log(route_label(&path), "none", error.status, Some(error.code));
                     return;
                 }
             }
@@ -122,7 +132,7 @@ impl Gateway {
             ("POST", "/v1/chat/completions") => {
                 // Writes its own response (it may stream) and records its own metrics.
                 let tally = _permit.as_ref().and_then(Permit::tally);
-                return self.chat_completions(session, tally).await;
+                return self.chat_completions(session, tally, access).await;
             }
             ("GET", "/metrics") => {
                 let text = self.metrics.render(self.snapshot());
@@ -158,30 +168,23 @@ impl Gateway {
             ) => Err(ApiError::method_not_allowed(&method, &path)),
             _ => Err(ApiError::not_found(&path)),
         };
-        let status = match &result {
+        let (status, code) = match &result {
             Ok(body) => {
                 write_json(session, StatusCode::OK, body).await;
-                StatusCode::OK
+                (StatusCode::OK, None)
             }
             Err(error) => {
                 write_error(session, error).await;
-                error.status
+                (error.status, Some(error.code))
             }
         };
-        // Labels come from the routes, never from the client's path: ids and unknown paths would
-        // make a new series each, without bound.
-        let label = match path.as_str() {
-            "/health" => "/health",
-            "/ready" => "/ready",
-            "/v1/models" => "/v1/models",
-            "/v1/plugins" => "/v1/plugins",
-            "/v1/preprocess" => "/v1/preprocess",
-            "/v1/files" => "/v1/files",
-            p if p.starts_with("/v1/files/") => "/v1/files/{id}",
-            _ => "other",
-        };
+        let label = route_label(&path);
         self.metrics
             .request_done(label, "none", status, started.elapsed());
+        // The probes answer every few seconds: their lines would drown the rest.
+        if !matches!(label, "/health" | "/ready" | "/metrics") || status != StatusCode::OK {
+            access.log(label, "none", status, code);
+        }
     }
 
     /// Who the client at `peer` (the connection's remote address) is, as upstreams are told.
@@ -341,6 +344,23 @@ impl Gateway {
                 .collect(),
             file_bytes: self.files.local_bytes(),
         }
+    }
+}
+
+/// A request path's label in metrics and the access log. Labels come from the routes, never from
+/// the client's path: ids and unknown paths would make a new series each, without bound.
+fn route_label(path: &str) -> &'static str {
+    match path {
+        "/health" => "/health",
+        "/ready" => "/ready",
+        "/metrics" => "/metrics",
+        "/v1/models" => "/v1/models",
+        "/v1/plugins" => "/v1/plugins",
+        "/v1/preprocess" => "/v1/preprocess",
+        "/v1/files" => "/v1/files",
+        "/v1/chat/completions" => "/v1/chat/completions",
+        p if p.starts_with("/v1/files/") => "/v1/files/{id}",
+        _ => "other",
     }
 }
 

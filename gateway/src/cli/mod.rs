@@ -13,6 +13,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::config::Config;
+use crate::logging::{self, LogFormat};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -24,6 +25,10 @@ pub struct Cli {
     /// Log filter, e.g. `info` or `mmgate=debug` (default: $RUST_LOG, else `info`).
     #[arg(long, global = true)]
     pub log: Option<String>,
+
+    /// Log lines as text or as JSON objects (default: `serve`'s config `log_format`, else text).
+    #[arg(long, global = true, value_enum)]
+    pub log_format: Option<LogFormat>,
 
     #[command(subcommand)]
     pub command: Command,
@@ -50,21 +55,38 @@ pub enum Command {
     Generate(generate::GenerateArgs),
 }
 
+/// Runs the command, logging as `--log` and `--log-format` (or `serve`'s config) say.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let filter = cli.log.as_deref();
+    let tool_logging = || logging::init(filter, cli.log_format.unwrap_or_default());
     match cli.command {
         Command::Serve { config, listen } => {
-            let mut config = match config {
-                Some(path) => Config::load(&path)?,
-                None => Config::default(),
+            let config = match config {
+                Some(path) => Config::load(&path),
+                None => Ok(Config::default()),
             };
+            let format = cli
+                .log_format
+                .or(config.as_ref().ok().map(|c| c.log_format));
+            logging::init(filter, format.unwrap_or_default());
+            let mut config = config?;
             if let Some(listen) = listen {
                 config.listen = listen;
             }
             crate::server::serve(config)?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Plugin(command) => plugin::run(command),
-        Command::Preprocess(args) => preprocess::run(args),
-        Command::Generate(args) => generate::run(args),
+        Command::Plugin(command) => {
+            tool_logging();
+            plugin::run(command)
+        }
+        Command::Preprocess(args) => {
+            tool_logging();
+            preprocess::run(args)
+        }
+        Command::Generate(args) => {
+            tool_logging();
+            generate::run(args)
+        }
     }
 }

@@ -170,6 +170,9 @@ async fn gather(
     if request.n.is_some_and(|n| n != 1) {
         return Err(invalid("n", "only n = 1 is supported"));
     }
+    request
+        .check()
+        .map_err(|openai::Invalid { param, message }| invalid(param, message))?;
     if request.messages.is_empty() {
         return Err(invalid("messages", "messages is empty"));
     }
@@ -186,6 +189,7 @@ async fn gather(
     }
 
     // The conversation as the chat template sees it, and the media parts in prompt order.
+    checked_text(prompt, &request.messages, services.limits).await?;
     let mut messages = Vec::with_capacity(request.messages.len());
     let mut sources = Vec::new();
     for message in std::mem::take(&mut request.messages) {
@@ -225,7 +229,7 @@ async fn gather(
         }
     }
 
-    let ids = prompt_ids(prompt, &messages)?;
+    let (messages, ids) = prompt_ids_off_thread(prompt, messages).await?;
     let text_tokens = prompt.text_tokens(&ids);
     let context = prompt.context_length;
     let max_tokens = match request.max_tokens {
@@ -460,7 +464,7 @@ pub async fn prepare(
                 request.temperature,
                 request.top_p,
                 request.top_k,
-                request.seed,
+                request.sampling_seed(),
             )?,
             max_tokens,
             stop,
@@ -667,23 +671,18 @@ async fn resolve_media(
             .clone()
             .unwrap_or_else(|| "unknown content".into());
         let plugin = plugin.ok_or_else(|| {
-            ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media",
-                format!("media item {index}: no loaded plugin accepts it ({what})"),
-            )
+            unsupported_media(format!(
+                "media item {index}: no loaded plugin accepts it ({what})"
+            ))
         })?;
         let handles = |k: MediaKind| plugin.descriptor().modalities.iter().any(|m| m == k.name());
         let kind = match kind {
             Some(kind) if handles(kind) => kind,
             Some(kind) => {
-                return Err(invalid(
-                    "messages",
-                    format!(
-                        "media item {index} is sent as {} but holds {what}",
-                        kind.name()
-                    ),
-                ));
+                return Err(unsupported_media(format!(
+                    "media item {index} is sent as {} but holds {what}",
+                    kind.name()
+                )));
             }
             // An upload is whatever its plugin makes of it, if the model takes that.
             None => runtime
@@ -692,13 +691,10 @@ async fn resolve_media(
                 .copied()
                 .find(|&k| handles(k))
                 .ok_or_else(|| {
-                    invalid(
-                        "messages",
-                        format!(
-                            "media item {index}: model {} does not take {what}",
-                            runtime.name
-                        ),
-                    )
+                    unsupported_media(format!(
+                        "media item {index}: model {} does not take {what}",
+                        runtime.name
+                    ))
                 })?,
         };
         tally.add(index, kind, media.data.len())?;
@@ -738,6 +734,13 @@ pub async fn source_bytes(
                 ));
             }
         },
+        ByteSource::NotBase64 => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_media_url",
+                format!("media item {index}: {}", openai::NOT_BASE64),
+            ));
+        }
         ByteSource::Url(url) => {
             let fetched = services.fetcher.fetch(&url, limit).await.map_err(|e| {
                 let mut api = ApiError::from(&e);
@@ -1014,16 +1017,78 @@ impl<'m> Generation<'m> {
     }
 }
 
+/// What tokenizing a request's text costs is bounded before it is paid: all its text together
+/// within `max_text_bytes`, and text that surely makes more tokens than the model's context
+/// refused after counting only as much as shows that. Counting runs off the threads that serve
+/// connections.
+async fn checked_text(
+    prompt: &PromptModel,
+    messages: &[openai::Message],
+    limits: &RequestLimits,
+) -> Result<(), ApiError> {
+    let texts: Vec<&str> = messages.iter().flat_map(|m| m.texts()).collect();
+    let bytes: usize = texts.iter().map(|t| t.len()).sum();
+    if bytes > limits.max_text_bytes {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "text_too_large",
+            format!(
+                "the messages' text is {bytes} bytes; the limit is {}",
+                limits.max_text_bytes
+            ),
+        ));
+    }
+    // Short text is counted in full in a moment below; only long text is worth a check first.
+    if bytes < TEXT_WORTH_COUNTING_FIRST {
+        return Ok(());
+    }
+    let joined = texts.join("\n");
+    let (text, context) = (prompt.text.clone(), prompt.context_length);
+    let surely_over =
+        tokio::task::spawn_blocking(move || text.surely_longer_than(&joined, context))
+            .await
+            .map_err(|e| internal(e.to_string()))?
+            .map_err(|e| invalid("messages", e.to_string()))?;
+    if surely_over {
+        return Err(context_exceeded(format!(
+            "the messages' text alone is more than {context} tokens, this model's context"
+        )));
+    }
+    Ok(())
+}
+
+/// Bytes of text below which [`checked_text`] leaves the count to the tokenizer's full pass.
+const TEXT_WORTH_COUNTING_FIRST: usize = 64 << 10;
+
+/// [`prompt_ids`] on a blocking thread, not one serving connections: templating and tokenizing
+/// a long conversation takes long enough to hold up every other request on the thread.
+async fn prompt_ids_off_thread(
+    prompt: &PromptModel,
+    messages: Vec<ChatMessage>,
+) -> Result<(Vec<ChatMessage>, Vec<u32>), ApiError> {
+    let text = prompt.text.clone();
+    tokio::task::spawn_blocking(move || {
+        let ids = templated_ids(&text, &messages);
+        ids.map(|ids| (messages, ids))
+    })
+    .await
+    .map_err(|e| internal(e.to_string()))?
+}
+
 /// The conversation templated and tokenized (placeholders not yet expanded).
 fn prompt_ids(runtime: &PromptModel, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
-    let templated = runtime
-        .text
+    templated_ids(&runtime.text, messages)
+}
+
+/// [`prompt_ids`] with the model's text processor alone.
+fn templated_ids(
+    text: &mmgate_inference::text::TextProcessor,
+    messages: &[ChatMessage],
+) -> Result<Vec<u32>, ApiError> {
+    let templated = text
         .apply_chat_template(messages, true)
         .map_err(|e| invalid("messages", format!("the chat template refused them: {e}")))?;
-    runtime
-        .text
-        .encode(&templated)
-        .map_err(|e| internal(e.to_string()))
+    text.encode(&templated).map_err(|e| internal(e.to_string()))
 }
 
 /// `messages` without the media parts whose item index (their order in the conversation) `drop`
@@ -1067,6 +1132,17 @@ fn failure_error(failure: &Failure) -> ApiError {
 fn invalid(param: &'static str, message: impl Into<String>) -> ApiError {
     let mut error = ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message);
     error.param = Some(param);
+    error
+}
+
+/// A medium of a kind its part, or the model, does not take: one code whatever the part's type.
+fn unsupported_media(message: String) -> ApiError {
+    let mut error = ApiError::new(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported_media",
+        message,
+    );
+    error.param = Some("messages");
     error
 }
 

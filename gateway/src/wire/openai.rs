@@ -24,12 +24,104 @@ pub struct ChatCompletionRequest {
     /// vLLM's extension; 0 or -1 is off.
     #[serde(default)]
     pub top_k: Option<i64>,
+    /// Signed, as OpenAI takes it.
     #[serde(default)]
-    pub seed: Option<u64>,
+    pub seed: Option<i64>,
     #[serde(default)]
     pub stop: Option<OneOrMany>,
     #[serde(default)]
     pub n: Option<u32>,
+}
+
+/// The roles a message may have, as OpenAI's API takes them.
+const ROLES: [&str; 6] = [
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
+
+/// The `input_audio.format`s taken: OpenAI's (`wav`, `mp3`) and the other containers the audio
+/// plugin decodes.
+pub const INPUT_AUDIO_FORMATS: [&str; 8] =
+    ["wav", "mp3", "flac", "ogg", "opus", "m4a", "aac", "webm"];
+
+/// A request that is well formed JSON but not a valid chat completion request: the field at
+/// fault (OpenAI's `param`) and why.
+#[derive(Debug, PartialEq)]
+pub struct Invalid {
+    pub param: &'static str,
+    pub message: String,
+}
+
+impl ChatCompletionRequest {
+    /// Checks what OpenAI's API checks before a request is served: each message's role, that the
+    /// roles which need content have it, that media parts stand only in user messages,
+    /// `input_audio`'s format, and `stream_options` only with `stream`.
+    pub fn check(&self) -> Result<(), Invalid> {
+        let invalid = |param, message: String| Err(Invalid { param, message });
+        if self.stream_options.is_some() && !self.stream {
+            return invalid(
+                "stream_options",
+                "stream_options is only allowed when stream is true".into(),
+            );
+        }
+        for (i, message) in self.messages.iter().enumerate() {
+            let role = message.role.as_str();
+            if !ROLES.contains(&role) {
+                return invalid(
+                    "messages",
+                    format!(
+                        "messages[{i}].role is {role:?}; it must be one of {}",
+                        ROLES.join(", ")
+                    ),
+                );
+            }
+            let Some(content) = &message.content else {
+                if matches!(role, "assistant" | "function") {
+                    continue;
+                }
+                return invalid(
+                    "messages",
+                    format!("messages[{i}]: a {role} message needs content"),
+                );
+            };
+            let Content::Parts(parts) = content else {
+                continue;
+            };
+            for (j, part) in parts.iter().enumerate() {
+                if role != "user" && !matches!(part, Part::Text { .. }) {
+                    return invalid(
+                        "messages",
+                        format!(
+                            "messages[{i}].content[{j}] is a {} part; a {role} message holds only text parts",
+                            part.type_name()
+                        ),
+                    );
+                }
+                if let Part::InputAudio { input_audio } = part {
+                    let format = input_audio.format.as_deref().unwrap_or_default();
+                    if !INPUT_AUDIO_FORMATS.contains(&format.to_ascii_lowercase().as_str()) {
+                        return invalid(
+                            "messages",
+                            format!(
+                                "messages[{i}].content[{j}].input_audio.format is {format:?}; it must be one of {}",
+                                INPUT_AUDIO_FORMATS.join(", ")
+                            ),
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The seed as the samplers take it: a signed seed's bits, so each seed is its own.
+    pub fn sampling_seed(&self) -> Option<u64> {
+        self.seed.map(|s| u64::from_ne_bytes(s.to_ne_bytes()))
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -65,6 +157,23 @@ pub struct Message {
 pub enum Content {
     Text(String),
     Parts(Vec<Part>),
+}
+
+impl Message {
+    /// The message's text, part by part.
+    pub fn texts(&self) -> impl Iterator<Item = &str> {
+        let (whole, parts) = match &self.content {
+            Some(Content::Text(text)) => (Some(text.as_str()), &[][..]),
+            Some(Content::Parts(parts)) => (None, parts.as_slice()),
+            None => (None, &[][..]),
+        };
+        whole
+            .into_iter()
+            .chain(parts.iter().filter_map(|part| match part {
+                Part::Text { text } => Some(text.as_str()),
+                _ => None,
+            }))
+    }
 }
 
 /// By hand rather than `untagged`, so that a bad part is named in the error ("content part 2:
@@ -182,9 +291,28 @@ pub enum ByteSource {
     Url(String),
     /// An upload in the file store.
     File(String),
+    /// A data URL whose payload is not marked base64 (`data:<mime>,<text>`): media must be.
+    NotBase64,
 }
 
+/// Why a [`ByteSource::NotBase64`] gives no bytes.
+pub const NOT_BASE64: &str =
+    "the data URL is not base64: media data URLs are data:<mime type>;base64,<payload>";
+
 impl Part {
+    /// The part's `type`, as the client wrote it.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Part::Text { .. } => "text",
+            Part::ImageUrl { .. } => "image_url",
+            Part::VideoUrl { .. } => "video_url",
+            Part::AudioUrl { .. } => "audio_url",
+            Part::InputAudio { .. } => "input_audio",
+            Part::File { .. } => "file",
+            Part::ImageEmbeds { .. } => "image_embeds",
+        }
+    }
+
     /// A media part's kind and source; `None` for text. A `file` part's kind is known only once its
     /// bytes are (it is whatever the upload is).
     pub fn media(&self) -> Option<(Option<MediaKind>, MediaSource)> {
@@ -240,11 +368,7 @@ impl ByteSource {
         });
         match data_url {
             Some(source) => source,
-            None if url.starts_with("data:") => ByteSource::Base64 {
-                // Not base64: decoding says so with a clear error.
-                data: String::from("!"),
-                mime_type: None,
-            },
+            None if url.starts_with("data:") => ByteSource::NotBase64,
             None => ByteSource::Url(url.to_owned()),
         }
     }

@@ -1,0 +1,106 @@
+//! The access log: one line per request at INFO, target `mmgate::access`, when its answer is done.
+//! It says who sent what and how it ended (method, route, model, status, error code, latency,
+//! tokens, client address, the API key's id), so an operator can see every refusal and why; it
+//! never holds a prompt, media or a key's secret (the key's id is the hash the per-key limits
+//! use). `RUST_LOG=mmgate::access=off` (or `--log`) turns it off; `--log-format json` makes each
+//! line a JSON object.
+
+use std::net::IpAddr;
+use std::time::Instant;
+
+use http::StatusCode;
+
+/// Target of the access log's records.
+pub const TARGET: &str = "mmgate::access";
+
+/// Tokens a request's answer reported.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Tokens {
+    pub prompt: u64,
+    pub completion: u64,
+    pub media: u64,
+}
+
+impl Tokens {
+    /// The counts of an OpenAI `usage` object (its `media` accounts' tokens summed).
+    pub fn of_usage(usage: &serde_json::Value) -> Tokens {
+        let count = |name: &str| usage[name].as_u64().unwrap_or(0);
+        let media = usage["media"].as_array().map_or(0, |items| {
+            items.iter().filter_map(|m| m["tokens"].as_u64()).sum()
+        });
+        Tokens {
+            prompt: count("prompt_tokens"),
+            completion: count("completion_tokens"),
+            media,
+        }
+    }
+}
+
+/// What is known of one request so far; [`Access::log`] writes its line.
+#[derive(Debug)]
+pub struct Access {
+    started: Instant,
+    method: String,
+    client: Option<IpAddr>,
+    /// The caller's id (`public` on a gateway without keys); unknown before authentication.
+    pub key: Option<String>,
+    pub model: Option<String>,
+    pub tokens: Option<Tokens>,
+}
+
+impl Access {
+    pub fn start(method: &str, client: Option<IpAddr>) -> Access {
+        Access {
+            started: Instant::now(),
+            method: method.to_owned(),
+            client,
+            key: None,
+            model: None,
+            tokens: None,
+        }
+    }
+
+    /// Writes the request's line: `path` and `route` as the metrics label them (never the
+    /// client's own path, which may hold anything), and the error's code when it failed.
+    pub fn log(&self, path: &str, route: &str, status: StatusCode, code: Option<&str>) {
+        let latency_ms = (self.started.elapsed().as_secs_f64() * 1e4).round() / 10.0;
+        let tokens = self.tokens.unwrap_or_default();
+        let client = self.client.map(|ip| ip.to_string());
+        tracing::info!(
+            target: TARGET,
+            method = %self.method,
+            path,
+            route,
+            model = self.model.as_deref().unwrap_or("-"),
+            status = status.as_u16(),
+            code = code.unwrap_or("-"),
+            latency_ms,
+            prompt_tokens = tokens.prompt,
+            completion_tokens = tokens.completion,
+            media_tokens = tokens.media,
+            client = client.as_deref().unwrap_or("-"),
+            key = self.key.as_deref().unwrap_or("-"),
+            "request"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_come_from_usage_with_the_media_summed() {
+        let usage = serde_json::json!({
+            "prompt_tokens": 120, "completion_tokens": 7, "total_tokens": 127,
+            "media": [{"kind": "image", "tokens": 22}, {"kind": "video", "tokens": 64}],
+        });
+        let tokens = Tokens::of_usage(&usage);
+        assert_eq!(
+            (tokens.prompt, tokens.completion, tokens.media),
+            (120, 7, 86)
+        );
+        let none = Tokens::of_usage(&serde_json::Value::Null);
+        assert_eq!((none.prompt, none.media), (0, 0));
+    }
+}

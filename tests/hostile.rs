@@ -1,0 +1,225 @@
+//! Hostile and invalid requests against a running gateway while a well-behaved client keeps
+//! using it: every bad request gets its OpenAI-shaped 4xx (the validation table below is what
+//! OpenAI's API accepts and refuses), the normal client's requests all succeed, `/health` answers
+//! every probe, and each request leaves one line in the access log saying how it ended, without
+//! the prompt. (Behaviour only: how fast a refusal comes is measured by `bench/hostile.py`.)
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use base64::Engine as _;
+use common::fixture;
+use common::server::Server;
+use serde_json::{Value, json};
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap()
+}
+
+fn data_url(mime: &str, bytes: &[u8]) -> String {
+    format!(
+        "data:{mime};base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    )
+}
+
+/// A one-message chat for the demo model.
+fn chat(content: Value) -> Value {
+    json!({"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+}
+
+fn with(mut body: Value, field: &str, value: Value) -> Value {
+    body[field] = value;
+    body
+}
+
+/// Status and error code of a chat completion with `body`.
+fn send(server: &Server, body: &[u8]) -> (u16, String) {
+    let response = client()
+        .post(format!("http://{}/v1/chat/completions", server.addr))
+        .header("content-type", "application/json")
+        .body(body.to_vec())
+        .send()
+        .unwrap();
+    let status = response.status().as_u16();
+    let body: Value = response.json().unwrap_or(Value::Null);
+    (status, body["error"]["code"].as_str().unwrap_or("").into())
+}
+
+/// Sets its flag when dropped, a panic's unwinding included.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The most requests the normal client sends, however long the hostile ones take.
+const MAX_NORMAL_REQUESTS: usize = 20_000;
+
+/// What the text of a prompt that must never reach the log is made of.
+const SECRET_TEXT: &str = "zebra-quartz-prompt ";
+
+#[test]
+fn hostile_requests_are_refused_while_a_normal_client_is_served() {
+    let work = tempfile::tempdir().unwrap();
+    let config = work.path().join("mmgate.toml");
+    std::fs::write(&config, "log_format = \"json\"\n").unwrap();
+    let log_path = work.path().join("mmgate.log");
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hostile-cache");
+    let server = Server::start_logging_to(
+        &["--config", config.to_str().unwrap()],
+        &[
+            ("XDG_CACHE_HOME", cache.to_str().unwrap()),
+            ("RUST_LOG", "warn,mmgate::access=info"),
+        ],
+        std::fs::File::create(&log_path).unwrap(),
+    );
+
+    let photo = fixture("image/images/photo-640x480.jpg");
+    let wav = fixture("audio/clips/speech-16k-s16.wav");
+    let text_upload: Value = client()
+        .post(format!("http://{}/v1/files", server.addr))
+        .multipart(
+            reqwest::blocking::multipart::Form::new()
+                .text("purpose", "vision")
+                .part(
+                    "file",
+                    reqwest::blocking::multipart::Part::bytes(b"plain words, no medium".to_vec())
+                        .file_name("notes.txt"),
+                ),
+        )
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    let text_file = text_upload["id"].as_str().unwrap().to_owned();
+
+    let user = |content: Value| json!({"role": "user", "content": content});
+    let messages = |list: Value| json!({"model": "demo", "messages": list, "max_tokens": 2});
+    let audio_part = |format: &str| {
+        json!([{"type": "input_audio", "input_audio": {
+            "data": base64::engine::general_purpose::STANDARD.encode(&wav), "format": format}},
+            {"type": "text", "text": "What is said?"}])
+    };
+    let huge = SECRET_TEXT.repeat((20 << 20) / SECRET_TEXT.len());
+    let long = SECRET_TEXT.repeat((1 << 20) / SECRET_TEXT.len());
+    // (what, body, status, code): OpenAI's validation, case by case, then hostile bodies.
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        ("an unknown role", messages(json!([{"role": "wizard", "content": "hi"}])), 400, "invalid_request"),
+        ("a user message without content", messages(json!([{"role": "user", "content": null}])), 400, "invalid_request"),
+        ("a system message without content", messages(json!([{"role": "system"}, user(json!("hi"))])), 400, "invalid_request"),
+        ("an image in a system message", messages(json!([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": data_url("image/jpeg", &photo)}}]}, user(json!("hi"))])), 400, "invalid_request"),
+        ("an assistant message without content", messages(json!([user(json!("hi")), {"role": "assistant", "content": null}, user(json!("and?"))])), 200, ""),
+        ("a developer message", messages(json!([{"role": "developer", "content": "Be brief."}, user(json!("hi"))])), 200, ""),
+        ("an unknown audio format", with(chat(audio_part("xyz")), "model", json!("demo-audio")), 400, "invalid_request"),
+        ("a known audio format", with(chat(audio_part("wav")), "model", json!("demo-audio")), 200, ""),
+        ("stream_options without stream", with(chat(json!("hi")), "stream_options", json!({"include_usage": true})), 400, "invalid_request"),
+        ("a negative seed", with(chat(json!("hi")), "seed", json!(-1)), 200, ""),
+        ("a data URL that is not base64", chat(json!([{"type": "image_url", "image_url": {"url": "data:image/png,%89PNG%0D%0A"}}])), 400, "invalid_media_url"),
+        ("text sent as an image", chat(json!([{"type": "image_url", "image_url": {"url": data_url("text/plain", b"plain words")}}])), 415, "unsupported_media"),
+        ("text uploaded as a file", chat(json!([{"type": "file", "file": {"file_id": text_file}}])), 415, "unsupported_media"),
+        ("a truncated JPEG", chat(json!([{"type": "image_url", "image_url": {"url": data_url("image/jpeg", &fixture("image/bad/truncated.jpg"))}}])), 400, "invalid_media"),
+        ("a decompression bomb", chat(json!([{"type": "image_url", "image_url": {"url": data_url("image/png", &fixture("image/bad/header-30000x30000.png"))}}])), 413, "media_too_large"),
+        ("text past the text limit", chat(json!(huge)), 413, "text_too_large"),
+        ("text that cannot fit the context", chat(json!(long)), 400, "context_length_exceeded"),
+    ]
+    .into_iter()
+    .map(|(what, body, status, code)| (what, body.to_string().into_bytes(), status, code))
+    .chain([
+        ("malformed JSON", b"{\"model\": \"demo\", \"messages\": [".to_vec(), 400, "invalid_request"),
+        ("JSON that is not an object", b"[1, 2, 3]".to_vec(), 400, "invalid_request"),
+    ])
+    .collect();
+
+    let stop = AtomicBool::new(false);
+    let (served, probes) = std::thread::scope(|s| {
+        // The normal client stops when the hostile one is done, or fails.
+        let _stop = StopOnDrop(&stop);
+        let normal = s.spawn(|| {
+            let mut served = 0;
+            let mut probes = 0;
+            while (!stop.load(Ordering::Relaxed) || served == 0) && served < MAX_NORMAL_REQUESTS {
+                let (status, code) = send(&server, chat(json!("Say hi.")).to_string().as_bytes());
+                assert_eq!(
+                    (status, code.as_str()),
+                    (200, ""),
+                    "the normal client was refused"
+                );
+                served += 1;
+                let health = client()
+                    .get(format!("http://{}/health", server.addr))
+                    .send()
+                    .unwrap();
+                assert_eq!(health.status().as_u16(), 200, "a /health probe failed");
+                probes += 1;
+            }
+            (served, probes)
+        });
+        for (what, body, status, code) in &cases {
+            assert_eq!(send(&server, body), (*status, code.to_string()), "{what}");
+        }
+        // Framing tricks: both a length and chunked (request smuggling), and a length that lies.
+        for raw in [
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999999999999\r\n\r\n{}",
+        ] {
+            let mut stream = TcpStream::connect(&server.addr).unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(60)))
+                .unwrap();
+            stream.write_all(raw.as_bytes()).unwrap();
+            let mut answer = Vec::new();
+            let _ = stream.read_to_end(&mut answer);
+            let head = String::from_utf8_lossy(&answer);
+            assert!(head.starts_with("HTTP/1.1 4"), "{raw:?}: {head}");
+        }
+        stop.store(true, Ordering::Relaxed);
+        normal.join().unwrap()
+    });
+    assert!(served > 0 && probes > 0);
+
+    // One access line per chat request, each with its status and code; no prompt text.
+    drop(server);
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    assert!(
+        !log.contains(SECRET_TEXT.trim()),
+        "the prompt reached the log"
+    );
+    let lines: Vec<Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["target"] == "mmgate::access")
+        .collect();
+    let chats = lines
+        .iter()
+        .filter(|l| l["fields"]["path"] == "/v1/chat/completions")
+        .count();
+    assert!(chats >= cases.len() + served, "{chats} chat lines: {log}");
+    for (what, _, status, code) in &cases {
+        let found = lines.iter().any(|l| {
+            l["fields"]["status"] == *status
+                && (code.is_empty() || l["fields"]["code"] == *code)
+                && l["fields"]["client"] == "127.0.0.1"
+        });
+        assert!(found, "no access line for {what} ({status} {code}): {log}");
+    }
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["fields"]["model"] == "demo"
+                && l["fields"]["prompt_tokens"].as_u64() > Some(0)),
+        "a served request's line has its model and tokens: {log}"
+    );
+}
