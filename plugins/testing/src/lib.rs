@@ -131,11 +131,7 @@ impl Plugin for TestPlugin {
         match text.split(':').next().unwrap_or_default() {
             "spin" => spin(),
             "sleep" => {
-                let ms: u64 = text
-                    .split(':')
-                    .nth(1)
-                    .and_then(|s| s.trim().parse().ok())
-                    .ok_or_else(|| PluginError::invalid("sleep:MS needs milliseconds"))?;
+                let ms: u64 = argument(&text, "sleep:MS needs milliseconds")?;
                 std::thread::sleep(std::time::Duration::from_millis(ms));
                 // A loop's back edges are where the sandbox looks at the call's clocks.
                 let mut x = 0u64;
@@ -148,11 +144,7 @@ impl Plugin for TestPlugin {
             "recurse" => Ok(vec![Tensor::from_i64("depth", &[1], &[recurse(1) as i64])?]),
             "recurse-shadow" => Ok(vec![Tensor::from_i64("depth", &[1], &[recurse_shadow(1)])?]),
             "huge" => {
-                let n: usize = text
-                    .split(':')
-                    .nth(1)
-                    .and_then(|s| s.trim().parse().ok())
-                    .ok_or_else(|| PluginError::invalid("huge:N needs a byte count"))?;
+                let n: usize = argument(&text, "huge:N needs a byte count")?;
                 Ok(vec![Tensor::from_u8("huge", &[n], vec![7u8; n])?])
             }
             "trap" => panic!("the test plugin was asked to trap"),
@@ -179,6 +171,15 @@ impl Plugin for TestPlugin {
             ))),
         }
     }
+}
+
+/// The number after a command's colon (`huge:N`, `sleep:MS`), or `missing` as the error.
+fn argument<T: std::str::FromStr>(command: &str, missing: &str) -> PluginResult<T> {
+    command
+        .split(':')
+        .nth(1)
+        .and_then(|s| s.trim().parse().ok())
+        .ok_or_else(|| PluginError::invalid(missing))
 }
 
 /// The `[t, h, w]` grid of `odd-grid`: 12 patches, 3 tokens by patch count, but 3 rows of patches
