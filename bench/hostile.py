@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -52,19 +53,23 @@ def attack(port: int, pid: int, text_bytes: int) -> dict:
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    started = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body=body,
-                 headers={"content-type": "application/json"})
-    response = conn.getresponse()
-    answer = json.loads(response.read())
-    took = time.perf_counter() - started
+    # curl sends the body and times the answer: a Python client sharing its interpreter with the
+    # probes would time itself.
+    with tempfile.NamedTemporaryFile(suffix=".json") as file:
+        file.write(body)
+        file.flush()
+        out = subprocess.run(["curl", "-s", "-w", "\n%{http_code} %{time_total}", "-H",
+                              "content-type: application/json", "--data-binary", f"@{file.name}",
+                              f"http://127.0.0.1:{port}/v1/chat/completions"],
+                             capture_output=True, text=True, check=True).stdout
+    answer, status_and_time = out.rsplit("\n", 1)
+    status, took = status_and_time.split()
     time.sleep(0.2)
     stop.set()
     watcher.join()
-    return {"status": response.status, "code": answer.get("error", {}).get("code"),
-            "refused_s": took, "worst_health_ms": worst_probe[0] * 1e3, "probes": probes[0],
-            "rss_growth_mb": peak[0] - idle}
+    return {"status": int(status), "code": json.loads(answer).get("error", {}).get("code"),
+            "refused_s": float(took), "worst_health_ms": worst_probe[0] * 1e3,
+            "probes": probes[0], "rss_growth_mb": peak[0] - idle}
 
 
 def main() -> None:

@@ -2,13 +2,15 @@
 //! It says who sent what and how it ended (method, route, model, status, error code, latency,
 //! tokens, client address, the API key's id), so an operator can see every refusal and why; it
 //! never holds a prompt, media or a key's secret (the key's id is the hash the per-key limits
-//! use). `RUST_LOG=mmgate::access=off` (or `--log`) turns it off; `--log-format json` makes each
-//! line a JSON object.
+//! use); a server-side failure's message goes in `detail`. `RUST_LOG=mmgate::access=off` (or
+//! `--log`) turns it off; `--log-format json` makes each line a JSON object.
 
 use std::net::IpAddr;
 use std::time::Instant;
 
 use http::StatusCode;
+
+use crate::error::ApiError;
 
 /// Target of the access log's records.
 pub const TARGET: &str = "mmgate::access";
@@ -46,6 +48,9 @@ pub struct Access {
     pub key: Option<String>,
     pub model: Option<String>,
     pub tokens: Option<Tokens>,
+    /// What a server-side failure was (which plugin call ran past its deadline, how long, ...):
+    /// ours to say, where a client error's message may repeat what the client sent.
+    detail: Option<String>,
 }
 
 impl Access {
@@ -57,6 +62,14 @@ impl Access {
             key: None,
             model: None,
             tokens: None,
+            detail: None,
+        }
+    }
+
+    /// Keeps a 5xx error's message for the line.
+    pub fn failed_with(&mut self, error: &ApiError) {
+        if error.status.is_server_error() {
+            self.detail = Some(error.message.clone());
         }
     }
 
@@ -80,6 +93,7 @@ impl Access {
             media_tokens = tokens.media,
             client = client.as_deref().unwrap_or("-"),
             key = self.key.as_deref().unwrap_or("-"),
+            detail = self.detail.as_deref().unwrap_or("-"),
             "request"
         );
     }

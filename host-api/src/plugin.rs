@@ -245,7 +245,7 @@ impl LoadedPlugin {
     ) -> Result<Vec<Tensor>, CallError> {
         let config = processor_config.to_owned();
         let tensors = self
-            .call("preprocess", |store, p| {
+            .call_making("preprocess", Making::Item, plan, |store, p| {
                 on_plugin!(p, |e| e.call_preprocess(&mut *store, media, plan, &config))
             })?
             .map_err(CallError::Plugin)?;
@@ -406,6 +406,7 @@ impl LoadedPlugin {
             .call_making(
                 "preprocess-part",
                 Making::Part,
+                plan,
                 |store, instance| match instance {
                     Instance::Current(p) => p.mmgate_modality_plugin().call_preprocess_part(
                         &mut *store,
@@ -466,25 +467,30 @@ impl LoadedPlugin {
         }
         let config = processor_config.to_owned();
         let reduced = self
-            .call("reduce", |store, instance| match instance {
-                Instance::Current(p) => {
-                    p.mmgate_modality_plugin()
-                        .call_reduce(&mut *store, media, plan, &config)
-                }
-                Instance::V0_4(p) => {
-                    p.mmgate_modality_plugin()
-                        .call_reduce(&mut *store, media, plan, &config)
-                }
-                Instance::V0_3(p) => {
-                    p.mmgate_modality_plugin()
-                        .call_reduce(&mut *store, media, plan, &config)
-                }
-                // Checked above: an older plugin is never asked.
-                Instance::V0_2(_) | Instance::V0_1(_) => Err(wasmtime::format_err!(
-                    "reduce called on a plugin of contract {}",
-                    self.contract
-                )),
-            })?
+            .call_making(
+                "reduce",
+                Making::Item,
+                plan,
+                |store, instance| match instance {
+                    Instance::Current(p) => {
+                        p.mmgate_modality_plugin()
+                            .call_reduce(&mut *store, media, plan, &config)
+                    }
+                    Instance::V0_4(p) => {
+                        p.mmgate_modality_plugin()
+                            .call_reduce(&mut *store, media, plan, &config)
+                    }
+                    Instance::V0_3(p) => {
+                        p.mmgate_modality_plugin()
+                            .call_reduce(&mut *store, media, plan, &config)
+                    }
+                    // Checked above: an older plugin is never asked.
+                    Instance::V0_2(_) | Instance::V0_1(_) => Err(wasmtime::format_err!(
+                        "reduce called on a plugin of contract {}",
+                        self.contract
+                    )),
+                },
+            )?
             .map_err(CallError::Plugin)?;
         let limit = self.sandbox.limits().max_output_bytes;
         let size = reduced
@@ -512,21 +518,36 @@ impl LoadedPlugin {
         function: &'static str,
         f: impl FnOnce(&mut Store<CallState>, &Instance) -> wasmtime::Result<R>,
     ) -> Result<R, CallError> {
-        self.call_making(function, Making::Item, f)
+        let limits = self.sandbox.limits();
+        let state = CallState::new(self.name.clone(), function, limits, limits.deadline());
+        self.run(state, f)
     }
 
-    /// [`Self::call`] for a call that makes `making`.
+    /// [`Self::call`] for a call that makes `making` of `plan`: its CPU deadline grows with the
+    /// plan's tokens (see [`crate::SandboxLimits::deadline_for`]).
     fn call_making<R>(
         &self,
         function: &'static str,
         making: Making,
+        plan: &TokenPlan,
         f: impl FnOnce(&mut Store<CallState>, &Instance) -> wasmtime::Result<R>,
     ) -> Result<R, CallError> {
         let limits = self.sandbox.limits();
-        let mut state = CallState::new(self.name.clone(), function, limits);
+        let deadline = limits.deadline_for(plan.tokens);
+        let mut state = CallState::new(self.name.clone(), function, limits, deadline);
         if making == Making::Part {
             state.decode_videos_on_one_thread();
         }
+        self.run(state, f)
+    }
+
+    /// Runs `f` in a fresh store holding `state`.
+    fn run<R>(
+        &self,
+        state: CallState,
+        f: impl FnOnce(&mut Store<CallState>, &Instance) -> wasmtime::Result<R>,
+    ) -> Result<R, CallError> {
+        let limits = self.sandbox.limits();
         let mut store = Store::new(self.sandbox.engine(), state);
         store.limiter(|state| state.limiter());
         // The epoch deadline is when to look at the call's clocks again: the plugin's own time

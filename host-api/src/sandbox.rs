@@ -50,6 +50,10 @@ pub struct SandboxLimits {
     /// epoch interruption, so a plugin stuck in a loop is stopped however busy the machine is and
     /// a busy machine does not stop a plugin that is making progress.
     pub deadline_ms: u64,
+    /// Milliseconds added to `deadline_ms` for each thousand tokens a call makes (`preprocess`,
+    /// a part of it, `reduce`): a plan's tokens bound the work of making them, so a long video
+    /// planned within the limits gets the time its frames take.
+    pub deadline_ms_per_1000_tokens: u64,
     /// Wall-clock deadline of one call in milliseconds, host work included: the backstop for a
     /// call that makes no progress at all.
     pub wall_deadline_ms: u64,
@@ -71,6 +75,7 @@ impl Default for SandboxLimits {
             // A 12.8 MP image (Qwen2-VL's max_pixels) is ~37 MB decoded and ~80 MB of u8 patches.
             memory_bytes: 1 << 30,
             deadline_ms: 10_000,
+            deadline_ms_per_1000_tokens: 1_000,
             wall_deadline_ms: 120_000,
             max_output_bytes: 512 << 20,
             max_wasm_stack: 1 << 20,
@@ -84,6 +89,15 @@ impl Default for SandboxLimits {
 impl SandboxLimits {
     pub fn deadline(&self) -> Duration {
         Duration::from_millis(self.deadline_ms)
+    }
+
+    /// The CPU deadline of a call that makes `tokens` tokens of a plan.
+    pub fn deadline_for(&self, tokens: u32) -> Duration {
+        let extra = self
+            .deadline_ms_per_1000_tokens
+            .saturating_mul(u64::from(tokens))
+            / 1000;
+        Duration::from_millis(self.deadline_ms.saturating_add(extra))
     }
 
     pub fn wall_deadline(&self) -> Duration {
@@ -237,8 +251,14 @@ pub struct CallState {
 }
 
 impl CallState {
-    /// The state of a call of `call` (the contract function) to `plugin`.
-    pub fn new(plugin: Arc<str>, call: &'static str, limits: &SandboxLimits) -> CallState {
+    /// The state of a call of `call` (the contract function) to `plugin`, held to `deadline` of
+    /// the plugin's own CPU time.
+    pub fn new(
+        plugin: Arc<str>,
+        call: &'static str,
+        limits: &SandboxLimits,
+        deadline: Duration,
+    ) -> CallState {
         // The default builder already inherits nothing; the network switches are spelled out because
         // they are the sandbox's promise, not an accident of defaults.
         let wasi = WasiCtx::builder()
@@ -253,7 +273,7 @@ impl CallState {
                 limit: limits.memory_bytes,
                 hit: false,
             },
-            clock: CallClock::start(&plugin, call, limits.deadline(), limits.wall_deadline()),
+            clock: CallClock::start(&plugin, call, deadline, limits.wall_deadline()),
             plugin,
             videos: crate::video::CallVideos::new(limits),
             images: crate::image::CallImages::new(limits),

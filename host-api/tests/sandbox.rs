@@ -92,13 +92,26 @@ fn endless_loop_is_stopped_by_the_deadline() {
     let error = preprocess(&plugin, b"spin").unwrap_err();
     assert!(
         matches!(&error, CallError::Deadline(passed)
-            if passed.limit == Duration::from_millis(DEADLINE_MS)
+            if passed.limit == limits().deadline_for(plan().tokens)
                 && passed.clock == DeadlineClock::PluginCpu
                 && passed.call == "preprocess"
                 && passed.plugin == "testing"),
         "{error:?}"
     );
     assert_healthy(&plugin);
+}
+
+/// A call that makes a plan's tokens gets time for them on top of the deadline.
+#[test]
+fn the_deadline_grows_with_the_tokens_a_call_makes() {
+    let limits = SandboxLimits {
+        deadline_ms: 10_000,
+        deadline_ms_per_1000_tokens: 1_000,
+        ..SandboxLimits::default()
+    };
+    assert_eq!(limits.deadline_for(0), Duration::from_secs(10));
+    assert_eq!(limits.deadline_for(30_000), Duration::from_secs(40));
+    assert!(limits.deadline_for(u32::MAX) > limits.deadline_for(30_000));
 }
 
 /// The deadline is the plugin's own CPU time: a call whose thread waits (as on a machine whose

@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 use super::io::{EventStream, read_body, write_error, write_json};
 use super::{Gateway, Route, UpstreamMedia};
 use crate::access::{Access, Tokens};
-use crate::config::EncodeErrorPolicy;
+use crate::config::{EncodeErrorPolicy, RequestLimits};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
 use crate::media::account::{self, MediaAccount};
@@ -71,6 +71,7 @@ impl Gateway {
             Err((route, error)) => (*route, error.status, Some(error.code)),
         };
         if let Err((_, error)) = outcome {
+            access.failed_with(&error);
             write_error(session, &error).await;
         }
         self.metrics
@@ -121,7 +122,9 @@ impl Gateway {
                 }
             }
             Some(Route::Native(model)) => {
-                let request = parsed_off_thread(body).await.map_err(|e| ("native", e))?;
+                let request = parsed_off_thread(body, &self.limits)
+                    .await
+                    .map_err(|e| ("native", e))?;
                 self.native(session, &caller, model, request, tally, access)
                     .await
                     .map(|()| ("native", StatusCode::OK))
@@ -216,7 +219,7 @@ impl Gateway {
         mut value: Value,
         body: Bytes,
     ) -> Result<(Value, ReplyAdditions), ApiError> {
-        let request = parsed_off_thread(body).await?;
+        let request = parsed_off_thread(body, &self.limits).await?;
         let planned = chat::plan_for_upstream(
             prompt,
             pool.accept_image_embeds,
@@ -520,20 +523,34 @@ fn chat_request(body: &[u8]) -> Result<ChatCompletionRequest, ApiError> {
 const BODY_WORTH_A_THREAD: usize = 1 << 20;
 
 /// [`chat_request`], on a blocking thread for a large body: parsing megabytes holds up every
-/// other connection of the thread that serves this one.
-async fn parsed_off_thread(body: Bytes) -> Result<ChatCompletionRequest, ApiError> {
+/// other connection of the thread that serves this one. A body larger than the text limit is
+/// first read for its text's size alone (no copy of it): one over the limit is refused before
+/// its text is copied out of the body.
+async fn parsed_off_thread(
+    body: Bytes,
+    limits: &RequestLimits,
+) -> Result<ChatCompletionRequest, ApiError> {
     if body.len() < BODY_WORTH_A_THREAD {
         return chat_request(&body);
     }
-    tokio::task::spawn_blocking(move || chat_request(&body))
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal_error",
-                e.to_string(),
-            )
-        })?
+    let max_text_bytes = limits.max_text_bytes;
+    tokio::task::spawn_blocking(move || {
+        if body.len() > max_text_bytes {
+            let bytes = openai::text_bytes(&body).map_err(|e| invalid_json(&e))?;
+            if bytes > max_text_bytes {
+                return Err(chat::text_too_large(bytes, max_text_bytes));
+            }
+        }
+        chat_request(&body)
+    })
+    .await
+    .map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            e.to_string(),
+        )
+    })?
 }
 
 fn invalid_json(error: &serde_json::Error) -> ApiError {

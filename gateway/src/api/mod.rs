@@ -174,6 +174,7 @@ impl Gateway {
                 (StatusCode::OK, None)
             }
             Err(error) => {
+                access.failed_with(error);
                 write_error(session, error).await;
                 (error.status, Some(error.code))
             }

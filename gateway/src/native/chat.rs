@@ -1029,14 +1029,7 @@ async fn checked_text(
     let texts: Vec<&str> = messages.iter().flat_map(|m| m.texts()).collect();
     let bytes: usize = texts.iter().map(|t| t.len()).sum();
     if bytes > limits.max_text_bytes {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "text_too_large",
-            format!(
-                "the messages' text is {bytes} bytes; the limit is {}",
-                limits.max_text_bytes
-            ),
-        ));
+        return Err(text_too_large(bytes, limits.max_text_bytes));
     }
     // Short text is counted in full in a moment below; only long text is worth a check first.
     if bytes < TEXT_WORTH_COUNTING_FIRST {
@@ -1055,6 +1048,15 @@ async fn checked_text(
         )));
     }
     Ok(())
+}
+
+/// The answer to a request whose messages' text is `bytes`, over `limit`.
+pub fn text_too_large(bytes: usize, limit: usize) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "text_too_large",
+        format!("the messages' text is {bytes} bytes; the limit is {limit}"),
+    )
 }
 
 /// Bytes of text below which [`checked_text`] leaves the count to the tokenizer's full pass.

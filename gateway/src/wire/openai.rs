@@ -159,6 +159,49 @@ pub enum Content {
     Parts(Vec<Part>),
 }
 
+/// The UTF-8 bytes of a chat request's text (every message's text, and its text parts), read
+/// without copying any of it: what shows a body too large in text before it is parsed in full.
+pub fn text_bytes(body: &[u8]) -> Result<usize, serde_json::Error> {
+    use std::borrow::Cow;
+
+    #[derive(Deserialize)]
+    struct Body<'a> {
+        #[serde(borrow, default)]
+        messages: Vec<TextOf<'a>>,
+    }
+    #[derive(Deserialize)]
+    struct TextOf<'a> {
+        #[serde(borrow, default)]
+        content: Option<Texts<'a>>,
+    }
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Texts<'a> {
+        Text(#[serde(borrow)] Cow<'a, str>),
+        Parts(#[serde(borrow)] Vec<PartText<'a>>),
+    }
+    #[derive(Deserialize)]
+    struct PartText<'a> {
+        #[serde(borrow, default)]
+        text: Option<Cow<'a, str>>,
+    }
+
+    let body: Body = serde_json::from_slice(body)?;
+    Ok(body
+        .messages
+        .iter()
+        .filter_map(|m| m.content.as_ref())
+        .map(|content| match content {
+            Texts::Text(text) => text.len(),
+            Texts::Parts(parts) => parts
+                .iter()
+                .filter_map(|p| p.text.as_ref())
+                .map(|t| t.len())
+                .sum(),
+        })
+        .sum())
+}
+
 impl Message {
     /// The message's text, part by part.
     pub fn texts(&self) -> impl Iterator<Item = &str> {
@@ -463,6 +506,25 @@ pub fn usage_chunk_json(id: &str, created: u64, model: &str, usage: Value) -> Va
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn text_bytes_counts_every_messages_text_and_nothing_else() {
+        let body = json!({
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "ab"},
+                {"role": "user", "content": [
+                    {"type": "text", "text": "c\"d"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}},
+                    {"type": "text", "text": "é"},
+                ]},
+                {"role": "assistant", "content": null},
+            ],
+        });
+        let bytes = text_bytes(body.to_string().as_bytes()).unwrap();
+        assert_eq!(bytes, 2 + 3 + 2);
+        assert!(text_bytes(b"{\"messages\": [").is_err());
+    }
 
     #[test]
     fn parts_of_every_type_parse_and_say_where_their_bytes_are() {
