@@ -134,6 +134,7 @@ fn hostile_requests_are_refused_while_a_normal_client_is_served() {
         ("a decompression bomb", chat(json!([{"type": "image_url", "image_url": {"url": data_url("image/png", &fixture("image/bad/header-30000x30000.png"))}}])), 413, "media_too_large"),
         ("text past the text limit", chat(json!(huge)), 413, "text_too_large"),
         ("text that cannot fit the context", chat(json!(long)), 400, "context_length_exceeded"),
+        ("multi-byte text that cannot fit the context", chat(json!("✓漢".repeat(200_000))), 400, "context_length_exceeded"),
     ]
     .into_iter()
     .map(|(what, body, status, code)| (what, body.to_string().into_bytes(), status, code))

@@ -240,14 +240,18 @@ fn piece_before_whitespace(text: &str, bytes: usize) -> &str {
     if text.len() <= bytes {
         return text;
     }
-    let mut cut = bytes;
-    while !text.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    let cut = text[bytes / 2..cut]
+    // The nearest character boundary at or before `at` (a text's start is one).
+    let boundary = |mut at: usize| {
+        while !text.is_char_boundary(at) {
+            at -= 1;
+        }
+        at
+    };
+    let (half, end) = (boundary(bytes / 2), boundary(bytes));
+    let cut = text[half..end]
         .rfind(char::is_whitespace)
-        .map_or(cut, |at| bytes / 2 + at);
-    // A cut at 0 cannot happen (bytes / 2 > 0 for any useful size), but never return nothing.
+        .map_or(end, |at| half + at);
+    // Never nothing: the piece holds at least the first character, so counting moves on.
     &text[..cut.max(text.chars().next().map_or(0, char::len_utf8))]
 }
 

@@ -142,6 +142,8 @@ fn a_text_is_found_surely_longer_without_overcounting() {
         words.replace(' ', "  \n\t "),
         "x".repeat(70_000),
         "Ünïcödé ✓ 漢字かな ".repeat(3_000),
+        // Multi-byte characters across every cut, with no whitespace to cut before.
+        "✓漢".repeat(9_000),
         "<|im_start|>user\nhello<|im_end|>\n".repeat(2_000),
     ];
     for sample in &samples {
