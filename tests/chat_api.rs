@@ -1297,15 +1297,9 @@ fn valid_videos_are_served_on_a_busy_machine_under_a_tight_deadline() {
                {"type": "text", "text": "Describe the video."}]),
     );
     let stop = AtomicBool::new(false);
-    /// Stops the busy threads however the scope ends (a failed request's panic included).
-    struct StopOnDrop<'a>(&'a AtomicBool);
-    impl Drop for StopOnDrop<'_> {
-        fn drop(&mut self) {
-            self.0.store(true, Ordering::Relaxed);
-        }
-    }
     std::thread::scope(|s| {
-        let _stop = StopOnDrop(&stop);
+        // Stops the busy threads however the scope ends (a failed request's panic included).
+        let _stop = common::StopOnDrop(&stop);
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         for _ in 0..cores * 2 {
             s.spawn(|| {

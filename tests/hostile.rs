@@ -56,15 +56,6 @@ fn send(server: &Server, body: &[u8]) -> (u16, String) {
     (status, body["error"]["code"].as_str().unwrap_or("").into())
 }
 
-/// Sets its flag when dropped, a panic's unwinding included.
-struct StopOnDrop<'a>(&'a AtomicBool);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
-}
-
 /// The most requests the normal client sends, however long the hostile ones take.
 const MAX_NORMAL_REQUESTS: usize = 20_000;
 
@@ -147,7 +138,7 @@ fn hostile_requests_are_refused_while_a_normal_client_is_served() {
     let stop = AtomicBool::new(false);
     let (served, probes) = std::thread::scope(|s| {
         // The normal client stops when the hostile one is done, or fails.
-        let _stop = StopOnDrop(&stop);
+        let _stop = common::StopOnDrop(&stop);
         let normal = s.spawn(|| {
             let mut served = 0;
             let mut probes = 0;

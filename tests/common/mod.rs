@@ -25,3 +25,13 @@ pub fn fixture(path: &str) -> Vec<u8> {
 pub fn mmgate(args: &[&str]) -> Output {
     mmgate_command().args(args).output().expect("run mmgate")
 }
+
+/// Sets its flag when dropped, a panic's unwinding included: threads a test started to load the
+/// machine stop however the test ends.
+pub struct StopOnDrop<'a>(pub &'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
