@@ -5,6 +5,20 @@
 //! does not vectorise these by itself for wasm (it leaves them scalar), so the SIMD is written out.
 //! Both compute exactly the same results.
 
+// Pillow's fixed-point arithmetic, shared by these kernels and `resample`'s scalar code: it lives
+// here so that `resample` builds on the kernels and nothing here reaches back up.
+
+/// Pillow's fixed-point precision for 8-bit resampling (32 - 8 - 2).
+pub(super) const PRECISION_BITS: u32 = 22;
+
+// Accumulators are i32 as in Pillow: with weights normalised to 2^22, |sum| < 2^31 for u8 input.
+#[inline]
+pub(super) fn clip8(acc: i32) -> u8 {
+    (acc >> PRECISION_BITS).clamp(0, 255) as u8
+}
+
+pub(super) const ROUNDING: i32 = 1 << (PRECISION_BITS - 1);
+
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 pub use portable::*;
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
@@ -12,7 +26,7 @@ pub use simd::*;
 
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 mod simd {
-    use super::super::resample::{PRECISION_BITS, ROUNDING};
+    use super::{PRECISION_BITS, ROUNDING};
     use core::arch::wasm32::*;
     use core::mem::MaybeUninit;
 
@@ -269,7 +283,7 @@ mod simd {
 
 #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
 mod portable {
-    use super::super::resample::{ROUNDING, clip8};
+    use super::{ROUNDING, clip8};
     use core::mem::MaybeUninit;
 
     pub const BLOCK: usize = 16;

@@ -9,10 +9,8 @@
 //! the whole image horizontally first; row by row gives the same bytes without holding either pass's
 //! full-size image (for a photo, megabytes written once and read once).
 
-use super::{CHANNELS, RgbImage, kernels};
-
-/// Pillow's fixed-point precision for 8-bit resampling (32 - 8 - 2).
-pub(super) const PRECISION_BITS: u32 = 22;
+use super::kernels::{self, PRECISION_BITS, ROUNDING, clip8};
+use super::{CHANNELS, RgbImage};
 
 /// A resampling filter, as Pillow defines it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,14 +123,6 @@ fn axis_weights(in_size: usize, out_size: usize, filter: Filter) -> AxisWeights 
         ksize,
     }
 }
-
-// Accumulators are i32 as in Pillow: with weights normalised to 2^22, |sum| < 2^31 for u8 input.
-#[inline]
-pub(super) fn clip8(acc: i32) -> u8 {
-    (acc >> PRECISION_BITS).clamp(0, 255) as u8
-}
-
-pub(super) const ROUNDING: i32 = 1 << (PRECISION_BITS - 1);
 
 /// The rows of `src` resized to `width` x `height`, one at a time (see the module docs).
 pub struct Resized<'a> {
