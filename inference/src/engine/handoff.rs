@@ -8,31 +8,33 @@
 //! and the maker delivering it. Whichever comes second runs the engine's action. A maker that goes
 //! away without delivering delivers a failure, so the request never waits for a piece that will
 //! not come.
+//!
+//! The rendezvous is generic over what it hands, so that it knows nothing of the inputs themselves:
+//! the engine's handoffs carry an [`EncodeInput`](super::EncodeInput) (see
+//! [`engine::Handoff`](super::Handoff)).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::encoder::EncodeInput;
-
 /// An input or why it could not be made.
-pub type Handed = std::result::Result<EncodeInput, String>;
+pub type Handed<T> = std::result::Result<T, String>;
 
-type Action = Box<dyn FnOnce(Handed) + Send>;
+type Action<T> = Box<dyn FnOnce(Handed<T>) + Send>;
 
-enum State {
+enum State<T> {
     Waiting,
-    Delivered(Handed),
-    Attached(Action),
+    Delivered(Handed<T>),
+    Attached(Action<T>),
     Done,
 }
 
 /// One piece's meeting point (see the module docs).
-pub struct Handoff {
+pub struct Handoff<T> {
     id: u64,
-    state: Mutex<State>,
+    state: Mutex<State<T>>,
 }
 
-impl std::fmt::Debug for Handoff {
+impl<T> std::fmt::Debug for Handoff<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Handoff").field("id", &self.id).finish()
     }
@@ -40,11 +42,13 @@ impl std::fmt::Debug for Handoff {
 
 /// The maker's side of a [`Handoff`]: delivers once; dropped undelivered, it delivers a failure.
 #[derive(Debug)]
-pub struct Delivery(Option<Arc<Handoff>>);
+pub struct Delivery<T>(Option<Arc<Handoff<T>>>);
 
-impl Handoff {
+impl<T> Handoff<T> {
     /// A new handoff (for the engine's item) and its delivery (for whoever makes the input).
-    pub fn new() -> (Arc<Handoff>, Delivery) {
+    pub fn new() -> (Arc<Handoff<T>>, Delivery<T>) {
+        // One counter for every `T` (a static in a generic fn is not per instance): ids stay
+        // unique in the process.
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let handoff = Arc::new(Handoff {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
@@ -58,14 +62,14 @@ impl Handoff {
         self.id
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
         // The state stays consistent whatever a panicking holder did: each step replaces it whole.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// What to do with the input: now if it was delivered, else when it is. Only the first
     /// attachment counts.
-    pub(crate) fn attach(&self, action: impl FnOnce(Handed) + Send + 'static) {
+    pub(crate) fn attach(&self, action: impl FnOnce(Handed<T>) + Send + 'static) {
         let mut state = self.lock();
         match std::mem::replace(&mut *state, State::Done) {
             State::Waiting => *state = State::Attached(Box::new(action)),
@@ -77,7 +81,7 @@ impl Handoff {
         }
     }
 
-    fn put(&self, input: Handed) {
+    fn put(&self, input: Handed<T>) {
         let mut state = self.lock();
         match std::mem::replace(&mut *state, State::Done) {
             State::Waiting => *state = State::Delivered(input),
@@ -90,9 +94,9 @@ impl Handoff {
     }
 }
 
-impl Delivery {
+impl<T> Delivery<T> {
     /// Hands the input (or why there is none) to the engine.
-    pub fn deliver(mut self, input: Handed) {
+    pub fn deliver(mut self, input: Handed<T>) {
         if let Some(handoff) = self.0.take() {
             handoff.put(input);
         }
@@ -107,7 +111,7 @@ impl Delivery {
     }
 }
 
-impl Drop for Delivery {
+impl<T> Drop for Delivery<T> {
     fn drop(&mut self) {
         if let Some(handoff) = self.0.take() {
             handoff.put(Err("the piece's maker stopped before making it".into()));
@@ -119,46 +123,46 @@ impl Drop for Delivery {
 mod tests {
     use super::*;
 
-    fn audio() -> EncodeInput {
-        EncodeInput::Audio {
-            features: vec![1.0],
-            valid_frames: vec![1],
-        }
+    /// What the tests hand over.
+    type Input = Vec<f32>;
+
+    fn input() -> Input {
+        vec![1.0]
     }
 
-    /// What an action saw: each input's bytes, or the failure.
+    /// What an action saw: each input's length, or the failure.
     type Seen = Arc<Mutex<Vec<Result<usize, String>>>>;
 
-    fn recorder() -> (Seen, impl FnOnce(Handed) + Send + 'static) {
+    fn recorder() -> (Seen, impl FnOnce(Handed<Input>) + Send + 'static) {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let log = seen.clone();
-        let action = move |input: Handed| {
+        let action = move |input: Handed<Input>| {
             log.lock()
                 .unwrap()
-                .push(input.map(|i| i.bytes()).map_err(|e| e.to_string()));
+                .push(input.map(|i| i.len()).map_err(|e| e.to_string()));
         };
         (seen, action)
     }
 
     #[test]
     fn the_input_reaches_the_action_in_either_order() {
-        let (handoff, delivery) = Handoff::new();
+        let (handoff, delivery) = Handoff::<Input>::new();
         let (seen, action) = recorder();
         handoff.attach(action);
         assert!(seen.lock().unwrap().is_empty());
-        delivery.deliver(Ok(audio()));
-        assert_eq!(*seen.lock().unwrap(), vec![Ok(4)]);
+        delivery.deliver(Ok(input()));
+        assert_eq!(*seen.lock().unwrap(), vec![Ok(1)]);
 
-        let (handoff, delivery) = Handoff::new();
+        let (handoff, delivery) = Handoff::<Input>::new();
         let (seen, action) = recorder();
-        delivery.deliver(Ok(audio()));
+        delivery.deliver(Ok(input()));
         handoff.attach(action);
-        assert_eq!(*seen.lock().unwrap(), vec![Ok(4)]);
+        assert_eq!(*seen.lock().unwrap(), vec![Ok(1)]);
     }
 
     #[test]
     fn a_maker_gone_without_delivering_delivers_a_failure_once() {
-        let (handoff, delivery) = Handoff::new();
+        let (handoff, delivery) = Handoff::<Input>::new();
         let (seen, action) = recorder();
         handoff.attach(action);
         drop(delivery);
@@ -171,7 +175,7 @@ mod tests {
 
     #[test]
     fn a_delivery_is_awaited_while_its_handoff_is_held() {
-        let (handoff, delivery) = Handoff::new();
+        let (handoff, delivery) = Handoff::<Input>::new();
         assert!(delivery.awaited());
         drop(handoff);
         assert!(!delivery.awaited());
@@ -179,8 +183,8 @@ mod tests {
 
     #[test]
     fn handoffs_are_named_apart() {
-        let (a, _) = Handoff::new();
-        let (b, _) = Handoff::new();
+        let (a, _) = Handoff::<Input>::new();
+        let (b, _) = Handoff::<Input>::new();
         assert_ne!(a.id(), b.id());
     }
 }

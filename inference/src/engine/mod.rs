@@ -8,9 +8,18 @@
 //! placeholder, and requests without media never wait for an encoder at all. Tokens stream out
 //! through a channel as they are sampled; a dropped receiver or [`RequestHandle::cancel`] stops the
 //! request, and its KV cache and feature pins are released at once.
+//!
+//! The engine sees models through traits only and names none: it runs any [`Llm`] (generic, so a
+//! step costs no dynamic dispatch) and encodes with any [`Encoder`]; each model implements them
+//! beside itself in [`models`](crate::models). [`input`] holds what the encoders take, [`encoder`]
+//! the trait and the machinery the towers share, [`handoff`] the rendezvous by which a piece made
+//! after its request was submitted arrives, [`pool`] and [`store`] the encoder devices and their
+//! outputs.
 
 pub mod encoder;
 pub mod handoff;
+pub mod input;
+pub mod llm;
 pub mod pool;
 pub mod store;
 
@@ -24,16 +33,15 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
-pub use encoder::{EncodeInput, Encoder, EncoderKind, PixelSource, PixelValues};
-pub use handoff::{Delivery, Handed, Handoff};
+pub use encoder::Encoder;
+pub use input::{Delivery, EncodeInput, EncoderKind, Handed, Handoff, PixelSource, PixelValues};
+pub use llm::{Deepstack, Llm, SeqCache, SeqStep};
 pub use pool::{BatchObserver, BatchReport, DeviceSpec, EncoderPool, SharedFeatures};
 pub use store::{FeatureKey, FeatureState, FeatureStore, StoreStats};
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::merge::PlaceholderMap;
-use crate::models::qwen2::{Deepstack, SeqStep};
-use crate::models::{KvCache, Qwen2};
 use crate::rope::{Grid, MediaSpan, mrope_positions};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::tensor::Tensor;
@@ -244,9 +252,10 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn start<L: Backend>(
+    /// Starts the engine's thread, which owns `llm` from now on.
+    pub fn start<M: Llm>(
         config: EngineConfig,
-        llm: Qwen2<L>,
+        llm: M,
         text: Arc<TextProcessor>,
         pool: Arc<EncoderPool>,
         store: Arc<FeatureStore>,
@@ -254,7 +263,7 @@ impl Engine {
         let (tx, rx) = crossbeam_channel::unbounded();
         let stats = Arc::new(Mutex::new(EngineStats::default()));
         let (wake_tx, wake_rx) = crossbeam_channel::unbounded();
-        let mut eos: Vec<u32> = llm.config().eos_token_ids.clone();
+        let mut eos: Vec<u32> = llm.eos_token_ids().to_vec();
         eos.extend(text.eos_token_id());
         eos.extend(&config.eos_token_ids);
         eos.sort_unstable();
@@ -317,6 +326,31 @@ impl Engine {
     }
 }
 
+/// An LLM that can start the engine that runs it, whatever its type: what a model's loader hands
+/// over, so that its caller names neither the model nor its device. One dynamic call starts the
+/// engine, which then runs the LLM's own type.
+pub trait StartEngine: Send {
+    fn start(
+        self: Box<Self>,
+        config: EngineConfig,
+        text: Arc<TextProcessor>,
+        pool: Arc<EncoderPool>,
+        store: Arc<FeatureStore>,
+    ) -> Result<Engine>;
+}
+
+impl<M: Llm> StartEngine for M {
+    fn start(
+        self: Box<Self>,
+        config: EngineConfig,
+        text: Arc<TextProcessor>,
+        pool: Arc<EncoderPool>,
+        store: Arc<FeatureStore>,
+    ) -> Result<Engine> {
+        Engine::start(config, *self, text, pool, store)
+    }
+}
+
 impl Drop for Engine {
     fn drop(&mut self) {
         self.commands = None;
@@ -326,7 +360,7 @@ impl Drop for Engine {
     }
 }
 
-struct Sequence<L: Backend> {
+struct Sequence<C> {
     ids: Vec<u32>,
     positions: Vec<[i64; 3]>,
     /// Added to a generated token's index to get its M-RoPE position.
@@ -349,7 +383,7 @@ struct Sequence<L: Backend> {
     pieces_pending: usize,
     admitted: std::time::Instant,
     prefilled: usize,
-    cache: KvCache<L>,
+    cache: C,
     reserved: usize,
     sampler: Sampler,
     stream: TextStream,
@@ -371,15 +405,15 @@ enum Outcome {
     Failed(Failure),
 }
 
-struct Scheduler<L: Backend> {
+struct Scheduler<M: Llm> {
     config: EngineConfig,
-    llm: Qwen2<L>,
+    llm: M,
     text: Arc<TextProcessor>,
     pool: Arc<EncoderPool>,
     store: Arc<FeatureStore>,
     eos: Vec<u32>,
     queue: VecDeque<Submission>,
-    running: Vec<Sequence<L>>,
+    running: Vec<Sequence<M::Cache>>,
     stats: Arc<Mutex<EngineStats>>,
     wake_tx: Sender<()>,
     wake_rx: Receiver<()>,
@@ -388,7 +422,7 @@ struct Scheduler<L: Backend> {
     request_serial: u64,
 }
 
-impl<L: Backend> Scheduler<L> {
+impl<M: Llm> Scheduler<M> {
     fn run(mut self, commands: Receiver<Submission>) {
         loop {
             // Block only when there is nothing to do.
@@ -446,9 +480,7 @@ impl<L: Backend> Scheduler<L> {
         while self.running.len() < self.config.max_running {
             let Some(sub) = self.queue.front() else { break };
             let need = sub.request.prompt.len() + sub.request.max_tokens;
-            if need > self.config.kv_budget_tokens
-                || need > self.llm.config().max_position_embeddings
-            {
+            if need > self.config.kv_budget_tokens || need > self.llm.max_positions() {
                 let sub = self.queue.pop_front();
                 if let Some(sub) = sub {
                     self.totals.failed += 1;
@@ -456,9 +488,7 @@ impl<L: Backend> Scheduler<L> {
                         "prompt ({} tokens) + max_tokens ({}) exceed what this model can hold ({})",
                         sub.request.prompt.len(),
                         sub.request.max_tokens,
-                        self.config
-                            .kv_budget_tokens
-                            .min(self.llm.config().max_position_embeddings)
+                        self.config.kv_budget_tokens.min(self.llm.max_positions())
                     ))));
                 }
                 continue;
@@ -480,7 +510,7 @@ impl<L: Backend> Scheduler<L> {
         }
     }
 
-    fn start(&mut self, sub: Submission) -> Result<Sequence<L>> {
+    fn start(&mut self, sub: Submission) -> Result<Sequence<M::Cache>> {
         let r = sub.request;
         if r.prompt.is_empty() {
             return Err(Error::Input("empty prompt".into()));
@@ -758,7 +788,7 @@ impl<L: Backend> Scheduler<L> {
             inputs.push(self.input_rows(&self.running[*i], rows.clone())?);
         }
         // Disjoint mutable borrows of the caches, in plan order.
-        let mut caches: Vec<Option<&mut KvCache<L>>> = self
+        let mut caches: Vec<Option<&mut M::Cache>> = self
             .running
             .iter_mut()
             .map(|s| Some(&mut s.cache))
@@ -816,7 +846,11 @@ impl<L: Backend> Scheduler<L> {
     /// Embeddings and positions of prompt rows `rows` (media rows replaced by their features, with
     /// their deepstack rows if the model has them), or of the pending sampled token when `rows` is
     /// empty.
-    fn input_rows(&self, seq: &Sequence<L>, rows: Range<usize>) -> Result<StepInput<L>> {
+    fn input_rows(
+        &self,
+        seq: &Sequence<M::Cache>,
+        rows: Range<usize>,
+    ) -> Result<StepInput<M::Backend>> {
         if let Some(token) = seq.next {
             let pos = seq.cache.len() as i64 + seq.delta;
             return Ok(StepInput {
@@ -826,7 +860,7 @@ impl<L: Backend> Scheduler<L> {
             });
         }
         let mut embeds = self.llm.embed(&seq.ids[rows.clone()])?;
-        let hidden = self.llm.config().hidden_size;
+        let hidden = self.llm.hidden_size();
         let levels = self.config.deepstack_levels;
         let width = hidden * (1 + levels);
         let mut deepstack_rows = Vec::new();
@@ -970,7 +1004,7 @@ fn media_spans(media: &[MediaItem], rows: &[Range<usize>]) -> Result<Vec<MediaSp
 
 /// Records a sampled token: streams its text (holding back what may start a stop string) and decides
 /// whether the sequence is done.
-fn on_token<L: Backend>(seq: &mut Sequence<L>, token: u32, eos: &[u32], text: &TextProcessor) {
+fn on_token<C>(seq: &mut Sequence<C>, token: u32, eos: &[u32], text: &TextProcessor) {
     seq.generated += 1;
     if eos.contains(&token) {
         flush(seq, None, token);
@@ -1008,7 +1042,7 @@ fn on_token<L: Backend>(seq: &mut Sequence<L>, token: u32, eos: &[u32], text: &T
 }
 
 /// Sends the text from `emitted` to `end` (all of it when `None`) with the token.
-fn flush<L: Backend>(seq: &mut Sequence<L>, end: Option<usize>, token: u32) {
+fn flush<C>(seq: &mut Sequence<C>, end: Option<usize>, token: u32) {
     let end = end.unwrap_or(seq.text.len()).max(seq.emitted);
     let text = seq.text[seq.emitted..end].to_owned();
     seq.emitted = end;

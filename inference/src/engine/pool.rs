@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::encoder::{EncodeInput, Encoder, EncoderKind};
+use super::encoder::Encoder;
+use super::input::{EncodeInput, EncoderKind};
 use crate::error::{Error, Result};
 
 /// What a finished job delivers: the item's embeddings or why it failed.

@@ -18,7 +18,7 @@ pub type FeatureKey = [u8; 32];
 pub fn feature_key(
     model: &str,
     processor_config: &str,
-    input: &super::encoder::EncodeInput,
+    input: &super::input::EncodeInput,
 ) -> FeatureKey {
     let mut h = blake3::Hasher::new();
     h.update(model.as_bytes());

@@ -1,4 +1,9 @@
-//! Model families, loaded from HF model directories.
+//! The models' networks, loaded from HF model directories: the Qwen2 LLM and the vision and audio
+//! towers. Each implements the engine's traits beside itself (the LLM [`Llm`], each tower
+//! [`Encoder`]), so that the engine names no model.
+//!
+//! [`Llm`]: crate::engine::Llm
+//! [`Encoder`]: crate::engine::Encoder
 
 pub mod config;
 pub mod generation;

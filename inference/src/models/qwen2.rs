@@ -3,14 +3,19 @@
 //! k, interleaved M-RoPE, and Qwen3-VL's deepstack: vision features added to the hidden states of
 //! the image tokens after each of the first layers). Which of them a checkpoint is, its tensors
 //! and config say. It takes input embeddings rather than token ids so that encoder outputs can be
-//! merged in before the prefill.
+//! merged in before the prefill. It is what the engine runs: it implements [`Llm`].
 
 use crate::backend::{AttentionMask, AttentionShape, Backend, KvLayout};
+use crate::engine::llm::{Llm, SeqCache};
 use crate::error::{Error, Result};
 use crate::models::config::TextConfig;
 use crate::rope;
 use crate::tensor::{KvLayer, Tensor};
 use crate::weights::Weights;
+
+// The step types are the engine's (its `Llm` trait takes them); direct callers of `forward_batch`
+// find them here too.
+pub use crate::engine::llm::{Deepstack, SeqStep};
 
 struct DecoderLayer<B: Backend> {
     input_norm: Tensor<B>,
@@ -41,22 +46,6 @@ pub struct Qwen2<B: Backend> {
     /// Which position component turns each rotary frequency.
     rope_components: Vec<usize>,
     device: B,
-}
-
-/// One sequence's part of a batched forward step.
-pub struct SeqStep<'a, B: Backend> {
-    /// Input embeddings of the sequence's next tokens, `[n, hidden]`.
-    pub embeds: Tensor<B>,
-    pub positions: &'a [[i64; 3]],
-    pub cache: &'a mut KvCache<B>,
-    /// Qwen3-VL's deepstack: after decoder layer i, `features[i]` (`[rows.len(), hidden]`) is added
-    /// to the hidden states of the step's rows `rows` (its image tokens).
-    pub deepstack: Option<Deepstack<'a, B>>,
-}
-
-pub struct Deepstack<'a, B: Backend> {
-    pub rows: &'a [u32],
-    pub features: &'a [Tensor<B>],
 }
 
 /// Keys and values of every layer for one sequence, room for `capacity` rows each, the first `len`
@@ -258,7 +247,7 @@ impl<B: Backend> Qwen2<B> {
     /// One step of several sequences at once (continuous batching): their rows go through every
     /// linear layer together, while each attends only to its own KV cache. Returns each sequence's
     /// final-norm hidden states, in order.
-    pub fn forward_batch(&self, steps: Vec<SeqStep<'_, B>>) -> Result<Vec<Tensor<B>>> {
+    pub fn forward_batch(&self, steps: Vec<SeqStep<'_, B, KvCache<B>>>) -> Result<Vec<Tensor<B>>> {
         let c = &self.config;
         let mut offsets = Vec::with_capacity(steps.len());
         let mut total = 0;
@@ -364,5 +353,44 @@ impl<B: Backend> Qwen2<B> {
     /// Output logits `[rows, vocab]` for final hidden states.
     pub fn logits(&self, hidden: &Tensor<B>) -> Result<Tensor<B>> {
         hidden.linear(self.lm_head.as_ref().unwrap_or(&self.embed_tokens), None)
+    }
+}
+
+impl<B: Backend> SeqCache for KvCache<B> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn bytes(&self) -> usize {
+        KvCache::bytes(self)
+    }
+}
+
+impl<B: Backend> Llm for Qwen2<B> {
+    type Backend = B;
+    type Cache = KvCache<B>;
+
+    fn device(&self) -> &B {
+        &self.device
+    }
+    fn hidden_size(&self) -> usize {
+        self.config.hidden_size
+    }
+    fn max_positions(&self) -> usize {
+        self.config.max_position_embeddings
+    }
+    fn eos_token_ids(&self) -> &[u32] {
+        &self.config.eos_token_ids
+    }
+    fn new_cache(&self, capacity: usize) -> Result<KvCache<B>> {
+        Qwen2::new_cache(self, capacity)
+    }
+    fn embed(&self, ids: &[u32]) -> Result<Tensor<B>> {
+        Qwen2::embed(self, ids)
+    }
+    fn forward_batch(&self, steps: Vec<SeqStep<'_, B, KvCache<B>>>) -> Result<Vec<Tensor<B>>> {
+        Qwen2::forward_batch(self, steps)
+    }
+    fn logits(&self, hidden: &Tensor<B>) -> Result<Tensor<B>> {
+        Qwen2::logits(self, hidden)
     }
 }

@@ -8,6 +8,8 @@
 use std::path::Path;
 
 use crate::backend::{Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, Segment};
+use crate::engine::encoder::{Encoder, packed_or_each, wrong_kind};
+use crate::engine::{EncodeInput, EncoderKind};
 use crate::error::{Error, Result};
 use crate::models::config::{ConfigFile, TextConfig};
 use crate::models::qwen2::Qwen2;
@@ -340,5 +342,49 @@ impl<E: Backend, L: Backend> Qwen2Audio<E, L> {
             "model.",
             device,
         )
+    }
+}
+
+impl<B: Backend> Encoder for AudioEncoder<B> {
+    fn kind(&self) -> EncoderKind {
+        EncoderKind::Audio
+    }
+
+    /// Packs every item's chunks into one call and splits the output by each item's token count.
+    fn encode(&self, batch: &[&EncodeInput]) -> Vec<Result<Vec<f32>>> {
+        self.device().run_on(|| {
+            packed_or_each(batch, |items| {
+                let mut features = Vec::new();
+                let mut valid = Vec::new();
+                let mut per_item = Vec::with_capacity(items.len());
+                for item in items {
+                    let EncodeInput::Audio {
+                        features: f,
+                        valid_frames,
+                    } = item
+                    else {
+                        return Err(wrong_kind(EncoderKind::Audio));
+                    };
+                    features.extend_from_slice(f);
+                    valid.extend_from_slice(valid_frames);
+                    per_item.push(
+                        valid_frames
+                            .iter()
+                            .map(|&v| self.config().output_len(v))
+                            .sum::<usize>(),
+                    );
+                }
+                let out = AudioEncoder::encode(self, &features, &valid)?.to_host()?;
+                let width = out.len() / per_item.iter().sum::<usize>().max(1);
+                let mut at = 0;
+                Ok(per_item
+                    .iter()
+                    .map(|&n| {
+                        at += n * width;
+                        out[at - n * width..at].to_vec()
+                    })
+                    .collect())
+            })
+        })
     }
 }

@@ -11,6 +11,8 @@
 use std::path::Path;
 
 use crate::backend::{Activation, AttentionMask, AttentionShape, Backend};
+use crate::engine::encoder::{Encoder, PatchTower, encode_patches};
+use crate::engine::{EncodeInput, EncoderKind};
 use crate::error::{Error, Result};
 use crate::models::config::{ConfigFile, Section, TextConfig};
 use crate::models::qwen2::Qwen2;
@@ -630,6 +632,38 @@ impl<E: Backend, L: Backend> Qwen2Vl<E, L> {
         let config = Qwen2VlConfig::read(dir)?;
         let mut weights = Weights::load(dir, canonical_name)?;
         VisionTower::load(config.vision, &mut weights, "model.visual.", device)
+    }
+}
+
+// The encoder pool's view of the tower: the patch flow shared with Qwen3-VL's tower is
+// `encode_patches`.
+impl<B: Backend> PatchTower<B> for VisionTower<B> {
+    fn device(&self) -> &B {
+        VisionTower::device(self)
+    }
+    fn patch_len(&self) -> usize {
+        self.config().patch_len()
+    }
+    fn embed_dim(&self) -> usize {
+        self.config().embed_dim
+    }
+    fn merge(&self) -> usize {
+        self.config().merge
+    }
+    fn embed_patches(&self, pixels: &Tensor<B>) -> Result<Tensor<B>> {
+        VisionTower::embed_patches(self, pixels)
+    }
+    fn encode_embedded(&self, embedded: Tensor<B>, grids: &[Grid]) -> Result<Vec<f32>> {
+        VisionTower::encode_embedded(self, embedded, grids)?.to_host()
+    }
+}
+
+impl<B: Backend> Encoder for VisionTower<B> {
+    fn kind(&self) -> EncoderKind {
+        EncoderKind::Vision
+    }
+    fn encode(&self, batch: &[&EncodeInput]) -> Vec<Result<Vec<f32>>> {
+        encode_patches(self, batch)
     }
 }
 

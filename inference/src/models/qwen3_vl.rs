@@ -9,6 +9,8 @@
 use std::path::Path;
 
 use crate::backend::{Activation, AttentionMask, AttentionShape, Backend};
+use crate::engine::encoder::{Encoder, PatchTower, encode_patches};
+use crate::engine::{EncodeInput, EncoderKind};
 use crate::error::{Error, Result};
 use crate::models::config::{ConfigFile, TextConfig};
 use crate::models::qwen2_vl::{check_pixel_values, self_attention};
@@ -421,5 +423,54 @@ impl<B: Backend> Qwen3VisionTower<B> {
             }
         }
         Ok((self.merger.apply(&x, merged)?, deepstack))
+    }
+}
+
+// The encoder pool's view of the tower: the patch flow shared with Qwen2-VL's tower is
+// `encode_patches`.
+impl<B: Backend> PatchTower<B> for Qwen3VisionTower<B> {
+    fn device(&self) -> &B {
+        Qwen3VisionTower::device(self)
+    }
+    fn patch_len(&self) -> usize {
+        self.config().patch_len()
+    }
+    fn embed_dim(&self) -> usize {
+        self.config().embed_dim
+    }
+    fn merge(&self) -> usize {
+        self.config().merge
+    }
+    fn embed_patches(&self, pixels: &Tensor<B>) -> Result<Tensor<B>> {
+        Qwen3VisionTower::embed_patches(self, pixels)
+    }
+    /// Each token's row is its merged embedding followed by its deepstack features, level by level
+    /// (the layout vLLM's Qwen3-VL uses too): one row per token keeps the pool, the feature store
+    /// and the shared cache unaware of deepstack; the engine splits the row at the merge.
+    fn encode_embedded(&self, embedded: Tensor<B>, grids: &[Grid]) -> Result<Vec<f32>> {
+        let (merged, deepstack) = Qwen3VisionTower::encode_embedded(self, embedded, grids)?;
+        let merged = merged.to_host()?;
+        let deepstack = deepstack
+            .iter()
+            .map(Tensor::to_host)
+            .collect::<Result<Vec<_>>>()?;
+        let width = self.config().out_dim;
+        let mut rows = Vec::with_capacity(merged.len() * (1 + deepstack.len()));
+        for (token, row) in merged.chunks_exact(width).enumerate() {
+            rows.extend_from_slice(row);
+            for level in &deepstack {
+                rows.extend_from_slice(&level[token * width..(token + 1) * width]);
+            }
+        }
+        Ok(rows)
+    }
+}
+
+impl<B: Backend> Encoder for Qwen3VisionTower<B> {
+    fn kind(&self) -> EncoderKind {
+        EncoderKind::Vision
+    }
+    fn encode(&self, batch: &[&EncodeInput]) -> Vec<Result<Vec<f32>>> {
+        encode_patches(self, batch)
     }
 }
