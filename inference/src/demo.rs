@@ -80,6 +80,22 @@ pub enum DemoFamily {
 }
 
 impl DemoFamily {
+    /// Every demo, under the name that stands for it where a model directory is expected.
+    pub const SERVED: [(&'static str, DemoFamily); 4] = [
+        ("demo", DemoFamily::Qwen2Vl),
+        ("demo-qwen2.5-vl", DemoFamily::Qwen2_5Vl),
+        ("demo-audio", DemoFamily::Qwen2Audio),
+        ("demo-qwen3-vl", DemoFamily::Qwen3Vl),
+    ];
+
+    /// The demo a served name stands for, if it is one.
+    pub fn served_as(name: &str) -> Option<DemoFamily> {
+        Self::SERVED
+            .iter()
+            .find(|(served, _)| *served == name)
+            .map(|&(_, family)| family)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Self::Qwen2Vl => "demo-qwen2-vl",

@@ -19,9 +19,10 @@ use mmgate_inference::demo::{self, DemoFamily};
 use mmgate_inference::devices::OpenDevice;
 use mmgate_inference::engine::{
     DeviceSpec, EncoderPool, EngineConfig, Event, FeatureStore, GenerateRequest, InputPart,
-    MediaItem, PixelValues, RequestHandle,
+    MediaItem, RequestHandle,
 };
-use mmgate_inference::families::{self, LoadedModel, MediaKind, PluginTensors};
+use mmgate_inference::families::{self, LoadedModel, MediaKind};
+use mmgate_inference::item_tensors::{ItemTensors, NamedTensor, Values};
 use mmgate_inference::models::Qwen2;
 use mmgate_inference::models::config::ConfigFile;
 use mmgate_inference::models::qwen2::Deepstack;
@@ -147,32 +148,40 @@ fn prompt_positions_match_transformers_with_video_frames_as_blocks() {
 }
 
 /// Goldens' tensors for one item, as a plugin would hand them over.
-struct ItemTensors {
+struct GoldenItem {
     grid: Vec<i64>,
     pixels: Vec<f32>,
     frame_indices: Vec<i64>,
     fps: f64,
 }
 
-impl PluginTensors for ItemTensors {
-    fn shape(&self, name: &str) -> mmgate_inference::Result<Vec<u64>> {
-        Err(mmgate_inference::Error::Input(format!(
-            "no shape of {name}"
-        )))
-    }
-    fn f32s(&self, name: &str) -> mmgate_inference::Result<Vec<f32>> {
-        Err(mmgate_inference::Error::Input(format!("no {name}")))
-    }
-    fn ints(&self, name: &str) -> mmgate_inference::Result<Vec<i64>> {
-        match name {
-            "image_grid_thw" | "video_grid_thw" => Ok(self.grid.clone()),
-            "frame_indices" => Ok(self.frame_indices.clone()),
-            "video_fps_f64_bits" => Ok(vec![self.fps.to_bits() as i64]),
-            _ => Err(mmgate_inference::Error::Input(format!("no {name}"))),
-        }
-    }
-    fn pixel_values(&self, _name: &str) -> mmgate_inference::Result<PixelValues> {
-        Ok(PixelValues::F32(self.pixels.clone()))
+impl GoldenItem {
+    /// The item's tensors, under both kinds' names (a family reads its kind's).
+    fn tensors(self) -> ItemTensors {
+        let ints = |name: &str, values: Vec<i64>| NamedTensor {
+            name: name.into(),
+            shape: vec![values.len() as u64],
+            values: Values::Ints {
+                dtype: "i64",
+                values,
+            },
+        };
+        let floats = |name: &str, values: Vec<f32>| NamedTensor {
+            name: name.into(),
+            shape: vec![values.len() as u64],
+            values: Values::Floats {
+                dtype: "f32",
+                values,
+            },
+        };
+        ItemTensors::new(vec![
+            ints("image_grid_thw", self.grid.clone()),
+            ints("video_grid_thw", self.grid),
+            ints("frame_indices", self.frame_indices),
+            ints("video_fps_f64_bits", vec![self.fps.to_bits() as i64]),
+            floats("pixel_values", self.pixels.clone()),
+            floats("pixel_values_videos", self.pixels),
+        ])
     }
 }
 
@@ -238,14 +247,14 @@ fn the_served_model_generates_transformers_tokens() {
         let mut first_row = 0;
         for grid in grids(&g, item) {
             let rows = grid.patches();
-            let tensors = ItemTensors {
+            let golden = GoldenItem {
                 grid: vec![grid.t as i64, grid.h as i64, grid.w as i64],
                 pixels: pixels[first_row * patch_len..(first_row + rows) * patch_len].to_vec(),
                 frame_indices: (0..2 * grid.t as i64).map(|i| 3 * i).collect(),
                 fps: 6.0,
             };
             first_row += rows;
-            let planned = family.plan_input(kind, &tensors).unwrap();
+            let planned = family.plan_input(kind, &mut golden.tensors()).unwrap();
             let input = Arc::new(planned.input);
             let placeholder = family.placeholder(kind).unwrap();
             let item = |tokens, part| MediaItem {
@@ -335,13 +344,15 @@ fn video_runs_carry_transformers_timestamps() {
     for case in &cases {
         let grid = ints(&case["video_grid_thw"]);
         let patches = (grid[0] * grid[1] * grid[2]) as usize;
-        let tensors = ItemTensors {
+        let golden = GoldenItem {
             grid: grid.clone(),
             pixels: vec![0.0; patches * 3 * 2 * 16 * 16],
             frame_indices: ints(&case["frame_indices"]),
             fps: case["video_fps"].as_f64().unwrap(),
         };
-        let planned = family.plan_input(MediaKind::Video, &tensors).unwrap();
+        let planned = family
+            .plan_input(MediaKind::Video, &mut golden.tensors())
+            .unwrap();
         let want: Vec<String> = case["timestamps"]
             .as_array()
             .unwrap()

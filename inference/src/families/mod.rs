@@ -6,8 +6,9 @@
 //! encoder and LLM load onto their devices. The gateway asks [`read`] for a model directory's
 //! family and names none itself. Adding a family is a file here and a line in [`registry`].
 //!
-//! The inference core knows nothing of HTTP or of the plugin host: plugin tensors arrive through
-//! [`PluginTensors`], which the gateway implements over the host's tensors.
+//! The inference core knows nothing of HTTP or of the plugin host: plugin tensors arrive as plain
+//! values ([`ItemTensors`]), and [`crate::prompt`] lays out what a family makes of them in the
+//! prompt.
 
 mod qwen2_audio;
 mod qwen2_vl;
@@ -18,13 +19,13 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::backend::Backend;
-use crate::backend::cpu::CpuBackend;
-use crate::devices::{CudaGpu, OpenDevice};
+use crate::devices::OpenDevice;
 use crate::engine::{
-    EncodeInput, Encoder, EncoderPool, Engine, EngineConfig, FeatureStore, PixelValues,
-    PositionScheme,
+    EncodeInput, Encoder, EncoderPool, Engine, EngineConfig, FeatureStore, PositionScheme,
+    StartEngine,
 };
 use crate::error::{Error, Result};
+pub use crate::item_tensors::ItemTensors;
 use crate::models::Qwen2;
 use crate::models::config::{ConfigFile, TextConfig};
 use crate::rope::Grid;
@@ -54,18 +55,6 @@ impl MediaKind {
             Self::Audio => ContentPart::Audio,
         }
     }
-}
-
-/// A plugin's output tensors for one item, by name. Each reader fails with an input error naming
-/// the tensor when it is missing or of another type.
-pub trait PluginTensors {
-    /// The tensor's dimensions.
-    fn shape(&self, name: &str) -> Result<Vec<u64>>;
-    fn f32s(&self, name: &str) -> Result<Vec<f32>>;
-    /// Integers: i64, or i32 widened.
-    fn ints(&self, name: &str) -> Result<Vec<i64>>;
-    /// Pixel values: f32, or 8-bit samples the encoder expands (a quarter of the memory).
-    fn pixel_values(&self, name: &str) -> Result<PixelValues>;
 }
 
 /// What a family makes of an item's plugin tensors.
@@ -105,11 +94,8 @@ pub struct Placement {
     pub runs: Vec<PromptRun>,
 }
 
-/// An LLM loaded on its device.
-pub enum LoadedLlm {
-    Cpu(Qwen2<CpuBackend>),
-    Cuda(Qwen2<CudaGpu>),
-}
+/// An LLM loaded on its device, whatever its model and device.
+pub struct LoadedLlm(Box<dyn StartEngine>);
 
 impl LoadedLlm {
     /// Starts the engine that runs this LLM.
@@ -120,10 +106,7 @@ impl LoadedLlm {
         pool: Arc<EncoderPool>,
         store: Arc<FeatureStore>,
     ) -> Result<Engine> {
-        match self {
-            Self::Cpu(llm) => Engine::start(config, llm, text, pool, store),
-            Self::Cuda(llm) => Engine::start(config, llm, text, pool, store),
-        }
+        self.0.start(config, text, pool, store)
     }
 }
 
@@ -176,14 +159,14 @@ pub trait FamilyModel: Send + Sync {
         None
     }
     /// The encoder input for an item's plugin tensors, checked against the model's shapes.
-    fn plan_input(&self, kind: MediaKind, tensors: &dyn PluginTensors) -> Result<PlannedInput>;
+    fn plan_input(&self, kind: MediaKind, tensors: &mut ItemTensors) -> Result<PlannedInput>;
     /// Where `tokens` embeddings of an item made elsewhere go, from the small tensors that place
     /// it (a vision item's grid, a video's seconds between temporal patches); `None` when there
     /// are none.
     fn place_embeddings(
         &self,
         kind: MediaKind,
-        tensors: Option<&dyn PluginTensors>,
+        tensors: Option<&ItemTensors>,
         tokens: usize,
     ) -> Result<Placement>;
     /// Loads the encoder onto every encoder device and the LLM onto `llm` if given (the first
@@ -253,10 +236,10 @@ fn load_on_devices(
         ));
     };
     let (encoder, llm) = match (first, llm) {
-        (Cpu(e), Some(Cpu(l))) => loaded(loader.load(e, l)?, LoadedLlm::Cpu),
-        (Cpu(e), Some(Cuda(l))) => loaded(loader.load(e, l)?, LoadedLlm::Cuda),
-        (Cuda(e), Some(Cpu(l))) => loaded(loader.load(e, l)?, LoadedLlm::Cpu),
-        (Cuda(e), Some(Cuda(l))) => loaded(loader.load(e, l)?, LoadedLlm::Cuda),
+        (Cpu(e), Some(Cpu(l))) => loaded(loader.load(e, l)?),
+        (Cpu(e), Some(Cuda(l))) => loaded(loader.load(e, l)?),
+        (Cuda(e), Some(Cpu(l))) => loaded(loader.load(e, l)?),
+        (Cuda(e), Some(Cuda(l))) => loaded(loader.load(e, l)?),
         (Cpu(e), None) => (loader.load_encoder(e)?, None),
         (Cuda(e), None) => (loader.load_encoder(e)?, None),
     };
@@ -272,9 +255,8 @@ fn load_on_devices(
 
 fn loaded<L: Backend>(
     (encoder, llm): (Arc<dyn Encoder>, Qwen2<L>),
-    wrap: fn(Qwen2<L>) -> LoadedLlm,
 ) -> (Arc<dyn Encoder>, Option<LoadedLlm>) {
-    (encoder, Some(wrap(llm)))
+    (encoder, Some(LoadedLlm(Box::new(llm))))
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    Family, FamilyModel, LoadedModel, Loader, MediaKind, Placement, PlannedInput, PluginTensors,
+    Family, FamilyModel, ItemTensors, LoadedModel, Loader, MediaKind, Placement, PlannedInput,
     load_on_devices,
 };
 use crate::backend::Backend;
@@ -51,7 +51,7 @@ impl FamilyModel for Qwen2AudioModel {
         PositionScheme::Plain
     }
 
-    fn plan_input(&self, kind: MediaKind, tensors: &dyn PluginTensors) -> Result<PlannedInput> {
+    fn plan_input(&self, kind: MediaKind, tensors: &mut ItemTensors) -> Result<PlannedInput> {
         if kind != MediaKind::Audio {
             return Err(Error::Input(format!(
                 "this model does not take {} input",
@@ -75,7 +75,7 @@ impl FamilyModel for Qwen2AudioModel {
         let tokens = valid.iter().map(|&v| encoder.output_len(v)).sum();
         Ok(PlannedInput {
             input: EncodeInput::Audio {
-                features: tensors.f32s("input_features")?,
+                features: tensors.take_f32s("input_features")?,
                 valid_frames: valid,
             },
             tokens,
@@ -87,7 +87,7 @@ impl FamilyModel for Qwen2AudioModel {
     fn place_embeddings(
         &self,
         _kind: MediaKind,
-        _tensors: Option<&dyn PluginTensors>,
+        _tensors: Option<&ItemTensors>,
         _tokens: usize,
     ) -> Result<Placement> {
         Ok(Placement {

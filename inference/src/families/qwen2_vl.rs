@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    Family, FamilyModel, LoadedModel, Loader, MediaKind, Placement, PlannedInput, PluginTensors,
+    Family, FamilyModel, ItemTensors, LoadedModel, Loader, MediaKind, Placement, PlannedInput,
     RowBands, load_on_devices, vision,
 };
 use crate::backend::Backend;
@@ -38,7 +38,7 @@ struct Qwen2VlModel {
 impl Qwen2VlModel {
     /// M-RoPE's temporal step for a video: Qwen2.5-VL's from the seconds between its temporal
     /// patches (`second_per_grid_ts`), one position per patch otherwise.
-    fn time_interval(&self, kind: MediaKind, tensors: &dyn PluginTensors) -> Result<f32> {
+    fn time_interval(&self, kind: MediaKind, tensors: &ItemTensors) -> Result<f32> {
         let vision = &self.config.vision;
         if kind != MediaKind::Video || vision.tokens_per_second.is_none() {
             return Ok(1.0);
@@ -86,7 +86,7 @@ impl FamilyModel for Qwen2VlModel {
         vision::row_bands(kind)
     }
 
-    fn plan_input(&self, kind: MediaKind, tensors: &dyn PluginTensors) -> Result<PlannedInput> {
+    fn plan_input(&self, kind: MediaKind, tensors: &mut ItemTensors) -> Result<PlannedInput> {
         let vision = &self.config.vision;
         let (input, grid) = vision::plan_patches(kind, tensors, vision.patch_len(), vision.merge)?;
         Ok(PlannedInput {
@@ -100,7 +100,7 @@ impl FamilyModel for Qwen2VlModel {
     fn place_embeddings(
         &self,
         kind: MediaKind,
-        tensors: Option<&dyn PluginTensors>,
+        tensors: Option<&ItemTensors>,
         tokens: usize,
     ) -> Result<Placement> {
         let (grid, tensors) =

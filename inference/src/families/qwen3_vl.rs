@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    Family, FamilyModel, LoadedModel, Loader, MediaKind, Placement, PlannedInput, PluginTensors,
+    Family, FamilyModel, ItemTensors, LoadedModel, Loader, MediaKind, Placement, PlannedInput,
     PromptRun, RowBands, load_on_devices, vision,
 };
 use crate::backend::Backend;
@@ -50,12 +50,7 @@ impl Qwen3VlModel {
     /// The timestamp of a temporal patch is the mean of its first and last frame's time
     /// (`frame_indices` over the source's frame rate, `video_fps_f64_bits`), written with one
     /// decimal, as transformers' `Qwen3VLProcessor` computes it in double precision.
-    fn runs(
-        &self,
-        kind: MediaKind,
-        grid: Grid,
-        tensors: &dyn PluginTensors,
-    ) -> Result<Vec<PromptRun>> {
+    fn runs(&self, kind: MediaKind, grid: Grid, tensors: &ItemTensors) -> Result<Vec<PromptRun>> {
         if kind != MediaKind::Video {
             return Ok(Vec::new());
         }
@@ -127,7 +122,7 @@ impl FamilyModel for Qwen3VlModel {
         vision::row_bands(kind)
     }
 
-    fn plan_input(&self, kind: MediaKind, tensors: &dyn PluginTensors) -> Result<PlannedInput> {
+    fn plan_input(&self, kind: MediaKind, tensors: &mut ItemTensors) -> Result<PlannedInput> {
         let vision = &self.config.vision;
         let (input, grid) = vision::plan_patches(kind, tensors, vision.patch_len(), vision.merge)?;
         Ok(PlannedInput {
@@ -141,7 +136,7 @@ impl FamilyModel for Qwen3VlModel {
     fn place_embeddings(
         &self,
         kind: MediaKind,
-        tensors: Option<&dyn PluginTensors>,
+        tensors: Option<&ItemTensors>,
         tokens: usize,
     ) -> Result<Placement> {
         let (grid, tensors) =

@@ -2,7 +2,7 @@
 //! over a grid of `t × h × w` patches (`image_grid_thw`, `video_grid_thw`), merged `merge × merge`
 //! into tokens. Shared by every family with such a tower.
 
-use super::{MediaKind, PluginTensors, RowBands};
+use super::{ItemTensors, MediaKind, RowBands};
 use crate::engine::EncodeInput;
 use crate::error::{Error, Result};
 use crate::rope::Grid;
@@ -33,7 +33,7 @@ pub(super) fn grid_tokens(grid: Grid, merge: usize) -> Option<usize> {
 
 /// A `*_grid_thw` tensor (`t, h, w` in patches) checked against the model's patch merge: it comes
 /// from a plugin or a client.
-pub(super) fn merged_grid(tensors: &dyn PluginTensors, name: &str, merge: usize) -> Result<Grid> {
+pub(super) fn merged_grid(tensors: &ItemTensors, name: &str, merge: usize) -> Result<Grid> {
     let thw = tensors.ints(name)?;
     let [t, h, w] = thw[..] else {
         return Err(Error::Input(format!(
@@ -62,14 +62,14 @@ pub(super) fn merged_grid(tensors: &dyn PluginTensors, name: &str, merge: usize)
 /// other and the model's patch length and merge.
 pub(super) fn plan_patches(
     kind: MediaKind,
-    tensors: &dyn PluginTensors,
+    tensors: &mut ItemTensors,
     patch_len: usize,
     merge: usize,
 ) -> Result<(EncodeInput, Grid)> {
     let (grid_name, pixels_name) = names(kind)?;
     let grid = merged_grid(tensors, grid_name, merge)?;
     // 8-bit samples stay bytes until the encoder packs its batch.
-    let pixel_values = tensors.pixel_values(pixels_name)?;
+    let pixel_values = tensors.take_pixel_values(pixels_name)?;
     let patches = grid
         .t
         .checked_mul(grid.h)
@@ -90,10 +90,10 @@ pub(super) fn plan_patches(
 /// (which are handed back for the family's other placing tensors).
 pub(super) fn place_by_grid(
     kind: MediaKind,
-    tensors: Option<&dyn PluginTensors>,
+    tensors: Option<&ItemTensors>,
     tokens: usize,
     merge: usize,
-) -> Result<(Grid, &dyn PluginTensors)> {
+) -> Result<(Grid, &ItemTensors)> {
     let (grid_name, _) = names(kind)?;
     let tensors = tensors.ok_or_else(|| {
         Error::Input(format!(

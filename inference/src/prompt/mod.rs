@@ -1,0 +1,224 @@
+//! A model's prompts: what a request's text and media become in the LLM's input, read from the
+//! model's directory without any weights (tokenizer, chat template, processor and generation
+//! configs, context) and the placement of each media item, which its family decides
+//! ([`placement`]). Enough to template a request, count its tokens and plan its media: a model
+//! whose server preprocesses for itself needs no more.
+
+mod placement;
+
+use std::path::Path;
+use std::sync::Arc;
+
+pub use placement::{PartLayout, PieceMaker};
+
+use crate::engine::MediaItem;
+use crate::error::{Error, Result};
+use crate::families::{self, FamilyModel, MediaKind, RowBands};
+use crate::models::GenerationConfig;
+use crate::text::TextProcessor;
+
+/// What a model's prompts are made of (see the module's doc).
+pub struct PromptModel {
+    pub name: String,
+    /// What the model's family makes of its media (the registry's answer for its config).
+    family: Arc<dyn FamilyModel>,
+    pub text: Arc<TextProcessor>,
+    /// `preprocessor_config.json` (and the video processor's), handed to the plugins.
+    pub processor_config: String,
+    /// `generation_config.json`: its eos ids end generations, its sampling settings are the
+    /// defaults of requests that leave them out.
+    pub generation: GenerationConfig,
+    pub context_length: usize,
+    /// Values per media token in the encoder's output (the LLM's width, once per feature set).
+    pub embedding_width: usize,
+}
+
+impl PromptModel {
+    /// Reads a model directory's config, tokenizer, chat template, processor and generation
+    /// configs; weights, if any, are not read. `max_model_len` is the context served, below the
+    /// checkpoint's own (`max_position_embeddings`), as vLLM's `--max-model-len`.
+    pub fn load(name: &str, dir: &Path, max_model_len: Option<usize>) -> Result<Self> {
+        Self::with_family(name, dir, families::read(dir)?, max_model_len)
+    }
+
+    /// The prompt side of a model whose family is already read.
+    pub fn with_family(
+        name: &str,
+        dir: &Path,
+        family: Arc<dyn FamilyModel>,
+        max_model_len: Option<usize>,
+    ) -> Result<Self> {
+        let embedding_width = family.embedding_width();
+        let checkpoint_context = family.text_config().max_position_embeddings;
+        let context_length = match max_model_len {
+            Some(n) if n > checkpoint_context => {
+                return Err(Error::Config {
+                    path: dir.join("config.json"),
+                    reason: format!(
+                        "max_model_len {n} is over the checkpoint's context of \
+                         {checkpoint_context} tokens (max_position_embeddings)"
+                    ),
+                });
+            }
+            Some(n) => n,
+            None => checkpoint_context,
+        };
+        let processor_config = read_processor_config(dir)?;
+        Ok(Self {
+            name: name.to_owned(),
+            family,
+            text: Arc::new(TextProcessor::load(dir)?),
+            processor_config,
+            generation: GenerationConfig::read(dir)?,
+            context_length,
+            embedding_width,
+        })
+    }
+
+    /// For a model whose server runs its own processor (`media = "preprocess"`): the processor
+    /// config plugins get says so (`"mmgate_server_processor": true`), so they plan what that
+    /// processor makes of an item where it differs from what this gateway would (HF's audio
+    /// processors keep only the first 30 s chunk).
+    pub fn for_server_processor(mut self) -> Result<Self> {
+        let config_error = |reason: &str| Error::Config {
+            path: "preprocessor_config.json".into(),
+            reason: reason.to_owned(),
+        };
+        let mut config: serde_json::Value =
+            serde_json::from_str(&self.processor_config).map_err(|_| config_error("not JSON"))?;
+        let Some(fields) = config.as_object_mut() else {
+            return Err(config_error("not a JSON object"));
+        };
+        fields.insert("mmgate_server_processor".into(), true.into());
+        self.processor_config = config.to_string();
+        Ok(self)
+    }
+
+    /// The model's family, for what loads and runs it.
+    pub fn family(&self) -> &Arc<dyn FamilyModel> {
+        &self.family
+    }
+
+    /// The media kinds this model takes.
+    pub fn media_kinds(&self) -> &'static [MediaKind] {
+        self.family.media_kinds()
+    }
+
+    /// Tokens of a templated prompt that are not media placeholders (each media item is one
+    /// placeholder before expansion).
+    pub fn text_tokens(&self, ids: &[u32]) -> usize {
+        let placeholders: Vec<u32> = self
+            .media_kinds()
+            .iter()
+            .filter_map(|&k| self.placeholder(k).ok())
+            .collect();
+        ids.iter().filter(|id| !placeholders.contains(id)).count()
+    }
+
+    /// The placeholder token for a media kind, or why this model does not take it.
+    pub fn placeholder(&self, kind: MediaKind) -> Result<u32> {
+        self.family.placeholder(kind).ok_or_else(|| {
+            Error::Input(format!(
+                "model {} does not take {} input",
+                self.name,
+                kind.name()
+            ))
+        })
+    }
+
+    /// For an item of `kind` its encoder must see whole, the tensors by which parts a plugin made
+    /// of it (bands of its patch rows) join back into it before [`Self::media_item`] places it;
+    /// `None` where each part is a piece of its own ([`Self::media_parts`]).
+    pub fn row_bands(&self, kind: MediaKind) -> Option<RowBands> {
+        self.family.row_bands(kind)
+    }
+}
+
+/// Where a model's video processor config goes inside the processor config the plugins get.
+const VIDEO_PROCESSOR_KEY: &str = "video_preprocessor_config";
+
+/// The processor config the plugins get: `preprocessor_config.json`, and the model's own video
+/// processor config (`video_preprocessor_config.json`, as Qwen3-VL ships) under
+/// `"video_preprocessor_config"` when there is one: one string, so one cache key and one
+/// argument, while the video plugin reads the video processor's keys over the image processor's.
+pub fn read_processor_config(dir: &Path) -> Result<String> {
+    let read = |name: &str| -> Result<Option<(String, serde_json::Value)>> {
+        let path = dir.join(name);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(Error::Io { path, source }),
+        };
+        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+            path: path.clone(),
+            reason: format!("not valid JSON: {e}"),
+        })?;
+        if !value.is_object() {
+            return Err(Error::Config {
+                path,
+                reason: "not a JSON object".into(),
+            });
+        }
+        Ok(Some((text, value)))
+    };
+    let (text, mut config) = read("preprocessor_config.json")?.ok_or_else(|| Error::Config {
+        path: dir.join("preprocessor_config.json"),
+        reason: "it is missing".into(),
+    })?;
+    let Some((_, video)) = read("video_preprocessor_config.json")? else {
+        return Ok(text);
+    };
+    if let Some(fields) = config.as_object_mut() {
+        fields.insert(VIDEO_PROCESSOR_KEY.into(), video);
+    }
+    Ok(config.to_string())
+}
+
+/// A media item as the prompt holds it: the engine's items for it (one, or one per run of its
+/// tokens) and the ids that replace its one placeholder in the templated prompt.
+#[derive(Debug, Clone)]
+pub struct PlacedItem {
+    pub items: Vec<MediaItem>,
+    pub ids: Vec<u32>,
+}
+
+impl PlacedItem {
+    /// One item in one run of its placeholders.
+    pub fn single(item: MediaItem) -> Self {
+        Self {
+            ids: vec![item.placeholder; item.tokens],
+            items: vec![item],
+        }
+    }
+
+    fn placeholder(&self) -> Option<u32> {
+        self.items.first().map(|i| i.placeholder)
+    }
+}
+
+/// Replaces each media item's single placeholder in the templated prompt by its ids, items taken
+/// in prompt order per placeholder token.
+pub fn expand_placeholders(ids: &[u32], media: &[PlacedItem]) -> Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(ids.len() + media.iter().map(|m| m.ids.len()).sum::<usize>());
+    let mut used = vec![false; media.len()];
+    for &id in ids {
+        match (0..media.len()).find(|&i| !used[i] && media[i].placeholder() == Some(id)) {
+            Some(i) => {
+                used[i] = true;
+                out.extend_from_slice(&media[i].ids);
+            }
+            None if media.iter().any(|m| m.placeholder() == Some(id)) => {
+                return Err(Error::Input(
+                    "the prompt has more media placeholders than media items".into(),
+                ));
+            }
+            None => out.push(id),
+        }
+    }
+    if used.iter().any(|u| !u) {
+        return Err(Error::Input(
+            "the chat template placed fewer media placeholders than there are media items".into(),
+        ));
+    }
+    Ok(out)
+}
