@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use mmgate_host::{CompileCache, SandboxLimits};
+use mmgate_inference::demo::DemoFamily;
 use mmgate_inference::devices::DeviceName;
 use serde::Deserialize;
 
@@ -593,7 +594,7 @@ impl ModelConfig {
             bail!("model {name:?}: upstream_api_key must be a non-empty token without spaces");
         }
         if let Some(ca) = &self.upstream_ca_file {
-            crate::upstream::tls::check_ca_file(ca)
+            crate::tls_files::check_ca_file(ca)
                 .with_context(|| format!("model {name:?}: upstream_ca_file"))?;
         }
         if self.llm_threads == Some(0) || self.encoder_devices.iter().any(|d| d.threads == Some(0))
@@ -687,7 +688,7 @@ impl Config {
                 }
                 if let Some(dir) = &model.path
                     && dir.is_relative()
-                    && !crate::native::model::is_demo_model(dir)
+                    && dir.to_str().and_then(DemoFamily::served_as).is_none()
                 {
                     model.path = Some(base.join(dir));
                 }
@@ -736,7 +737,7 @@ impl Config {
         self.key_limits.validate()?;
         self.connections.validate()?;
         if let Some(tls) = &self.tls {
-            crate::upstream::tls::check_server_files(&tls.cert, &tls.key).context("tls")?;
+            crate::tls_files::check_server_files(&tls.cert, &tls.key).context("tls")?;
         }
         Ok(())
     }

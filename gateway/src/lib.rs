@@ -7,6 +7,7 @@ mod api;
 pub mod cli;
 mod config;
 mod deadline;
+mod draining;
 mod error;
 pub mod fuzzing;
 mod keylimits;
@@ -14,6 +15,7 @@ pub mod logging;
 mod metrics;
 mod server;
 mod store;
+mod tls_files;
 mod upstream;
 // The three layers a request passes: formats on the wire, media through the plugins, and
 // native serving on this machine's devices.

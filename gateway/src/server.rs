@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use mmgate_host::PluginPool;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use pingora::server::configuration::ServerConf;
@@ -17,6 +17,7 @@ use pingora::services::listening::Service as ListeningService;
 
 use crate::api::{App, Gateway, Route, UpstreamMedia};
 use crate::config::{Config, MediaMode, ModelConfig};
+use crate::draining::Draining;
 use crate::keylimits::KeyLimits;
 use crate::media::feature_cache::RedisFeatures;
 use crate::media::fetch::Fetcher;
@@ -25,12 +26,13 @@ use crate::media::plugins::LivePlugins;
 use crate::metrics::Metrics;
 use crate::native::chat::NativeModel;
 use crate::native::model::{
-    Devices, ModelRuntime, PromptModel, RuntimeOptions, default_cache_dir, resolve_model_dir,
+    Devices, ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir,
 };
 use crate::store::{Redis, StoreKind};
 use crate::upstream::UpstreamPool;
 use mmgate_inference::devices::{DeviceName, Placement};
 use mmgate_inference::engine::SharedFeatures;
+use mmgate_inference::prompt::PromptModel;
 
 /// Loads a model onto its devices, its encoders reporting to `metrics`: all of it when it is served
 /// here, only its encoders when its LLM runs upstream.
@@ -244,16 +246,6 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Whether this replica is draining: set on SIGTERM, read by `/ready`.
-#[derive(Clone, Default)]
-pub struct Draining(Arc<AtomicBool>);
-
-impl Draining {
-    pub fn is_draining(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
-    }
-}
-
 /// Shutdown as a load balancer needs it. On SIGTERM `/ready` answers 503 at once while requests
 /// are still accepted for `drain` (so that the balancer, polling `/ready`, stops sending traffic
 /// before connections would be refused); then the listener closes and requests in flight get
@@ -276,7 +268,7 @@ impl ShutdownSignalWatch for DrainOnTerm {
         };
         tokio::select! {
             _ = term.recv() => {
-                self.draining.0.store(true, Ordering::Relaxed);
+                self.draining.begin();
                 tracing::info!(
                     drain_seconds = self.drain.as_secs(),
                     "SIGTERM: draining (/ready answers 503), then closing the listener"

@@ -21,6 +21,7 @@ use serde_json::{Value, json};
 
 use crate::access::Access;
 use crate::config::{ConnectionsConfig, RequestLimits};
+use crate::draining::Draining;
 use crate::error::ApiError;
 use crate::keylimits::{KeyLimits, Permit};
 use crate::media::fetch::Fetcher;
@@ -28,12 +29,11 @@ use crate::media::files::FileStore;
 use crate::media::plugins::{LivePlugins, ReloadGuard};
 use crate::metrics::{Metrics, ModelGauges, Snapshot};
 use crate::native::chat::NativeModel;
-use crate::native::model::PromptModel;
-use crate::server::Draining;
 use crate::store::{Caller, Redis};
 use crate::upstream::{ClientHop, UpstreamPool};
 pub use connection::App;
 use io::{write_error, write_json};
+use mmgate_inference::prompt::PromptModel;
 
 /// How a model is served.
 pub enum Route {

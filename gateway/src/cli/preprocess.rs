@@ -47,7 +47,7 @@ pub struct PreprocessArgs {
 }
 
 pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
-    let config = crate::native::model::read_processor_config(&args.model)?;
+    let config = mmgate_inference::prompt::read_processor_config(&args.model)?;
     let data = std::fs::read(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
 
@@ -96,7 +96,10 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
         .context("the plugin returned no result")?;
     let plan = &processed.plan;
     // What HF's processor gives: samples a plugin sent as u8 with a table become floats again.
-    let tensors = &mmgate_host::with_f32_values(&processed.tensors)
+    let pipeline::Made::Tensors(made) = &processed.made else {
+        bail!("the plugin made no tensors of the item");
+    };
+    let tensors = &mmgate_host::with_f32_values(made)
         .map_err(|e| anyhow!("the plugin's output is malformed: {e}"))?;
 
     let metadata = HashMap::from([

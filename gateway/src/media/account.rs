@@ -6,8 +6,8 @@
 use serde_json::{Map, Value, json};
 
 use super::pipeline;
-use crate::native::model::MediaKind;
 use mmgate_host::LoadedPlugin;
+use mmgate_inference::families::MediaKind;
 
 #[derive(Debug, Clone)]
 pub struct MediaAccount {

@@ -150,26 +150,44 @@ impl Coming {
 pub struct Processed {
     pub info: MediaInfo,
     pub plan: TokenPlan,
-    /// `preprocess`'s tensors (none when the item was reduced to files or made in parts).
-    pub tensors: Vec<Tensor>,
-    /// Each part's tensors, in order, when the item was made in more than one.
-    pub parts: Vec<Vec<Tensor>>,
-    /// The parts still being made, when they are handed on as each is made.
-    pub coming: Option<Coming>,
-    /// The parts' outputs, when another replica had made them (see [`Coming::share_keys`]).
-    pub encoded_parts: Option<EncodedParts>,
-    /// `reduce`'s files, when those were asked for.
-    pub files: Option<ReducedItem>,
-    /// The encoder's output, when another replica had made it (`tensors` then hold only what
-    /// places it: no encoder input was made).
-    pub encoded: Option<Arc<Vec<f32>>>,
+    pub made: Made,
     /// The item's key in the shared cache, when it was looked up there.
     pub share_key: Option<[u8; 32]>,
     pub timings: Timings,
 }
 
+/// What an item's last plugin calls made of it, or what another replica had made of it.
+pub enum Made {
+    /// `preprocess`'s tensors: the item whole.
+    Tensors(Vec<Tensor>),
+    /// Each part's tensors, in order, when the item was made in more than one.
+    Parts(Vec<Vec<Tensor>>),
+    /// The parts still being made, when they are handed on as each is made.
+    Coming(Coming),
+    /// `reduce`'s files, when those were asked for.
+    Files(ReducedItem),
+    /// The encoder's output, when another replica had made it of the whole item: no encoder
+    /// input was made here.
+    Encoded(Encoded),
+    /// The parts' encoder outputs, when another replica had made them (see
+    /// [`Coming::share_keys`]).
+    EncodedParts(EncodedParts),
+}
+
+impl Made {
+    /// How many parts the item was made in, when more than one.
+    fn part_count(&self) -> usize {
+        match self {
+            Self::Parts(parts) => parts.len(),
+            Self::Coming(coming) => coming.plans.len(),
+            Self::EncodedParts(known) => known.plans.len(),
+            Self::Tensors(_) | Self::Files(_) | Self::Encoded(_) => 0,
+        }
+    }
+}
+
 /// What another replica's encoder already made of an item: its output, and the item's tensors
-/// other than the encoder's inputs.
+/// other than the encoder's inputs (those that place it).
 pub struct Encoded {
     pub features: Arc<Vec<f32>>,
     pub tensors: Vec<Tensor>,
@@ -237,12 +255,7 @@ pub fn process_together(
         processed.push(Processed {
             info,
             plan,
-            tensors,
-            parts: Vec::new(),
-            coming: None,
-            encoded_parts: None,
-            files: None,
-            encoded: None,
+            made: Made::Tensors(tensors),
             share_key: None,
             timings: Timings {
                 probe: probe_times[item],
@@ -349,12 +362,7 @@ pub async fn process_concurrently(
                 };
                 let share_key = looked.as_ref().map(|(key, _)| *key);
                 if let Some((_, Some(known))) = looked {
-                    let output = Output {
-                        tensors: known.tensors,
-                        encoded: Some(known.features),
-                        ..Output::default()
-                    };
-                    return Ok((output, share_key, started.elapsed()));
+                    return Ok((Made::Encoded(known), share_key, started.elapsed()));
                 }
                 if let Produce::Tensors { parts } = produce
                     && parts != Parts::Whole
@@ -364,42 +372,18 @@ pub async fn process_concurrently(
                         (plugin.clone(), media.clone(), plan.clone(), config.clone());
                     let made =
                         made_in_parts(pool, plugin, media, plan, config, parts, shared).await;
-                    let output = match made.map_err(plugin_error(item))? {
-                        MadeParts::Whole => None,
-                        MadeParts::Made(parts) => Some(Output {
-                            parts,
-                            ..Output::default()
-                        }),
-                        MadeParts::Coming(coming) => Some(Output {
-                            coming: Some(coming),
-                            ..Output::default()
-                        }),
-                        MadeParts::Known(known) => Some(Output {
-                            encoded_parts: Some(known),
-                            ..Output::default()
-                        }),
-                    };
-                    if let Some(output) = output {
-                        return Ok((output, None, started.elapsed()));
+                    if let Some(made) = made.map_err(plugin_error(item))? {
+                        return Ok((made, None, started.elapsed()));
                     }
                 }
                 pool.run(move || {
-                    let output =
-                        match produce {
-                            Produce::Tensors { .. } => plugin
-                                .preprocess(&media, &plan, &config)
-                                .map(|tensors| Output {
-                                    tensors,
-                                    ..Output::default()
-                                }),
-                            Produce::Files => {
-                                plugin.reduce(&media, &plan, &config).map(|files| Output {
-                                    files: Some(files),
-                                    ..Output::default()
-                                })
-                            }
-                        };
-                    output.map(|output| (output, share_key, started.elapsed()))
+                    let made = match produce {
+                        Produce::Tensors { .. } => {
+                            plugin.preprocess(&media, &plan, &config).map(Made::Tensors)
+                        }
+                        Produce::Files => plugin.reduce(&media, &plan, &config).map(Made::Files),
+                    };
+                    made.map(|made| (made, share_key, started.elapsed()))
                 })
                 .await
                 .map_err(plugin_error(item))
@@ -416,15 +400,10 @@ pub async fn process_concurrently(
         .zip(outputs)
         .enumerate()
         .map(
-            |(item, ((info, plan), (output, share_key, preprocess)))| Processed {
+            |(item, ((info, plan), (made, share_key, preprocess)))| Processed {
                 info,
                 plan,
-                tensors: output.tensors,
-                parts: output.parts,
-                coming: output.coming,
-                encoded_parts: output.encoded_parts,
-                files: output.files,
-                encoded: output.encoded,
+                made,
                 share_key,
                 timings: Timings {
                     probe: probe_times[item],
@@ -436,36 +415,15 @@ pub async fn process_concurrently(
         .collect())
 }
 
-/// What an item's last plugin calls made of it (see [`Processed`]).
-#[derive(Default)]
-struct Output {
-    tensors: Vec<Tensor>,
-    parts: Vec<Vec<Tensor>>,
-    coming: Option<Coming>,
-    encoded_parts: Option<EncodedParts>,
-    files: Option<ReducedItem>,
-    encoded: Option<Arc<Vec<f32>>>,
-}
-
-/// How an item's parts were made.
-enum MadeParts {
-    /// Not in parts: the item is made whole.
-    Whole,
-    Made(Vec<Vec<Tensor>>),
-    Coming(Coming),
-    /// Every part found among other replicas' outputs.
-    Known(EncodedParts),
-}
-
 /// An item's parts, each made on its own instance of the plugin pool, all queued at once: made
-/// before they are returned, or, when `parts` is [`Parts::Coming`] and the plugin places them
-/// beforehand, returned still coming. Whole when the plugin makes the item whole (one part), or
+/// before they are returned ([`Made::Parts`]), or, when `parts` is [`Parts::Coming`] and the plugin places them
+/// beforehand, returned still coming ([`Made::Coming`]). `None` (made whole) when the plugin makes the item whole (one part), or
 /// when fewer than two of the pool's workers are idle: parts cost more work in all than the whole
 /// (each is a call of its own; an image's second band re-reads the first's entropy-coded rows),
 /// which pays off only on cores that would otherwise wait. Under a backlog the item is made whole,
 /// the same tensors for less work. With a shared cache (`shared`: it and the item's key there)
 /// only parts placed beforehand are made, each stored under its piece's key; when every piece is
-/// found there, nothing is made.
+/// found there, nothing is made ([`Made::EncodedParts`]).
 async fn made_in_parts(
     pool: &PluginPool,
     plugin: Arc<LoadedPlugin>,
@@ -474,10 +432,10 @@ async fn made_in_parts(
     config: Arc<str>,
     parts: Parts,
     shared: Option<(Lookup, [u8; 32])>,
-) -> Result<MadeParts, CallError> {
+) -> Result<Option<Made>, CallError> {
     // Asked before `parts` too: under a backlog that call would wait in the queue for nothing.
     if pool.idle() < 2 {
-        return Ok(MadeParts::Whole);
+        return Ok(None);
     }
     let asking = (plugin.clone(), plan.clone(), config.clone());
     let (count, plans) = pool
@@ -492,7 +450,7 @@ async fn made_in_parts(
         })
         .await?;
     if count <= 1 || pool.idle() < 2 || (shared.is_some() && plans.is_none()) {
-        return Ok(MadeParts::Whole);
+        return Ok(None);
     }
     let share_keys: Vec<[u8; 32]> = match (&shared, &plans) {
         (Some((lookup, item)), Some(plans)) => (0..plans.len())
@@ -512,10 +470,10 @@ async fn made_in_parts(
             })
             .await?;
         if let Some(features) = found {
-            return Ok(MadeParts::Known(EncodedParts {
+            return Ok(Some(Made::EncodedParts(EncodedParts {
                 plans: plans.clone(),
                 features,
-            }));
+            })));
         }
     }
     let Some(plans) = plans else {
@@ -529,7 +487,7 @@ async fn made_in_parts(
             .into_iter()
             .collect::<Result<Vec<_>, _>>()?;
         plugin.check_parts_output(&parts)?;
-        return Ok(MadeParts::Made(parts));
+        return Ok(Some(Made::Parts(parts)));
     };
     // Handed on one by one, the parts are held to the whole's output cap as they add up.
     let made_bytes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -558,11 +516,11 @@ async fn made_in_parts(
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(MadeParts::Coming(Coming {
+    Ok(Some(Made::Coming(Coming {
         plans,
         parts,
         share_keys,
-    }))
+    })))
 }
 
 /// The account of one item: the plugin, what the media is, the size/duration chosen, tokens, why
@@ -572,19 +530,15 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
     let Processed {
         info,
         plan,
-        tensors,
-        parts,
-        coming,
-        encoded_parts,
-        files,
-        encoded,
+        made,
         timings,
         ..
     } = processed;
-    let part_count = match (coming, encoded_parts) {
-        (Some(coming), _) => coming.plans.len(),
-        (_, Some(known)) => known.plans.len(),
-        _ => parts.len(),
+    let part_count = made.part_count();
+    let tensors: &[Tensor] = match made {
+        Made::Tensors(tensors) => tensors,
+        Made::Encoded(known) => &known.tensors,
+        _ => &[],
     };
     let choices: Value = serde_json::from_str(&plan.choices).unwrap_or(Value::Null);
     let size = |w: Option<u64>, h: Option<u64>| match (w, h) {
@@ -617,18 +571,18 @@ pub fn report(plugin: &LoadedPlugin, processed: &Processed) -> serde_json::Map<S
         "parts": (part_count > 0).then_some(part_count),
         // Handed on as each part was made (contract 0.5): `preprocess` below is the time to
         // plan and queue them, not to make them.
-        "parts_streamed": coming.is_some().then_some(true),
-        "tensors": (files.is_none()).then(|| tensors.iter().map(|t| json!({
+        "parts_streamed": matches!(made, Made::Coming(_)).then_some(true),
+        "tensors": (!matches!(made, Made::Files(_))).then(|| tensors.iter().map(|t| json!({
             "name": t.name,
             "dtype": t.dtype.name(),
             "shape": t.shape,
         })).collect::<Vec<_>>()),
-        "files": files.as_ref().map(|f| f.files.iter().map(|file| json!({
+        "files": match made { Made::Files(f) => Some(f), _ => None }.map(|f| f.files.iter().map(|file| json!({
             "mime_type": file.mime_type,
             "bytes": file.data.len(),
         })).collect::<Vec<_>>()),
         // Another replica's encoder output was used: nothing was preprocessed or encoded here.
-        "shared_encoding": (encoded.is_some() || encoded_parts.is_some()).then_some(true),
+        "shared_encoding": matches!(made, Made::Encoded(_) | Made::EncodedParts(_)).then_some(true),
         "time_ms": {
             "probe": ms(timings.probe),
             "plan": ms(timings.plan),

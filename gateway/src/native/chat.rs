@@ -12,7 +12,9 @@ use mmgate_host::{
 use mmgate_inference::engine::{
     Event, Failure, FinishReason, GenerateRequest, MediaItem, RequestHandle, Usage,
 };
+use mmgate_inference::families::MediaKind;
 use mmgate_inference::models::GenerationConfig;
+use mmgate_inference::prompt::{PieceMaker, PlacedItem, PromptModel, expand_placeholders};
 use mmgate_inference::sampling::SamplingParams;
 use mmgate_inference::text::{ChatMessage, ContentPart};
 use serde_json::Value;
@@ -23,11 +25,10 @@ use crate::media::account::{self, MediaAccount};
 use crate::media::budget::BudgetError;
 use crate::media::feature_cache::{self, SharedCache};
 use crate::media::files::FileStore;
-use crate::media::pipeline;
+use crate::media::pipeline::{self, Made};
 use crate::media::sniff::sniff_mime_type;
-use crate::native::model::{
-    MediaKind, ModelRuntime, PieceMaker, PlacedItem, PromptModel, expand_placeholders,
-};
+use crate::native::model::ModelRuntime;
+use crate::native::plugin_output::{item_tensors, named_tensor, part_layouts, place_parts};
 use crate::store::Caller;
 use crate::wire::openai::{
     self, ByteSource, ChatCompletionRequest, Content, MediaSource, Part, PayloadError,
@@ -352,66 +353,68 @@ pub async fn prepare(
             },
         };
         let mut account = MediaAccount::plugin(index, item.kind, &plugin, &processed);
-        let mut processed = processed;
-        if let Some(known) = processed.encoded_parts.take() {
-            let tokens = processed.plan.tokens;
-            match prompt.encoded_parts(item.kind, tokens, &known.plans, known.features, index) {
-                Ok(placed) => {
-                    report.push(account);
-                    media.push(placed);
-                    continue;
-                }
-                Err(e) => return Err(unencodable(index, &e)),
-            }
-        }
-        if let Some(coming) = processed.coming.take() {
-            // With a shared cache, each part's output is stored for other replicas under its
-            // piece's key (none without one), its part plan (what places it) beside it.
-            let share_keys = &coming.share_keys;
-            let tokens = processed.plan.tokens;
-            match prompt.coming_parts(item.kind, tokens, &coming.plans, share_keys, index) {
-                Ok(Some((placed, makers))) => {
-                    if let Some(shared) = shared {
-                        for (plan, key) in coming.plans.iter().zip(share_keys) {
-                            let note = feature_cache::note(&plan.placing);
-                            shared.features.put_note(key, note);
-                        }
+        let tokens = processed.plan.tokens as usize;
+        let made = match processed.made {
+            Made::EncodedParts(known) => {
+                let layouts = part_layouts(&known.plans);
+                match prompt.encoded_parts(item.kind, tokens, layouts, known.features, index) {
+                    Ok(placed) => {
+                        report.push(account);
+                        media.push(placed);
+                        continue;
                     }
-                    feeds.extend(coming.parts.into_iter().zip(makers));
-                    report.push(account);
-                    media.push(placed);
-                    continue;
+                    Err(e) => return Err(unencodable(index, &e.into())),
                 }
-                // The model encodes such items whole: the parts are joined once all are made.
-                Ok(None) => {
-                    processed.parts = coming
-                        .all()
-                        .await
-                        .map_err(|error| plugin_failed(index, &error))?;
+            }
+            Made::Coming(coming) => {
+                // With a shared cache, each part's output is stored for other replicas under its
+                // piece's key (none without one), its part plan (what places it) beside it.
+                let share_keys = &coming.share_keys;
+                let layouts = part_layouts(&coming.plans);
+                match prompt.coming_parts(item.kind, tokens, layouts, share_keys, index) {
+                    Ok(Some((placed, makers))) => {
+                        if let Some(shared) = shared {
+                            for (plan, key) in coming.plans.iter().zip(share_keys) {
+                                let note = feature_cache::note(&plan.placing);
+                                shared.features.put_note(key, note);
+                            }
+                        }
+                        feeds.extend(coming.parts.into_iter().zip(makers));
+                        report.push(account);
+                        media.push(placed);
+                        continue;
+                    }
+                    // The model encodes such items whole: the parts are joined once all are made.
+                    Ok(None) => {
+                        let parts = coming
+                            .all()
+                            .await
+                            .map_err(|error| plugin_failed(index, &error))?;
+                        place_parts(prompt, item.kind, tokens, &parts, index)
+                    }
+                    Err(e) => return Err(unencodable(index, &e.into())),
                 }
-                Err(e) => return Err(unencodable(index, &e)),
             }
-        }
-        let processed = &processed;
-        let made = match &processed.encoded {
-            Some(features) => prompt.encoded_item(
-                item.kind,
-                processed.plan.tokens,
-                &processed.tensors,
-                features.clone(),
-            ),
-            None if !processed.parts.is_empty() => {
-                prompt.media_parts(item.kind, processed.plan.tokens, &processed.parts, index)
-            }
-            None => {
-                let made = prompt.media_item(item.kind, processed.plan.tokens, &processed.tensors);
+            Made::Encoded(known) => prompt
+                .encoded_item(
+                    item.kind,
+                    tokens,
+                    item_tensors(&known.tensors),
+                    known.features,
+                )
+                .map_err(anyhow::Error::from),
+            Made::Parts(parts) => place_parts(prompt, item.kind, tokens, &parts, index),
+            Made::Tensors(tensors) => {
+                let made = prompt
+                    .media_item(item.kind, tokens, item_tensors(&tensors))
+                    .map_err(anyhow::Error::from);
                 // Other replicas will look this item up by its key: the pool writes its output
                 // there, and the note that places it goes beside it.
                 made.map(|mut placed| {
                     if let (Some(shared), Some(key)) = (shared, processed.share_key) {
                         shared
                             .features
-                            .put_note(&key, feature_cache::note(&processed.tensors));
+                            .put_note(&key, feature_cache::note(&tensors));
                         for item in &mut placed.items {
                             item.share_key = Some(key);
                         }
@@ -419,6 +422,7 @@ pub async fn prepare(
                     placed
                 })
             }
+            Made::Files(_) => return Err(internal("a media item was reduced to files")),
         };
         // Output the model's encoder cannot take fails to encode: the model's policy decides.
         let unencodable = match made {
@@ -523,15 +527,14 @@ pub async fn plan_for_upstream(
                 parts.push((item.kind, None));
             }
             ItemInput::Plugin { plugin, .. } => {
-                let mut done = processed
+                let done = processed
                     .next()
                     .ok_or_else(|| internal("a media item was not processed"))?;
                 media_tokens += done.plan.tokens as usize;
                 accounts.push(MediaAccount::plugin(index, item.kind, plugin, &done));
-                let files = done
-                    .files
-                    .take()
-                    .ok_or_else(|| internal("a media item was not reduced"))?;
+                let Made::Files(files) = done.made else {
+                    return Err(internal("a media item was not reduced"));
+                };
                 parts.push((item.kind, Some(files)));
             }
         }
@@ -794,7 +797,8 @@ fn embeddings_item(
     };
     let embeddings = read(embeddings, "image_embeds", max_bytes)?;
     let grid = grid.map(|g| read(g, "image_grid_thw", 64)).transpose()?;
-    runtime.embeddings_item(kind, &embeddings, grid.as_ref())
+    let grid = grid.as_ref().map(named_tensor);
+    Ok(runtime.embeddings_item(kind, named_tensor(&embeddings), grid)?)
 }
 
 /// A request's media measured against its limits as they are resolved (the same checks on every
@@ -915,7 +919,9 @@ impl<'m> Generation<'m> {
                 let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
                 tokio::spawn(async move {
                     tokio::select! {
-                        made = part.wait() => maker.deliver(made.map_err(|e| e.to_string())),
+                        made = part.wait() => maker.deliver(
+                            made.map(|tensors| item_tensors(&tensors)).map_err(|e| e.to_string()),
+                        ),
                         _ = stopped => maker.cancel(),
                     }
                 });

@@ -4,3 +4,6 @@
 mod bands;
 pub mod chat;
 pub mod model;
+#[cfg(test)]
+mod placement_tests;
+mod plugin_output;

@@ -11,16 +11,6 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-/// The headers this module owns: a client's own values of them are never forwarded as they are.
-pub const FORWARDING_HEADERS: [&str; 3] = ["x-forwarded-for", "x-forwarded-proto", "forwarded"];
-
-/// Whether `name` is one of [`FORWARDING_HEADERS`].
-pub fn is_forwarding_header(name: &str) -> bool {
-    FORWARDING_HEADERS
-        .iter()
-        .any(|h| name.eq_ignore_ascii_case(h))
-}
-
 /// The client side of one request: the connection's peer and whether it came over TLS.
 #[derive(Debug, Clone, Copy)]
 pub struct ClientHop {
@@ -126,7 +116,9 @@ mod tests {
             headers(&v6, &[]),
             "x-forwarded-for: 2001:db8::1\r\nx-forwarded-proto: https\r\nforwarded: for=\"[2001:db8::1]\";proto=https\r\n"
         );
-        assert!(is_forwarding_header("X-Forwarded-For"));
-        assert!(!is_forwarding_header("x-forwarded-host"));
+        assert!(crate::wire::http1::is_forwarding_header("X-Forwarded-For"));
+        assert!(!crate::wire::http1::is_forwarding_header(
+            "x-forwarded-host"
+        ));
     }
 }

@@ -13,7 +13,7 @@ use mmgate_host::{Media, ReducedItem};
 use serde_json::{Value, json};
 
 use crate::media::sniff::sniff_mime_type;
-use crate::native::model::MediaKind;
+use mmgate_inference::families::MediaKind;
 
 /// The part that carries `item` (a `kind` item reduced to files) upstream; `None` when the files
 /// are not what that kind goes as (an image or audio item is one file).

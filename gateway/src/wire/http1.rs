@@ -11,6 +11,18 @@ use std::ops::Range;
 
 use http::StatusCode;
 
+/// Headers that say who the client is (`X-Forwarded-For`, `X-Forwarded-Proto`, `Forwarded`): the
+/// hop that forwards a message writes them itself, so a client's own values are never forwarded as
+/// they are.
+pub const FORWARDING_HEADERS: [&str; 3] = ["x-forwarded-for", "x-forwarded-proto", "forwarded"];
+
+/// Whether `name` is one of [`FORWARDING_HEADERS`].
+pub fn is_forwarding_header(name: &str) -> bool {
+    FORWARDING_HEADERS
+        .iter()
+        .any(|h| name.eq_ignore_ascii_case(h))
+}
+
 /// Headers that describe one connection, not the message: never forwarded, either way.
 const HOP_BY_HOP: [&str; 8] = [
     "connection",
@@ -125,7 +137,7 @@ pub fn parse_request(buf: &[u8], max_body: usize) -> Request {
         } else if name.eq_ignore_ascii_case("transfer-encoding")
             || name.eq_ignore_ascii_case("expect")
             // Whether a client's own forwarding headers are believed depends on who it is.
-            || crate::upstream::forwarded::is_forwarding_header(name)
+            || is_forwarding_header(name)
             || name.eq_ignore_ascii_case("upgrade")
             || (name.eq_ignore_ascii_case("connection") && !keep_alive_only(header.value))
         {
