@@ -21,11 +21,12 @@ use crate::error::ApiError;
 use crate::keylimits::TokenTally;
 use crate::media::account::{self, MediaAccount};
 use crate::native::chat::{self, ChatServices, Generation, NativeModel, Prepared, Step};
-use crate::native::model::{MediaKind, PromptModel};
 use crate::store::Caller;
-use crate::upstream::parts::{self, Rewrite};
 use crate::upstream::{Forwarded, ReplyAdditions, UpstreamPool, embeds, inline, planned};
+use crate::wire::openai::parts::{self, Rewrite};
 use crate::wire::openai::{self, ChatCompletionRequest};
+use mmgate_inference::families::MediaKind;
+use mmgate_inference::prompt::PromptModel;
 
 /// The reply header that carries the media accounts of a request whose media were planned or
 /// encoded here for an upstream model (the reply itself is the upstream's).

@@ -17,11 +17,11 @@ use crate::media::fetch::{FetchConfig, Fetcher};
 use crate::media::files::{FileStore, FilesConfig};
 use crate::media::sniff::sniff_mime_type;
 use crate::native::chat::{self, ChatServices, Generation, NativeModel, Step};
-use crate::native::model::{
-    MediaKind, ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir,
-};
+use crate::native::model::{ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir};
 use crate::store::Caller;
 use crate::wire::openai::ChatCompletionRequest;
+use crate::wire::openai::parts::url_part;
+use mmgate_inference::families::MediaKind;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -71,12 +71,7 @@ fn chat_request(args: &GenerateArgs, files: &[(MediaKind, &PathBuf)]) -> anyhow:
             "data:{mime};base64,{}",
             base64::engine::general_purpose::STANDARD.encode(&data)
         );
-        let field = match kind {
-            MediaKind::Image => "image_url",
-            MediaKind::Video => "video_url",
-            MediaKind::Audio => "audio_url",
-        };
-        content.push(json!({"type": field, field: {"url": url}}));
+        content.push(url_part(*kind, url));
     }
     content.push(json!({"type": "text", "text": args.prompt}));
     let mut request = json!({

@@ -7,16 +7,19 @@ use mmgate_host::{Dtype, Tensor};
 use mmgate_inference::rope::Grid;
 use serde_json::{Value, json};
 
+use crate::wire::openai::parts;
 use crate::wire::torchfile::{self, TorchFileError};
+use mmgate_inference::families::MediaKind;
 
 /// Whether the request is encoded here: it has media and all of them are images (image URLs,
 /// uploads, or embeddings already). Video and audio have no embeddings form upstream engines take,
 /// so a request holding any goes upstream as it came and the upstream processes all its media.
 pub fn encode_here(body: &Value) -> bool {
     let mut any = false;
-    for part in super::parts::media_parts(body) {
+    for part in parts::media_parts(body) {
         match part.get("type").and_then(Value::as_str) {
-            Some("image_url" | "file" | "image_embeds") => any = true,
+            Some("file" | "image_embeds") => any = true,
+            Some(name) if name == parts::url_part_type(MediaKind::Image) => any = true,
             _ => return false,
         }
     }

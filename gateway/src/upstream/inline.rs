@@ -8,14 +8,14 @@ use std::sync::LazyLock;
 
 use base64::Engine as _;
 use memchr::memmem;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::UpstreamPool;
 use crate::error::ApiError;
 use crate::media::sniff::sniff_mime_type;
 use crate::native::chat::{ChatServices, MediaTally, embeds_refused, source_bytes};
-use crate::native::model::MediaKind;
-use crate::wire::openai::ByteSource;
+use crate::wire::openai::parts::{Carried, carried, url_part, url_part_type};
+use mmgate_inference::families::MediaKind;
 
 /// Whether the body needs a look: it may hold a part whose bytes are elsewhere, or (when the model
 /// takes none) `image_embeds`. A cheap scan that lets the common requests (text, data URLs) go on
@@ -31,19 +31,6 @@ pub fn needs_a_look(body: &[u8], accept_image_embeds: bool) -> bool {
         || (!accept_image_embeds && embeds.find(body).is_some())
 }
 
-/// A media part as found in the request.
-enum Found {
-    /// Its bytes are in the request already (base64, about `bytes` decoded).
-    Inline { kind: MediaKind, bytes: usize },
-    /// Embeddings: no media bytes; the upstream checks them.
-    Embeddings,
-    /// A URL or an upload: fetched or read here. An upload's kind is what its bytes are.
-    Elsewhere {
-        kind: Option<MediaKind>,
-        source: ByteSource,
-    },
-}
-
 /// Replaces the body's URL and upload parts with data URLs of their bytes, counting every media part
 /// against the request limits as a native model's request would be; `image_embeds` parts are
 /// refused unless `pool` accepts them. Whether anything changed.
@@ -57,7 +44,7 @@ pub async fn inline_media(
     for (m, message) in messages.into_iter().flatten().enumerate() {
         let parts = message.get("content").and_then(Value::as_array);
         for (p, part) in parts.into_iter().flatten().enumerate() {
-            if let Some(media) = media_part(part) {
+            if let Some(media) = carried(part) {
                 found.push((m, p, media));
             }
         }
@@ -66,13 +53,13 @@ pub async fn inline_media(
     let mut changed = false;
     for (index, (m, p, media)) in found.into_iter().enumerate() {
         let (kind, source) = match media {
-            Found::Inline { kind, bytes } => {
+            Carried::Inline { kind, bytes } => {
                 tally.add(index, kind, bytes)?;
                 continue;
             }
-            Found::Embeddings if pool.accept_image_embeds => continue,
-            Found::Embeddings => return Err(embeds_refused(&pool.model)),
-            Found::Elsewhere { kind, source } => (kind, source),
+            Carried::Embeddings if pool.accept_image_embeds => continue,
+            Carried::Embeddings => return Err(embeds_refused(&pool.model)),
+            Carried::Elsewhere { kind, source } => (kind, source),
         };
         let (data, declared) = source_bytes(index, source, tally.limit(kind), services).await?;
         let mime = sniff_mime_type(&data).map(str::to_owned).or(declared);
@@ -99,66 +86,18 @@ pub async fn inline_media(
         let Some(part) = body.pointer_mut(&format!("/messages/{m}/content/{p}")) else {
             continue;
         };
-        let field = part_field(kind);
+        let field = url_part_type(kind);
         match part.get_mut(field).and_then(Value::as_object_mut) {
             // A URL part keeps its other fields (`detail`).
             Some(object) => {
                 object.insert("url".into(), Value::String(url));
             }
             // An upload (or a URL given as a bare string) becomes its kind's URL part.
-            None => *part = json!({"type": field, field: {"url": url}}),
+            None => *part = url_part(kind, url),
         }
         changed = true;
     }
     Ok(changed)
-}
-
-/// What a part carries, if it is media.
-fn media_part(part: &Value) -> Option<Found> {
-    let kind = match part.get("type")?.as_str()? {
-        "image_url" => MediaKind::Image,
-        "video_url" => MediaKind::Video,
-        "audio_url" => MediaKind::Audio,
-        "input_audio" => {
-            let data = part["input_audio"]["data"].as_str().unwrap_or_default();
-            return Some(Found::Inline {
-                kind: MediaKind::Audio,
-                bytes: data.len() / 4 * 3,
-            });
-        }
-        "file" => {
-            let id = part["file"]["file_id"].as_str().unwrap_or_default();
-            return Some(Found::Elsewhere {
-                kind: None,
-                source: ByteSource::File(id.to_owned()),
-            });
-        }
-        "image_embeds" => return Some(Found::Embeddings),
-        // Text, and types this gateway does not know: the upstream's to judge.
-        _ => return None,
-    };
-    let value = &part[part_field(kind)];
-    let url = value.as_str().or_else(|| value["url"].as_str())?;
-    Some(match url.strip_prefix("data:") {
-        Some(data) => Found::Inline {
-            kind,
-            bytes: data.split_once(',').map_or(0, |(_, b64)| b64.len() / 4 * 3),
-        },
-        None => Found::Elsewhere {
-            kind: Some(kind),
-            source: ByteSource::Url(url.to_owned()),
-        },
-    })
-}
-
-/// The part type (and its field) that carries a URL of `kind`: OpenAI's `image_url`, vLLM's
-/// `video_url` and `audio_url`.
-fn part_field(kind: MediaKind) -> &'static str {
-    match kind {
-        MediaKind::Image => "image_url",
-        MediaKind::Video => "video_url",
-        MediaKind::Audio => "audio_url",
-    }
 }
 
 fn kind_of(mime: Option<&str>) -> Option<MediaKind> {
@@ -194,48 +133,6 @@ mod tests {
         let embeds = br#"{"type":"image_embeds","image_embeds":"UEsDBA"}"#;
         assert!(needs_a_look(embeds, false));
         assert!(!needs_a_look(embeds, true));
-    }
-
-    #[test]
-    fn parts_say_where_their_bytes_are() {
-        let found = |part: Value| media_part(&part);
-        assert!(matches!(
-            found(json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}})),
-            Some(Found::Inline {
-                kind: MediaKind::Image,
-                bytes: 3
-            })
-        ));
-        assert!(matches!(
-            found(json!({"type": "video_url", "video_url": {"url": "http://h/v.mp4"}})),
-            Some(Found::Elsewhere { kind: Some(MediaKind::Video), source: ByteSource::Url(u) }) if u == "http://h/v.mp4"
-        ));
-        assert!(matches!(
-            found(json!({"type": "image_url", "image_url": "https://h/a.png"})),
-            Some(Found::Elsewhere {
-                kind: Some(MediaKind::Image),
-                ..
-            })
-        ));
-        assert!(matches!(
-            found(json!({"type": "file", "file": {"file_id": "file-1"}})),
-            Some(Found::Elsewhere { kind: None, source: ByteSource::File(id) }) if id == "file-1"
-        ));
-        assert!(matches!(
-            found(
-                json!({"type": "input_audio", "input_audio": {"data": "AAAAAAAA", "format": "wav"}})
-            ),
-            Some(Found::Inline {
-                kind: MediaKind::Audio,
-                bytes: 6
-            })
-        ));
-        assert!(matches!(
-            found(json!({"type": "image_embeds", "image_embeds": "x"})),
-            Some(Found::Embeddings)
-        ));
-        assert!(found(json!({"type": "text", "text": "https://example.com"})).is_none());
-        assert!(found(json!({"type": "future_part"})).is_none());
     }
 
     #[test]

@@ -17,10 +17,8 @@ pub mod forwarded;
 mod health;
 mod idle;
 pub mod inline;
-pub mod parts;
 pub mod planned;
 mod relay;
-pub mod tls;
 
 pub use forwarded::ClientHop;
 pub(crate) use relay::send_within;
@@ -787,7 +785,7 @@ fn request_wire(
             || name == http::header::TRANSFER_ENCODING
             || name == http::header::EXPECT
             || hop.drops(name.as_str())
-            || forwarded::is_forwarding_header(name.as_str())
+            || crate::wire::http1::is_forwarding_header(name.as_str())
         {
             continue;
         }

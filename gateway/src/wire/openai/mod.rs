@@ -4,7 +4,9 @@
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::native::model::MediaKind;
+use mmgate_inference::families::MediaKind;
+
+pub mod parts;
 
 /// The fields the native core uses (`model` and `user` are read when routing).
 #[derive(Debug, Deserialize)]
@@ -323,7 +325,7 @@ pub enum MediaSource {
 }
 
 /// Where a media part's bytes are.
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 pub enum ByteSource {
     /// Base64 bytes and the MIME type the client declared.
     Base64 {
