@@ -1,48 +1,27 @@
 //! `POST /v1/chat/completions`: routed by model name to the native core (a JSON reply, or an SSE
-//! stream) or to the model's upstream pool (forwarded as it came, or with its images encoded here and
-//! sent as embeddings).
+//! stream) or to the model's upstream pool, its media as the model's mode sends them
+//! ([`super::media_modes`]).
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
-use http::{HeaderValue, StatusCode};
-use mmgate_inference::engine::EncodeInput;
+use http::StatusCode;
 use pingora::protocols::http::ServerSession;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::io::{EventStream, read_body, write_error, write_json};
-use super::{Gateway, Route, UpstreamMedia};
+use super::media_modes::ModeCall;
+use super::request::{invalid_json, parsed_off_thread};
+use super::{Gateway, Route};
 use crate::access::{Access, Tokens};
-use crate::config::{EncodeErrorPolicy, RequestLimits};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
-use crate::media::account::{self, MediaAccount};
 use crate::native::chat::{self, ChatServices, Generation, NativeModel, Prepared, Step};
 use crate::store::Caller;
-use crate::upstream::{Forwarded, ReplyAdditions, UpstreamPool, embeds, inline, planned};
-use crate::wire::openai::parts::{self, Rewrite};
+use crate::upstream::{Forwarded, UpstreamPool};
 use crate::wire::openai::{self, ChatCompletionRequest};
-use mmgate_inference::families::MediaKind;
-use mmgate_inference::prompt::PromptModel;
-
-/// The reply header that carries the media accounts of a request whose media were planned or
-/// encoded here for an upstream model (the reply itself is the upstream's).
-const MEDIA_HEADER: &str = "x-mmgate-media";
-
-/// The reply header that says how many prompt tokens this gateway planned for a request whose
-/// media it planned for an upstream model: the upstream's `usage.prompt_tokens` must equal it.
-const PROMPT_TOKENS_HEADER: &str = "x-mmgate-prompt-tokens";
-
-/// The accounts as a header value. A header carries visible ASCII only: accounts that hold
-/// anything else are left out.
-fn accounts_header(accounts: &[MediaAccount]) -> Option<HeaderValue> {
-    serde_json::to_string(&account::render(accounts))
-        .ok()
-        .and_then(|a| HeaderValue::from_str(&a).ok())
-}
 
 /// Characters of a requested model's name the access log keeps (a client may send any string).
 const MODEL_NAME_LOGGED: usize = 128;
@@ -108,8 +87,13 @@ impl Gateway {
                 ),
             )),
             Some(Route::Upstream { pool, media }) => {
-                let (body, additions) = self
-                    .for_upstream(&caller, pool, media, body.clone())
+                let call = ModeCall {
+                    pool,
+                    services: self.services(&caller),
+                    metrics: &self.metrics,
+                };
+                let (body, additions) = media
+                    .prepare(&call, body.clone())
                     .await
                     .map_err(|e| ("upstream", e))?;
                 let key = pool.balance_key(&body, routing.user.as_deref());
@@ -141,12 +125,7 @@ impl Gateway {
     pub(super) fn passthrough_pool(&self, body: &[u8]) -> Option<(&UpstreamPool, Option<String>)> {
         let routing: RoutingFields = serde_json::from_slice(body).ok()?;
         match self.models.get(routing.model.as_ref())? {
-            Route::Upstream {
-                pool,
-                media: UpstreamMedia::Forward,
-            } if pool.upstream_model.is_none()
-                && !inline::needs_a_look(body, pool.accept_image_embeds) =>
-            {
+            Route::Upstream { pool, media } if media.relays_as_it_came(pool, body) => {
                 Some((pool, routing.user.map(Cow::into_owned)))
             }
             _ => None,
@@ -162,102 +141,6 @@ impl Gateway {
             files: &self.files,
             fetcher: &self.fetcher,
         }
-    }
-
-    /// The request as an upstream model's server gets it, and what the answer gains here, as the
-    /// model's `media` says: its images encoded here ([`Self::encode_for_upstream`]), its media
-    /// planned here ([`Self::plan_for_upstream`]), or its URLs and uploads fetched and read here
-    /// and sent as data URLs ([`inline`]; a request with neither goes as it came, unparsed).
-    async fn for_upstream(
-        &self,
-        caller: &Caller,
-        pool: &UpstreamPool,
-        media: &UpstreamMedia,
-        body: Bytes,
-    ) -> Result<(Bytes, ReplyAdditions), ApiError> {
-        let forward = matches!(media, UpstreamMedia::Forward);
-        let renamed = pool.upstream_model.as_deref();
-        if forward && renamed.is_none() && !inline::needs_a_look(&body, pool.accept_image_embeds) {
-            return Ok((body, ReplyAdditions::default()));
-        }
-        let mut value: Value = serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
-        let (mut value, additions) = match media {
-            UpstreamMedia::Embed(model) if embeds::encode_here(&value) => {
-                self.encode_for_upstream(caller, model, value, body).await?
-            }
-            UpstreamMedia::Preprocess(prompt) if parts::media_parts(&value).next().is_some() => {
-                self.plan_for_upstream(caller, pool, prompt, value, body)
-                    .await?
-            }
-            _ => {
-                let inlined =
-                    inline::inline_media(&mut value, pool, &self.services(caller)).await?;
-                if !inlined && renamed.is_none() {
-                    return Ok((body, ReplyAdditions::default()));
-                }
-                (value, ReplyAdditions::default())
-            }
-        };
-        if let Some(name) = renamed {
-            value["model"] = Value::String(name.to_owned());
-        }
-        let body = serde_json::to_vec(&value)
-            .map(Bytes::from)
-            .map_err(|e| encode_failed(&e.to_string()))?;
-        Ok((body, additions))
-    }
-
-    /// A request (`value`, parsed from `body`) for a model whose server runs its own processor,
-    /// with media: planned here as for a native model (limits, the request-wide budget, each
-    /// item's plan), each media part replaced by its item as planned ([`planned`]); the accounts
-    /// and the prompt's token count go in the answer's headers, and in `usage.media` of a JSON
-    /// answer.
-    async fn plan_for_upstream(
-        &self,
-        caller: &Caller,
-        pool: &UpstreamPool,
-        prompt: &PromptModel,
-        mut value: Value,
-        body: Bytes,
-    ) -> Result<(Value, ReplyAdditions), ApiError> {
-        let request = parsed_off_thread(body, &self.limits).await?;
-        let planned = chat::plan_for_upstream(
-            prompt,
-            pool.accept_image_embeds,
-            request,
-            &self.services(caller),
-        )
-        .await?;
-        self.metrics.media_prepared(&planned.accounts);
-        let mut rewrites = Vec::with_capacity(planned.parts.len());
-        for (index, (kind, files)) in planned.parts.iter().enumerate() {
-            rewrites.push(match files {
-                Some(files) => Rewrite::Replace(planned::part(*kind, files).ok_or_else(|| {
-                    ApiError::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "plugin_output_mismatch",
-                        format!(
-                            "media item {index}: its plugin reduced the {} to {} files",
-                            kind.name(),
-                            files.files.len()
-                        ),
-                    )
-                })?),
-                None => Rewrite::Keep,
-            });
-        }
-        parts::rewrite(&mut value, rewrites);
-        let mut additions = ReplyAdditions {
-            headers: vec![(
-                PROMPT_TOKENS_HEADER,
-                HeaderValue::from(planned.prompt_tokens),
-            )],
-            usage_media: Some(Value::Array(account::render(&planned.accounts))),
-        };
-        if let Some(accounts) = accounts_header(&planned.accounts) {
-            additions.headers.push((MEDIA_HEADER, accounts));
-        }
-        Ok((value, additions))
     }
 
     /// The request's media fetched, preprocessed and budgeted for `model`, and counted in the metrics.
@@ -368,90 +251,6 @@ impl Gateway {
         }
     }
 
-    /// A request (`value`, parsed from `body`) for a model whose LLM runs upstream, with its images
-    /// encoded here: preprocessed and budgeted as for a native model, encoded on this model's
-    /// encoder devices, and sent on with `image_embeds` parts in place of the images; and the media
-    /// accounts (`usage.media` of a native model) for the [`MEDIA_HEADER`] of the reply.
-    async fn encode_for_upstream(
-        &self,
-        caller: &Caller,
-        model: &NativeModel,
-        mut value: Value,
-        body: Bytes,
-    ) -> Result<(Value, ReplyAdditions), ApiError> {
-        let request = chat_request(&body)?;
-        drop(body);
-        let prepared = self.prepare(caller, model, request).await?;
-        let (items, accounts) = prepared.into_media();
-
-        // Every item goes to the encoder devices at once; they batch what they can.
-        let mut encoding = Vec::with_capacity(items.len());
-        for item in items {
-            let (done, result) = tokio::sync::oneshot::channel();
-            model
-                .runtime
-                .encoders
-                .submit_shared(item.input.clone(), item.share_key, move |r| {
-                    let _ = done.send(r);
-                })
-                .map_err(|e| encode_failed(&e.to_string()))?;
-            encoding.push((item, result));
-        }
-        let mut encoding = encoding.into_iter();
-        let mut rewrites = Vec::with_capacity(accounts.len());
-        for (index, account) in accounts.iter().enumerate() {
-            if account.dropped.is_some() {
-                rewrites.push(Rewrite::Drop);
-                continue;
-            }
-            let Some((item, result)) = encoding.next() else {
-                return Err(encode_failed("a media item was not encoded"));
-            };
-            let grid = match item.input.as_ref() {
-                EncodeInput::Vision { grid, .. }
-                | EncodeInput::Embeddings {
-                    grid: Some(grid), ..
-                } if account.kind == MediaKind::Image => *grid,
-                _ => {
-                    return Err(ApiError::new(
-                        StatusCode::BAD_REQUEST,
-                        "invalid_request",
-                        format!(
-                            "media item {index} is {}: model {} encodes only images for its upstream; send video and audio as video_url, audio_url or input_audio parts",
-                            account.kind.name(),
-                            model.runtime.prompt.name
-                        ),
-                    ));
-                }
-            };
-            let failure = match result.await {
-                Ok(Ok(features)) => {
-                    let part = embeds::part(&features, model.runtime.prompt.embedding_width, grid)
-                        .map_err(|e| encode_failed(&e.to_string()))?;
-                    rewrites.push(Rewrite::Replace(part));
-                    continue;
-                }
-                Ok(Err(message)) => message,
-                Err(_) => "the encoder device stopped".to_owned(),
-            };
-            if model.on_encode_error == EncodeErrorPolicy::Drop {
-                tracing::warn!(item = index, error = %failure, "encoding failed; dropping the media");
-                rewrites.push(Rewrite::Drop);
-            } else {
-                return Err(encode_failed(&format!("media item {index}: {failure}")));
-            }
-        }
-        parts::rewrite(&mut value, rewrites);
-        let additions = ReplyAdditions {
-            headers: accounts_header(&accounts)
-                .map(|a| (MEDIA_HEADER, a))
-                .into_iter()
-                .collect(),
-            usage_media: None,
-        };
-        Ok((value, additions))
-    }
-
     /// `GET /v1/models`
     pub(super) fn models_json(&self) -> Value {
         let data: Vec<Value> = self
@@ -479,24 +278,7 @@ impl Gateway {
                     }
                     Route::Upstream { pool, media } => {
                         model["served_by"] = json!("upstream");
-                        model["media"] = json!(media.name());
-                        match media {
-                            UpstreamMedia::Embed(m) => {
-                                model["images_encoded_here"] = json!(true);
-                                model["context_length"] = json!(m.runtime.prompt.context_length);
-                            }
-                            UpstreamMedia::Preprocess(prompt) => {
-                                model["context_length"] = json!(prompt.context_length);
-                                model["modalities"] = json!(
-                                    prompt
-                                        .media_kinds()
-                                        .iter()
-                                        .map(|k| k.name())
-                                        .collect::<Vec<_>>()
-                                );
-                            }
-                            UpstreamMedia::Forward => {}
-                        }
+                        media.describe(&mut model);
                         model["upstreams"] = pool.health_json();
                     }
                 }
@@ -505,61 +287,6 @@ impl Gateway {
             .collect();
         json!({"object": "list", "data": data})
     }
-}
-
-fn encode_failed(message: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "encode_failed",
-        message.to_owned(),
-    )
-}
-
-/// The body as a chat completion request, every route's way.
-fn chat_request(body: &[u8]) -> Result<ChatCompletionRequest, ApiError> {
-    serde_json::from_slice(body).map_err(|e| invalid_json(&e))
-}
-
-/// Bodies from which size [`parsed_off_thread`] parses on a blocking thread.
-const BODY_WORTH_A_THREAD: usize = 1 << 20;
-
-/// [`chat_request`], on a blocking thread for a large body: parsing megabytes holds up every
-/// other connection of the thread that serves this one. A body larger than the text limit is
-/// first read for its text's size alone (no copy of it): one over the limit is refused before
-/// its text is copied out of the body.
-async fn parsed_off_thread(
-    body: Bytes,
-    limits: &RequestLimits,
-) -> Result<ChatCompletionRequest, ApiError> {
-    if body.len() < BODY_WORTH_A_THREAD {
-        return chat_request(&body);
-    }
-    let max_text_bytes = limits.max_text_bytes;
-    tokio::task::spawn_blocking(move || {
-        if body.len() > max_text_bytes {
-            let bytes = openai::text_bytes(&body).map_err(|e| invalid_json(&e))?;
-            if bytes > max_text_bytes {
-                return Err(chat::text_too_large(bytes, max_text_bytes));
-            }
-        }
-        chat_request(&body)
-    })
-    .await
-    .map_err(|e| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal_error",
-            e.to_string(),
-        )
-    })?
-}
-
-fn invalid_json(error: &serde_json::Error) -> ApiError {
-    ApiError::new(
-        StatusCode::BAD_REQUEST,
-        "invalid_request",
-        format!("the request body is not a valid chat completion request: {error}"),
-    )
 }
 
 /// `chatcmpl-` + a process-unique suffix.

@@ -6,8 +6,10 @@ mod chat;
 mod connection;
 pub(crate) mod files;
 mod io;
+mod media_modes;
 mod preprocess;
 mod replay;
+mod request;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -33,7 +35,7 @@ use crate::store::{Caller, Redis};
 use crate::upstream::{ClientHop, UpstreamPool};
 pub use connection::App;
 use io::{write_error, write_json};
-use mmgate_inference::prompt::PromptModel;
+pub use media_modes::UpstreamMedia;
 
 /// How a model is served.
 pub enum Route {
@@ -43,26 +45,6 @@ pub enum Route {
         pool: Arc<UpstreamPool>,
         media: UpstreamMedia,
     },
-}
-
-/// What an upstream model's servers get of a request's media (the config's `media`).
-pub enum UpstreamMedia {
-    /// The media as they came (URLs and uploads inlined).
-    Forward,
-    /// The media as planned here for this prompt side of the model (no weights loaded).
-    Preprocess(PromptModel),
-    /// Images encoded here, by this model's encoders, and sent as embeddings.
-    Embed(NativeModel),
-}
-
-impl UpstreamMedia {
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::Forward => "forward",
-            Self::Preprocess(_) => "preprocess",
-            Self::Embed(_) => "embed",
-        }
-    }
 }
 
 /// What every request handler shares.

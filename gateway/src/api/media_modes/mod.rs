@@ -1,0 +1,137 @@
+//! What an upstream model's servers get of a request's media: the model's `media` setting, chosen
+//! when the model is loaded, one module per dialect — [`forward`] (the media as they came, URLs and
+//! uploads inlined), [`preprocess`] (each item as planned here, the token count a promise the
+//! server keeps) and [`embed`] (images encoded here and sent as embeddings).
+
+mod embed;
+mod forward;
+mod preprocess;
+
+use bytes::Bytes;
+use http::{HeaderValue, StatusCode};
+use serde_json::{Value, json};
+
+use super::request::invalid_json;
+use crate::error::ApiError;
+use crate::media::account::{self, MediaAccount};
+use crate::metrics::Metrics;
+use crate::native::chat::{ChatServices, NativeModel};
+use crate::upstream::{ReplyAdditions, UpstreamPool, inline};
+use mmgate_inference::prompt::PromptModel;
+
+/// The reply header that carries the media accounts of a request whose media were planned or
+/// encoded here for an upstream model (the reply itself is the upstream's).
+const MEDIA_HEADER: &str = "x-mmgate-media";
+
+/// What an upstream model's servers get of a request's media (the config's `media`).
+pub enum UpstreamMedia {
+    /// The media as they came (URLs and uploads inlined).
+    Forward,
+    /// The media as planned here for this prompt side of the model (no weights loaded).
+    Preprocess(PromptModel),
+    /// Images encoded here, by this model's encoders, and sent as embeddings.
+    Embed(NativeModel),
+}
+
+/// What a mode works with for one request.
+pub struct ModeCall<'a> {
+    pub pool: &'a UpstreamPool,
+    pub services: ChatServices<'a>,
+    pub metrics: &'a Metrics,
+}
+
+impl UpstreamMedia {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Forward => "forward",
+            Self::Preprocess(_) => "preprocess",
+            Self::Embed(_) => "embed",
+        }
+    }
+
+    /// Whether a chat completion `body` can be relayed as it came, unparsed: forwarded media,
+    /// nothing to fetch or check, no model name to rewrite.
+    pub fn relays_as_it_came(&self, pool: &UpstreamPool, body: &[u8]) -> bool {
+        matches!(self, Self::Forward)
+            && pool.upstream_model.is_none()
+            && !inline::needs_a_look(body, pool.accept_image_embeds)
+    }
+
+    /// The request as the upstream's server gets it, and what the answer gains here. A request
+    /// the mode has nothing to do for goes as [`forward`] sends it.
+    pub async fn prepare(
+        &self,
+        call: &ModeCall<'_>,
+        body: Bytes,
+    ) -> Result<(Bytes, ReplyAdditions), ApiError> {
+        if self.relays_as_it_came(call.pool, &body) {
+            return Ok((body, ReplyAdditions::default()));
+        }
+        let value: Value = serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
+        let (mut value, additions, changed) = match self {
+            Self::Embed(model) if embed::encodes_here(&value) => {
+                let (value, additions) = embed::prepare(model, call, value, body.clone()).await?;
+                (value, additions, true)
+            }
+            Self::Preprocess(prompt) if preprocess::has_media(&value) => {
+                let (value, additions) =
+                    preprocess::prepare(prompt, call, value, body.clone()).await?;
+                (value, additions, true)
+            }
+            _ => {
+                let (value, inlined) = forward::prepare(call, value).await?;
+                (value, ReplyAdditions::default(), inlined)
+            }
+        };
+        let renamed = call.pool.upstream_model.as_deref();
+        if !changed && renamed.is_none() {
+            return Ok((body, ReplyAdditions::default()));
+        }
+        if let Some(name) = renamed {
+            value["model"] = Value::String(name.to_owned());
+        }
+        let body = serde_json::to_vec(&value)
+            .map(Bytes::from)
+            .map_err(|e| encode_failed(&e.to_string()))?;
+        Ok((body, additions))
+    }
+
+    /// What `GET /v1/models` says of the model's media beside its upstreams.
+    pub fn describe(&self, model: &mut Value) {
+        model["media"] = json!(self.name());
+        match self {
+            Self::Embed(m) => {
+                model["images_encoded_here"] = json!(true);
+                model["context_length"] = json!(m.runtime.prompt.context_length);
+            }
+            Self::Preprocess(prompt) => {
+                model["context_length"] = json!(prompt.context_length);
+                model["modalities"] = json!(
+                    prompt
+                        .media_kinds()
+                        .iter()
+                        .map(|k| k.name())
+                        .collect::<Vec<_>>()
+                );
+            }
+            Self::Forward => {}
+        }
+    }
+}
+
+/// The accounts as a header value. A header carries visible ASCII only: accounts that hold
+/// anything else are left out.
+fn accounts_header(accounts: &[MediaAccount]) -> Option<(&'static str, HeaderValue)> {
+    serde_json::to_string(&account::render(accounts))
+        .ok()
+        .and_then(|a| HeaderValue::from_str(&a).ok())
+        .map(|value| (MEDIA_HEADER, value))
+}
+
+fn encode_failed(message: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "encode_failed",
+        message.to_owned(),
+    )
+}
