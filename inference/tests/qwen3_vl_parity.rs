@@ -206,7 +206,8 @@ fn the_served_model_generates_transformers_tokens() {
     ] {
         std::fs::copy(from.join(name), dir.path().join(name)).unwrap();
     }
-    let family = families::read(dir.path()).unwrap();
+    let model = families::read(dir.path()).unwrap();
+    let family = model.native().unwrap();
     assert_eq!(family.deepstack_levels(), 2);
     assert_eq!(
         family.embedding_width(),
@@ -328,7 +329,8 @@ fn collect_ids(mut handle: RequestHandle) -> Vec<u32> {
 /// same cases in host-api's video parity test).
 #[test]
 fn video_runs_carry_transformers_timestamps() {
-    let family = families::read(&family_dir("qwen3-vl").join("model")).unwrap();
+    let model = families::read(&family_dir("qwen3-vl").join("model")).unwrap();
+    let family = model.native().unwrap();
     let cases: Vec<serde_json::Value> = serde_json::from_slice(
         &std::fs::read(family_dir("../video").join("cases-qwen3-vl.json")).unwrap(),
     )

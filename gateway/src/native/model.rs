@@ -194,8 +194,10 @@ impl ModelRuntime {
         } else {
             None
         };
-        let LoadedModel { encoders, llm } = family.load(dir, &encoder_devices, llm_dev.as_ref())?;
-        let positions = family.positions();
+        let prompt = PromptModel::with_family(name, dir, family, options.max_model_len)?;
+        let native = prompt.native()?;
+        let LoadedModel { encoders, llm } = native.load(dir, &encoder_devices, llm_dev.as_ref())?;
+        let (positions, deepstack_levels) = (native.positions(), native.deepstack_levels());
         let specs = device_names
             .into_iter()
             .zip(encoders)
@@ -204,7 +206,6 @@ impl ModelRuntime {
                 encoders: vec![encoder],
             })
             .collect();
-        let prompt = PromptModel::with_family(name, dir, family, options.max_model_len)?;
         let shared = match &options.shared_features {
             Some(features) => Some(SharedCache {
                 features: features.clone(),
@@ -224,7 +225,7 @@ impl ModelRuntime {
                     prefill_chunk: options.prefill_chunk,
                     kv_budget_tokens: prompt.context_length.max(1) * 4,
                     eos_token_ids: prompt.generation.eos_token_ids.clone(),
-                    deepstack_levels: prompt.family().deepstack_levels(),
+                    deepstack_levels,
                 };
                 Some(llm.start(engine_config, prompt.text.clone(), pool.clone(), store)?)
             }

@@ -117,7 +117,7 @@ pub struct LoadedModel {
 }
 
 /// The tensors by which an item made in bands of its patch rows is joined back into the whole (see
-/// [`FamilyModel::row_bands`]): each band's patches are a run of the whole's, its grid the whole's
+/// [`NativeFamily::row_bands`]): each band's patches are a run of the whole's, its grid the whole's
 /// but for its height.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowBands {
@@ -134,12 +134,24 @@ pub trait Family: Send + Sync {
     fn read(&self, dir: &Path) -> Result<Arc<dyn FamilyModel>>;
 }
 
-/// One model of a family, as its config describes it.
+/// One model of a family, as its config describes it: what its prompts are made of. That is all
+/// an upstream-only family says (its engine runs it; the plugins plan its media, with the token
+/// count its engine's processor makes); a family mmgate also runs says more in [`NativeFamily`].
 pub trait FamilyModel: Send + Sync {
     fn text_config(&self) -> &TextConfig;
     fn media_kinds(&self) -> &'static [MediaKind];
     /// The token that stands for one item of `kind` in a templated prompt.
     fn placeholder(&self, kind: MediaKind) -> Option<u32>;
+    /// How mmgate runs the model itself; `None` for a family served only in front of an engine
+    /// that runs it (`media = "preprocess"` or `"forward"`).
+    fn native(&self) -> Option<&dyn NativeFamily> {
+        None
+    }
+}
+
+/// What mmgate needs to run a family's model itself: its encoder's input and the placement of its
+/// output in the prompt, its positions, and its weights on the devices.
+pub trait NativeFamily: FamilyModel {
     fn positions(&self) -> PositionScheme;
     /// Feature sets the encoder makes beside each token's embedding (Qwen3-VL's deepstack), which
     /// the LLM adds to its first layers' hidden states: see [`EngineConfig::deepstack_levels`].
@@ -276,18 +288,21 @@ mod tests {
         assert_eq!(vl.media_kinds(), [MediaKind::Image, MediaKind::Video]);
         assert_eq!(vl.placeholder(MediaKind::Image), Some(500));
         assert_eq!(vl.placeholder(MediaKind::Audio), None);
-        assert_eq!(vl.positions(), PositionScheme::MRope { merge: 2 });
+        assert_eq!(
+            vl.native().unwrap().positions(),
+            PositionScheme::MRope { merge: 2 }
+        );
         assert!(read(&fixture("qwen2.5-vl")).is_ok());
         let audio = read(&fixture("qwen2-audio")).unwrap();
         assert_eq!(audio.media_kinds(), [MediaKind::Audio]);
         assert_eq!(audio.placeholder(MediaKind::Audio), Some(504));
-        assert_eq!(audio.positions(), PositionScheme::Plain);
+        assert_eq!(audio.native().unwrap().positions(), PositionScheme::Plain);
         let qwen3 = read(&fixture("qwen3-vl")).unwrap();
         assert_eq!(qwen3.media_kinds(), [MediaKind::Image, MediaKind::Video]);
         assert_eq!(qwen3.placeholder(MediaKind::Video), Some(501));
-        assert_eq!(qwen3.deepstack_levels(), 2);
-        assert_eq!(qwen3.embedding_width(), 3 * 64);
-        assert_eq!(vl.deepstack_levels(), 0);
+        assert_eq!(qwen3.native().unwrap().deepstack_levels(), 2);
+        assert_eq!(qwen3.native().unwrap().embedding_width(), 3 * 64);
+        assert_eq!(vl.native().unwrap().deepstack_levels(), 0);
     }
 
     #[test]

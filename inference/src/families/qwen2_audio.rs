@@ -5,8 +5,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    Family, FamilyModel, ItemTensors, LoadedModel, Loader, MediaKind, Placement, PlannedInput,
-    load_on_devices,
+    Family, FamilyModel, ItemTensors, LoadedModel, Loader, MediaKind, NativeFamily, Placement,
+    PlannedInput, load_on_devices,
 };
 use crate::backend::Backend;
 use crate::devices::OpenDevice;
@@ -47,6 +47,12 @@ impl FamilyModel for Qwen2AudioModel {
         (kind == MediaKind::Audio).then_some(self.config.audio_token_id)
     }
 
+    fn native(&self) -> Option<&dyn NativeFamily> {
+        Some(self)
+    }
+}
+
+impl NativeFamily for Qwen2AudioModel {
     fn positions(&self) -> PositionScheme {
         PositionScheme::Plain
     }

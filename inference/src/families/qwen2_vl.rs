@@ -6,8 +6,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    Family, FamilyModel, ItemTensors, LoadedModel, Loader, MediaKind, Placement, PlannedInput,
-    RowBands, load_on_devices, vision,
+    Family, FamilyModel, ItemTensors, LoadedModel, Loader, MediaKind, NativeFamily, Placement,
+    PlannedInput, RowBands, load_on_devices, vision,
 };
 use crate::backend::Backend;
 use crate::devices::OpenDevice;
@@ -76,6 +76,12 @@ impl FamilyModel for Qwen2VlModel {
         }
     }
 
+    fn native(&self) -> Option<&dyn NativeFamily> {
+        Some(self)
+    }
+}
+
+impl NativeFamily for Qwen2VlModel {
     fn positions(&self) -> PositionScheme {
         PositionScheme::MRope {
             merge: self.config.vision.merge,

@@ -9,8 +9,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    Family, FamilyModel, ItemTensors, LoadedModel, Loader, MediaKind, Placement, PlannedInput,
-    PromptRun, RowBands, load_on_devices, vision,
+    Family, FamilyModel, ItemTensors, LoadedModel, Loader, MediaKind, NativeFamily, Placement,
+    PlannedInput, PromptRun, RowBands, load_on_devices, vision,
 };
 use crate::backend::Backend;
 use crate::devices::OpenDevice;
@@ -108,6 +108,12 @@ impl FamilyModel for Qwen3VlModel {
         }
     }
 
+    fn native(&self) -> Option<&dyn NativeFamily> {
+        Some(self)
+    }
+}
+
+impl NativeFamily for Qwen3VlModel {
     fn positions(&self) -> PositionScheme {
         PositionScheme::MRope {
             merge: self.config.vision.merge,

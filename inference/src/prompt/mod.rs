@@ -13,7 +13,7 @@ pub use placement::{PartLayout, PieceMaker};
 
 use crate::engine::MediaItem;
 use crate::error::{Error, Result};
-use crate::families::{self, FamilyModel, MediaKind, RowBands};
+use crate::families::{self, FamilyModel, MediaKind, NativeFamily, RowBands};
 use crate::models::GenerationConfig;
 use crate::text::TextProcessor;
 
@@ -29,7 +29,8 @@ pub struct PromptModel {
     /// defaults of requests that leave them out.
     pub generation: GenerationConfig,
     pub context_length: usize,
-    /// Values per media token in the encoder's output (the LLM's width, once per feature set).
+    /// Values per media token in the encoder's output (the LLM's width, once per feature set); 0
+    /// for a family that runs only upstream.
     pub embedding_width: usize,
 }
 
@@ -48,7 +49,7 @@ impl PromptModel {
         family: Arc<dyn FamilyModel>,
         max_model_len: Option<usize>,
     ) -> Result<Self> {
-        let embedding_width = family.embedding_width();
+        let embedding_width = family.native().map_or(0, |n| n.embedding_width());
         let checkpoint_context = family.text_config().max_position_embeddings;
         let context_length = match max_model_len {
             Some(n) if n > checkpoint_context => {
@@ -94,9 +95,14 @@ impl PromptModel {
         Ok(self)
     }
 
-    /// The model's family, for what loads and runs it.
+    /// The model's family.
     pub fn family(&self) -> &Arc<dyn FamilyModel> {
         &self.family
+    }
+
+    /// How mmgate runs the model itself, or why it does not (an upstream-only family).
+    pub fn native(&self) -> Result<&dyn NativeFamily> {
+        native(&self.family, &self.name)
     }
 
     /// The media kinds this model takes.
@@ -130,8 +136,18 @@ impl PromptModel {
     /// of it (bands of its patch rows) join back into it before [`Self::media_item`] places it;
     /// `None` where each part is a piece of its own ([`Self::media_parts`]).
     pub fn row_bands(&self, kind: MediaKind) -> Option<RowBands> {
-        self.family.row_bands(kind)
+        self.family.native()?.row_bands(kind)
     }
+}
+
+/// `family`'s native side, or why model `name` has none.
+fn native<'a>(family: &'a Arc<dyn FamilyModel>, name: &str) -> Result<&'a dyn NativeFamily> {
+    family.native().ok_or_else(|| {
+        Error::Input(format!(
+            "model {name} is served only in front of an engine that runs it: mmgate does not \
+             encode its media"
+        ))
+    })
 }
 
 /// Where a model's video processor config goes inside the processor config the plugins get.

@@ -37,7 +37,7 @@ impl PromptModel {
         tensors: ItemTensors,
     ) -> Result<PlacedItem> {
         let mut tensors = tensors.from_origin(TensorOrigin::Plugin);
-        let planned = self.family.plan_input(kind, &mut tensors)?;
+        let planned = self.native()?.plan_input(kind, &mut tensors)?;
         if planned.tokens != tokens {
             return Err(Error::Input(format!(
                 "the plugin planned {tokens} tokens but its tensors make {}",
@@ -72,7 +72,7 @@ impl PromptModel {
         parts: Vec<ItemTensors>,
         index: usize,
     ) -> Result<PlacedItem> {
-        if self.family.row_bands(kind).is_some() {
+        if self.native()?.row_bands(kind).is_some() {
             return Err(Error::Input(format!(
                 "model {}'s encoder sees a {} whole: its parts are joined before it is placed",
                 self.name,
@@ -87,7 +87,7 @@ impl PromptModel {
         for (n, part) in parts.into_iter().enumerate() {
             let mut part = part.from_origin(TensorOrigin::PluginPart);
             let planned = self
-                .family
+                .native()?
                 .plan_input(kind, &mut part)
                 .map_err(|e| input_error(format_args!("part {n}"), e))?;
             let grid = match &planned.input {
@@ -143,7 +143,7 @@ impl PromptModel {
         share_keys: &[[u8; 32]],
         index: usize,
     ) -> Result<Option<(PlacedItem, Vec<PieceMaker>)>> {
-        if self.family.row_bands(kind).is_some() {
+        if self.native()?.row_bands(kind).is_some() {
             return Ok(None);
         }
         let mut makers = Vec::with_capacity(layouts.len());
@@ -238,7 +238,7 @@ impl PromptModel {
         for (n, layout) in layouts.into_iter().enumerate() {
             let placing = layout.placing.from_origin(TensorOrigin::PartPlan);
             let placement = self
-                .family
+                .native()?
                 .place_embeddings(kind, Some(&placing), layout.tokens)
                 .map_err(|e| input_error(format_args!("part plan {n}"), e))?;
             let one_block = placement.runs.is_empty() && placement.grid.is_some();
@@ -333,7 +333,9 @@ impl PromptModel {
         features: Arc<Vec<f32>>,
     ) -> Result<PlacedItem> {
         let small = small.from_origin(TensorOrigin::SharedEntry);
-        let placement = self.family.place_embeddings(kind, Some(&small), tokens)?;
+        let placement = self
+            .native()?
+            .place_embeddings(kind, Some(&small), tokens)?;
         if tokens == 0 || !features.len().is_multiple_of(tokens) {
             return Err(Error::Input(format!(
                 "the shared entry's features do not split into {tokens} tokens"
@@ -358,7 +360,7 @@ impl PromptModel {
         let placeholder = self.placeholder(kind)?;
         if grid.is_none() {
             // A family that places embeddings by a grid says so before anything else is read.
-            self.family.place_embeddings(kind, None, 0)?;
+            self.native()?.place_embeddings(kind, None, 0)?;
         }
         let [tokens, hidden] = embeddings.shape[..] else {
             return Err(Error::Input(format!(
@@ -410,7 +412,9 @@ impl PromptModel {
             }])
             .from_origin(TensorOrigin::Client)
         });
-        let Placement { grid, .. } = self.family.place_embeddings(kind, grid.as_ref(), tokens)?;
+        let Placement { grid, .. } =
+            self.native()?
+                .place_embeddings(kind, grid.as_ref(), tokens)?;
         Ok(MediaItem {
             input: Arc::new(EncodeInput::Embeddings {
                 embeddings: Arc::new(values),
@@ -466,7 +470,12 @@ impl PieceMaker {
 
     fn input_of(&self, tensors: ItemTensors) -> Result<EncodeInput> {
         let mut tensors = tensors.from_origin(TensorOrigin::PluginPart);
-        let planned = self.family.plan_input(self.kind, &mut tensors)?;
+        // Made by `coming_parts`, which only a native family places.
+        let native = self
+            .family
+            .native()
+            .ok_or_else(|| Error::Input("the item's model does not run here".into()))?;
+        let planned = native.plan_input(self.kind, &mut tensors)?;
         let grid = match &planned.input {
             EncodeInput::Vision { grid, .. } => Some(*grid),
             _ => None,
