@@ -27,7 +27,7 @@ fn thread_cpu_time() -> Option<Duration> {
 
 /// Where a stretch of host work began, on the clock the call's own time is read from.
 #[derive(Clone, Copy)]
-pub(crate) struct HostWorkMark(Duration);
+struct HostWorkMark(Duration);
 
 /// One call's clocks and budgets; the call runs on one thread from start to end.
 pub(crate) struct CallClock {
@@ -75,13 +75,22 @@ impl CallClock {
         self.elapsed().saturating_sub(self.host)
     }
 
+    /// Runs `work` a host capability does for the plugin, charged to the host rather than to the
+    /// plugin's own time.
+    pub(crate) fn host_work<R>(&mut self, work: impl FnOnce() -> R) -> R {
+        let mark = self.host_work_starts();
+        let result = work();
+        self.host_work_ends(mark);
+        result
+    }
+
     /// Marks the start of work a host capability does for the plugin.
-    pub(crate) fn host_work_starts(&self) -> HostWorkMark {
+    fn host_work_starts(&self) -> HostWorkMark {
         HostWorkMark(self.elapsed())
     }
 
     /// Charges the host work since `mark` to the host, not to the plugin.
-    pub(crate) fn host_work_ends(&mut self, mark: HostWorkMark) {
+    fn host_work_ends(&mut self, mark: HostWorkMark) {
         self.host += self.elapsed().saturating_sub(mark.0);
     }
 
@@ -112,7 +121,8 @@ impl CallClock {
         Ok((self.cpu_limit - own).min(self.wall_limit - wall))
     }
 
-    /// A host capability gave up at the wall-clock backstop.
+    /// A host capability gave up at the wall-clock backstop: the call fails for that, whatever the
+    /// plugin makes of the capability's error.
     pub(crate) fn host_ran_out(&mut self) {
         let wall = self.started.elapsed();
         self.pass(DeadlineClock::Wall, wall);

@@ -1,13 +1,17 @@
 //! The `image` host capability (since contract 0.3.1): JPEG decoding with libjpeg-turbo through
 //! `mmgate-image-decode`, within the plugin's limits narrowed by the host's, and not begun once the
 //! call's deadline has passed.
+//!
+//! The capability works on an `ImageView`: its own share of a call and the call's clock, which the
+//! call's state lends it when the linker calls in (see [`crate::sandbox`]).
 
 use std::time::Instant;
 
 use mmgate_image_decode::{ImageError as DecodeError, Limits};
+use wasmtime::component::HasData;
 
+use crate::call_clock::CallClock;
 use crate::contract::mmgate::modality::image::{Host, ImageError, ImageLimits, RgbImage};
-use crate::sandbox::{CallState, SandboxLimits};
 
 /// What one plugin call holds of this capability: the host's decoder limits.
 pub(crate) struct CallImages {
@@ -15,11 +19,25 @@ pub(crate) struct CallImages {
 }
 
 impl CallImages {
-    pub(crate) fn new(limits: &SandboxLimits) -> Self {
+    pub(crate) fn new(limits: &Limits) -> Self {
         Self {
-            limits: limits.image.clone(),
+            limits: limits.clone(),
         }
     }
+}
+
+/// What this capability works on in one call, as the call's state lends it: its own share and the
+/// call's clock, which decoding is charged to as host work.
+pub(crate) struct ImageView<'a> {
+    pub(crate) images: &'a CallImages,
+    pub(crate) clock: &'a mut CallClock,
+}
+
+/// What the linker hands the `image` interfaces of a call: an [`ImageView`] of its state.
+pub(crate) struct HasImage;
+
+impl HasData for HasImage {
+    type Data<'a> = ImageView<'a>;
 }
 
 fn contract_error(error: DecodeError) -> ImageError {
@@ -31,14 +49,14 @@ fn contract_error(error: DecodeError) -> ImageError {
     }
 }
 
-impl CallState {
+impl ImageView<'_> {
     /// The limits of one decode: the plugin's, narrowed by the host's; what the plugin does not
     /// set (bytes, decoder memory) is the host's alone. A decode cannot be interrupted half-way
     /// (its cost is bounded by the limits), so one asked for after the call's wall-clock
     /// deadline is not started, and the call fails for that.
     fn decode_limits(&mut self, limits: ImageLimits) -> Result<Limits, ImageError> {
-        if Instant::now() >= self.wall_deadline() {
-            self.host_ran_out();
+        if Instant::now() >= self.clock.wall_deadline() {
+            self.clock.host_ran_out();
             return Err(ImageError::LimitExceeded(
                 "the call's deadline passed before the image was decoded".into(),
             ));
@@ -63,10 +81,11 @@ fn contract_image(image: mmgate_image_decode::RgbImage) -> RgbImage {
     }
 }
 
-impl Host for CallState {
+impl Host for ImageView<'_> {
     fn decode_jpeg(&mut self, data: Vec<u8>, limits: ImageLimits) -> Result<RgbImage, ImageError> {
         let limits = self.decode_limits(limits)?;
-        self.host_work(|_| mmgate_image_decode::decode_jpeg(&data, &limits))
+        self.clock
+            .host_work(|| mmgate_image_decode::decode_jpeg(&data, &limits))
             .map(contract_image)
             .map_err(contract_error)
     }
@@ -80,7 +99,8 @@ impl Host for CallState {
     ) -> Result<RgbImage, ImageError> {
         let limits = self.decode_limits(limits)?;
         let rows = first_row..first_row.saturating_add(rows);
-        self.host_work(|_| mmgate_image_decode::decode_jpeg_rows(&data, &limits, rows))
+        self.clock
+            .host_work(|| mmgate_image_decode::decode_jpeg_rows(&data, &limits, rows))
             .map(contract_image)
             .map_err(contract_error)
     }
@@ -118,7 +138,7 @@ macro_rules! previous_image_interface {
                 }
             }
 
-            impl old::Host for CallState {
+            impl old::Host for ImageView<'_> {
                 fn decode_jpeg(
                     &mut self,
                     data: Vec<u8>,

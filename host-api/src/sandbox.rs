@@ -17,8 +17,10 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::call_clock::CallClock;
 use crate::compile_cache::CompileCache;
-use crate::contract::{LogLevel, ModalityPlugin, mmgate, v0_1, v0_2, v0_3, v0_4};
+use crate::contract::{LogLevel, mmgate, v0_1, v0_2, v0_3, v0_4};
 use crate::error::{DeadlinePassed, LoadError};
+use crate::image::{CallImages, HasImage, ImageView};
+use crate::video::{CallVideos, HasVideo, VideoView};
 
 /// How often the epoch advances. A deadline is rounded up to whole ticks, so a call overruns its
 /// deadline by at most one tick (plus the time to unwind).
@@ -141,17 +143,7 @@ impl Sandbox {
 
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(engine_error)?;
-        ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
-            .map_err(engine_error)?;
-        // The imports of the earlier contracts, for plugins built against them (types are shared).
-        v0_4::ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
-            .map_err(engine_error)?;
-        v0_3::ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
-            .map_err(engine_error)?;
-        v0_2::ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
-            .map_err(engine_error)?;
-        v0_1::ModalityPlugin::add_to_linker::<_, HasSelf<CallState>>(&mut linker, |state| state)
-            .map_err(engine_error)?;
+        link_contract(&mut linker).map_err(engine_error)?;
 
         let ticker = Ticker::start(engine.clone());
         Ok(Sandbox {
@@ -200,6 +192,30 @@ impl Sandbox {
     }
 }
 
+/// Links the imports of every contract version this host serves: `types` and `host` on the call's
+/// state itself, each capability's interface on that capability's view of the state, lent by
+/// [`CallState::video_view`] and [`CallState::image_view`]. These are the interfaces each world's
+/// generated `add_to_linker` links, taken one by one so that each can be given its own getter: the
+/// capabilities then need not know the call's state.
+fn link_contract(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
+    // The earlier contracts' bindings take their `types` from the current ones: linked once.
+    mmgate::modality::types::add_to_linker::<_, HasSelf<CallState>>(linker, |state| state)?;
+    mmgate::modality::host::add_to_linker::<_, HasSelf<CallState>>(linker, |state| state)?;
+    mmgate::modality::video::add_to_linker::<_, HasVideo>(linker, CallState::video_view)?;
+    mmgate::modality::image::add_to_linker::<_, HasImage>(linker, CallState::image_view)?;
+    // The imports of the earlier contracts, for plugins built against them.
+    v0_4::mmgate::modality::host::add_to_linker::<_, HasSelf<CallState>>(linker, |state| state)?;
+    v0_4::mmgate::modality::video::add_to_linker::<_, HasVideo>(linker, CallState::video_view)?;
+    v0_4::mmgate::modality::image::add_to_linker::<_, HasImage>(linker, CallState::image_view)?;
+    v0_3::mmgate::modality::host::add_to_linker::<_, HasSelf<CallState>>(linker, |state| state)?;
+    v0_3::mmgate::modality::video::add_to_linker::<_, HasVideo>(linker, CallState::video_view)?;
+    v0_3::mmgate::modality::image::add_to_linker::<_, HasImage>(linker, CallState::image_view)?;
+    v0_2::mmgate::modality::host::add_to_linker::<_, HasSelf<CallState>>(linker, |state| state)?;
+    v0_2::mmgate::modality::video::add_to_linker::<_, HasVideo>(linker, CallState::video_view)?;
+    v0_1::mmgate::modality::host::add_to_linker::<_, HasSelf<CallState>>(linker, |state| state)?;
+    Ok(())
+}
+
 /// A thread that advances the engine's epoch every [`EPOCH_TICK`]; stopped and joined on drop.
 struct Ticker {
     stop: Arc<AtomicBool>,
@@ -246,8 +262,8 @@ pub struct CallState {
     plugin: Arc<str>,
     clock: CallClock,
     /// Each host capability's share of the call, owned by its module.
-    pub(crate) videos: crate::video::CallVideos,
-    pub(crate) images: crate::image::CallImages,
+    videos: CallVideos,
+    images: CallImages,
 }
 
 impl CallState {
@@ -275,8 +291,8 @@ impl CallState {
             },
             clock: CallClock::start(&plugin, call, deadline, limits.wall_deadline()),
             plugin,
-            videos: crate::video::CallVideos::new(limits),
-            images: crate::image::CallImages::new(limits),
+            videos: CallVideos::new(&limits.video),
+            images: CallImages::new(&limits.image),
         }
     }
 
@@ -287,24 +303,28 @@ impl CallState {
     }
 
     /// When the call's wall-clock deadline passes: host work done on the plugin's behalf stops
-    /// there too (and [`Self::host_ran_out`] says so).
+    /// there too.
     pub fn wall_deadline(&self) -> Instant {
         self.clock.wall_deadline()
     }
 
-    /// Runs `work` a host capability does for the plugin, charged to the host rather than to the
-    /// plugin's own time.
-    pub(crate) fn host_work<R>(&mut self, work: impl FnOnce(&mut Self) -> R) -> R {
-        let mark = self.clock.host_work_starts();
-        let result = work(self);
-        self.clock.host_work_ends(mark);
-        result
+    /// The video capability's view of the call: its share, the resource table its videos live
+    /// in, and the clock its decoding is charged to.
+    fn video_view(&mut self) -> VideoView<'_> {
+        VideoView {
+            videos: &mut self.videos,
+            table: &mut self.table,
+            clock: &mut self.clock,
+        }
     }
 
-    /// A host capability stopped at the wall-clock deadline: the call fails for that, whatever
-    /// the plugin makes of the capability's error.
-    pub(crate) fn host_ran_out(&mut self) {
-        self.clock.host_ran_out();
+    /// The image capability's view of the call: its share, and the clock its decoding is charged
+    /// to.
+    fn image_view(&mut self) -> ImageView<'_> {
+        ImageView {
+            images: &self.images,
+            clock: &mut self.clock,
+        }
     }
 
     /// Checked at each epoch deadline: epoch ticks the plugin may run before the next check, or
@@ -316,10 +336,6 @@ impl CallState {
     /// The deadline the call passed, if one did.
     pub fn deadline_passed(&self) -> Option<&DeadlinePassed> {
         self.clock.passed()
-    }
-
-    pub(crate) fn table(&mut self) -> &mut ResourceTable {
-        &mut self.table
     }
 
     pub fn limiter(&mut self) -> &mut MemoryLimiter {
