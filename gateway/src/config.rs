@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use mmgate_host::{CompileCache, SandboxLimits};
-use mmgate_inference::demo::DemoFamily;
 use mmgate_inference::devices::DeviceName;
 use serde::Deserialize;
 
@@ -688,7 +687,9 @@ impl Config {
                 }
                 if let Some(dir) = &model.path
                     && dir.is_relative()
-                    && dir.to_str().and_then(DemoFamily::served_as).is_none()
+                    && !dir
+                        .to_str()
+                        .is_some_and(mmgate_inference::demo::is_served_name)
                 {
                     model.path = Some(base.join(dir));
                 }

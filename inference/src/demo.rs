@@ -585,6 +585,17 @@ pub fn write(dir: &Path, family: DemoFamily, seed: u64) -> Result<()> {
     )
 }
 
+/// Whether `name` stands for a demo model where a model directory is expected.
+pub fn is_served_name(name: &str) -> bool {
+    DemoFamily::served_as(name).is_some()
+}
+
+/// The demo model `name` stands for (see [`DemoFamily::SERVED`]), under `cache_dir` (see
+/// [`ensure`]); `None` when `name` is no demo's.
+pub fn ensure_served(cache_dir: &Path, name: &str) -> Option<Result<PathBuf>> {
+    DemoFamily::served_as(name).map(|family| ensure(cache_dir, family))
+}
+
 /// The demo model of `family` under `cache_dir`, written there first if missing or outdated. Written
 /// into a temporary sibling and renamed, so concurrent starts never see half a model.
 pub fn ensure(cache_dir: &Path, family: DemoFamily) -> Result<PathBuf> {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, anyhow};
-use mmgate_inference::demo::{self, DemoFamily};
+use mmgate_inference::demo;
 use mmgate_inference::devices::{OpenDevice, Placement as DevicePlacement};
 use mmgate_inference::engine::{
     BatchObserver, DeviceSpec, EncoderPool, Engine, EngineConfig, FeatureStore, SharedFeatures,
@@ -129,14 +129,16 @@ pub struct ModelRuntime {
     pub shared: Option<SharedCache>,
 }
 
-/// A demo model's name ([`DemoFamily::SERVED`]) is the generated demo model (written under
-/// `cache_dir` on first use); anything else is a model directory.
+/// A demo model's name is the generated demo model (written under `cache_dir` on first use);
+/// anything else is a model directory.
 pub fn resolve_model_dir(spec: &Path, cache_dir: &Path) -> anyhow::Result<PathBuf> {
-    let Some(family) = spec.to_str().and_then(DemoFamily::served_as) else {
+    let Some(demo) = spec
+        .to_str()
+        .and_then(|name| demo::ensure_served(cache_dir, name))
+    else {
         return Ok(spec.to_owned());
     };
-    demo::ensure(cache_dir, family)
-        .with_context(|| format!("writing the demo model under {}", cache_dir.display()))
+    demo.with_context(|| format!("writing the demo model under {}", cache_dir.display()))
 }
 
 /// Where generated demo models live: `$XDG_CACHE_HOME/mmgate/models`, else `~/.cache/mmgate/models`,
