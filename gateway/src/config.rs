@@ -29,8 +29,8 @@ pub struct Config {
     pub http_threads: Option<usize>,
     /// Whether an idle HTTP thread takes requests queued on a busy one (the default). Off, each
     /// thread serves its own connections, as nginx workers do: cheaper per request (a proxy in
-    /// front of fast upstreams gains ~10%), but a request that keeps its thread busy (a large body
-    /// to parse) delays the others on that thread.
+    /// front of fast upstreams gains throughput; `bench/proxy.py`), but a request that keeps its
+    /// thread busy (a large body to parse) delays the others on that thread.
     pub http_work_stealing: bool,
     /// On SIGTERM, how long requests in flight get to finish before the gateway exits.
     pub shutdown_grace_seconds: u64,
@@ -77,11 +77,10 @@ pub fn cores() -> usize {
 }
 
 /// The plugin threads' default `nice` value: where they share the cores, the encoders and the
-/// LLM (or, on GPUs, the host threads that drive them) go first. A 60 s video made in pieces on
-/// two cores has its first piece encoded after 0.47–0.58 s instead of 0.63–0.76 s, and its first
-/// token 0.16 s sooner on average over four pairs of alternating runs (`bench/pieces.py`, the
-/// machine's speed drifting more than that between pairs). Under a load that keeps every core
-/// busy encoding and decoding, a new item's plugin calls get about a tenth of the cores.
+/// LLM (or, on GPUs, the host threads that drive them) go first. A video made in pieces then has
+/// its first piece encoded sooner, and its first token a little sooner on average (measured by
+/// `bench/pieces.py`). Under a load that keeps every core busy encoding and decoding, a new item's
+/// plugin calls get about a tenth of the cores.
 const DEFAULT_PLUGIN_NICE: u8 = 10;
 
 /// How plugin calls are run, and where compiled plugins are kept between runs.

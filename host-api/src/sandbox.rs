@@ -38,7 +38,8 @@ pub const PROFILER_VARIABLE: &str = "MMGATE_WASM_PROFILER";
 /// this times the slots in use stays resident; the pool hands a module the slots it used before, so
 /// the slots in use are about the calls run at once. 128 MB holds a 12 MP photo's call (the JPEG,
 /// its 36 MB of pixels, 36 MB of patch bytes and the allocator's slack): at 64 MB its last tens of MB
-/// were faulted in on every call, 108 vs 97 ms for a 4032x3024 JPEG (`plugin_preprocess`).
+/// were faulted in on every call, which cost more than clearing them (measured on a 4032x3024
+/// JPEG by `benches/plugin_preprocess.rs`).
 const KEEP_RESIDENT_BYTES: usize = 128 << 20;
 
 /// Limits applied to every plugin call.

@@ -1,7 +1,7 @@
 //! JPEG decoding for mmgate's plugin host, with libjpeg-turbo: the library Pillow decodes with, so
 //! the pixels are Pillow's to the bit (its defaults: the accurate integer IDCT and "fancy" chroma
-//! upsampling), at native speed with its SIMD kernels — about twice the speed of the same algorithm
-//! compiled to WebAssembly, where the image plugins would otherwise decode.
+//! upsampling), at native speed with its SIMD kernels — faster than the same algorithm compiled to
+//! WebAssembly, where the image plugins would otherwise decode.
 //!
 //! Everything a file controls is bounded before anything is allocated for it: the header's
 //! dimensions against [`Limits`] (the host's, narrowed by the caller's), the progressive scans, the

@@ -215,7 +215,7 @@ impl Decoder {
 
 /// A buffer of `len` zero bytes, or a limit error where it cannot be had. Allocated zeroed rather
 /// than filled: a large buffer comes from the system in pages already zeroed, which the allocator
-/// knows and then writes nothing (filling a 12 MP image's 36 MB cost a pass of its own, ~3 ms).
+/// knows and then writes nothing (filling a 12 MP image's 36 MB cost a pass of its own).
 fn zeroed(len: usize) -> Result<Vec<u8>, ImageError> {
     let cannot = || ImageError::LimitExceeded(format!("cannot allocate {len} bytes for the image"));
     if len == 0 {

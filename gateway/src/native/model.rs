@@ -28,9 +28,9 @@ impl Devices {
     /// The LLM's pool as wide as the machine, one encoder device with half the cores (at least
     /// one thread each). The pools overlap on purpose: while the encoder is idle (a text-only
     /// request, or the long prefill after a video's last piece) the LLM's threads use its cores,
-    /// and while both are busy the OS shares them. Measured on 2 cores: a long item's TTFT
-    /// 27-35 % shorter than with half the cores each, a mixed burst on one server 0.93x the time,
-    /// three servers bursting together 0.98x (`bench/llm_pool.py`; `llm_threads` and
+    /// and while both are busy the OS shares them. Against half the cores each, this shortens a
+    /// long item's TTFT and a mixed burst's time, on one server and with several bursting together
+    /// (measured by `bench/pieces.py` and `bench/llm_pool.py`; `llm_threads` and
     /// `encoder_devices` set other sizes).
     pub fn for_this_machine() -> Self {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());

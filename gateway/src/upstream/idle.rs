@@ -80,8 +80,7 @@ const LOOK_EVERY: Duration = Duration::from_secs(1);
 /// it. Reuse takes the newest first, so without this a connection the server closed (its socket
 /// in CLOSE-WAIT here) would wait until the load next reached that deep. The look is a read that
 /// does not block, taken at most every [`LOOK_EVERY`] per connection: taken on every return it
-/// cost about 2 % of the proxy's throughput at 32 connections (0.88x nginx's vs 0.90x, means of
-/// three runs of `bench/proxy.py`; gated, 0.88x, within the runs' spread of 0.87-0.92x).
+/// cost the proxy measurable throughput under many connections (measured by `bench/proxy.py`).
 fn retire_oldest(connections: &mut Vec<Idle>, now: Instant) {
     let expired = connections
         .iter()

@@ -79,7 +79,7 @@ fn detect() -> bool {
 /// [`KEYS`] bf16, high halves then low. Rows and head dimensions are padded with zeros to whole
 /// blocks ([`KEYS`], [`DEPTH`]), so a tile never reads past a head's part, and a block's tiles are
 /// contiguous (values transposed over the whole context put each of a tile's 16 rows in a page
-/// of its own: at 30k keys a decoding step took three times as long as with f32).
+/// of its own, and made a decoding step at long context much slower than with f32).
 #[derive(Clone, Copy, Debug)]
 pub struct CacheShape {
     pub kv_heads: usize,
@@ -337,9 +337,8 @@ fn attend_blocks(query_tiles: &mut [QueryTile], cache: HeadCache<'_>) {
         let at = b0 / KEYS * block_len;
         // The block after next is fetched from memory meanwhile: tile loads are not followed by
         // the hardware's prefetchers as vector loads are. A decoding step (one query tile) waited
-        // on memory for every block (30k keys: 7.3 ms a step, 5.6 ms fetching ahead), and so did
-        // a prefill step's first tile on each block, though dozens of tiles follow it (a 30k
-        // prefill, one thread: 6.16-6.35 s, 5.74-5.78 s fetching ahead).
+        // on memory for every block, and so did a prefill step's first tile on each block, though
+        // dozens of tiles follow it (both measured by `benches/long_prefill.rs`).
         let ahead = at + PREFETCH_BLOCKS * block_len;
         if b0 + PREFETCH_BLOCKS * KEYS <= highest {
             for part in [
@@ -473,8 +472,8 @@ mod softmax {
     /// where a lane's block sums past [`BLOCK_SUM_LIMIT`] (or the lane has no reference yet) does
     /// it move its reference to the block's maximum, rescaling its sum and output, and weigh the
     /// block again. A block's maximum was a pass over its scores each time, a chain of 32 waits
-    /// (6 % of the AMX attention's time). A lane's reference moves by its own scores only, so its
-    /// result is still its row's alone.
+    /// that the AMX attention's time showed (measured by `benches/cached_attention.rs`). A lane's
+    /// reference moves by its own scores only, so its result is still its row's alone.
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16,fma")]
     pub fn weigh(
         tile: &mut QueryTile,
@@ -560,8 +559,8 @@ mod softmax {
 
     /// 2^x (x > 0 for a score above a lane's reference, +∞ past f32's range; −∞ and NaN give NaN:
     /// callers mask those lanes): x = n + r with n = ⌊x⌋ and r ∈ [0, 1) (`vreduceps`: one
-    /// instruction, where rounding to the nearest integer and subtracting it were two, 4 % of the
-    /// AMX attention's time), 2^r a degree-4 polynomial with 2^0 = 1 exactly (fitted for relative error on [0, 1): within 3.0e-6, about 2⁻¹⁸, as close as
+    /// instruction, where rounding to the nearest integer and subtracting it were two, the second
+    /// showing in the AMX attention's time in `benches/cached_attention.rs`), 2^r a degree-4 polynomial with 2^0 = 1 exactly (fitted for relative error on [0, 1): within 3.0e-6, about 2⁻¹⁸, as close as
     /// the weights' split into bf16 halves keeps them; the f32 kernels' degree 6 cost two more
     /// multiply-adds a score), scaled by 2^⌊x⌋ (`vscalefps` takes the floor of its exponent).
     #[target_feature(enable = "avx512f,avx512dq,fma")]

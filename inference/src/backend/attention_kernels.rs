@@ -5,7 +5,7 @@
 //! are all of a prefill (every query meets every earlier key), so they are compiled three times —
 //! for AVX-512, for AVX2 and for the baseline target (SSE2 on x86-64) — and the widest the CPU has
 //! is picked at run time; the baseline build alone ran them four floats at a time, and the `gemm`
-//! crate's AVX2 kernels, with their packing and dispatch per call, took twice as long on blocks
+//! crate's AVX2 kernels, with their packing and dispatch per call, were much slower on blocks
 //! this small (a head's 32 to 128 columns).
 //!
 //! Every version does the same float operations in the same order — a score or an output value
@@ -323,10 +323,9 @@ fn exp2_and_sum_portable(row: &mut [f32], max: f32) -> f32 {
 /// the exponent bits, in straight-line float and integer arithmetic that the softmax loop
 /// vectorizes. With the scores in powers of two, the range reduction is one subtraction where
 /// e^x's took two fused multiply-adds and a product, and no pass multiplies the scores by the
-/// scale (the softmax had been 23.5 % of a 30k-token prefill's time): `long_prefill`, five paired
-/// runs against e^x, medians 2k 108 -> 103 ms, 8k 1 098 -> 991 ms, 30k 12.47 -> 11.82 s. Below
-/// −126 (where 2^x leaves the normal floats) it gives 2^−126 × 2^r ≈ 1e−38, a weight no sum of
-/// ones can see.
+/// scale (the softmax had been a large share of a long prefill's time; measured against e^x by
+/// `benches/long_prefill.rs`). Below −126 (where 2^x leaves the normal floats) it gives
+/// 2^−126 × 2^r ≈ 1e−38, a weight no sum of ones can see.
 #[inline(always)]
 pub(super) fn exp2_nonpositive(x: f32) -> f32 {
     // 1.5 · 2^23: adding it rounds to an integer, held in the low mantissa bits.

@@ -25,9 +25,8 @@ const QUERY_BLOCK: usize = 256;
 /// Query rows one attention task handles on AMX tiles, which need no scores scratch: a block of
 /// keys and values is read from memory once for every tile of a task, so larger tasks read a long
 /// context fewer times. A prefill step cut to a few hundred rows by its attention cost (see the
-/// engine) had one task of at most 256 rows per KV head and thread left 7.8 % slower than whole
-/// 512-row steps (30k tokens, one thread: 5.90 vs 5.48 s); tasks of up to 1 024 rows take it back
-/// to 5.47 s.
+/// engine) had one task of at most 256 rows per KV head and thread left slower than whole
+/// 512-row steps; tasks of up to 1 024 rows take it back (measured by `benches/long_prefill.rs`).
 const AMX_QUERY_BLOCK: usize = 1024;
 /// Keys one attention step scores at a time: a `QUERY_BLOCK × KEY_BLOCK` scores scratch (256 KiB)
 /// stays in cache, where scoring every key at once wrote and re-read 8 MiB per task at 32k keys.
@@ -755,7 +754,7 @@ fn attention(
 /// [`attention`] on AMX tiles: each segment's visible keys and values (under a causal mask, all
 /// of them) laid out as an AMX cache of their own for this call, then attended as a cache is. A
 /// vision tower's or audio encoder's attention within each frame or chunk was most of its time on
-/// the f32 kernels (a 60 s video's encoding: three quarters); laying the keys and values out
+/// the f32 kernels (profiled over a `bench/pieces.py` run); laying the keys and values out
 /// costs a pass over them, the attention a pass per query tile.
 fn attention_amx(
     dev: &CpuBackend,

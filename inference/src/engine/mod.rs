@@ -52,7 +52,7 @@ use crate::text::{TextProcessor, TextStream};
 const SHARED_STEP_CONTEXT: usize = 4096;
 /// A prompt prefilling alone costs at most a full chunk's attention over this many keys a step:
 /// a request arriving meanwhile waits for the step in flight, and a full chunk at the end of a
-/// 32k-token context took about twice as long as one here.
+/// 32k-token context attends over about twice as many keys as one here.
 const LONE_STEP_CONTEXT: usize = 16_384;
 /// Fewest rows a long prompt's chunk is cut to.
 const MIN_CUT_ROWS: usize = 32;

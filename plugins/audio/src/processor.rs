@@ -12,10 +12,10 @@ use crate::mel::{HOP_LENGTH, LogMel, N_FFT, SAMPLE_RATE};
 
 pub const SUPPORTED: &[&str] = &["WhisperFeatureExtractor"];
 
-/// Chunks per part when an item is made in parts: one minute of audio. Each part costs a few
-/// milliseconds beyond its chunks' work (its own sandbox call, the file copied in, decoding to
-/// its start), about a third of one chunk's: two chunks a part make a 10-minute file in 0.6× its
-/// single-core time on two cores, where one chunk a part took 0.78× (bench/parts.py).
+/// Chunks per part when an item is made in parts: one minute of audio. Each part costs work beyond
+/// its chunks' (its own sandbox call, the file copied in, decoding to its start), a sizeable share
+/// of one chunk's: two chunks a part make a long file sooner on two cores than one chunk a part
+/// (measured by `bench/parts.py`).
 pub const CHUNKS_PER_PART: usize = 2;
 
 /// How a model turns one chunk's mel frames into LLM tokens.

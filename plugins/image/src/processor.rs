@@ -466,10 +466,10 @@ const BANDS: usize = 2;
 
 /// Of a band row's cost in the plugin (decode, resize, layout), the share that every band below
 /// it pays again: the JPEG's entropy decoding, which cannot skip rows. Measured on a 12 MP photo
-/// (quality 90, no resize; `plugin_parts`): in bands of 60 % and 40 % of its rows the first took
-/// 54-57 ms and the second 65-67 ms, i.e. each row above the second band cost it half of what the
-/// row cost the first (the entropy decoding is half of the call once the layout is fast). Bands
-/// are sized so that each costs the same (see [`band_rows`]).
+/// (quality 90, no resize; `plugin_parts`) made in two bands of unequal rows: each row above the
+/// second band cost it about half of what the row cost the first (the entropy decoding is about
+/// half of the call once the layout is fast). Bands are sized so that each costs the same (see
+/// [`band_rows`]).
 const REDECODED_SHARE: f64 = 1.0 / 2.0;
 
 /// Band `index` of `bands` over `block_rows` rows of merge blocks, so that each band costs about

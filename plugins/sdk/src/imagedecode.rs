@@ -232,8 +232,8 @@ fn decode_memory_cap(header: &Header) -> u64 {
 const MAX_JPEG_SCANS: usize = 1000;
 
 /// Most JPEGs are decoded by the host (contract 0.3.1's `image` capability): libjpeg-turbo itself,
-/// natively with its SIMD kernels, about twice as fast as [`decode_jpeg`] compiled to WebAssembly,
-/// and the same pixels. `None` when the host leaves the file to the plugin (CMYK/YCCK, 12-bit,
+/// natively with its SIMD kernels, faster than [`decode_jpeg`] compiled to WebAssembly, and the
+/// same pixels. `None` when the host leaves the file to the plugin (CMYK/YCCK, 12-bit,
 /// lossless), or natively (the benchmark's baseline and unit tests), where there is no host.
 /// `rows`: only those rows (0.4.1's `decode-jpeg-rows`); all when `None`.
 #[cfg(target_arch = "wasm32")]

@@ -44,9 +44,9 @@ const FIRST_PART_PAIRS: usize = 2;
 /// quarter of the video and [`PAIRS_PER_PART`], and at least [`FIRST_PART_PAIRS`] (a shorter rest
 /// joins the first part). What the last piece holds is encoded and prefilled after every frame is
 /// made, so it must not be most of a short video: the 11 temporal patches of a 60 s video planned
-/// for 8k tokens, in runs of 2, 3, 3 and 3, answer in 2.23 s where runs of 4 and 7 took 2.44 s
-/// (the first piece encoded after 0.74 s instead of 1.04 s; `bench/pieces.py`, two cores), while
-/// a long video keeps runs of 7 or 8.
+/// for 8k tokens, in runs of 2, 3, 3 and 3, answer sooner than in runs of 4 and 7, their first
+/// piece encoded sooner too (measured by `bench/pieces.py`), while a long video keeps runs of 7
+/// or 8.
 fn part_runs(pairs: usize) -> Vec<std::ops::Range<usize>> {
     let rest = pairs.saturating_sub(FIRST_PART_PAIRS);
     if rest < FIRST_PART_PAIRS {

@@ -170,7 +170,7 @@ mod simd {
     /// Each row of a patch is three loads, six shuffles and three stores straight into `dst`: a
     /// store spills past its row onto the next row of the same channel
     /// slot, which is written after it; a slot's last row is stored exactly. (Safe slices cost
-    /// three times as much here: a bounds check on every move, and the row staged twice.)
+    /// much more here: a bounds check on every move, and the row staged twice.)
     /// `false`, with nothing written, where this path does not apply: `patch` outside 8..=16, a
     /// frame without 16 pixels readable from its last row's start (the rightmost patch of a
     /// band's last row) or a short `dst`; the caller then lays the row out itself.

@@ -8,7 +8,7 @@
 //! by SIMD shuffles stored directly into the output, elsewhere through a small scratch row. The image is
 //! read once and the output written once, front to back, and never zero-filled first (a zeroed
 //! buffer costs a full extra pass in wasm, whose allocator clears even fresh memory). (Splitting
-//! each band into channel planes first, then gathering runs from the planes, cost a third more.)
+//! each band into channel planes first, then gathering runs from the planes, cost more.)
 
 use std::mem::MaybeUninit;
 
