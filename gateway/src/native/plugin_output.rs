@@ -76,19 +76,11 @@ fn named(
         },
         Dtype::F16 => Values::Floats {
             dtype,
-            values: t
-                .data
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
+            values: widened(&t.data, |b| half::f16::from_le_bytes(b).to_f32()),
         },
         Dtype::Bf16 => Values::Floats {
             dtype,
-            values: t
-                .data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
+            values: widened(&t.data, |b| half::bf16::from_le_bytes(b).to_f32()),
         },
         Dtype::I64 => Values::Ints {
             dtype,
@@ -115,6 +107,11 @@ fn named(
         shape: t.shape.clone(),
         values,
     }
+}
+
+/// Two-byte floats as f32.
+fn widened(data: &[u8], widen: fn([u8; 2]) -> f32) -> Vec<f32> {
+    data.chunks_exact(2).map(|b| widen([b[0], b[1]])).collect()
 }
 
 /// A plugin's 8-bit samples as the encoder's pixel source: expanded through their table when the

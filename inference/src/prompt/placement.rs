@@ -20,6 +20,30 @@ pub struct PartLayout {
     pub placing: ItemTensors,
 }
 
+impl PlacedItem {
+    /// `part`'s items as piece `piece` of this item (stored under `share_key` if given), its ids
+    /// after this item's.
+    fn append_piece(&mut self, mut part: PlacedItem, piece: Piece, share_key: Option<[u8; 32]>) {
+        for item in &mut part.items {
+            item.piece = Some(piece);
+            item.share_key = share_key;
+        }
+        self.items.append(&mut part.items);
+        self.ids.append(&mut part.ids);
+    }
+
+    /// Whether the pieces make the `tokens` the plugin planned (`what` made them).
+    fn check_tokens(&self, tokens: usize, what: &str) -> Result<()> {
+        let made: usize = self.items.iter().map(|i| i.tokens).sum();
+        if made != tokens {
+            return Err(Error::Input(format!(
+                "the plugin planned {tokens} tokens but its {what} make {made}"
+            )));
+        }
+        Ok(())
+    }
+}
+
 fn input_error(context: impl std::fmt::Display, error: Error) -> Error {
     match error {
         Error::Input(message) => Error::Input(format!("{context}: {message}")),
@@ -102,7 +126,7 @@ impl PromptModel {
             };
             temporal_patches += grid.map_or(0, |g| g.t);
             let part_tokens = planned.tokens;
-            let mut part = self.place(
+            let part = self.place(
                 kind,
                 planned.input,
                 part_tokens,
@@ -112,18 +136,9 @@ impl PromptModel {
                     runs: planned.runs,
                 },
             )?;
-            for item in &mut part.items {
-                item.piece = Some(piece);
-            }
-            placed.items.append(&mut part.items);
-            placed.ids.append(&mut part.ids);
+            placed.append_piece(part, piece, None);
         }
-        let made: usize = placed.items.iter().map(|i| i.tokens).sum();
-        if made != tokens {
-            return Err(Error::Input(format!(
-                "the plugin planned {tokens} tokens but its parts make {made}"
-            )));
-        }
+        placed.check_tokens(tokens, "parts")?;
         Ok(placed)
     }
 
@@ -248,20 +263,10 @@ impl PromptModel {
             };
             temporal_patches += placement.grid.map_or(0, |g| g.t);
             let input = input_of(n, layout.tokens, &placement)?;
-            let mut part = self.place(kind, input, layout.tokens, placement)?;
-            for item in &mut part.items {
-                item.piece = Some(piece);
-                item.share_key = share_keys.get(n).copied();
-            }
-            placed.items.append(&mut part.items);
-            placed.ids.append(&mut part.ids);
+            let part = self.place(kind, input, layout.tokens, placement)?;
+            placed.append_piece(part, piece, share_keys.get(n).copied());
         }
-        let made: usize = placed.items.iter().map(|i| i.tokens).sum();
-        if made != tokens {
-            return Err(Error::Input(format!(
-                "the plugin planned {tokens} tokens but its part plans make {made}"
-            )));
-        }
+        placed.check_tokens(tokens, "part plans")?;
         Ok(placed)
     }
 
