@@ -74,10 +74,10 @@ def torch_times() -> dict:
 
 
 def mmgate_times() -> dict:
-    out = subprocess.run(
-        ["cargo", "bench", "--locked", "-q", "-p", "mmgate-inference", "--bench", "gpu", "--", str(MODEL)],
-        check=True, capture_output=True, text=True,
-    ).stdout
+    # The GPU bundle carries the benchmark built (no Rust where it runs); elsewhere cargo builds it.
+    built = os.environ.get("MMGATE_GPU_BENCH_BIN")
+    command = [built] if built else ["cargo", "bench", "--locked", "-q", "-p", "mmgate-inference", "--bench", "gpu", "--"]
+    out = subprocess.run(command + [str(MODEL)], check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -88,9 +88,12 @@ def main() -> None:
     ours, theirs = mmgate_times(), torch_times()
     print(f"device: {ours['device']}; PyTorch {torch.__version__} on {torch.cuda.get_device_name(0)}")
     print(f"{'':28} {'PyTorch eager':>14} {'mmgate':>10} {'ratio':>7}")
-    for key, label in [("vision_ms", "vision tower, 1280x960 (ms)"), ("prefill_ms", f"prefill {PROMPT} tokens (ms)"),
-                       ("decode_ms_per_token", "decode per token (ms)")]:
+    rows = [("vision_ms", "vision tower, 1280x960 (ms)"), ("prefill_ms", f"prefill {PROMPT} tokens (ms)"),
+            ("decode_ms_per_token", "decode per token (ms)")]
+    for key, label in rows:
         print(f"{label:28} {theirs[key]:14.2f} {ours[key]:10.2f} {theirs[key] / ours[key]:6.2f}x")
+    # One JSON line last, for whoever collects the numbers (the GPU bundle's report).
+    print(json.dumps({"pytorch": theirs, "mmgate": ours, "gpu": torch.cuda.get_device_name(0)}))
 
 
 if __name__ == "__main__":

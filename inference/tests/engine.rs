@@ -255,10 +255,10 @@ fn the_engine_on_simulated_gpus_matches_the_cpu_backend() {
     batched_requests_match_solo_runs(&s);
 }
 
-/// The same on real GPUs (`./dev gpu-check`): LLM on cuda:0, the encoder on cuda:1 where there is
-/// one.
+/// The same on real GPUs (the GPU bundle's `run.sh`): LLM on cuda:0, the encoder on cuda:1 where
+/// there is one.
 #[test]
-#[ignore = "needs an NVIDIA GPU: ./dev gpu-check"]
+#[ignore = "needs an NVIDIA GPU: the GPU bundle's run.sh"]
 fn the_engine_on_real_gpus_matches_the_cpu_backend() {
     let (encoder, llm) = common::real_gpus();
     let s = setup_on(llm, vec![encoder], 1 << 20);

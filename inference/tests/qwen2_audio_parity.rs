@@ -69,3 +69,12 @@ fn current_layout_matches_transformers() {
 fn hub_layout_matches_transformers() {
     check_model("model-legacy");
 }
+
+/// On a real GPU (the GPU bundle's `run.sh`; never run in this project's CI, which has none): the
+/// same parity, the encoder and the LLM on CUDA.
+#[test]
+#[ignore = "needs an NVIDIA GPU: the GPU bundle's run.sh"]
+fn on_real_gpus_matches_transformers() {
+    let (encoder, llm) = common::real_gpus();
+    check_model_on("model", &encoder, &llm);
+}

@@ -317,10 +317,10 @@ fn bf16_checkpoint_on_simulated_gpus_matches_transformers_within_bf16_rounding()
     assert!(vs_f32 < 1e-2 && vs_bf16 < 3e-2 && embeds < 1e-2);
 }
 
-/// On real GPUs (`./dev gpu-check`; never run in this project's CI, which has none): the same
-/// parity as the simulated and CPU backends, f32 and bf16.
+/// On real GPUs (the GPU bundle's `run.sh`, see `./dev gpu-bundle`; never run in this project's
+/// CI, which has none): the same parity as the simulated and CPU backends, f32 and bf16.
 #[test]
-#[ignore = "needs an NVIDIA GPU: ./dev gpu-check"]
+#[ignore = "needs an NVIDIA GPU: the GPU bundle's run.sh"]
 fn on_real_gpus_matches_transformers() {
     let (encoder, llm) = real_gpus();
     check_model_on("qwen2-vl", "model", &encoder, &llm);

@@ -31,7 +31,7 @@ use mmgate_inference::rope::{Grid, MediaSpan, mrope_positions};
 use mmgate_inference::sampling::SamplingParams;
 use mmgate_inference::text::TextProcessor;
 use mmgate_inference::weights::Weights;
-use mmgate_inference::{CpuBackend, Tensor};
+use mmgate_inference::{Backend, CpuBackend, Tensor};
 
 const IMAGE_TOKEN: u32 = 500;
 const VIDEO_TOKEN: u32 = 501;
@@ -40,12 +40,15 @@ const VIDEO_TOKEN: u32 = 501;
 /// of two images in one call and of a two-frame video.
 #[test]
 fn the_vision_tower_and_its_deepstack_taps_match_transformers() {
-    let (encoder, _) = devices();
-    let tower = Qwen3VisionTower::load(&family_dir("qwen3-vl").join("model"), &encoder).unwrap();
+    tower_matches_on(&devices().0);
+}
+
+fn tower_matches_on<B: Backend>(encoder: &B) {
+    let tower = Qwen3VisionTower::load(&family_dir("qwen3-vl").join("model"), encoder).unwrap();
     let g = Goldens::load("qwen3-vl");
     for item in ["image", "video"] {
         let (shape, values) = g.f32(&format!("{item}.pixel_values"));
-        let pixels = Tensor::from_host(&encoder, values, shape).unwrap();
+        let pixels = Tensor::from_host(encoder, values, shape).unwrap();
         let (merged, deepstack) = tower.encode(&pixels, &grids(&g, item)).unwrap();
         check_close(
             &format!("{item} embeddings"),
@@ -63,7 +66,7 @@ fn the_vision_tower_and_its_deepstack_taps_match_transformers() {
     }
     // A grid that is not whole merged patches is an error, not a panic.
     let odd = Grid { t: 1, h: 2, w: 1 };
-    let pixels = Tensor::zeros(&encoder, &[2, tower.config().patch_len()]).unwrap();
+    let pixels = Tensor::zeros(encoder, &[2, tower.config().patch_len()]).unwrap();
     assert!(tower.encode(&pixels, &[odd]).is_err());
 }
 
@@ -87,12 +90,15 @@ fn spans(g: &Goldens, item: &str, token: u32) -> Vec<MediaSpan> {
 /// rows; prefill logits and 32 greedy tokens as transformers'.
 #[test]
 fn the_llm_with_deepstack_matches_transformers_on_the_towers_outputs() {
+    llm_matches_on(&devices().1);
+}
+
+fn llm_matches_on<B: Backend>(dev: &B) {
     let dir = family_dir("qwen3-vl").join("model");
     let text = ConfigFile::read(&dir).unwrap().text_config().unwrap();
     assert!(text.mrope_interleaved);
-    let (_, dev) = devices();
     let mut weights = Weights::load(&dir, str::to_owned).unwrap();
-    let llm = Qwen2::load(text, &mut weights, "model.language_model.", &dev).unwrap();
+    let llm = Qwen2::load(text, &mut weights, "model.language_model.", dev).unwrap();
     let g = Goldens::load("qwen3-vl");
     for (prompt, item, token) in [
         ("image_prompt", "image", IMAGE_TOKEN),
@@ -105,7 +111,7 @@ fn the_llm_with_deepstack_matches_transformers_on_the_towers_outputs() {
             .collect();
         let tensor = |name: &str| {
             let (shape, values) = g.f32(name);
-            Tensor::from_host(&dev, values, shape).unwrap()
+            Tensor::from_host(dev, values, shape).unwrap()
         };
         let mut embeds = llm.embed(&ids).unwrap();
         embeds
@@ -369,4 +375,14 @@ fn video_runs_carry_transformers_timestamps() {
             assert_eq!(run.after, "<|vision_end|>");
         }
     }
+}
+
+/// On a real GPU (the GPU bundle's `run.sh`; never run in this project's CI, which has none): the
+/// tower with its deepstack taps and the LLM with deepstack, on CUDA, as on the CPU.
+#[test]
+#[ignore = "needs an NVIDIA GPU: the GPU bundle's run.sh"]
+fn on_real_gpus_matches_transformers() {
+    let (encoder, llm) = common::real_gpus();
+    tower_matches_on(&encoder);
+    llm_matches_on(&llm);
 }

@@ -22,10 +22,13 @@ use safetensors::{Dtype, SafeTensors};
 pub const REL_TOLERANCE: f32 = 1e-4;
 pub const GREEDY_TOKENS: usize = 32;
 
+/// A family's fixtures: under the repository these tests were built from, or under
+/// `MMGATE_REPO` (a GPU bundle's tests run from a copy of the repository elsewhere).
 pub fn family_dir(family: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/models")
-        .join(family)
+    let repo = std::env::var_os("MMGATE_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".."));
+    repo.join("tests/fixtures/models").join(family)
 }
 
 pub enum Golden {
