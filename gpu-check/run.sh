@@ -6,7 +6,7 @@
 #
 #   OUT/run.sh                  report in OUT/results (or $MMGATE_GPU_REPORT_DIR)
 #
-# Each step has its own time limit, and a step that fails or times out does not stop the others;
+# Each step has its own time limit (together under 8 minutes), and a step that fails or times out does not stop the others;
 # the exit status is 1 when any did. Without a CUDA driver it stops at the first GPU step, says so
 # and exits with 3 (2: the bundle is not whole). It writes results/report.json
 # (every step: status, seconds, the lines that matter) and results/summary.txt.
@@ -23,6 +23,13 @@ trap 'rm -rf "$work"' EXIT
 
 say() { printf '==> %s\n' "$*"; }
 
+# A step's outcome: NAME STATUS SECONDS (the report lists steps in the order they ended).
+record() {
+  echo "$2" >"$steps/$1.status"
+  echo "$3" >"$steps/$1.seconds"
+  echo "$1" >>"$steps/order"
+}
+
 # One step: NAME LIMIT_SECONDS COMMAND...; its output is kept in steps/NAME.log, its outcome in
 # steps/NAME.status (ok, failed, timed out, skipped) and the seconds it took in steps/NAME.seconds.
 step() {
@@ -38,8 +45,7 @@ step() {
     124 | 137) status="timed out" ;;
     *) status="failed ($rc)" ;;
   esac
-  echo "$status" >"$steps/$name.status"
-  echo $(($(date +%s) - t0)) >"$steps/$name.seconds"
+  record "$name" "$status" $(($(date +%s) - t0))
   tail -n 5 "$steps/$name.log" | sed 's/^/    /'
   say "$name: $status"
 }
@@ -47,9 +53,8 @@ step() {
 skip() {
   local name=$1
   shift
-  echo "skipped: $*" >"$steps/$name.status"
-  echo 0 >"$steps/$name.seconds"
   echo "$*" >"$steps/$name.log"
+  record "$name" "skipped: $*" 0
   say "$name: skipped ($*)"
 }
 
@@ -58,8 +63,8 @@ finish() {
   python3 - "$steps" "$report_dir" "$started" <<'PY'
 import json, os, sys, time
 steps, out, started = sys.argv[1], sys.argv[2], int(sys.argv[3])
-names = sorted({f.rsplit(".", 1)[0] for f in os.listdir(steps)},
-               key=lambda n: os.path.getmtime(os.path.join(steps, n + ".status")) if os.path.exists(os.path.join(steps, n + ".status")) else 0)
+with open(os.path.join(steps, "order")) as f:
+    names = f.read().split()
 def read(name, ext):
     try:
         with open(os.path.join(steps, f"{name}.{ext}"), errors="replace") as f:
@@ -95,8 +100,7 @@ fi
 # The bundle is whole: every file its manifest lists, unchanged.
 say "bundle"
 if ! (cd "$bundle" && sha256sum --quiet -c MANIFEST) >"$steps/bundle.log" 2>&1; then
-  echo "failed: the bundle's files do not match its MANIFEST" >"$steps/bundle.status"
-  echo 0 >"$steps/bundle.seconds"
+  record bundle "failed: the bundle's files do not match its MANIFEST" 0
   cat "$steps/bundle.log"
   finish
   exit 2
@@ -106,23 +110,20 @@ for packed in "$bundle"/bin/*.gz; do
   gzip -dc "$packed" >"$work/bin/$(basename "$packed" .gz)"
 done
 chmod +x "$work"/bin/*
-echo "ok: $(ls "$work/bin" | tr '\n' ' ')" >"$steps/bundle.status"
-echo 0 >"$steps/bundle.seconds"
+record bundle "ok: $(ls "$work/bin" | tr '\n' ' ')" 0
 say "bundle: ok; repository: ${repo:-not found (the parity steps need its tests/fixtures)}"
 
 # The first GPU step: the GPU and its driver.
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi >"$steps/gpu.log" 2>&1; then
   echo "no CUDA driver: nvidia-smi is missing or cannot talk to a driver; nothing else can run here" \
     | tee "$steps/gpu.log"
-  echo "no CUDA driver" >"$steps/gpu.status"
-  echo 0 >"$steps/gpu.seconds"
+  record gpu "no CUDA driver" 0
   finish
   exit 3
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader \
   | tee "$steps/gpu.log"
-echo ok >"$steps/gpu.status"
-echo 0 >"$steps/gpu.seconds"
+record gpu ok 0
 
 # cuBLAS and NVRTC as mmgate loads them (by their unversioned names): the toolkit's, or the ones
 # PyTorch's CUDA wheels carry, linked into one directory put first on the library path.
@@ -156,19 +157,19 @@ export MMGATE_REPO="$repo"
 
 bin=$work/bin
 # Every kernel compiled by NVRTC for this GPU's architecture and the ones CI checks.
-step kernels 40 "$bin/cuda_nvrtc" --nocapture
+step kernels 30 "$bin/cuda_nvrtc" --nocapture
 # Every operation of the CUDA backend against the CPU backend.
-step ops 60 "$bin/cuda_gpu" --ignored --nocapture
+step ops 45 "$bin/cuda_gpu" --ignored --nocapture
 # Each family's encoder and LLM on CUDA against transformers' outputs (f32; Qwen2-VL also bf16).
 if [ -n "$repo" ]; then
-  step qwen2-vl 60 "$bin/qwen2_vl_parity" on_real_gpus --ignored --nocapture
-  step qwen2-audio 40 "$bin/qwen2_audio_parity" on_real_gpus --ignored --nocapture
-  step qwen3-vl 40 "$bin/qwen3_vl_parity" on_real_gpus --ignored --nocapture
+  step qwen2-vl 45 "$bin/qwen2_vl_parity" on_real_gpus --ignored --nocapture
+  step qwen2-audio 30 "$bin/qwen2_audio_parity" on_real_gpus --ignored --nocapture
+  step qwen3-vl 30 "$bin/qwen3_vl_parity" on_real_gpus --ignored --nocapture
 else
   skip qwen2-vl "no repository with tests/fixtures (set MMGATE_REPO)"
 fi
 # The engine: batched requests on the GPU as solo runs on the CPU.
-step engine 60 "$bin/engine" on_real_gpus --ignored --nocapture
+step engine 45 "$bin/engine" on_real_gpus --ignored --nocapture
 
 # The gateway serving a chat request with its encoder and LLM on the GPU.
 serve() {
@@ -211,13 +212,13 @@ elif ! command -v curl >/dev/null; then
 else
   export -f serve
   export bin work repo
-  step serve 60 bash -c serve
+  step serve 45 bash -c serve
 fi
 
 # Speed: the vision tower and a prefill + decode step against PyTorch eager on the same GPU, on a
 # random model of Qwen2-VL 2B's shapes made here (no weights to download).
 if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' >/dev/null 2>&1 && [ -n "$repo" ]; then
-  step speed 150 env MMGATE_GPU_BENCH_BIN="$bin/gpu_bench" \
+  step speed 190 env MMGATE_GPU_BENCH_BIN="$bin/gpu_bench" \
     MMGATE_GPU_BENCH_MODEL="${MMGATE_GPU_BENCH_MODEL:-$work/qwen2-vl-2b-random}" python3 "$repo/bench/gpu.py"
 else
   skip speed "PyTorch with CUDA or the repository is missing"
