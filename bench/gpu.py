@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The CUDA backend vs PyTorch eager on the same bf16 weights, on one GPU machine, in one run
-(`./dev gpu-check` runs it; never run in this project's CI, which has no GPU).
+(the GPU check runs it: the bundle's run.sh, see `./dev gpu-bundle`; never run in this project's
+CI, which has no GPU).
 
 A random Qwen2-VL checkpoint of the 2B model's shapes is made once (bf16, ~4.4 GB, cached), then:
   - PyTorch eager (transformers, bf16, cuda:0): the vision tower on one 1280x960 image (68x92
