@@ -5,7 +5,7 @@ use http::StatusCode;
 
 use crate::config::RequestLimits;
 use crate::error::ApiError;
-use crate::native::chat;
+use crate::native::prompt_text::text_too_large;
 use crate::wire::openai::{self, ChatCompletionRequest};
 
 /// The body as a chat completion request, every route's way.
@@ -32,7 +32,7 @@ pub async fn parsed_off_thread(
         if body.len() > max_text_bytes {
             let bytes = openai::text_bytes(&body).map_err(|e| invalid_json(&e))?;
             if bytes > max_text_bytes {
-                return Err(chat::text_too_large(bytes, max_text_bytes));
+                return Err(text_too_large(bytes, max_text_bytes));
             }
         }
         chat_request(&body)

@@ -15,7 +15,8 @@ use super::request::invalid_json;
 use crate::error::ApiError;
 use crate::media::account::{self, MediaAccount};
 use crate::metrics::Metrics;
-use crate::native::chat::{ChatServices, NativeModel};
+use crate::native::chat::NativeModel;
+use crate::native::media::ChatServices;
 use crate::upstream::{ReplyAdditions, UpstreamPool, inline};
 use mmgate_inference::prompt::PromptModel;
 
