@@ -238,3 +238,62 @@ pub fn expand_placeholders(ids: &[u32], media: &[PlacedItem]) -> Result<Vec<u32>
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::demo::{self, DemoFamily};
+    use crate::item_tensors::ItemTensors;
+    use crate::models::config::{ConfigFile, TextConfig};
+
+    /// A family served only in front of an engine: its prompts, and nothing that runs it.
+    struct UpstreamOnly {
+        text: TextConfig,
+    }
+
+    impl FamilyModel for UpstreamOnly {
+        fn text_config(&self) -> &TextConfig {
+            &self.text
+        }
+
+        fn media_kinds(&self) -> &'static [MediaKind] {
+            &[MediaKind::Image]
+        }
+
+        fn placeholder(&self, kind: MediaKind) -> Option<u32> {
+            (kind == MediaKind::Image).then_some(500)
+        }
+    }
+
+    /// An upstream-only family needs no weights code: its prompts are read, templated and counted,
+    /// and what only a running model can do is refused with a reason.
+    #[test]
+    fn an_upstream_only_family_templates_and_counts_but_places_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        demo::write(dir.path(), DemoFamily::Qwen2Vl, 1).unwrap();
+        let text = ConfigFile::read(dir.path())
+            .unwrap()
+            .text_config()
+            .unwrap();
+        let family = Arc::new(UpstreamOnly { text });
+        let prompt = PromptModel::with_family("upstream", dir.path(), family, Some(64)).unwrap();
+        assert_eq!(prompt.context_length, 64);
+        assert_eq!(prompt.embedding_width, 0);
+        assert_eq!(prompt.media_kinds(), [MediaKind::Image]);
+        assert_eq!(prompt.text_tokens(&[1, 500, 2]), 2);
+        assert!(prompt.placeholder(MediaKind::Audio).is_err());
+        assert!(prompt.row_bands(MediaKind::Image).is_none());
+        let refused = prompt
+            .media_item(MediaKind::Image, 4, ItemTensors::default())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            refused.contains("served only in front of an engine"),
+            "{refused}"
+        );
+        assert!(prompt.native().is_err());
+    }
+}
