@@ -157,6 +157,9 @@ const VIDEO_PROCESSOR_KEY: &str = "video_preprocessor_config";
 /// processor config (`video_preprocessor_config.json`, as Qwen3-VL ships) under
 /// `"video_preprocessor_config"` when there is one: one string, so one cache key and one
 /// argument, while the video plugin reads the video processor's keys over the image processor's.
+/// A checkpoint as transformers 5 saves it has neither file but one `processor_config.json`
+/// holding them (`image_processor`, or `feature_extractor` for audio, and `video_processor`): the
+/// same config is made of those.
 pub fn read_processor_config(dir: &Path) -> Result<String> {
     let read = |name: &str| -> Result<Option<(String, serde_json::Value)>> {
         let path = dir.join(name);
@@ -177,14 +180,41 @@ pub fn read_processor_config(dir: &Path) -> Result<String> {
         }
         Ok(Some((text, value)))
     };
-    let (text, mut config) = read("preprocessor_config.json")?.ok_or_else(|| Error::Config {
-        path: dir.join("preprocessor_config.json"),
-        reason: "it is missing".into(),
-    })?;
+    let Some((text, mut config)) = read("preprocessor_config.json")? else {
+        let Some((_, combined)) = read("processor_config.json")? else {
+            return Err(Error::Config {
+                path: dir.join("preprocessor_config.json"),
+                reason: "it is missing (and so is processor_config.json)".into(),
+            });
+        };
+        return from_combined(dir, combined, read("video_preprocessor_config.json")?);
+    };
     let Some((_, video)) = read("video_preprocessor_config.json")? else {
         return Ok(text);
     };
     if let Some(fields) = config.as_object_mut() {
+        fields.insert(VIDEO_PROCESSOR_KEY.into(), video);
+    }
+    Ok(config.to_string())
+}
+
+/// [`read_processor_config`] of a transformers 5 `processor_config.json`: its image processor (or,
+/// for an audio model, its feature extractor) as the base, its video processor (or a separate
+/// `video_preprocessor_config.json`) under [`VIDEO_PROCESSOR_KEY`].
+fn from_combined(
+    dir: &Path,
+    combined: serde_json::Value,
+    video_file: Option<(String, serde_json::Value)>,
+) -> Result<String> {
+    let part = |key: &str| combined.get(key).filter(|v| v.is_object()).cloned();
+    let Some(mut config) = part("image_processor").or_else(|| part("feature_extractor")) else {
+        return Err(Error::Config {
+            path: dir.join("processor_config.json"),
+            reason: "it holds neither an image_processor nor a feature_extractor".into(),
+        });
+    };
+    let video = part("video_processor").or(video_file.map(|(_, value)| value));
+    if let (Some(video), Some(fields)) = (video, config.as_object_mut()) {
         fields.insert(VIDEO_PROCESSOR_KEY.into(), video);
     }
     Ok(config.to_string())
@@ -273,10 +303,7 @@ mod tests {
     fn an_upstream_only_family_templates_and_counts_but_places_nothing() {
         let dir = tempfile::tempdir().unwrap();
         demo::write(dir.path(), DemoFamily::Qwen2Vl, 1).unwrap();
-        let text = ConfigFile::read(dir.path())
-            .unwrap()
-            .text_config()
-            .unwrap();
+        let text = ConfigFile::read(dir.path()).unwrap().text_config().unwrap();
         let family = Arc::new(UpstreamOnly { text });
         let prompt = PromptModel::with_family("upstream", dir.path(), family, Some(64)).unwrap();
         assert_eq!(prompt.context_length, 64);
@@ -295,5 +322,45 @@ mod tests {
             "{refused}"
         );
         assert!(prompt.native().is_err());
+    }
+
+    /// A checkpoint as transformers 5 saves it (one `processor_config.json`) gives the plugins the
+    /// config its older layout gives (`preprocessor_config.json`, `video_preprocessor_config.json`),
+    /// for an image-and-video model and an audio one.
+    #[test]
+    fn a_transformers_5_processor_config_reads_as_the_older_files() {
+        for (family, part) in [
+            (DemoFamily::Qwen3Vl, "image_processor"),
+            (DemoFamily::Qwen2Audio, "feature_extractor"),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            demo::write(dir.path(), family, 1).unwrap();
+            let older: serde_json::Value =
+                serde_json::from_str(&read_processor_config(dir.path()).unwrap()).unwrap();
+            // Qwen3-VL ships a video processor config of its own: the test covers that key.
+            let has_video = older.get(VIDEO_PROCESSOR_KEY).is_some();
+            assert_eq!(has_video, family == DemoFamily::Qwen3Vl, "{family:?}");
+            let read = |name: &str| -> Option<serde_json::Value> {
+                let text = std::fs::read_to_string(dir.path().join(name)).ok()?;
+                std::fs::remove_file(dir.path().join(name)).unwrap();
+                Some(serde_json::from_str(&text).unwrap())
+            };
+            let mut combined =
+                serde_json::json!({ part: read("preprocessor_config.json").unwrap() });
+            if let Some(video) = read("video_preprocessor_config.json") {
+                combined["video_processor"] = video;
+            }
+            std::fs::write(
+                dir.path().join("processor_config.json"),
+                combined.to_string(),
+            )
+            .unwrap();
+            let newer: serde_json::Value =
+                serde_json::from_str(&read_processor_config(dir.path()).unwrap()).unwrap();
+            assert_eq!(newer, older, "{family:?}");
+            std::fs::remove_file(dir.path().join("processor_config.json")).unwrap();
+            let missing = read_processor_config(dir.path()).unwrap_err().to_string();
+            assert!(missing.contains("processor_config.json"), "{missing}");
+        }
     }
 }
