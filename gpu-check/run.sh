@@ -6,10 +6,10 @@
 #
 #   OUT/run.sh                  report in OUT/results (or $MMGATE_GPU_REPORT_DIR)
 #
-# Each step has its own time limit (together under 8 minutes), and a step that fails or times out does not stop the others;
-# the exit status is 1 when any did. Without a CUDA driver it stops at the first GPU step, says so
-# and exits with 3 (2: the bundle is not whole). It writes results/report.json
-# (every step: status, seconds, the lines that matter) and results/summary.txt.
+# Each step has its own time limit (together under 8 minutes), and a step that fails or times out
+# does not stop the others; the exit status is 1 when any did. Without a CUDA driver it stops at
+# the first GPU step, says so and exits with 3 (2: the bundle is not whole). It writes
+# results/report.json (every step: status, seconds, the lines that matter) and results/summary.txt.
 set -uo pipefail
 
 bundle=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -160,6 +160,17 @@ bin=$work/bin
 step kernels 30 "$bin/cuda_nvrtc" --nocapture
 # Every operation of the CUDA backend against the CPU backend.
 step ops 45 "$bin/cuda_gpu" --ignored --nocapture
+torch_gpu=false
+if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' >/dev/null 2>&1; then
+  torch_gpu=true
+fi
+# transformers itself on this GPU against the logits it made on the CPU (the parity fixtures): with
+# the next steps, how far mmgate on the GPU is from transformers on the same GPU.
+if $torch_gpu && [ -n "$repo" ]; then
+  step transformers 40 python3 "$repo/gpu-check/transformers_on_gpu.py"
+else
+  skip transformers "PyTorch with CUDA or the repository is missing"
+fi
 # Each family's encoder and LLM on CUDA against transformers' outputs (f32; Qwen2-VL also bf16).
 if [ -n "$repo" ]; then
   step qwen2-vl 45 "$bin/qwen2_vl_parity" on_real_gpus --ignored --nocapture
@@ -217,8 +228,8 @@ fi
 
 # Speed: the vision tower and a prefill + decode step against PyTorch eager on the same GPU, on a
 # random model of Qwen2-VL 2B's shapes made here (no weights to download).
-if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' >/dev/null 2>&1 && [ -n "$repo" ]; then
-  step speed 190 env MMGATE_GPU_BENCH_BIN="$bin/gpu_bench" \
+if $torch_gpu && [ -n "$repo" ]; then
+  step speed 165 env MMGATE_GPU_BENCH_BIN="$bin/gpu_bench" \
     MMGATE_GPU_BENCH_MODEL="${MMGATE_GPU_BENCH_MODEL:-$work/qwen2-vl-2b-random}" python3 "$repo/bench/gpu.py"
 else
   skip speed "PyTorch with CUDA or the repository is missing"
