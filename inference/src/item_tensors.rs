@@ -133,13 +133,13 @@ impl ItemTensors {
 
     /// f32 values, taken out: for the large ones an encoder consumes (read once).
     pub fn take_f32s(&mut self, name: &str) -> Result<Vec<f32>> {
-        match &mut self.find_mut(name)?.values {
+        self.take(name, "f32", |values| match values {
             Values::Floats {
                 dtype: "f32",
                 values,
-            } => Ok(std::mem::take(values)),
-            other => Err(wrong_type(name, other, "f32")),
-        }
+            } => Ok(values),
+            other => Err(other),
+        })
     }
 
     /// Floats of any width (f32, f16, bf16), widened: embeddings a client sends.
@@ -163,24 +163,33 @@ impl ItemTensors {
 
     /// Pixel values, taken out: f32, or 8-bit samples the encoder expands.
     pub fn take_pixel_values(&mut self, name: &str) -> Result<PixelValues> {
-        let tensor = self.find_mut(name)?;
-        match &mut tensor.values {
+        self.take(name, "f32", |values| match values {
             Values::Floats {
                 dtype: "f32",
                 values,
-            } => Ok(PixelValues::F32(std::mem::take(values))),
-            Values::Samples(_) => {
-                let taken = std::mem::replace(
-                    &mut tensor.values,
-                    Values::Unreadable(format!("{name} was read already")),
-                );
-                match taken {
-                    Values::Samples(samples) => Ok(samples),
-                    _ => Err(Error::Input(format!("{name} was read already"))),
-                }
+            } => Ok(PixelValues::F32(values)),
+            Values::Samples(samples) => Ok(samples),
+            other => Err(other),
+        })
+    }
+
+    /// Tensor `name`'s values moved out by `convert` (a second read says so), or, when `convert`
+    /// hands them back as not what it takes, left in place and reported as not `expected`.
+    fn take<T>(
+        &mut self,
+        name: &str,
+        expected: &str,
+        convert: impl FnOnce(Values) -> std::result::Result<T, Values>,
+    ) -> Result<T> {
+        let tensor = self.find_mut(name)?;
+        let read = Values::Unreadable(format!("{name} was read already"));
+        match convert(std::mem::replace(&mut tensor.values, read)) {
+            Ok(taken) => Ok(taken),
+            Err(values) => {
+                let error = wrong_type(name, &values, expected);
+                tensor.values = values;
+                Err(error)
             }
-            Values::Unreadable(why) => Err(Error::Input(why.clone())),
-            other => Err(wrong_type(name, other, "f32")),
         }
     }
 }
@@ -237,6 +246,15 @@ mod tests {
         let err = t.ints("pixels").unwrap_err().to_string();
         assert!(err.contains("pixels is f32, expected i64"), "{err}");
         assert_eq!(t.take_pixel_values("pixels").unwrap().len(), 2);
+        let again = t.take_pixel_values("pixels").unwrap_err().to_string();
+        assert!(again.contains("pixels was read already"), "{again}");
+        let err = t.take_f32s("grid").unwrap_err().to_string();
+        assert!(err.contains("grid is i32, expected f32"), "{err}");
+        assert_eq!(
+            t.ints("grid").unwrap(),
+            [1, 4, 6],
+            "a refused take leaves the values"
+        );
         let err = t.ints("nothing").unwrap_err().to_string();
         assert!(err.contains("the plugin's output lacks nothing"), "{err}");
         let t = t.from_origin(TensorOrigin::PartPlan);
