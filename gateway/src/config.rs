@@ -200,6 +200,11 @@ pub struct ModelConfig {
     /// when it is generated.
     #[serde(default = "default_upstream_timeout_ms")]
     pub upstream_timeout_ms: u64,
+    /// With `media = "preprocess"`: the settings the upstreams' processor runs with beside the
+    /// checkpoint's processor config, as vLLM's `--mm-processor-kwargs` (say
+    /// `{ do_pan_and_scan = true }` for Gemma 3): the plans made here must count what it makes.
+    #[serde(default)]
+    pub processor_kwargs: serde_json::Map<String, serde_json::Value>,
     /// The context served, when below the checkpoint's (`max_position_embeddings`): as vLLM's
     /// `--max-model-len`, every token budget uses it.
     pub max_model_len: Option<usize>,
@@ -546,6 +551,7 @@ impl ModelConfig {
             health_check: HealthCheck::default(),
             upstream_timeout_ms: default_upstream_timeout_ms(),
             max_model_len: None,
+            processor_kwargs: serde_json::Map::new(),
             llm_threads: None,
             llm_device: None,
             encoder_devices: Vec::new(),
@@ -614,6 +620,12 @@ impl ModelConfig {
         }
         if let (Some(DeviceName::Cuda(n)), Some(_)) = (self.llm_device, self.llm_threads) {
             bail!("model {name:?}: llm_device cuda:{n}: llm_threads applies to a cpu LLM only");
+        }
+        if !self.processor_kwargs.is_empty() && self.media_mode() != Some(MediaMode::Preprocess) {
+            bail!(
+                "model {name:?}: processor_kwargs describe an upstream's processor: they apply \
+                 with media = \"preprocess\" only"
+            );
         }
         if self.max_model_len == Some(0) {
             bail!("model {name:?}: max_model_len must be positive");

@@ -156,7 +156,7 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
                         let dir = resolve_model_dir(path, &default_cache_dir())?;
                         UpstreamMedia::Preprocess(
                             PromptModel::load(&model.name, &dir, model.max_model_len)
-                                .and_then(PromptModel::for_server_processor)
+                                .and_then(|m| m.for_server_processor(&model.processor_kwargs))
                                 .with_context(|| {
                                     format!("model {}: reading {}", model.name, dir.display())
                                 })?,

@@ -462,18 +462,51 @@ pub async fn plan_for_upstream(
     mut request: ChatCompletionRequest,
     services: &ChatServices<'_>,
 ) -> Result<PlannedUpstream, ApiError> {
-    let gathered = gather(prompt, accept_image_embeds, &mut request, services).await?;
+    let mut gathered = gather(prompt, accept_image_embeds, &mut request, services).await?;
+    // The budget the plugins share leaves out the text a family may set each item off with (its
+    // length depends on the plan): a plan whose prompt then overflows the context is made again
+    // with the overflow taken off the budget.
+    let completion = gathered.max_tokens.unwrap_or(1);
+    for _ in 0..PLAN_ATTEMPTS {
+        let planned = plan_upstream_once(prompt, &gathered, services).await?;
+        let needed = planned.prompt_tokens + completion;
+        if needed <= prompt.context_length {
+            return Ok(planned);
+        }
+        let over = needed - prompt.context_length;
+        match gathered.budget.checked_sub(over) {
+            Some(budget) if budget > 0 => gathered.budget = budget,
+            _ => break,
+        }
+    }
+    Err(context_exceeded(format!(
+        "the media do not fit: as this model's processor writes them into the prompt, with \
+         max_tokens {completion}, they need more than this model's context of {} tokens",
+        prompt.context_length
+    )))
+}
+
+/// Plans made again at most this often when the items' text overflows the context (each attempt
+/// takes the overflow off the budget; one is enough unless the text grows as plans shrink).
+const PLAN_ATTEMPTS: usize = 3;
+
+/// One pass of [`plan_for_upstream`] under `gathered`'s budget.
+async fn plan_upstream_once(
+    prompt: &PromptModel,
+    gathered: &Gathered,
+    services: &ChatServices<'_>,
+) -> Result<PlannedUpstream, ApiError> {
     let mut processed = gathered
         .process(prompt, services, pipeline::Produce::Files, None)
         .await?
         .into_iter();
     let mut parts = Vec::with_capacity(gathered.items.len());
     let mut accounts = Vec::with_capacity(gathered.items.len());
-    let mut media_tokens = 0usize;
+    let mut item_tokens = Vec::with_capacity(gathered.items.len());
     for (index, item) in gathered.items.iter().enumerate() {
         match &item.input {
             ItemInput::Embeddings(input) => {
-                media_tokens += input.tokens;
+                item_tokens.push((item.kind, input.tokens));
                 accounts.push(MediaAccount::embeddings(index, item.kind, input.tokens));
                 parts.push((item.kind, None));
             }
@@ -481,7 +514,7 @@ pub async fn plan_for_upstream(
                 let done = processed
                     .next()
                     .ok_or_else(|| internal("a media item was not processed"))?;
-                media_tokens += done.plan.tokens as usize;
+                item_tokens.push((item.kind, done.plan.tokens as usize));
                 accounts.push(MediaAccount::plugin(index, item.kind, plugin, &done));
                 let Made::Files(files) = done.made else {
                     return Err(internal("a media item was not reduced"));
@@ -499,7 +532,11 @@ pub async fn plan_for_upstream(
             gathered.items.len()
         )));
     }
-    let prompt_tokens = text_tokens + media_tokens;
+    // As the server's processor writes each item into the prompt (a family may set it off with
+    // text of its own, which can merge with the tokens around it).
+    let prompt_tokens = prompt
+        .planned_prompt_tokens(&gathered.messages, &gathered.ids, &item_tokens)
+        .map_err(|e| internal(format!("counting the planned prompt: {e}")))?;
     Ok(PlannedUpstream {
         parts,
         accounts,

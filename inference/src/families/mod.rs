@@ -10,6 +10,7 @@
 //! values ([`ItemTensors`]), and [`crate::prompt`] lays out what a family makes of them in the
 //! prompt.
 
+mod gemma3;
 mod qwen2_audio;
 mod qwen2_vl;
 mod qwen3_vl;
@@ -127,6 +128,15 @@ pub struct RowBands {
     pub patches: &'static str,
 }
 
+/// A piece of an item's prompt ([`FamilyModel::item_prompt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptPiece {
+    /// Text, as a processor writes it into the prompt.
+    Text(String),
+    /// `count` times the token `id` (written as the tokenizer spells it).
+    Tokens { id: u32, count: usize },
+}
+
 /// A registry entry: a family, matched by `config.json`'s `model_type`.
 pub trait Family: Send + Sync {
     fn model_types(&self) -> &'static [&'static str];
@@ -138,10 +148,19 @@ pub trait Family: Send + Sync {
 /// an upstream-only family says (its engine runs it; the plugins plan its media, with the token
 /// count its engine's processor makes); a family mmgate also runs says more in [`NativeFamily`].
 pub trait FamilyModel: Send + Sync {
-    fn text_config(&self) -> &TextConfig;
+    /// The checkpoint's context (`max_position_embeddings`).
+    fn context_length(&self) -> usize;
     fn media_kinds(&self) -> &'static [MediaKind];
     /// The token that stands for one item of `kind` in a templated prompt.
     fn placeholder(&self, kind: MediaKind) -> Option<u32>;
+    /// What an item of `kind` whose plugin planned `tokens` encoder tokens is in the prompt, in
+    /// place of its one templated placeholder, as the model's own processor writes it; `None`
+    /// for a run of `tokens` placeholders. Its text is tokenized with the prompt around it (as
+    /// the processor's is), so tokens may merge across its edges.
+    fn item_prompt(&self, kind: MediaKind, tokens: usize) -> Result<Option<Vec<PromptPiece>>> {
+        let _ = (kind, tokens);
+        Ok(None)
+    }
     /// How mmgate runs the model itself; `None` for a family served only in front of an engine
     /// that runs it (`media = "preprocess"` or `"forward"`).
     fn native(&self) -> Option<&dyn NativeFamily> {
@@ -152,6 +171,7 @@ pub trait FamilyModel: Send + Sync {
 /// What mmgate needs to run a family's model itself: its encoder's input and the placement of its
 /// output in the prompt, its positions, and its weights on the devices.
 pub trait NativeFamily: FamilyModel {
+    fn text_config(&self) -> &TextConfig;
     fn positions(&self) -> PositionScheme;
     /// Feature sets the encoder makes beside each token's embedding (Qwen3-VL's deepstack), which
     /// the LLM adds to its first layers' hidden states: see [`EngineConfig::deepstack_levels`].
@@ -197,6 +217,7 @@ pub fn registry() -> &'static [&'static dyn Family] {
         &qwen2_vl::Qwen2VlFamily,
         &qwen2_audio::Qwen2AudioFamily,
         &qwen3_vl::Qwen3VlFamily,
+        &gemma3::Gemma3Family,
     ]
 }
 

@@ -35,8 +35,8 @@ struct Qwen2AudioModel {
 }
 
 impl FamilyModel for Qwen2AudioModel {
-    fn text_config(&self) -> &TextConfig {
-        &self.config.text
+    fn context_length(&self) -> usize {
+        self.config.text.max_position_embeddings
     }
 
     fn media_kinds(&self) -> &'static [MediaKind] {
@@ -53,6 +53,10 @@ impl FamilyModel for Qwen2AudioModel {
 }
 
 impl NativeFamily for Qwen2AudioModel {
+    fn text_config(&self) -> &TextConfig {
+        &self.config.text
+    }
+
     fn positions(&self) -> PositionScheme {
         PositionScheme::Plain
     }

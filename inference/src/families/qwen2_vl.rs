@@ -60,8 +60,8 @@ impl Qwen2VlModel {
 }
 
 impl FamilyModel for Qwen2VlModel {
-    fn text_config(&self) -> &TextConfig {
-        &self.config.text
+    fn context_length(&self) -> usize {
+        self.config.text.max_position_embeddings
     }
 
     fn media_kinds(&self) -> &'static [MediaKind] {
@@ -82,6 +82,10 @@ impl FamilyModel for Qwen2VlModel {
 }
 
 impl NativeFamily for Qwen2VlModel {
+    fn text_config(&self) -> &TextConfig {
+        &self.config.text
+    }
+
     fn positions(&self) -> PositionScheme {
         PositionScheme::MRope {
             merge: self.config.vision.merge,

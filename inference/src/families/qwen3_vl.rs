@@ -92,8 +92,8 @@ impl Qwen3VlModel {
 }
 
 impl FamilyModel for Qwen3VlModel {
-    fn text_config(&self) -> &TextConfig {
-        &self.config.text
+    fn context_length(&self) -> usize {
+        self.config.text.max_position_embeddings
     }
 
     fn media_kinds(&self) -> &'static [MediaKind] {
@@ -114,6 +114,10 @@ impl FamilyModel for Qwen3VlModel {
 }
 
 impl NativeFamily for Qwen3VlModel {
+    fn text_config(&self) -> &TextConfig {
+        &self.config.text
+    }
+
     fn positions(&self) -> PositionScheme {
         PositionScheme::MRope {
             merge: self.config.vision.merge,

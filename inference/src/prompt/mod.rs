@@ -13,9 +13,9 @@ pub use placement::{PartLayout, PieceMaker};
 
 use crate::engine::MediaItem;
 use crate::error::{Error, Result};
-use crate::families::{self, FamilyModel, MediaKind, NativeFamily, RowBands};
+use crate::families::{self, FamilyModel, MediaKind, NativeFamily, PromptPiece, RowBands};
 use crate::models::GenerationConfig;
-use crate::text::TextProcessor;
+use crate::text::{ChatMessage, TextProcessor};
 
 /// What a model's prompts are made of (see the module's doc).
 pub struct PromptModel {
@@ -50,7 +50,7 @@ impl PromptModel {
         max_model_len: Option<usize>,
     ) -> Result<Self> {
         let embedding_width = family.native().map_or(0, |n| n.embedding_width());
-        let checkpoint_context = family.text_config().max_position_embeddings;
+        let checkpoint_context = family.context_length();
         let context_length = match max_model_len {
             Some(n) if n > checkpoint_context => {
                 return Err(Error::Config {
@@ -79,8 +79,12 @@ impl PromptModel {
     /// For a model whose server runs its own processor (`media = "preprocess"`): the processor
     /// config plugins get says so (`"mmgate_server_processor": true`), so they plan what that
     /// processor makes of an item where it differs from what this gateway would (HF's audio
-    /// processors keep only the first 30 s chunk).
-    pub fn for_server_processor(mut self) -> Result<Self> {
+    /// processors keep only the first 30 s chunk). `kwargs` are the settings that processor runs
+    /// with over the checkpoint's (vLLM's `--mm-processor-kwargs`), which the plans follow too.
+    pub fn for_server_processor(
+        mut self,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Self> {
         let config_error = |reason: &str| Error::Config {
             path: "preprocessor_config.json".into(),
             reason: reason.to_owned(),
@@ -90,6 +94,9 @@ impl PromptModel {
         let Some(fields) = config.as_object_mut() else {
             return Err(config_error("not a JSON object"));
         };
+        for (key, value) in kwargs {
+            fields.insert(key.clone(), value.clone());
+        }
         fields.insert("mmgate_server_processor".into(), true.into());
         self.processor_config = config.to_string();
         Ok(self)
@@ -119,6 +126,66 @@ impl PromptModel {
             .filter_map(|&k| self.placeholder(k).ok())
             .collect();
         ids.iter().filter(|id| !placeholders.contains(id)).count()
+    }
+
+    /// Tokens of the prompt of `messages` (templated as `ids`, each media item one placeholder)
+    /// once each item stands for the encoder tokens its plugin planned (`items`, in prompt
+    /// order), as the model's own processor counts them: the text's tokens and the items' where
+    /// the family writes an item as a run of placeholders; else the prompt tokenized with each
+    /// item's text in its placeholder's place (tokens merge across an item's edges there, as they
+    /// do in the processor).
+    pub fn planned_prompt_tokens(
+        &self,
+        messages: &[ChatMessage],
+        ids: &[u32],
+        items: &[(MediaKind, usize)],
+    ) -> Result<usize> {
+        let mut texts = Vec::with_capacity(items.len());
+        for &(kind, tokens) in items {
+            texts.push(self.family.item_prompt(kind, tokens)?);
+        }
+        if texts.iter().all(Option::is_none) {
+            return Ok(self.text_tokens(ids) + items.iter().map(|(_, t)| t).sum::<usize>());
+        }
+        let templated = self.text.apply_chat_template(messages, true)?;
+        let mut expanded = String::with_capacity(templated.len());
+        let mut rest = templated.as_str();
+        for (&(kind, tokens), text) in items.iter().zip(texts) {
+            let placeholder = self.placeholder(kind)?;
+            let spelled = self.token_text(placeholder)?;
+            let Some(at) = rest.find(spelled.as_str()) else {
+                return Err(Error::Input(
+                    "the chat template placed fewer media placeholders than there are media items"
+                        .into(),
+                ));
+            };
+            expanded.push_str(&rest[..at]);
+            rest = &rest[at + spelled.len()..];
+            let pieces = text.unwrap_or(vec![PromptPiece::Tokens {
+                id: placeholder,
+                count: tokens,
+            }]);
+            for piece in pieces {
+                match piece {
+                    PromptPiece::Text(text) => expanded.push_str(&text),
+                    PromptPiece::Tokens { id, count } => {
+                        expanded.push_str(&self.token_text(id)?.repeat(count));
+                    }
+                }
+            }
+        }
+        expanded.push_str(rest);
+        Ok(self.text.encode(&expanded)?.len())
+    }
+
+    /// How the tokenizer spells token `id`.
+    fn token_text(&self, id: u32) -> Result<String> {
+        self.text.tokenizer().id_to_token(id).ok_or_else(|| {
+            Error::Input(format!(
+                "model {}: token {id} is not in its tokenizer's vocabulary",
+                self.name
+            ))
+        })
     }
 
     /// The placeholder token for a media kind, or why this model does not take it.
@@ -284,8 +351,8 @@ mod tests {
     }
 
     impl FamilyModel for UpstreamOnly {
-        fn text_config(&self) -> &TextConfig {
-            &self.text
+        fn context_length(&self) -> usize {
+            self.text.max_position_embeddings
         }
 
         fn media_kinds(&self) -> &'static [MediaKind] {
