@@ -141,13 +141,13 @@ fn run(plugin: &LoadedPlugin, case: &Case) -> Option<f32> {
     Some(max_diff)
 }
 
-#[test]
-fn image_plugin_matches_hf_processors() {
-    let fixtures: Fixtures = serde_json::from_slice(
-        &std::fs::read(fixtures_dir().join("cases.json")).expect("tests/fixtures/image/cases.json"),
-    )
-    .unwrap();
-    assert!(fixtures.cases.len() >= 30, "the fixture set is incomplete");
+fn read_cases(file: &str) -> Fixtures {
+    let path = fixtures_dir().join(file);
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+fn check_cases(fixtures: &Fixtures) {
     let plugin = common::builtin_plugin("image");
     println!(
         "image parity against transformers {}",
@@ -168,4 +168,20 @@ fn image_plugin_matches_hf_processors() {
             Ok(())
         },
     );
+}
+
+#[test]
+fn image_plugin_matches_hf_processors() {
+    let fixtures = read_cases("cases.json");
+    assert!(fixtures.cases.len() >= 30, "the fixture set is incomplete");
+    check_cases(&fixtures);
+}
+
+/// Gemma 3's views (the whole image, its pan-and-scan crops, fewer crops under a budget), made by
+/// tests/fixtures/image/gemma3.py.
+#[test]
+fn image_plugin_matches_hf_gemma3_processor() {
+    let fixtures = read_cases("gemma3-cases.json");
+    assert!(fixtures.cases.len() >= 9, "the fixture set is incomplete");
+    check_cases(&fixtures);
 }

@@ -9,7 +9,10 @@
 //!   whole's patches with its own grid.
 //! - Fixed-size CLIP / SigLIP: resize (shortest edge or exact size), optional centre crop, normalise →
 //!   `pixel_values` [1, 3, H, W] f32.
+//! - Gemma 3: each view (the image, and its pan-and-scan crops when on) resized to a fixed size →
+//!   `pixel_values` [views, 3, H, W] f32 and `num_crops`; under a budget, fewer crops.
 
+mod gemma3;
 mod processor;
 
 use mmgate_plugin_sdk::imagedecode as decode;
@@ -25,7 +28,7 @@ impl Plugin for ImagePlugin {
         Descriptor::new(
             "image",
             env!("CARGO_PKG_VERSION"),
-            "decode images; Qwen2-VL smart resize + patchify, or fixed-size CLIP/SigLIP",
+            "decode images; Qwen2-VL smart resize + patchify, fixed-size CLIP/SigLIP, Gemma 3 views",
             &["image"],
             decode::MIME_TYPES,
             processor::SUPPORTED,

@@ -9,6 +9,8 @@ use mmgate_plugin_sdk::imageops::{
 use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
 
+use crate::gemma3::{Gemma3, PanAndScan};
+
 /// Processor classes this plugin implements (HF's `...Fast` and `...Pil` variants of each compute
 /// the same thing and are accepted too).
 pub const SUPPORTED: &[&str] = &[
@@ -17,6 +19,7 @@ pub const SUPPORTED: &[&str] = &[
     "CLIPImageProcessor",
     "CLIPFeatureExtractor",
     "SiglipImageProcessor",
+    "Gemma3ImageProcessor",
 ];
 
 /// `size` / `crop_size` in either of the forms checkpoints use: a bare number (old feature
@@ -56,6 +59,12 @@ struct RawConfig {
     do_center_crop: Option<bool>,
     size: Option<SizeField>,
     crop_size: Option<SizeField>,
+    /// Gemma 3: tokens per view, and pan-and-scan (null in checkpoints: the processor's defaults).
+    image_seq_length: Option<usize>,
+    do_pan_and_scan: Option<bool>,
+    pan_and_scan_min_crop_size: Option<usize>,
+    pan_and_scan_max_num_crops: Option<usize>,
+    pan_and_scan_min_ratio_to_activate: Option<f64>,
 }
 
 pub enum Processor {
@@ -75,6 +84,7 @@ pub enum Processor {
         filter: Filter,
         normalize: Normalize,
     },
+    Gemma3(Gemma3),
 }
 
 pub enum FixedResize {
@@ -98,6 +108,13 @@ pub struct Choices {
     /// absent: whole.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bands: Option<usize>,
+    /// Gemma 3's pan-and-scan crops (views beside the whole image).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crops: Option<usize>,
+    /// Gemma 3, a reduced plan: the size the image is squashed to, so that the server's
+    /// pan-and-scan makes the planned crops.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub squashed: Option<[usize; 2]>,
 }
 
 fn positive(name: &str, value: usize) -> PluginResult<usize> {
@@ -114,6 +131,7 @@ enum Family {
     Qwen2Vl,
     Clip,
     Siglip,
+    Gemma3,
 }
 
 /// The processor family a class name belongs to: HF's PIL (`...Pil`), torchvision (`...Fast`) and
@@ -125,6 +143,7 @@ fn family(class: &str) -> Option<Family> {
         "Qwen2VLImageProcessor" | "Qwen2_5_VLImageProcessor" => Some(Family::Qwen2Vl),
         "CLIPImageProcessor" | "CLIPFeatureExtractor" => Some(Family::Clip),
         "SiglipImageProcessor" => Some(Family::Siglip),
+        "Gemma3ImageProcessor" => Some(Family::Gemma3),
         _ => None,
     }
 }
@@ -209,6 +228,45 @@ impl Processor {
                     filter,
                     normalize: normalize(CLIP_MEAN, CLIP_STD),
                 })
+            }
+            Family::Gemma3 => {
+                let size = match raw.size {
+                    Some(SizeField::Dict(SizeConfig {
+                        height: Some(h),
+                        width: Some(w),
+                        ..
+                    })) => (positive("size.width", w)?, positive("size.height", h)?),
+                    None => (896, 896),
+                    _ => {
+                        return Err(PluginError::unsupported(
+                            "processor config: Gemma 3's size needs height and width",
+                        ));
+                    }
+                };
+                let pan_and_scan = raw.do_pan_and_scan.unwrap_or(false).then(|| {
+                    PanAndScan::new(
+                        raw.pan_and_scan_min_crop_size,
+                        raw.pan_and_scan_max_num_crops,
+                        raw.pan_and_scan_min_ratio_to_activate,
+                    )
+                });
+                if let Some(p) = &pan_and_scan {
+                    positive("pan_and_scan_min_crop_size", p.min_crop)?;
+                    positive("pan_and_scan_max_num_crops", p.max_crops)?;
+                }
+                let filter = match raw.resample {
+                    None => Filter::Bilinear,
+                    Some(_) => filter,
+                };
+                Ok(Processor::Gemma3(Gemma3::new(
+                    size,
+                    raw.image_seq_length
+                        .map(|t| positive("image_seq_length", t))
+                        .transpose()?,
+                    pan_and_scan,
+                    filter,
+                    normalize([0.5; 3], [0.5; 3]),
+                )))
             }
             Family::Clip | Family::Siglip => {
                 let siglip = family == Family::Siglip;
@@ -338,6 +396,8 @@ impl Processor {
                     crop: None,
                     grid_thw: Some([1, h / patch, w / patch]),
                     bands: (jpeg && large).then_some(BANDS),
+                    crops: None,
+                    squashed: None,
                 };
                 TokenPlan::new(tokens_u32(tokens)?, reduced, reason, &choices)
             }
@@ -366,10 +426,13 @@ impl Processor {
                     crop: crop.map(|(w, h)| [w, h]),
                     grid_thw: None,
                     bands: None,
+                    crops: None,
+                    squashed: None,
                 };
                 let reason = format!("{width}x{height} → {fw}x{fh}: fixed {tokens} tokens");
                 TokenPlan::new(tokens_u32(tokens)?, false, reason, &choices)
             }
+            Processor::Gemma3(gemma3) => gemma3.plan(width, height, budget),
         }
     }
 
@@ -390,6 +453,7 @@ impl Processor {
             Processor::Fixed { .. } => Err(PluginError::internal(
                 "a fixed-size processor's plan is never reduced",
             )),
+            Processor::Gemma3(gemma3) => gemma3.reduced_image(image, choices),
         }
     }
 
@@ -451,6 +515,7 @@ impl Processor {
                     values.into_flattened(),
                 )?])
             }
+            Processor::Gemma3(gemma3) => gemma3.preprocess(image, choices),
         }
     }
 }
@@ -633,7 +698,7 @@ fn check_planned_size(choices: &Choices, factor: usize) -> PluginResult<()> {
     Ok(())
 }
 
-fn tokens_u32(tokens: usize) -> PluginResult<u32> {
+pub(crate) fn tokens_u32(tokens: usize) -> PluginResult<u32> {
     u32::try_from(tokens).map_err(|_| PluginError::limit(format!("{tokens} tokens is too many")))
 }
 
