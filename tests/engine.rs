@@ -23,31 +23,6 @@ use serde_json::{Value, json};
 
 use common::server::Server;
 
-/// The venv holding transformers' server: `MMGATE_ENGINE_VENV` (set by `./dev test`), else the
-/// default place `./dev test` installs it. `None` (the test says why and passes) only outside CI:
-/// in CI a missing engine is a failure, never a skip.
-fn engine_venv() -> Option<PathBuf> {
-    let venv = std::env::var_os("MMGATE_ENGINE_VENV")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|home| PathBuf::from(home).join(".cache/mmgate/engine-venv"))
-        })?;
-    if venv.join("bin/transformers").is_file() {
-        return Some(venv);
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "the engine venv {} is missing: ./dev test installs it",
-        venv.display()
-    );
-    eprintln!(
-        "skipping: no engine venv at {} (./dev test installs it)",
-        venv.display()
-    );
-    None
-}
-
 /// `transformers serve` on one model directory, killed when dropped.
 struct Engine {
     child: Child,
@@ -173,25 +148,11 @@ fn demo_checkpoint(cache: &Path, into: &Path, spec: &str, family: &str) -> PathB
     model
 }
 
-/// A copy of `model` without its weights: what `media = "preprocess"` needs of it.
-fn weightless(model: &Path, into: &Path) -> PathBuf {
-    let copy = into.join(format!(
-        "{}-weightless",
-        model.file_name().unwrap().to_string_lossy()
-    ));
-    std::fs::create_dir_all(&copy).unwrap();
-    for entry in std::fs::read_dir(model).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_none_or(|e| e != "safetensors") {
-            std::fs::copy(&path, copy.join(path.file_name().unwrap())).unwrap();
-        }
-    }
-    copy
-}
-
 #[test]
 fn the_engine_counts_and_answers_as_mmgate_does() {
-    let Some(venv) = engine_venv() else { return };
+    let Some(venv) = common::engine::engine_venv("bin/transformers") else {
+        return;
+    };
     let scratch = tempfile::tempdir().unwrap();
     let cache = scratch.path().join("cache");
     let model = demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
@@ -202,8 +163,8 @@ fn the_engine_counts_and_answers_as_mmgate_does() {
     // for that name to it.
     let engine_model = model.to_str().unwrap();
     // What preprocess mode needs of a model: its directory without the weights.
-    let weightless_model = weightless(&model, scratch.path());
-    let weightless_audio = weightless(&audio_model, scratch.path());
+    let weightless_model = common::engine::weightless(&model);
+    let weightless_audio = common::engine::weightless(&audio_model);
     // transformers' server takes no video: a video planned here is checked in its wire form.
     let recorder = Recorder::start();
     // Nothing listens there: a model whose requests are refused before they go upstream.

