@@ -177,11 +177,12 @@ fn image_plugin_matches_hf_processors() {
     check_cases(&fixtures);
 }
 
-/// Gemma 3's views (the whole image, its pan-and-scan crops, fewer crops under a budget), made by
-/// tests/fixtures/image/gemma3.py.
+/// The families planned in front of an engine (tests/fixtures/image/families.py): Gemma 3's views
+/// (the whole image, its pan-and-scan crops, fewer crops under a budget) and Pixtral's native
+/// resolution (a lower longest edge under a budget).
 #[test]
-fn image_plugin_matches_hf_gemma3_processor() {
-    let fixtures = read_cases("gemma3-cases.json");
-    assert!(fixtures.cases.len() >= 9, "the fixture set is incomplete");
+fn image_plugin_matches_hf_processors_of_upstream_families() {
+    let fixtures = read_cases("families-cases.json");
+    assert!(fixtures.cases.len() >= 16, "the fixture set is incomplete");
     check_cases(&fixtures);
 }

@@ -11,7 +11,7 @@
 use mmgate_plugin_sdk::imageops::{Filter, Normalize, RgbImage};
 use mmgate_plugin_sdk::*;
 
-use crate::processor::{Choices, tokens_u32};
+use crate::choices::{Choices, tokens_u32};
 
 /// transformers' `Gemma3Processor` defaults for what `preprocessor_config.json` leaves null.
 const DEFAULT_MIN_CROP: usize = 256;

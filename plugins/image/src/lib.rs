@@ -11,8 +11,12 @@
 //!   `pixel_values` [1, 3, H, W] f32.
 //! - Gemma 3: each view (the image, and its pan-and-scan crops when on) resized to a fixed size →
 //!   `pixel_values` [views, 3, H, W] f32 and `num_crops`; under a budget, fewer crops.
+//! - Pixtral / Mistral 3: native resolution within a longest edge, in whole tokens →
+//!   `pixel_values` [1, 3, H, W] f32 and `image_sizes`; under a budget, a lower longest edge.
 
+mod choices;
 mod gemma3;
+mod pixtral;
 mod processor;
 
 use mmgate_plugin_sdk::imagedecode as decode;
@@ -28,7 +32,7 @@ impl Plugin for ImagePlugin {
         Descriptor::new(
             "image",
             env!("CARGO_PKG_VERSION"),
-            "decode images; Qwen2-VL smart resize + patchify, fixed-size CLIP/SigLIP, Gemma 3 views",
+            "decode images; Qwen2-VL smart resize + patchify, fixed-size CLIP/SigLIP, Gemma 3, Pixtral",
             &["image"],
             decode::MIME_TYPES,
             processor::SUPPORTED,

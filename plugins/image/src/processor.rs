@@ -7,9 +7,12 @@ use mmgate_plugin_sdk::imageops::{
     source_rows,
 };
 use mmgate_plugin_sdk::*;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
+pub use crate::choices::Choices;
+use crate::choices::tokens_u32;
 use crate::gemma3::{Gemma3, PanAndScan};
+use crate::pixtral::Pixtral;
 
 /// Processor classes this plugin implements (HF's `...Fast` and `...Pil` variants of each compute
 /// the same thing and are accepted too).
@@ -20,6 +23,7 @@ pub const SUPPORTED: &[&str] = &[
     "CLIPFeatureExtractor",
     "SiglipImageProcessor",
     "Gemma3ImageProcessor",
+    "PixtralImageProcessor",
 ];
 
 /// `size` / `crop_size` in either of the forms checkpoints use: a bare number (old feature
@@ -46,8 +50,10 @@ struct RawConfig {
     feature_extractor_type: Option<String>,
     min_pixels: Option<usize>,
     max_pixels: Option<usize>,
-    patch_size: Option<usize>,
+    patch_size: Option<SizeField>,
     temporal_patch_size: Option<usize>,
+    /// Pixtral: patches merged into a token a side (the model's; its family adds it).
+    spatial_merge_size: Option<usize>,
     merge_size: Option<usize>,
     image_mean: Option<[f32; 3]>,
     image_std: Option<[f32; 3]>,
@@ -85,6 +91,7 @@ pub enum Processor {
         normalize: Normalize,
     },
     Gemma3(Gemma3),
+    Pixtral(Pixtral),
 }
 
 pub enum FixedResize {
@@ -92,29 +99,22 @@ pub enum FixedResize {
     Exact { width: usize, height: usize },
 }
 
-/// What `plan` chose; `preprocess` reads it back.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct Choices {
-    /// Size the image is resized to.
-    pub width: usize,
-    pub height: usize,
-    /// Centre crop after the resize (fixed-size processors).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub crop: Option<[usize; 2]>,
-    /// Qwen2-VL `image_grid_thw`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub grid_thw: Option<[usize; 3]>,
-    /// Bands of rows the image is made in, on as many instances at once (contract 0.4's parts);
-    /// absent: whole.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bands: Option<usize>,
-    /// Gemma 3's pan-and-scan crops (views beside the whole image).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub crops: Option<usize>,
-    /// Gemma 3, a reduced plan: the size the image is squashed to, so that the server's
-    /// pan-and-scan makes the planned crops.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub squashed: Option<[usize; 2]>,
+impl RawConfig {
+    /// `patch_size` as a number, or as `{height, width}` (square: Pixtral's).
+    fn patch_edge(&self) -> PluginResult<Option<usize>> {
+        match &self.patch_size {
+            None => Ok(None),
+            Some(SizeField::Edge(edge)) => Ok(Some(*edge)),
+            Some(SizeField::Dict(SizeConfig {
+                height: Some(h),
+                width: Some(w),
+                ..
+            })) if h == w => Ok(Some(*h)),
+            Some(_) => Err(PluginError::unsupported(
+                "processor config: patch_size must be a number or a square {height, width}",
+            )),
+        }
+    }
 }
 
 fn positive(name: &str, value: usize) -> PluginResult<usize> {
@@ -132,6 +132,7 @@ enum Family {
     Clip,
     Siglip,
     Gemma3,
+    Pixtral,
 }
 
 /// The processor family a class name belongs to: HF's PIL (`...Pil`), torchvision (`...Fast`) and
@@ -144,6 +145,7 @@ fn family(class: &str) -> Option<Family> {
         "CLIPImageProcessor" | "CLIPFeatureExtractor" => Some(Family::Clip),
         "SiglipImageProcessor" => Some(Family::Siglip),
         "Gemma3ImageProcessor" => Some(Family::Gemma3),
+        "PixtralImageProcessor" => Some(Family::Pixtral),
         _ => None,
     }
 }
@@ -219,7 +221,7 @@ impl Processor {
                 Ok(Processor::Qwen2Vl {
                     min_pixels,
                     max_pixels: positive("max_pixels", max_pixels)?,
-                    patch: positive("patch_size", raw.patch_size.unwrap_or(14))?,
+                    patch: positive("patch_size", raw.patch_edge()?.unwrap_or(14))?,
                     temporal: positive(
                         "temporal_patch_size",
                         raw.temporal_patch_size.unwrap_or(2),
@@ -228,6 +230,28 @@ impl Processor {
                     filter,
                     normalize: normalize(CLIP_MEAN, CLIP_STD),
                 })
+            }
+            Family::Pixtral => {
+                let longest_edge = match raw.size {
+                    Some(SizeField::Dict(SizeConfig {
+                        longest_edge: Some(edge),
+                        ..
+                    })) => positive("size.longest_edge", edge)?,
+                    None => 1024,
+                    _ => {
+                        return Err(PluginError::unsupported(
+                            "processor config: Pixtral's size needs longest_edge",
+                        ));
+                    }
+                };
+                let patch = positive("patch_size", raw.patch_edge()?.unwrap_or(16))?;
+                let merge = positive("spatial_merge_size", raw.spatial_merge_size.unwrap_or(1))?;
+                Ok(Processor::Pixtral(Pixtral {
+                    longest_edge,
+                    token_edge: patch * merge,
+                    filter,
+                    normalize: normalize(CLIP_MEAN, CLIP_STD),
+                }))
             }
             Family::Gemma3 => {
                 let size = match raw.size {
@@ -292,6 +316,7 @@ impl Processor {
                         ));
                     }
                 };
+                let patch = positive("patch_size", raw.patch_edge()?.unwrap_or(14))?;
                 let crop = match (raw.do_center_crop.unwrap_or(!siglip), raw.crop_size) {
                     (false, _) => None,
                     (true, Some(SizeField::Edge(edge))) => {
@@ -323,7 +348,7 @@ impl Processor {
                 Ok(Processor::Fixed {
                     resize,
                     crop,
-                    patch: positive("patch_size", raw.patch_size.unwrap_or(14))?,
+                    patch,
                     filter,
                     normalize: normalize(mean, std),
                 })
@@ -433,6 +458,7 @@ impl Processor {
                 TokenPlan::new(tokens_u32(tokens)?, false, reason, &choices)
             }
             Processor::Gemma3(gemma3) => gemma3.plan(width, height, budget),
+            Processor::Pixtral(pixtral) => pixtral.plan(width, height, budget),
         }
     }
 
@@ -454,6 +480,7 @@ impl Processor {
                 "a fixed-size processor's plan is never reduced",
             )),
             Processor::Gemma3(gemma3) => gemma3.reduced_image(image, choices),
+            Processor::Pixtral(pixtral) => pixtral.reduced_image(image, choices),
         }
     }
 
@@ -516,6 +543,7 @@ impl Processor {
                 )?])
             }
             Processor::Gemma3(gemma3) => gemma3.preprocess(image, choices),
+            Processor::Pixtral(pixtral) => pixtral.preprocess(image, choices),
         }
     }
 }
@@ -696,10 +724,6 @@ fn check_planned_size(choices: &Choices, factor: usize) -> PluginResult<()> {
         ));
     }
     Ok(())
-}
-
-pub(crate) fn tokens_u32(tokens: usize) -> PluginResult<u32> {
-    u32::try_from(tokens).map_err(|_| PluginError::limit(format!("{tokens} tokens is too many")))
 }
 
 fn over_budget(needed: usize, budget: u32, width: usize, height: usize) -> PluginError {

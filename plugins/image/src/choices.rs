@@ -1,0 +1,34 @@
+//! What an image plan chose, which the plugin's later calls read back (the plan's `choices`), shared
+//! by the processors.
+
+use mmgate_plugin_sdk::*;
+use serde::{Deserialize, Serialize};
+
+/// What `plan` chose; `preprocess` reads it back.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Choices {
+    /// Size the image is resized to.
+    pub width: usize,
+    pub height: usize,
+    /// Centre crop after the resize (fixed-size processors).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crop: Option<[usize; 2]>,
+    /// Qwen2-VL `image_grid_thw`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grid_thw: Option<[usize; 3]>,
+    /// Bands of rows the image is made in, on as many instances at once (contract 0.4's parts);
+    /// absent: whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bands: Option<usize>,
+    /// Gemma 3's pan-and-scan crops (views beside the whole image).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crops: Option<usize>,
+    /// Gemma 3, a reduced plan: the size the image is squashed to, so that the server's
+    /// pan-and-scan makes the planned crops.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub squashed: Option<[usize; 2]>,
+}
+
+pub fn tokens_u32(tokens: usize) -> PluginResult<u32> {
+    u32::try_from(tokens).map_err(|_| PluginError::limit(format!("{tokens} tokens is too many")))
+}
