@@ -11,6 +11,7 @@
 //! prompt.
 
 mod gemma3;
+mod mistral3;
 mod qwen2_audio;
 mod qwen2_vl;
 mod qwen3_vl;
@@ -153,6 +154,12 @@ pub trait FamilyModel: Send + Sync {
     fn media_kinds(&self) -> &'static [MediaKind];
     /// The token that stands for one item of `kind` in a templated prompt.
     fn placeholder(&self, kind: MediaKind) -> Option<u32>;
+    /// Settings of the model's processor that come from the model's config rather than its
+    /// processor config (Mistral 3's `spatial_merge_size`), as transformers' processor passes them
+    /// to its image processor: added to the processor config the plugins get.
+    fn processor_settings(&self) -> serde_json::Map<String, serde_json::Value> {
+        serde_json::Map::new()
+    }
     /// What an item of `kind` whose plugin planned `tokens` encoder tokens is in the prompt, in
     /// place of its one templated placeholder, as the model's own processor writes it; `None`
     /// for a run of `tokens` placeholders. Its text is tokenized with the prompt around it (as
@@ -218,6 +225,7 @@ pub fn registry() -> &'static [&'static dyn Family] {
         &qwen2_audio::Qwen2AudioFamily,
         &qwen3_vl::Qwen3VlFamily,
         &gemma3::Gemma3Family,
+        &mistral3::Mistral3Family,
     ]
 }
 

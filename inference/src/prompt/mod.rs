@@ -64,7 +64,7 @@ impl PromptModel {
             Some(n) => n,
             None => checkpoint_context,
         };
-        let processor_config = read_processor_config(dir)?;
+        let processor_config = with_settings(dir, read_processor_config(dir)?, &*family)?;
         Ok(Self {
             name: name.to_owned(),
             family,
@@ -263,6 +263,23 @@ pub fn read_processor_config(dir: &Path) -> Result<String> {
         fields.insert(VIDEO_PROCESSOR_KEY.into(), video);
     }
     Ok(config.to_string())
+}
+
+/// `config` (a processor config) with the settings `family` adds from the model's config.
+fn with_settings(dir: &Path, config: String, family: &dyn FamilyModel) -> Result<String> {
+    let settings = family.processor_settings();
+    if settings.is_empty() {
+        return Ok(config);
+    }
+    let mut value: serde_json::Value =
+        serde_json::from_str(&config).map_err(|e| Error::Config {
+            path: dir.join("preprocessor_config.json"),
+            reason: format!("not valid JSON: {e}"),
+        })?;
+    if let Some(fields) = value.as_object_mut() {
+        fields.extend(settings);
+    }
+    Ok(value.to_string())
 }
 
 /// [`read_processor_config`] of a transformers 5 `processor_config.json`: its image processor (or,
