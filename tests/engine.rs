@@ -97,33 +97,18 @@ fn post(
 }
 
 fn image_part(name: &str) -> Value {
-    use base64::Engine as _;
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/image/images")
-        .join(name);
-    let data = base64::engine::general_purpose::STANDARD.encode(std::fs::read(&path).unwrap());
-    let mime = if name.ends_with(".png") {
-        "image/png"
-    } else {
-        "image/jpeg"
-    };
-    json!({"type": "image_url", "image_url": {"url": format!("data:{mime};base64,{data}")}})
+    common::image_url_part(&format!("image/images/{name}"))
 }
 
 /// A demo checkpoint (`spec`: `demo`, `demo-audio`; its directory's name holds `family`) as
 /// transformers 5 lays one out: its processor reads the chat template from `chat_template.jinja`
 /// (the demo keeps it in `tokenizer_config.json`, which mmgate reads too).
 fn demo_checkpoint(cache: &Path, into: &Path, spec: &str, family: &str) -> PathBuf {
-    let out = common::mmgate_command()
-        .env("XDG_CACHE_HOME", cache)
-        .args(["generate", "--model", spec, "--max-tokens", "1"])
-        .args(["--prompt", "hi"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    common::run_ok(
+        common::mmgate_command()
+            .env("XDG_CACHE_HOME", cache)
+            .args(["generate", "--model", spec, "--max-tokens", "1"])
+            .args(["--prompt", "hi"]),
     );
     let demo = std::fs::read_dir(cache.join("mmgate/models"))
         .unwrap()

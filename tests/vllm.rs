@@ -38,16 +38,11 @@ fn vllm_venv() -> Option<PathBuf> {
 fn checkpoint(venv: &Path, family: &str, into: &Path) -> PathBuf {
     let script =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm/checkpoints.py");
-    let out = Command::new(venv.join("bin/python"))
-        .arg(script)
-        .arg(into)
-        .arg(family)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    common::run_ok(
+        Command::new(venv.join("bin/python"))
+            .arg(script)
+            .arg(into)
+            .arg(family),
     );
     into.join(family)
 }
@@ -74,23 +69,14 @@ fn post(gateway: &Server, body: &Value) -> (reqwest::StatusCode, Option<u64>, Va
     (status, promised, response.json().unwrap())
 }
 
+/// An image of tests/fixtures/vllm/images, else of the image plugin's fixtures.
 fn image_part(name: &str) -> Value {
-    use base64::Engine as _;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
-    let path = [
-        root.join("vllm/images").join(name),
-        root.join("image/images").join(name),
-    ]
-    .into_iter()
-    .find(|p| p.is_file())
-    .unwrap_or_else(|| panic!("no image {name}"));
-    let data = base64::engine::general_purpose::STANDARD.encode(std::fs::read(&path).unwrap());
-    let mime = if name.ends_with(".png") {
-        "image/png"
-    } else {
-        "image/jpeg"
-    };
-    json!({"type": "image_url", "image_url": {"url": format!("data:{mime};base64,{data}")}})
+    let folder = ["vllm/images", "image/images"]
+        .into_iter()
+        .find(|folder| root.join(folder).join(name).is_file())
+        .unwrap_or_else(|| panic!("no image {name}"));
+    common::image_url_part(&format!("{folder}/{name}"))
 }
 
 /// The request's media through `model` (planned here): the promise, vLLM's count and the plans.
@@ -119,6 +105,51 @@ const IMAGES: [&str; 9] = [
     "tiny-upscaled.png",
 ];
 
+/// A gateway config serving `served` (vLLM's name for the model) at `vllm`: each of `models` is
+/// (name, TOML lines beyond the upstream; `path` given as `{path}`, the weightless copy).
+fn gateway_config(served: &Path, vllm: &str, weightless: &Path, models: &[(&str, &str)]) -> String {
+    let mut config = String::new();
+    for (name, lines) in models {
+        config.push_str(&format!(
+            "[[models]]\nname = {name:?}\nupstream_model = {served:?}\nupstreams = [{vllm:?}]\n{}\n\n",
+            lines.replace("{path}", &format!("{weightless:?}"))
+        ));
+    }
+    config
+}
+
+/// Plain requests of one image each, and several images in one message, through `model` and
+/// through `forward`: every promise is vLLM's count, and what was not cut is counted alike
+/// forwarded. Returns each image's usage.media entry.
+fn promises_hold(gateway: &Server, model: &str, forward: &str, extra: &Value) -> Vec<Value> {
+    let mut plans = Vec::new();
+    for image in IMAGES {
+        let content = json!([image_part(image), {"type": "text", "text": "What is this?"}]);
+        let (promised, counted, media) = planned(gateway, model, &content, extra);
+        assert_eq!(promised, counted, "{model}, {image}: {media}");
+        let mut body = json!({"model": forward, "max_tokens": 2,
+                              "messages": [{"role": "user", "content": content}]});
+        for (key, value) in extra.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        let (status, none, reply) = post(gateway, &body);
+        assert!(status.is_success(), "{reply}");
+        assert_eq!(none, None, "forward promises nothing");
+        if media[0]["reduced"] == false {
+            assert_eq!(
+                reply["usage"]["prompt_tokens"], counted,
+                "forwarded {image}"
+            );
+        }
+        plans.push(media[0].clone());
+    }
+    let content = json!([image_part("scene-640x480.jpg"), image_part("scene-900x300.jpg"),
+                         {"type": "text", "text": "and"}, image_part("scene-256x256.jpg")]);
+    let (promised, counted, media) = planned(gateway, model, &content, extra);
+    assert_eq!(promised, counted, "{model}, three images: {media}");
+    plans
+}
+
 #[test]
 fn gemma3_in_front_of_vllm_keeps_its_promise_with_and_without_pan_and_scan() {
     let Some(venv) = vllm_venv() else { return };
@@ -128,83 +159,39 @@ fn gemma3_in_front_of_vllm_keeps_its_promise_with_and_without_pan_and_scan() {
     // Pan-and-scan is the processor's setting: vLLM takes it per request here (as an operator's
     // `--mm-processor-kwargs` sets it for all), mmgate from the model's `processor_kwargs`.
     let vllm = Vllm::start(&venv, &model, 4096, &["--trust-request-mm-kwargs"]);
-    let served = model.to_str().unwrap();
     let config = scratch.path().join("mmgate.toml");
+    let models = [
+        ("gemma3", "media = \"preprocess\"\npath = {path}"),
+        (
+            "gemma3-pas",
+            "media = \"preprocess\"\npath = {path}\nprocessor_kwargs = { do_pan_and_scan = true }",
+        ),
+        (
+            "gemma3-pas-tight",
+            "media = \"preprocess\"\npath = {path}\nprocessor_kwargs = { do_pan_and_scan = true }\n\
+             max_model_len = 150",
+        ),
+        ("gemma3-forward", ""),
+    ];
     std::fs::write(
         &config,
-        format!(
-            r#"[[models]]
-name = "gemma3"
-upstream_model = {served:?}
-upstreams = ["{vllm}"]
-media = "preprocess"
-path = {weightless:?}
-
-[[models]]
-name = "gemma3-pas"
-upstream_model = {served:?}
-upstreams = ["{vllm}"]
-media = "preprocess"
-path = {weightless:?}
-processor_kwargs = {{ do_pan_and_scan = true }}
-
-[[models]]
-name = "gemma3-pas-tight"
-upstream_model = {served:?}
-upstreams = ["{vllm}"]
-media = "preprocess"
-path = {weightless:?}
-processor_kwargs = {{ do_pan_and_scan = true }}
-max_model_len = 150
-
-[[models]]
-name = "gemma3-forward"
-upstream_model = {served:?}
-upstreams = ["{vllm}"]
-"#,
-            vllm = vllm.addr,
-        ),
+        gateway_config(&model, &vllm.addr, &weightless, &models),
     )
     .unwrap();
     let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    promises_hold(&gateway, "gemma3", "gemma3-forward", &json!({}));
     let pas = json!({"mm_processor_kwargs": {"do_pan_and_scan": true}});
-    let mut crops_seen = std::collections::BTreeSet::new();
-    for image in IMAGES {
-        let content = json!([image_part(image), {"type": "text", "text": "What is this?"}]);
-        let (promised, counted, _) = planned(&gateway, "gemma3", &content, &json!({}));
-        assert_eq!(promised, counted, "gemma3, {image}");
-        let (promised_pas, counted_pas, media) = planned(&gateway, "gemma3-pas", &content, &pas);
-        assert_eq!(
-            promised_pas, counted_pas,
-            "gemma3 with pan-and-scan, {image}: {media}"
-        );
-        let views = media[0]["tokens"].as_u64().unwrap() / 16;
-        crops_seen.insert(views - 1);
-        // Forwarded as it came: vLLM's own count, which the plan here equals.
-        let body = json!({"model": "gemma3-forward", "max_tokens": 2,
-                          "messages": [{"role": "user", "content": content}]});
-        let (status, none, reply) = post(&gateway, &body);
-        assert!(status.is_success(), "{reply}");
-        assert_eq!(none, None, "forward promises nothing");
-        assert_eq!(
-            reply["usage"]["prompt_tokens"], counted,
-            "forwarded {image}"
-        );
-    }
+    let plans = promises_hold(&gateway, "gemma3-pas", "gemma3-forward", &pas);
     // The images make whole images and 2, 3 and 4 crops.
+    let crops: std::collections::BTreeSet<u64> = plans
+        .iter()
+        .map(|plan| plan["tokens"].as_u64().unwrap() / 16 - 1)
+        .collect();
     assert_eq!(
-        crops_seen.into_iter().collect::<Vec<_>>(),
+        crops.into_iter().collect::<Vec<_>>(),
         [0, 2, 3, 4],
         "crops made"
     );
-
-    // Several images in one message: the blank lines around adjacent images merge.
-    let content = json!([image_part("scene-640x480.jpg"), image_part("scene-900x300.jpg"),
-                         {"type": "text", "text": "and"}, image_part("scene-256x256.jpg")]);
-    for (model, extra) in [("gemma3", json!({})), ("gemma3-pas", pas.clone())] {
-        let (promised, counted, media) = planned(&gateway, model, &content, &extra);
-        assert_eq!(promised, counted, "{model}, three images: {media}");
-    }
 
     // A context too small for every crop: the plan keeps fewer, the promise holds, and it fits.
     let content = json!([image_part("scene-1200x300.jpg"), {"type": "text", "text": "What?"}]);
@@ -228,4 +215,46 @@ upstreams = ["{vllm}"]
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]});
     let (status, _, reply) = post(&gateway, &body);
     assert_eq!(status, 400, "{reply}");
+}
+
+#[test]
+fn mistral3_in_front_of_vllm_keeps_its_promise_at_native_resolution() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let model = checkpoint(&venv, "mistral3", scratch.path());
+    let weightless = weightless(&model);
+    let vllm = Vllm::start(&venv, &model, 4096, &[]);
+    let config = scratch.path().join("mmgate.toml");
+    let models = [
+        ("mistral3", "media = \"preprocess\"\npath = {path}"),
+        (
+            "mistral3-tight",
+            "media = \"preprocess\"\npath = {path}\nmax_model_len = 80",
+        ),
+        ("mistral3-forward", ""),
+    ];
+    std::fs::write(
+        &config,
+        gateway_config(&model, &vllm.addr, &weightless, &models),
+    )
+    .unwrap();
+    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    let plans = promises_hold(&gateway, "mistral3", "mistral3-forward", &json!({}));
+    // Within 336 px in 28 px tokens: 640x480 is 12x9 tokens and 9 breaks.
+    assert_eq!(plans[0]["tokens"], 9 * 13, "{}", plans[0]);
+
+    // A context too small for the image at its size: a lower longest edge, and the promise holds.
+    let content = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What?"}]);
+    let (promised, counted, media) = planned(&gateway, "mistral3-tight", &content, &json!({}));
+    assert_eq!(promised, counted, "tight: {media}");
+    assert!(promised + 2 <= 80, "{promised} tokens in a context of 80");
+    assert_eq!(media[0]["reduced"], true, "{media}");
+
+    // Bad media are refused here, before vLLM sees them.
+    let broken =
+        json!([{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]);
+    let body = json!({"model": "mistral3", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": broken}]});
+    let (status, _, reply) = post(&gateway, &body);
+    assert!(status.is_client_error(), "{status}: {reply}");
 }

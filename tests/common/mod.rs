@@ -22,6 +22,29 @@ pub fn fixture(path: &str) -> Vec<u8> {
     std::fs::read(root.join(path)).unwrap_or_else(|e| panic!("fixture {path}: {e}"))
 }
 
+/// A chat `image_url` part holding `tests/fixtures/<path>` as a data URL.
+pub fn image_url_part(path: &str) -> serde_json::Value {
+    use base64::Engine as _;
+    let data = base64::engine::general_purpose::STANDARD.encode(fixture(path));
+    let mime = if path.ends_with(".png") {
+        "image/png"
+    } else {
+        "image/jpeg"
+    };
+    serde_json::json!({"type": "image_url", "image_url": {"url": format!("data:{mime};base64,{data}")}})
+}
+
+/// Runs `command` to completion and checks it succeeded (its stderr says why not).
+pub fn run_ok(command: &mut Command) -> Output {
+    let out = command.output().expect("run the command");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 /// Runs `mmgate ARGS...` to completion.
 pub fn mmgate(args: &[&str]) -> Output {
     mmgate_command().args(args).output().expect("run mmgate")

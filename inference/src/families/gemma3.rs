@@ -11,7 +11,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::{Family, FamilyModel, MediaKind, PromptPiece};
+use super::{Family, FamilyModel, MediaKind, PromptPiece, upstream_context};
 use crate::error::{Error, Result};
 use crate::models::config::{ConfigFile, Section};
 
@@ -25,10 +25,7 @@ impl Family for Gemma3Family {
     fn read(&self, dir: &Path) -> Result<Arc<dyn FamilyModel>> {
         let file = ConfigFile::read_of_type(dir, "gemma3")?;
         let root = file.root();
-        let context = match root.sub("text_config", "text_config") {
-            Some(text) => text.usize_or(&["max_position_embeddings"], Some(131_072))?,
-            None => 131_072,
-        };
+        let context = upstream_context(&file, 131_072)?;
         let model = Gemma3Model {
             context,
             start_of_image: token(&root, "boi_token_index", 255_999)?,

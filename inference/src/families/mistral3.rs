@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::{Family, FamilyModel, MediaKind};
+use super::{Family, FamilyModel, MediaKind, upstream_context};
 use crate::error::Result;
 use crate::models::config::ConfigFile;
 
@@ -21,10 +21,7 @@ impl Family for Mistral3Family {
     fn read(&self, dir: &Path) -> Result<Arc<dyn FamilyModel>> {
         let file = ConfigFile::read_of_type(dir, "mistral3")?;
         let root = file.root();
-        let context = match root.sub("text_config", "text_config") {
-            Some(text) => text.usize_or(&["max_position_embeddings"], Some(131_072))?,
-            None => 131_072,
-        };
+        let context = upstream_context(&file, 131_072)?;
         let image_token = root.usize_or(&["image_token_index", "image_token_id"], Some(10))?;
         let spatial_merge_size = root.usize_or(&["spatial_merge_size"], Some(2))?;
         if spatial_merge_size == 0 {

@@ -218,6 +218,16 @@ pub trait NativeFamily: FamilyModel {
     ) -> Result<LoadedModel>;
 }
 
+/// The context of a checkpoint that only an engine runs: its `text_config`'s
+/// `max_position_embeddings`, else `default` (the family's released models'); nothing else of
+/// the LLM is read.
+fn upstream_context(config: &ConfigFile, default: usize) -> Result<usize> {
+    match config.root().sub("text_config", "text_config") {
+        Some(text) => text.usize_or(&["max_position_embeddings"], Some(default)),
+        None => Ok(default),
+    }
+}
+
 /// Every family mmgate serves.
 pub fn registry() -> &'static [&'static dyn Family] {
     &[

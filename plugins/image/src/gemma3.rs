@@ -190,27 +190,14 @@ impl Gemma3 {
                 }
             }
         }
-        let table = self.normalize.table_le_bytes();
-        let plane = self.width * self.height;
-        let mut values = Vec::with_capacity(views.len() * 3 * plane);
+        let count = views.len();
+        let mut values = Vec::with_capacity(count * 3 * self.width * self.height * 4);
         for view in views {
             let resized = view.into_resized(self.width, self.height, self.filter);
-            for (c, channel) in table.iter().enumerate() {
-                values.extend(
-                    resized
-                        .data
-                        .chunks_exact(3)
-                        .map(|px| channel[usize::from(px[c])]),
-                );
-            }
+            values.extend(self.normalize.planar_le_bytes(&resized));
         }
-        let count = values.len() / (3 * plane);
         Ok(vec![
-            Tensor::from_f32_bytes(
-                "pixel_values",
-                &[count, 3, self.height, self.width],
-                values.into_flattened(),
-            )?,
+            Tensor::from_f32_bytes("pixel_values", &[count, 3, self.height, self.width], values)?,
             Tensor::from_i64("num_crops", &[1], &[planned as i64])?,
         ])
     }

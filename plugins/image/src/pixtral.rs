@@ -90,8 +90,8 @@ impl Pixtral {
         let edge = self.token_edge;
         if choices.width == 0
             || choices.height == 0
-            || choices.width % edge != 0
-            || choices.height % edge != 0
+            || !choices.width.is_multiple_of(edge)
+            || !choices.height.is_multiple_of(edge)
         {
             return Err(PluginError::internal(format!(
                 "planned size {}x{} is not whole tokens of {edge} px",
@@ -110,19 +110,13 @@ impl Pixtral {
     /// `pixel_values` [1, 3, H, W] and `image_sizes` [1, 2] (height, width).
     pub fn preprocess(&self, image: RgbImage, choices: &Choices) -> PluginResult<Vec<Tensor>> {
         let resized = self.reduced_image(image, choices)?;
-        let table = self.normalize.table_le_bytes();
         let (w, h) = (resized.width, resized.height);
-        let mut values = Vec::with_capacity(3 * w * h);
-        for (c, channel) in table.iter().enumerate() {
-            values.extend(
-                resized
-                    .data
-                    .chunks_exact(3)
-                    .map(|px| channel[usize::from(px[c])]),
-            );
-        }
         Ok(vec![
-            Tensor::from_f32_bytes("pixel_values", &[1, 3, h, w], values.into_flattened())?,
+            Tensor::from_f32_bytes(
+                "pixel_values",
+                &[1, 3, h, w],
+                self.normalize.planar_le_bytes(&resized),
+            )?,
             Tensor::from_i64("image_sizes", &[1, 2], &[h as i64, w as i64])?,
         ])
     }

@@ -524,22 +524,11 @@ impl Processor {
                     let left = (resized.width as isize - cw as isize).div_euclid(2);
                     resized = resized.crop(left, top, cw, ch);
                 }
-                let table = normalize.table_le_bytes();
                 let (w, h) = (resized.width, resized.height);
-                // Planar (C, H, W): one pass per channel keeps the writes sequential.
-                let mut values = Vec::with_capacity(3 * w * h);
-                for (c, channel) in table.iter().enumerate() {
-                    values.extend(
-                        resized
-                            .data
-                            .chunks_exact(3)
-                            .map(|px| channel[usize::from(px[c])]),
-                    );
-                }
                 Ok(vec![Tensor::from_f32_bytes(
                     "pixel_values",
                     &[1, 3, h, w],
-                    values.into_flattened(),
+                    normalize.planar_le_bytes(&resized),
                 )?])
             }
             Processor::Gemma3(gemma3) => gemma3.preprocess(image, choices),

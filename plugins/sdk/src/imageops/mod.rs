@@ -111,6 +111,22 @@ impl Normalize {
     pub fn table_le_bytes(&self) -> [[[u8; 4]; 256]; 3] {
         self.table().map(|channel| channel.map(f32::to_le_bytes))
     }
+
+    /// `image` normalised as planar (C, H, W) f32 little-endian bytes, as HF's `pixel_values`
+    /// lay out one image: one pass per channel keeps the writes sequential.
+    pub fn planar_le_bytes(&self, image: &RgbImage) -> Vec<u8> {
+        let table = self.table_le_bytes();
+        let mut values = Vec::with_capacity(3 * image.width * image.height);
+        for (c, channel) in table.iter().enumerate() {
+            values.extend(
+                image
+                    .data
+                    .chunks_exact(3)
+                    .map(|px| channel[usize::from(px[c])]),
+            );
+        }
+        values.into_flattened()
+    }
 }
 
 #[cfg(test)]
