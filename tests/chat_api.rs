@@ -876,7 +876,14 @@ fn images_encoded_in_front_and_sent_upstream_as_embeddings_answer_as_the_image_d
     // The front's own account of the image (what its plugin chose) comes in a header.
     let accounts: Value =
         serde_json::from_str(response.headers()["x-mmgate-media"].to_str().unwrap()).unwrap();
+    // And the prompt it promised the upstream, as in `preprocess` mode.
+    let promised: u64 = response.headers()["x-mmgate-prompt-tokens"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     let fronted: Value = response.json().unwrap();
+    assert_eq!(fronted["usage"]["prompt_tokens"], promised, "{fronted}");
     let text = |body: &Value| body["choices"][0]["message"]["content"].clone();
     assert_eq!(text(&fronted), text(&direct));
     assert_eq!(

@@ -15,7 +15,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -100,39 +100,6 @@ fn image_part(name: &str) -> Value {
     common::image_url_part(&format!("image/images/{name}"))
 }
 
-/// A demo checkpoint (`spec`: `demo`, `demo-audio`; its directory's name holds `family`) as
-/// transformers 5 lays one out: its processor reads the chat template from `chat_template.jinja`
-/// (the demo keeps it in `tokenizer_config.json`, which mmgate reads too).
-fn demo_checkpoint(cache: &Path, into: &Path, spec: &str, family: &str) -> PathBuf {
-    common::run_ok(
-        common::mmgate_command()
-            .env("XDG_CACHE_HOME", cache)
-            .args(["generate", "--model", spec, "--max-tokens", "1"])
-            .args(["--prompt", "hi"]),
-    );
-    let demo = std::fs::read_dir(cache.join("mmgate/models"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.file_name().unwrap().to_string_lossy().contains(family))
-        .unwrap_or_else(|| panic!("the demo {family} directory"));
-    let model = into.join(format!("demo-{family}"));
-    std::fs::create_dir_all(&model).unwrap();
-    for entry in std::fs::read_dir(&demo).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
-    }
-    let tokenizer_config: Value = serde_json::from_str(
-        &std::fs::read_to_string(model.join("tokenizer_config.json")).unwrap(),
-    )
-    .unwrap();
-    std::fs::write(
-        model.join("chat_template.jinja"),
-        tokenizer_config["chat_template"].as_str().unwrap(),
-    )
-    .unwrap();
-    model
-}
-
 #[test]
 fn the_engine_counts_and_answers_as_mmgate_does() {
     let Some(venv) = common::engine::engine_venv("bin/transformers") else {
@@ -140,8 +107,9 @@ fn the_engine_counts_and_answers_as_mmgate_does() {
     };
     let scratch = tempfile::tempdir().unwrap();
     let cache = scratch.path().join("cache");
-    let model = demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
-    let audio_model = demo_checkpoint(&cache, scratch.path(), "demo-audio", "qwen2-audio");
+    let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
+    let audio_model =
+        common::engine::demo_checkpoint(&cache, scratch.path(), "demo-audio", "qwen2-audio");
     let engine = Engine::start(&venv, &model);
     let audio_engine = Engine::start(&venv, &audio_model);
     // The engine serves one forced model whatever the request names; the gateway forwards requests

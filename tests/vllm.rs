@@ -258,3 +258,62 @@ fn mistral3_in_front_of_vllm_keeps_its_promise_at_native_resolution() {
     let (status, _, reply) = post(&gateway, &body);
     assert!(status.is_client_error(), "{status}: {reply}");
 }
+
+/// mmgate's demo Qwen2-VL (random weights, run by vLLM too): images encoded here and sent as
+/// `image_embeds` (vLLM's `--enable-mm-embeds`), and images planned here; both promise vLLM's
+/// count, and the embeddings give vLLM's own greedy answer to the image sent as it came.
+#[test]
+fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let cache = scratch.path().join("cache");
+    let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
+    let weightless = weightless(&model);
+    let vllm = Vllm::start(&venv, &model, 4096, &["--enable-mm-embeds"]);
+    let config = scratch.path().join("mmgate.toml");
+    let embed = format!("media = \"embed\"\npath = {model:?}");
+    let models = [
+        ("qwen2-vl-embed", embed.as_str()),
+        ("qwen2-vl-planned", "media = \"preprocess\"\npath = {path}"),
+        ("qwen2-vl-forward", ""),
+    ];
+    std::fs::write(
+        &config,
+        gateway_config(&model, &vllm.addr, &weightless, &models),
+    )
+    .unwrap();
+    let gateway = Server::start_with_env(
+        &["--config", config.to_str().unwrap()],
+        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
+    );
+    promises_hold(&gateway, "qwen2-vl-planned", "qwen2-vl-forward", &json!({}));
+    for image in [
+        "scene-640x480.jpg",
+        "scene-300x1000.jpg",
+        "png-rgb-wide.png",
+    ] {
+        let content = json!([image_part(image), {"type": "text", "text": "What is this?"}]);
+        let request = |model: &str| {
+            json!({"model": model, "max_tokens": 8, "temperature": 0,
+                   "messages": [{"role": "user", "content": content}]})
+        };
+        let (status, promised, embedded) = post(&gateway, &request("qwen2-vl-embed"));
+        assert!(status.is_success(), "{status}: {embedded}");
+        assert_eq!(
+            promised,
+            embedded["usage"]["prompt_tokens"].as_u64(),
+            "embedded {image}"
+        );
+        let (status, _, forwarded) = post(&gateway, &request("qwen2-vl-forward"));
+        assert!(status.is_success(), "{status}: {forwarded}");
+        assert_eq!(
+            embedded["usage"]["prompt_tokens"], forwarded["usage"]["prompt_tokens"],
+            "{image}"
+        );
+        assert_eq!(
+            embedded["choices"][0]["message"]["content"],
+            forwarded["choices"][0]["message"]["content"],
+            "the greedy answer to {image}"
+        );
+    }
+}

@@ -44,6 +44,39 @@ pub fn weightless(model: &Path) -> PathBuf {
     copy
 }
 
+/// A demo checkpoint (`spec`: `demo`, `demo-audio`; its directory's name holds `family`) as
+/// transformers 5 lays one out: its processor reads the chat template from `chat_template.jinja`
+/// (the demo keeps it in `tokenizer_config.json`, which mmgate reads too).
+pub fn demo_checkpoint(cache: &Path, into: &Path, spec: &str, family: &str) -> PathBuf {
+    super::run_ok(
+        super::mmgate_command()
+            .env("XDG_CACHE_HOME", cache)
+            .args(["generate", "--model", spec, "--max-tokens", "1"])
+            .args(["--prompt", "hi"]),
+    );
+    let demo = std::fs::read_dir(cache.join("mmgate/models"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().contains(family))
+        .unwrap_or_else(|| panic!("the demo {family} directory"));
+    let model = into.join(format!("demo-{family}"));
+    std::fs::create_dir_all(&model).unwrap();
+    for entry in std::fs::read_dir(&demo).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
+    }
+    let tokenizer_config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(model.join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        model.join("chat_template.jinja"),
+        tokenizer_config["chat_template"].as_str().unwrap(),
+    )
+    .unwrap();
+    model
+}
+
 /// Where vLLM's package lies in a venv (its CPU build installs it as `vllm`).
 pub fn vllm_package(venv: &Path) -> Option<PathBuf> {
     let lib = std::fs::read_dir(venv.join("lib")).ok()?;

@@ -545,6 +545,11 @@ async fn plan_upstream_once(
 }
 
 impl Prepared {
+    /// Tokens of the prompt, each media item's placeholders expanded.
+    pub fn prompt_tokens(&self) -> usize {
+        self.request.prompt.len()
+    }
+
     /// The media as the engine takes them (dropped items left out), and every item's account.
     pub fn into_media(self) -> (Vec<MediaItem>, Vec<MediaAccount>) {
         // One per item: the parts of an input split over several runs share it, and of an item

@@ -9,7 +9,7 @@ use mmgate_inference::engine::EncodeInput;
 use mmgate_inference::families::MediaKind;
 use serde_json::Value;
 
-use super::{ModeCall, accounts_header, encode_failed};
+use super::{ModeCall, accounts_header, encode_failed, prompt_tokens_header};
 use crate::api::request::chat_request;
 use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
@@ -33,7 +33,10 @@ pub async fn prepare(
     drop(body);
     let prepared = chat::prepare(model, request, &call.services).await?;
     call.metrics.media_prepared(&prepared.media);
+    // The prompt as placed for a native model: the upstream places the embeddings alike.
+    let prompt_tokens = prepared.prompt_tokens();
     let (items, accounts) = prepared.into_media();
+    let mut dropped_here = false;
 
     // Every item goes to the encoder devices at once; they batch what they can.
     let mut encoding = Vec::with_capacity(items.len());
@@ -88,13 +91,20 @@ pub async fn prepare(
         if model.on_encode_error == EncodeErrorPolicy::Drop {
             tracing::warn!(item = index, error = %failure, "encoding failed; dropping the media");
             rewrites.push(Rewrite::Drop);
+            dropped_here = true;
         } else {
             return Err(encode_failed(&format!("media item {index}: {failure}")));
         }
     }
     parts::rewrite(&mut value, rewrites);
+    let mut headers: Vec<_> = accounts_header(&accounts).into_iter().collect();
+    // An item dropped after its encoding failed leaves the prompt with its chat template's text
+    // around it, which only the upstream counts: then no promise is made.
+    if !dropped_here {
+        headers.push(prompt_tokens_header(prompt_tokens));
+    }
     let additions = ReplyAdditions {
-        headers: accounts_header(&accounts).into_iter().collect(),
+        headers,
         usage_media: None,
     };
     Ok((value, additions))

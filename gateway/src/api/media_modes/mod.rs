@@ -24,6 +24,15 @@ use mmgate_inference::prompt::PromptModel;
 /// encoded here for an upstream model (the reply itself is the upstream's).
 const MEDIA_HEADER: &str = "x-mmgate-media";
 
+/// The reply header that says how many prompt tokens this gateway planned for a request whose
+/// media it planned (or encoded) for an upstream model: the upstream's `usage.prompt_tokens` must
+/// equal it.
+const PROMPT_TOKENS_HEADER: &str = "x-mmgate-prompt-tokens";
+
+fn prompt_tokens_header(tokens: usize) -> (&'static str, HeaderValue) {
+    (PROMPT_TOKENS_HEADER, HeaderValue::from(tokens))
+}
+
 /// What an upstream model's servers get of a request's media (the config's `media`).
 pub enum UpstreamMedia {
     /// The media as they came (URLs and uploads inlined).

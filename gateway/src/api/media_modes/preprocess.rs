@@ -5,10 +5,10 @@
 //! `usage.media` of a JSON answer.
 
 use bytes::Bytes;
-use http::{HeaderValue, StatusCode};
+use http::StatusCode;
 use serde_json::Value;
 
-use super::{ModeCall, accounts_header};
+use super::{ModeCall, accounts_header, prompt_tokens_header};
 use crate::api::request::parsed_off_thread;
 use crate::error::ApiError;
 use crate::media::account;
@@ -16,10 +16,6 @@ use crate::native::chat;
 use crate::upstream::{ReplyAdditions, planned};
 use crate::wire::openai::parts::{self, Rewrite};
 use mmgate_inference::prompt::PromptModel;
-
-/// The reply header that says how many prompt tokens this gateway planned for a request whose
-/// media it planned for an upstream model: the upstream's `usage.prompt_tokens` must equal it.
-const PROMPT_TOKENS_HEADER: &str = "x-mmgate-prompt-tokens";
 
 /// Whether the request has media to plan (else it goes as [`super::forward`] sends it).
 pub fn has_media(value: &Value) -> bool {
@@ -61,10 +57,7 @@ pub async fn prepare(
     }
     parts::rewrite(&mut value, rewrites);
     let mut additions = ReplyAdditions {
-        headers: vec![(
-            PROMPT_TOKENS_HEADER,
-            HeaderValue::from(planned.prompt_tokens),
-        )],
+        headers: vec![prompt_tokens_header(planned.prompt_tokens)],
         usage_media: Some(Value::Array(account::render(&planned.accounts))),
     };
     additions.headers.extend(accounts_header(&planned.accounts));
