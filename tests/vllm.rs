@@ -317,3 +317,49 @@ fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
         );
     }
 }
+
+#[test]
+fn llava_next_in_front_of_vllm_keeps_its_promise_on_anyres_tiles() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let model = checkpoint(&venv, "llava_next", scratch.path());
+    let weightless = weightless(&model);
+    let vllm = Vllm::start(&venv, &model, 4096, &[]);
+    let config = scratch.path().join("mmgate.toml");
+    let models = [
+        ("llava-next", "media = \"preprocess\"\npath = {path}"),
+        (
+            "llava-next-tight",
+            "media = \"preprocess\"\npath = {path}\nmax_model_len = 80",
+        ),
+        ("llava-next-forward", ""),
+    ];
+    std::fs::write(
+        &config,
+        gateway_config(&model, &vllm.addr, &weightless, &models),
+    )
+    .unwrap();
+    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    let plans = promises_hold(&gateway, "llava-next", "llava-next-forward", &json!({}));
+    // Fitted into 2x2, 1x2, 2x1, 1x3 and 3x1 tiles, as their aspect ratios ask.
+    let tiles: std::collections::BTreeSet<String> = plans
+        .iter()
+        .map(|plan| {
+            plan["reason"]
+                .as_str()
+                .unwrap()
+                .split(':')
+                .nth(1)
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert!(tiles.len() >= 3, "{tiles:?}");
+
+    // A context too small for the image at its size: a smaller image, and the promise holds.
+    let content = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What?"}]);
+    let (promised, counted, media) = planned(&gateway, "llava-next-tight", &content, &json!({}));
+    assert_eq!(promised, counted, "tight: {media}");
+    assert!(promised + 2 <= 80, "{promised} tokens in a context of 80");
+    assert_eq!(media[0]["reduced"], true, "{media}");
+}

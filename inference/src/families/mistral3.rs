@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::{Family, FamilyModel, MediaKind, upstream_context};
+use super::{Family, FamilyModel, UpstreamImageModel};
 use crate::error::Result;
 use crate::models::config::ConfigFile;
 
@@ -18,50 +18,24 @@ impl Family for Mistral3Family {
         &["mistral3"]
     }
 
+    /// transformers' `PixtralProcessor` sizes images in tokens of `patch_size ×
+    /// spatial_merge_size` pixels; the merge is the model's, which the processor config gets.
     fn read(&self, dir: &Path) -> Result<Arc<dyn FamilyModel>> {
         let file = ConfigFile::read_of_type(dir, "mistral3")?;
-        let root = file.root();
-        let context = upstream_context(&file, 131_072)?;
-        let image_token = root.usize_or(&["image_token_index", "image_token_id"], Some(10))?;
-        let spatial_merge_size = root.usize_or(&["spatial_merge_size"], Some(2))?;
+        let spatial_merge_size = file.root().usize_or(&["spatial_merge_size"], Some(2))?;
         if spatial_merge_size == 0 {
             return Err(file.error("spatial_merge_size must be positive".into()));
         }
-        Ok(Arc::new(Mistral3Model {
-            context,
-            image_token: u32::try_from(image_token).map_err(|_| {
-                file.error(format!("image_token_index {image_token} is not a token id"))
-            })?,
-            spatial_merge_size,
-        }))
-    }
-}
-
-struct Mistral3Model {
-    context: usize,
-    image_token: u32,
-    spatial_merge_size: usize,
-}
-
-impl FamilyModel for Mistral3Model {
-    fn context_length(&self) -> usize {
-        self.context
-    }
-
-    fn media_kinds(&self) -> &'static [MediaKind] {
-        &[MediaKind::Image]
-    }
-
-    fn placeholder(&self, kind: MediaKind) -> Option<u32> {
-        (kind == MediaKind::Image).then_some(self.image_token)
-    }
-
-    /// transformers' `PixtralProcessor` sizes images in tokens of `patch_size ×
-    /// spatial_merge_size` pixels; the merge is the model's.
-    fn processor_settings(&self) -> serde_json::Map<String, serde_json::Value> {
         let mut settings = serde_json::Map::new();
-        settings.insert("spatial_merge_size".into(), self.spatial_merge_size.into());
-        settings
+        settings.insert("spatial_merge_size".into(), spatial_merge_size.into());
+        let model = UpstreamImageModel::read(
+            &file,
+            131_072,
+            &["image_token_index", "image_token_id"],
+            10,
+            settings,
+        )?;
+        Ok(Arc::new(model))
     }
 }
 
@@ -69,7 +43,7 @@ impl FamilyModel for Mistral3Model {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use super::*;
+    use crate::families::MediaKind;
 
     #[test]
     fn the_image_token_and_the_merge_come_from_the_config() {

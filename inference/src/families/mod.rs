@@ -11,6 +11,7 @@
 //! prompt.
 
 mod gemma3;
+mod llava_next;
 mod mistral3;
 mod qwen2_audio;
 mod qwen2_vl;
@@ -218,6 +219,53 @@ pub trait NativeFamily: FamilyModel {
     ) -> Result<LoadedModel>;
 }
 
+/// A model served only in front of an engine whose images are each a run of one placeholder token
+/// (however the plugin counts them), with settings its processor takes from the model's config.
+struct UpstreamImageModel {
+    context: usize,
+    image_token: u32,
+    settings: serde_json::Map<String, serde_json::Value>,
+}
+
+impl UpstreamImageModel {
+    /// From `config.json`: its context (else `default_context`), its image token (the first of
+    /// `token_keys` present, else `default_token`), and `settings`.
+    fn read(
+        config: &ConfigFile,
+        default_context: usize,
+        token_keys: &[&str],
+        default_token: usize,
+        settings: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Self> {
+        let image_token = config.root().usize_or(token_keys, Some(default_token))?;
+        Ok(Self {
+            context: upstream_context(config, default_context)?,
+            image_token: u32::try_from(image_token).map_err(|_| {
+                config.error(format!("image token {image_token} is not a token id"))
+            })?,
+            settings,
+        })
+    }
+}
+
+impl FamilyModel for UpstreamImageModel {
+    fn context_length(&self) -> usize {
+        self.context
+    }
+
+    fn media_kinds(&self) -> &'static [MediaKind] {
+        &[MediaKind::Image]
+    }
+
+    fn placeholder(&self, kind: MediaKind) -> Option<u32> {
+        (kind == MediaKind::Image).then_some(self.image_token)
+    }
+
+    fn processor_settings(&self) -> serde_json::Map<String, serde_json::Value> {
+        self.settings.clone()
+    }
+}
+
 /// The context of a checkpoint that only an engine runs: its `text_config`'s
 /// `max_position_embeddings`, else `default` (the family's released models'); nothing else of
 /// the LLM is read.
@@ -236,6 +284,7 @@ pub fn registry() -> &'static [&'static dyn Family] {
         &qwen3_vl::Qwen3VlFamily,
         &gemma3::Gemma3Family,
         &mistral3::Mistral3Family,
+        &llava_next::LlavaNextFamily,
     ]
 }
 

@@ -32,3 +32,18 @@ pub struct Choices {
 pub fn tokens_u32(tokens: usize) -> PluginResult<u32> {
     u32::try_from(tokens).map_err(|_| PluginError::limit(format!("{tokens} tokens is too many")))
 }
+
+impl Choices {
+    /// A plan of only a size (no crop, grid, bands or crops).
+    pub fn sized(width: usize, height: usize) -> Self {
+        Self {
+            width,
+            height,
+            crop: None,
+            grid_thw: None,
+            bands: None,
+            crops: None,
+            squashed: None,
+        }
+    }
+}

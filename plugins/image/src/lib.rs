@@ -13,9 +13,12 @@
 //!   `pixel_values` [views, 3, H, W] f32 and `num_crops`; under a budget, fewer crops.
 //! - Pixtral / Mistral 3: native resolution within a longest edge, in whole tokens →
 //!   `pixel_values` [1, 3, H, W] f32 and `image_sizes`; under a budget, a lower longest edge.
+//! - LLaVA-NeXT (anyres): planned and counted for an engine that makes the tensors; under a
+//!   budget, a smaller image.
 
 mod choices;
 mod gemma3;
+mod llava_next;
 mod pixtral;
 mod processor;
 

@@ -74,15 +74,7 @@ impl Pixtral {
         } else {
             format!("{width}x{height} resized to {w}x{h}: {tokens} tokens")
         };
-        let choices = Choices {
-            width: w,
-            height: h,
-            crop: None,
-            grid_thw: None,
-            bands: None,
-            crops: None,
-            squashed: None,
-        };
+        let choices = Choices::sized(w, h);
         TokenPlan::new(tokens_u32(tokens)?, reduced, reason, &choices)
     }
 

@@ -12,6 +12,7 @@ use serde::Deserialize;
 pub use crate::choices::Choices;
 use crate::choices::tokens_u32;
 use crate::gemma3::{Gemma3, PanAndScan};
+use crate::llava_next::LlavaNext;
 use crate::pixtral::Pixtral;
 
 /// Processor classes this plugin implements (HF's `...Fast` and `...Pil` variants of each compute
@@ -24,6 +25,7 @@ pub const SUPPORTED: &[&str] = &[
     "SiglipImageProcessor",
     "Gemma3ImageProcessor",
     "PixtralImageProcessor",
+    "LlavaNextImageProcessor",
 ];
 
 /// `size` / `crop_size` in either of the forms checkpoints use: a bare number (old feature
@@ -54,6 +56,11 @@ struct RawConfig {
     temporal_patch_size: Option<usize>,
     /// Pixtral: patches merged into a token a side (the model's; its family adds it).
     spatial_merge_size: Option<usize>,
+    /// LLaVA-NeXT: the resolutions an image is fitted into, `[height, width]` each.
+    image_grid_pinpoints: Option<Vec<[usize; 2]>>,
+    /// LLaVA-NeXT: whether the base view keeps the class token ("full") or not ("default"); the
+    /// model's, which its family adds.
+    vision_feature_select_strategy: Option<String>,
     merge_size: Option<usize>,
     image_mean: Option<[f32; 3]>,
     image_std: Option<[f32; 3]>,
@@ -92,6 +99,7 @@ pub enum Processor {
     },
     Gemma3(Gemma3),
     Pixtral(Pixtral),
+    LlavaNext(LlavaNext),
 }
 
 pub enum FixedResize {
@@ -133,6 +141,7 @@ enum Family {
     Siglip,
     Gemma3,
     Pixtral,
+    LlavaNext,
 }
 
 /// The processor family a class name belongs to: HF's PIL (`...Pil`), torchvision (`...Fast`) and
@@ -146,6 +155,7 @@ fn family(class: &str) -> Option<Family> {
         "SiglipImageProcessor" => Some(Family::Siglip),
         "Gemma3ImageProcessor" => Some(Family::Gemma3),
         "PixtralImageProcessor" => Some(Family::Pixtral),
+        "LlavaNextImageProcessor" => Some(Family::LlavaNext),
         _ => None,
     }
 }
@@ -230,6 +240,54 @@ impl Processor {
                     filter,
                     normalize: normalize(CLIP_MEAN, CLIP_STD),
                 })
+            }
+            Family::LlavaNext => {
+                let tile = match (&raw.crop_size, &raw.size) {
+                    (
+                        Some(SizeField::Dict(SizeConfig {
+                            height: Some(h), ..
+                        })),
+                        _,
+                    ) => *h,
+                    (Some(SizeField::Edge(edge)), _) => *edge,
+                    (
+                        None,
+                        Some(SizeField::Dict(SizeConfig {
+                            shortest_edge: Some(edge),
+                            ..
+                        })),
+                    ) => *edge,
+                    _ => 336,
+                };
+                let tile = positive("crop_size", tile)?;
+                let pinpoints: Vec<(usize, usize)> = raw
+                    .image_grid_pinpoints
+                    .clone()
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|[h, w]| (h, w))
+                    .collect();
+                if pinpoints.is_empty() || pinpoints.iter().any(|&(h, w)| h < tile || w < tile) {
+                    return Err(PluginError::unsupported(
+                        "processor config: LLaVA-NeXT needs image_grid_pinpoints of at least a tile each",
+                    ));
+                }
+                let class_token = match raw.vision_feature_select_strategy.as_deref() {
+                    None | Some("default") => false,
+                    Some("full") => true,
+                    Some(other) => {
+                        return Err(PluginError::unsupported(format!(
+                            "processor config: vision_feature_select_strategy {other:?} (default, full)"
+                        )));
+                    }
+                };
+                Ok(Processor::LlavaNext(LlavaNext {
+                    pinpoints,
+                    tile,
+                    patch: positive("patch_size", raw.patch_edge()?.unwrap_or(14))?,
+                    class_token,
+                    filter,
+                }))
             }
             Family::Pixtral => {
                 let longest_edge = match raw.size {
@@ -459,6 +517,7 @@ impl Processor {
             }
             Processor::Gemma3(gemma3) => gemma3.plan(width, height, budget),
             Processor::Pixtral(pixtral) => pixtral.plan(width, height, budget),
+            Processor::LlavaNext(llava) => llava.plan(width, height, budget),
         }
     }
 
@@ -481,6 +540,7 @@ impl Processor {
             )),
             Processor::Gemma3(gemma3) => gemma3.reduced_image(image, choices),
             Processor::Pixtral(pixtral) => pixtral.reduced_image(image, choices),
+            Processor::LlavaNext(llava) => llava.reduced_image(image, choices),
         }
     }
 
@@ -533,6 +593,10 @@ impl Processor {
             }
             Processor::Gemma3(gemma3) => gemma3.preprocess(image, choices),
             Processor::Pixtral(pixtral) => pixtral.preprocess(image, choices),
+            Processor::LlavaNext(_) => Err(PluginError::unsupported(
+                "LLaVA-NeXT is planned here for an engine that makes its tensors: this plugin \
+                 counts its tokens but does not make them",
+            )),
         }
     }
 }

@@ -1,0 +1,162 @@
+//! LLaVA-NeXT's "anyres" (`LlavaNextImageProcessor`): the image is fitted into the best of the
+//! model's `image_grid_pinpoints` and cut into tiles of the vision tower's size, beside a base view
+//! of the whole. Its tokens, as transformers' `LlavaNextProcessor` and vLLM count them: the base
+//! view's patches, then the tiles' patches with the padding the fit added taken off again, and a
+//! newline token per row of them. They depend only on the image's size.
+//!
+//! The plan counts them; under a budget it shrinks the image (aspect kept) until they fit, and the
+//! image goes to the model's server at that size. The tensors are the server's to make: this
+//! processor plans and counts for a model served in front of an engine.
+
+use mmgate_plugin_sdk::imageops::{Filter, RgbImage};
+use mmgate_plugin_sdk::*;
+
+use crate::choices::{Choices, tokens_u32};
+
+pub struct LlavaNext {
+    /// `(height, width)` of each resolution the image may be fitted into.
+    pub pinpoints: Vec<(usize, usize)>,
+    /// The vision tower's input size (a tile's side) and patch size.
+    pub tile: usize,
+    pub patch: usize,
+    /// Whether the base view keeps the tower's class token (`vision_feature_select_strategy`
+    /// "full"); "default" drops it.
+    pub class_token: bool,
+    pub filter: Filter,
+}
+
+impl LlavaNext {
+    /// transformers' `select_best_resolution`: the most of the image's pixels kept, then the least
+    /// space wasted; the first such pinpoint on a tie.
+    fn best_resolution(&self, height: usize, width: usize) -> (usize, usize) {
+        let (h, w) = (height as f64, width as f64);
+        let mut best = self.pinpoints[0];
+        let (mut most_kept, mut least_wasted) = (0usize, usize::MAX);
+        for &(ph, pw) in &self.pinpoints {
+            let scale = (pw as f64 / w).min(ph as f64 / h);
+            let kept = ((w * scale) as usize * (h * scale) as usize).min(width * height);
+            let wasted = ph * pw - kept;
+            if kept > most_kept || (kept == most_kept && wasted < least_wasted) {
+                (most_kept, least_wasted, best) = (kept, wasted, (ph, pw));
+            }
+        }
+        best
+    }
+
+    /// Tokens of a `width`×`height` image.
+    pub fn tokens(&self, width: usize, height: usize) -> usize {
+        let side = self.tile / self.patch;
+        let (best_h, best_w) = self.best_resolution(height, width);
+        let (mut rows, mut columns) = (side * (best_h / self.tile), side * (best_w / self.tile));
+        // Python's `round(x, 7)` before `int`: the ratio's float noise cannot flip a whole number.
+        let rounded = |x: f64| ((x * 1e7).round() / 1e7) as usize;
+        if width as f64 / height as f64 > columns as f64 / rows as f64 {
+            let new_height = rounded(height as f64 * (columns as f64 / width as f64));
+            rows -= (rows - new_height) / 2 * 2;
+        } else {
+            let new_width = rounded(width as f64 * (rows as f64 / height as f64));
+            columns -= (columns - new_width) / 2 * 2;
+        }
+        side * side + usize::from(self.class_token) + rows * columns + rows
+    }
+
+    pub fn plan(&self, width: usize, height: usize, budget: u32) -> PluginResult<TokenPlan> {
+        let native = self.tokens(width, height);
+        let budget_tokens = budget as usize;
+        let (w, h) = if native <= budget_tokens {
+            (width, height)
+        } else {
+            // Shrunk a step at a time (aspect kept) until the tokens fit: the fit into the
+            // pinpoints, and so the count, follow the size.
+            let mut size = None;
+            let mut least = native;
+            for step in (1..100).rev() {
+                let (sw, sh) = (width * step / 100, height * step / 100);
+                if sw == 0 || sh == 0 {
+                    break;
+                }
+                let tokens = self.tokens(sw, sh);
+                least = least.min(tokens);
+                if tokens <= budget_tokens {
+                    size = Some((sw, sh));
+                    break;
+                }
+            }
+            size.ok_or_else(|| {
+                PluginError::over_budget(
+                    u32::try_from(least).unwrap_or(u32::MAX),
+                    budget,
+                    format!("{width}x{height} needs at least {least} tokens, however small"),
+                )
+            })?
+        };
+        let tokens = self.tokens(w, h);
+        let reduced = (w, h) != (width, height);
+        let (best_h, best_w) = self.best_resolution(h, w);
+        let tiles = (best_h / self.tile) * (best_w / self.tile);
+        let reason = if reduced {
+            format!(
+                "{width}x{height} resized to {w}x{h}: {tiles} tiles of {best_w}x{best_h} and a \
+                 base view, {tokens} tokens, to fit the budget of {budget}; as it came it would \
+                 cost {native}"
+            )
+        } else {
+            format!(
+                "{width}x{height}: {tiles} tiles of {best_w}x{best_h} and a base view, {tokens} tokens"
+            )
+        };
+        let choices = Choices {
+            crops: Some(tiles),
+            ..Choices::sized(w, h)
+        };
+        TokenPlan::new(tokens_u32(tokens)?, reduced, reason, &choices)
+    }
+
+    /// The image at its planned size: the server's processor counts what the plan counted.
+    pub fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
+        Ok(image.into_resized(choices.width, choices.height, self.filter))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llava-v1.6's pinpoints and 336 px CLIP tower of 14 px patches.
+    fn llava_v16() -> LlavaNext {
+        LlavaNext {
+            pinpoints: vec![(336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)],
+            tile: 336,
+            patch: 14,
+            class_token: false,
+            filter: Filter::Bicubic,
+        }
+    }
+
+    /// Counts worked by hand from transformers' `LlavaNextProcessor._get_number_of_features`.
+    #[test]
+    fn tokens_follow_transformers() {
+        let p = llava_v16();
+        // 640x480 fits 672x672 best: 48x48 patches, 4:3 so rows 48 - 2*6 = 36; 576 base.
+        assert_eq!(p.best_resolution(480, 640), (672, 672));
+        assert_eq!(p.tokens(640, 480), 576 + 36 * 48 + 36);
+        // A square image: no padding taken off.
+        assert_eq!(p.tokens(672, 672), 576 + 48 * 48 + 48);
+        // 1000x300: 336x1008 (24x72 patches); 1000/300 > 72/24: rows = round(300 * 72/1000) = 21,
+        // padding (24 - 21) // 2 = 1 a side: 22 rows.
+        assert_eq!(p.best_resolution(300, 1000), (336, 1008));
+        assert_eq!(p.tokens(1000, 300), 576 + 22 * 72 + 22);
+    }
+
+    #[test]
+    fn a_budget_shrinks_the_image() {
+        let p = llava_v16();
+        let plan = p.plan(640, 480, 10_000).unwrap();
+        assert!(!plan.reduced);
+        let plan = p.plan(640, 480, 2000).unwrap();
+        assert!(plan.reduced && plan.tokens <= 2000, "{}", plan.tokens);
+        let choices: Choices = plan.choices().unwrap();
+        assert_eq!(p.tokens(choices.width, choices.height) as u32, plan.tokens);
+        assert!(p.plan(640, 480, 100).is_err());
+    }
+}
