@@ -176,7 +176,7 @@ fn bad_inputs_fail_with_one_line() {
     let unknown_model = tempfile::tempdir().unwrap();
     std::fs::write(
         unknown_model.path().join("preprocessor_config.json"),
-        r#"{"image_processor_type": "LlavaNextImageProcessor"}"#,
+        r#"{"image_processor_type": "BlipImageProcessor"}"#,
     )
     .unwrap();
     let no_config = tempfile::tempdir().unwrap();
