@@ -14,14 +14,13 @@
 //! is used (exactly what HF produces with that `max_patches`), down to a single resized tile.
 
 mod config;
-mod tiling;
 
 use mmgate_plugin_sdk::imageops::RgbImage;
 use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
 
 pub use config::Config;
-pub use tiling::{Grid, optimal_grid};
+pub use mmgate_plugin_sdk::imageops::tiling::{Grid, optimal_grid};
 
 /// What `plan` chose, handed to `preprocess` unchanged.
 #[derive(Debug, Serialize, Deserialize)]

@@ -1,10 +1,11 @@
 //! Image operations shared by image-like plugins, on packed RGB8 buffers (row-major, 3 bytes a pixel):
 //! Pillow's resize ([`resample`]), torchvision's ([`resize_like_torchvision`]), Qwen2-VL's patch
-//! layout ([`patches`]), cropping and normalisation.
+//! layout ([`patches`]), tile grids by aspect ratio ([`tiling`]), cropping and normalisation.
 
 mod kernels;
 pub mod patches;
 pub mod resample;
+pub mod tiling;
 mod torchvision;
 
 pub use patches::{

@@ -1,6 +1,6 @@
-//! Choosing the tile grid: InternVL's dynamic preprocessing as transformers implements it
-//! (`GotOcr2ImageProcessor` with `crop_to_patches`: `get_all_supported_aspect_ratios` and
-//! `get_optimal_tiled_canvas`).
+//! Choosing a tile grid by aspect ratio: InternVL's dynamic preprocessing as transformers
+//! implements it (`GotOcr2ImageProcessor` with `crop_to_patches`: `get_all_supported_aspect_ratios`
+//! and `get_optimal_tiled_canvas`), shared by the plugins that tile so.
 
 /// A grid of `columns` × `rows` tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -17,7 +17,7 @@ impl Grid {
 
 /// Every grid with `min_tiles..=max_tiles` tiles, ordered by tile count (stable, so ties keep the
 /// columns-outer order transformers builds them in — the order decides exact ties below).
-fn candidate_grids(min_tiles: u32, max_tiles: u32) -> Vec<Grid> {
+pub fn candidate_grids(min_tiles: u32, max_tiles: u32) -> Vec<Grid> {
     let mut grids = Vec::new();
     for columns in 1..=max_tiles {
         for rows in 1..=max_tiles {
