@@ -184,8 +184,16 @@ impl Gemma3 {
                 for column in 0..columns {
                     let (left, top) = (column * crop_w, row * crop_h);
                     // numpy's slices stop at the image's edge: the last crop may be narrower.
-                    let w = crop_w.min(image.width - left);
-                    let h = crop_h.min(image.height - top);
+                    let w = crop_w.min(image.width.saturating_sub(left));
+                    let h = crop_h.min(image.height.saturating_sub(top));
+                    if w == 0 || h == 0 {
+                        // transformers' crop there is empty, and its resize fails on it.
+                        return Err(PluginError::unsupported(format!(
+                            "pan-and-scan's crop {column},{row} of a {}x{} image is empty: \
+                             pan_and_scan_min_crop_size is too small for this image",
+                            image.width, image.height
+                        )));
+                    }
                     views.push(image.crop(left as isize, top as isize, w, h));
                 }
             }
@@ -300,5 +308,22 @@ mod tests {
         let tensors = gemma.preprocess(image, &plan.choices().unwrap()).unwrap();
         assert_eq!(tensors[0].shape, [4u64, 3, 224, 224]);
         assert_eq!(tensors[1].name, "num_crops");
+    }
+
+    /// An operator's tiny `pan_and_scan_min_crop_size` can ask for crops past a narrow image's
+    /// edge (5 px in 4 crops of 2): refused, where the subtraction would have trapped the plugin.
+    #[test]
+    fn crops_past_the_edge_are_refused() {
+        let gemma = processor(Some(PanAndScan::new(Some(1), Some(4), Some(1.2))));
+        let plan = gemma.plan(5, 1, 1000).unwrap();
+        let image = RgbImage {
+            width: 5,
+            height: 1,
+            data: vec![128; 15],
+        };
+        let err = gemma
+            .preprocess(image, &plan.choices().unwrap())
+            .unwrap_err();
+        assert!(matches!(err, PluginError::Unsupported(_)), "{err:?}");
     }
 }
