@@ -363,3 +363,51 @@ fn llava_next_in_front_of_vllm_keeps_its_promise_on_anyres_tiles() {
     assert!(promised + 2 <= 80, "{promised} tokens in a context of 80");
     assert_eq!(media[0]["reduced"], true, "{media}");
 }
+
+#[test]
+fn internvl_in_front_of_vllm_keeps_its_promise_on_its_tiles() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let model = checkpoint(&venv, "internvl", scratch.path());
+    let weightless = weightless(&model);
+    let vllm = Vllm::start(&venv, &model, 4096, &[]);
+    let config = scratch.path().join("mmgate.toml");
+    let models = [
+        ("internvl", "media = \"preprocess\"\npath = {path}"),
+        (
+            "internvl-tight",
+            "media = \"preprocess\"\npath = {path}\nmax_model_len = 40",
+        ),
+        ("internvl-forward", ""),
+    ];
+    std::fs::write(
+        &config,
+        gateway_config(&model, &vllm.addr, &weightless, &models),
+    )
+    .unwrap();
+    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    let plans = promises_hold(&gateway, "internvl", "internvl-forward", &json!({}));
+    // 4 tokens a tile: one tile, and grids of 3, 4, 9 and 12 tiles with their thumbnails.
+    let tiles: std::collections::BTreeSet<u64> = plans
+        .iter()
+        .map(|plan| plan["tokens"].as_u64().unwrap() / 4)
+        .collect();
+    assert!(tiles.len() >= 4 && tiles.contains(&13), "{tiles:?}");
+
+    // A context too small for 4x3 tiles: a smaller grid of the squashed image, and the promise holds.
+    for image in ["scene-640x480.jpg", "scene-300x1000.jpg"] {
+        let content = json!([image_part(image), {"type": "text", "text": "What?"}]);
+        let (promised, counted, media) = planned(&gateway, "internvl-tight", &content, &json!({}));
+        assert_eq!(promised, counted, "tight {image}: {media}");
+        assert!(promised + 2 <= 40, "{promised} tokens in a context of 40");
+        assert_eq!(media[0]["reduced"], true, "{media}");
+    }
+
+    // Bad media are refused here, before vLLM sees them.
+    let broken =
+        json!([{"type": "image_url", "image_url": {"url": "data:image/gif;base64,R0lGODlh"}}]);
+    let body = json!({"model": "internvl", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": broken}]});
+    let (status, _, reply) = post(&gateway, &body);
+    assert!(status.is_client_error(), "{status}: {reply}");
+}

@@ -11,6 +11,7 @@
 //! prompt.
 
 mod gemma3;
+mod internvl;
 mod llava_next;
 mod mistral3;
 mod qwen2_audio;
@@ -285,6 +286,7 @@ pub fn registry() -> &'static [&'static dyn Family] {
         &gemma3::Gemma3Family,
         &mistral3::Mistral3Family,
         &llava_next::LlavaNextFamily,
+        &internvl::InternVlFamily,
     ]
 }
 

@@ -20,11 +20,12 @@ pub struct Choices {
     /// absent: whole.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bands: Option<usize>,
-    /// Gemma 3's pan-and-scan crops (views beside the whole image).
+    /// Views beside or instead of the whole image: Gemma 3's pan-and-scan crops, LLaVA-NeXT's
+    /// tiles, InternVL's tiles and thumbnail.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crops: Option<usize>,
-    /// Gemma 3, a reduced plan: the size the image is squashed to, so that the server's
-    /// pan-and-scan makes the planned crops.
+    /// A reduced plan of Gemma 3 or InternVL: the size the image is squashed to, so that the
+    /// server's processor makes the planned crops or tiles.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub squashed: Option<[usize; 2]>,
 }

@@ -18,6 +18,7 @@
 
 mod choices;
 mod gemma3;
+mod internvl;
 mod llava_next;
 mod pixtral;
 mod processor;

@@ -12,6 +12,7 @@ use serde::Deserialize;
 pub use crate::choices::Choices;
 use crate::choices::tokens_u32;
 use crate::gemma3::{Gemma3, PanAndScan};
+use crate::internvl::InternVl;
 use crate::llava_next::LlavaNext;
 use crate::pixtral::Pixtral;
 
@@ -26,6 +27,7 @@ pub const SUPPORTED: &[&str] = &[
     "Gemma3ImageProcessor",
     "PixtralImageProcessor",
     "LlavaNextImageProcessor",
+    "GotOcr2ImageProcessor",
 ];
 
 /// `size` / `crop_size` in either of the forms checkpoints use: a bare number (old feature
@@ -78,6 +80,10 @@ struct RawConfig {
     pan_and_scan_min_crop_size: Option<usize>,
     pan_and_scan_max_num_crops: Option<usize>,
     pan_and_scan_min_ratio_to_activate: Option<f64>,
+    /// InternVL (`GotOcr2ImageProcessor`): tiling, and the tiles it may make.
+    crop_to_patches: Option<bool>,
+    min_patches: Option<usize>,
+    max_patches: Option<usize>,
 }
 
 pub enum Processor {
@@ -100,6 +106,7 @@ pub enum Processor {
     Gemma3(Gemma3),
     Pixtral(Pixtral),
     LlavaNext(LlavaNext),
+    InternVl(InternVl),
 }
 
 pub enum FixedResize {
@@ -142,6 +149,7 @@ enum Family {
     Gemma3,
     Pixtral,
     LlavaNext,
+    InternVl,
 }
 
 /// The processor family a class name belongs to: HF's PIL (`...Pil`), torchvision (`...Fast`) and
@@ -156,6 +164,7 @@ fn family(class: &str) -> Option<Family> {
         "Gemma3ImageProcessor" => Some(Family::Gemma3),
         "PixtralImageProcessor" => Some(Family::Pixtral),
         "LlavaNextImageProcessor" => Some(Family::LlavaNext),
+        "GotOcr2ImageProcessor" => Some(Family::InternVl),
         _ => None,
     }
 }
@@ -287,6 +296,41 @@ impl Processor {
                     patch: positive("patch_size", raw.patch_edge()?.unwrap_or(14))?,
                     class_token,
                     filter,
+                }))
+            }
+            Family::InternVl => {
+                let tile = match raw.size {
+                    Some(SizeField::Dict(SizeConfig {
+                        height: Some(h),
+                        width: Some(w),
+                        ..
+                    })) if h == w => positive("size.height", h)?,
+                    None => 448,
+                    _ => {
+                        return Err(PluginError::unsupported(
+                            "processor config: InternVL's tiles need a square size {height, width}",
+                        ));
+                    }
+                };
+                let min_patches = positive("min_patches", raw.min_patches.unwrap_or(1))?;
+                let max_patches = positive("max_patches", raw.max_patches.unwrap_or(12))?;
+                if min_patches > max_patches || max_patches > 64 {
+                    return Err(PluginError::unsupported(format!(
+                        "processor config: need min_patches <= max_patches <= 64 (min \
+                         {min_patches}, max {max_patches})"
+                    )));
+                }
+                Ok(Processor::InternVl(InternVl {
+                    crop_to_patches: raw.crop_to_patches.unwrap_or(true),
+                    min_patches,
+                    max_patches,
+                    tile,
+                    tokens_per_tile: positive(
+                        "image_seq_length",
+                        raw.image_seq_length.unwrap_or(256),
+                    )?,
+                    filter,
+                    normalize: normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
                 }))
             }
             Family::Pixtral => {
@@ -518,6 +562,7 @@ impl Processor {
             Processor::Gemma3(gemma3) => gemma3.plan(width, height, budget),
             Processor::Pixtral(pixtral) => pixtral.plan(width, height, budget),
             Processor::LlavaNext(llava) => llava.plan(width, height, budget),
+            Processor::InternVl(internvl) => internvl.plan(width, height, budget),
         }
     }
 
@@ -541,6 +586,7 @@ impl Processor {
             Processor::Gemma3(gemma3) => gemma3.reduced_image(image, choices),
             Processor::Pixtral(pixtral) => pixtral.reduced_image(image, choices),
             Processor::LlavaNext(llava) => llava.reduced_image(image, choices),
+            Processor::InternVl(internvl) => internvl.reduced_image(image, choices),
         }
     }
 
@@ -593,6 +639,7 @@ impl Processor {
             }
             Processor::Gemma3(gemma3) => gemma3.preprocess(image, choices),
             Processor::Pixtral(pixtral) => pixtral.preprocess(image, choices),
+            Processor::InternVl(internvl) => internvl.preprocess(image, choices),
             Processor::LlavaNext(_) => Err(PluginError::unsupported(
                 "LLaVA-NeXT is planned here for an engine that makes its tensors: this plugin \
                  counts its tokens but does not make them",
