@@ -28,6 +28,9 @@ pub struct Choices {
     /// server's processor makes the planned crops or tiles.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub squashed: Option<[usize; 2]>,
+    /// Idefics3's tiles as `[rows, columns]` (absent: not split), which its prompt spells out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tile_grid: Option<[usize; 2]>,
 }
 
 pub fn tokens_u32(tokens: usize) -> PluginResult<u32> {
@@ -45,6 +48,7 @@ impl Choices {
             bands: None,
             crops: None,
             squashed: None,
+            tile_grid: None,
         }
     }
 }

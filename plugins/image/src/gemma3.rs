@@ -147,6 +147,7 @@ impl Gemma3 {
             bands: None,
             crops: Some(crops),
             squashed,
+            tile_grid: None,
         };
         TokenPlan::new(tokens_u32(planned)?, reduced, reason, &choices)
     }

@@ -18,7 +18,9 @@
 
 mod choices;
 mod gemma3;
+mod idefics3;
 mod internvl;
+mod llama4;
 mod llava_next;
 mod pixtral;
 mod processor;

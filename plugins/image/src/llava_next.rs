@@ -2,7 +2,9 @@
 //! model's `image_grid_pinpoints` and cut into tiles of the vision tower's size, beside a base view
 //! of the whole. Its tokens, as transformers' `LlavaNextProcessor` and vLLM count them: the base
 //! view's patches, then the tiles' patches with the padding the fit added taken off again, and a
-//! newline token per row of them. They depend only on the image's size.
+//! newline token per row of them. They depend only on the image's size. LLaVA-OneVision
+//! (`LlavaOnevisionImageProcessor`, "anyres_max_9") counts the same way but pools the tiles'
+//! features down to about nine base views' worth.
 //!
 //! The plan counts them; under a budget it shrinks the image (aspect kept) until they fit, and the
 //! image goes to the model's server at that size. The tensors are the server's to make: this
@@ -19,9 +21,13 @@ pub struct LlavaNext {
     /// The vision tower's input size (a tile's side) and patch size.
     pub tile: usize,
     pub patch: usize,
-    /// Whether the base view keeps the tower's class token (`vision_feature_select_strategy`
-    /// "full"); "default" drops it.
-    pub class_token: bool,
+    /// Tokens of the base view: the tower's patches, its class token if it has one
+    /// (`num_additional_image_tokens`: CLIP's, not SigLIP's) unless `vision_feature_select_strategy`
+    /// "default" drops one.
+    pub base_tokens: usize,
+    /// LLaVA-OneVision's "anyres_max_N": the tiles' features pooled down when they pass N base
+    /// views' worth (by more than a tenth).
+    pub max_views: Option<usize>,
     pub filter: Filter,
 }
 
@@ -57,7 +63,15 @@ impl LlavaNext {
             let new_width = rounded(width as f64 * (rows as f64 / height as f64));
             columns -= (columns - new_width) / 2 * 2;
         }
-        side * side + usize::from(self.class_token) + rows * columns + rows
+        if let Some(views) = self.max_views {
+            // transformers' and vLLM's `current_height // ratio`: a float floor.
+            let ratio = ((rows * columns) as f64 / (views * side * side) as f64).sqrt();
+            if ratio > 1.1 {
+                rows = (rows as f64 / ratio).floor() as usize;
+                columns = (columns as f64 / ratio).floor() as usize;
+            }
+        }
+        self.base_tokens + rows * columns + rows
     }
 
     pub fn plan(&self, width: usize, height: usize, budget: u32) -> PluginResult<TokenPlan> {
@@ -128,7 +142,8 @@ mod tests {
             pinpoints: vec![(336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)],
             tile: 336,
             patch: 14,
-            class_token: false,
+            base_tokens: 576,
+            max_views: None,
             filter: Filter::Bicubic,
         }
     }
@@ -146,6 +161,32 @@ mod tests {
         // padding (24 - 21) // 2 = 1 a side: 22 rows.
         assert_eq!(p.best_resolution(300, 1000), (336, 1008));
         assert_eq!(p.tokens(1000, 300), 576 + 22 * 72 + 22);
+    }
+
+    /// OneVision's pooling, worked by hand from transformers' `LlavaOnevisionProcessor`: SigLIP's
+    /// 27x27 patches of 384 px tiles, no class token.
+    #[test]
+    fn onevision_pools_many_tiles_down_to_nine_views() {
+        let p = LlavaNext {
+            pinpoints: vec![(384, 384), (768, 768), (1152, 1152), (384, 1152)],
+            tile: 384,
+            patch: 14,
+            base_tokens: 729,
+            max_views: Some(9),
+            filter: Filter::Bicubic,
+        };
+        // 1152x1152: 81x81 features; ratio sqrt(6561 / 6561) = 1, kept.
+        assert_eq!(p.tokens(1152, 1152), 729 + 81 * 81 + 81);
+        // 768x768 fits 768x768 (54x54 features), within nine views.
+        assert_eq!(p.tokens(768, 768), 729 + 54 * 54 + 54);
+        // 1152x384 (27x81): within.
+        assert_eq!(p.tokens(1152, 384), 729 + 27 * 81 + 27);
+        let q = LlavaNext {
+            max_views: Some(4),
+            ..p
+        };
+        // 81x81 over 4 views (54x54 worth): ratio 1.5, pooled to 54x54.
+        assert_eq!(q.tokens(1152, 1152), 729 + 54 * 54 + 54);
     }
 
     #[test]

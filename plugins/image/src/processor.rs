@@ -12,7 +12,9 @@ use serde::Deserialize;
 pub use crate::choices::Choices;
 use crate::choices::tokens_u32;
 use crate::gemma3::{Gemma3, PanAndScan};
+use crate::idefics3::Idefics3;
 use crate::internvl::InternVl;
+use crate::llama4::Llama4;
 use crate::llava_next::LlavaNext;
 use crate::pixtral::Pixtral;
 
@@ -27,7 +29,12 @@ pub const SUPPORTED: &[&str] = &[
     "Gemma3ImageProcessor",
     "PixtralImageProcessor",
     "LlavaNextImageProcessor",
+    "LlavaOnevisionImageProcessor",
     "GotOcr2ImageProcessor",
+    "Glm4vImageProcessor",
+    "Idefics3ImageProcessor",
+    "SmolVLMImageProcessor",
+    "Llama4ImageProcessor",
 ];
 
 /// `size` / `crop_size` in either of the forms checkpoints use: a bare number (old feature
@@ -63,6 +70,11 @@ struct RawConfig {
     /// LLaVA-NeXT: whether the base view keeps the class token ("full") or not ("default"); the
     /// model's, which its family adds.
     vision_feature_select_strategy: Option<String>,
+    /// LLaVA-NeXT / OneVision: the base view's tokens beyond its patches (a class token: 1 for
+    /// CLIP, 0 for SigLIP); the model's, which its family adds.
+    num_additional_image_tokens: Option<usize>,
+    /// LLaVA-OneVision: "anyres_max_N", the tiles' features pooled to about N views' worth.
+    vision_aspect_ratio: Option<String>,
     merge_size: Option<usize>,
     image_mean: Option<[f32; 3]>,
     image_std: Option<[f32; 3]>,
@@ -84,10 +96,51 @@ struct RawConfig {
     crop_to_patches: Option<bool>,
     min_patches: Option<usize>,
     max_patches: Option<usize>,
+    /// Idefics3 / SmolVLM: splitting into tiles of `max_image_size`, each of `image_seq_len`
+    /// tokens (the processor's, which the family adds).
+    do_image_splitting: Option<bool>,
+    max_image_size: Option<SizeField>,
+    image_seq_len: Option<usize>,
+    /// Llama 4: the canvas rule, and the tower's pixel shuffle (the model's, which its family
+    /// adds with the tower's patch size).
+    resize_to_max_canvas: Option<bool>,
+    pixel_shuffle_ratio: Option<f64>,
+}
+
+/// How a processor of Qwen2-VL's patches sizes a still image against its pixel limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SizeRule {
+    /// Qwen2-VL, Qwen2.5-VL: the image's pixels.
+    Qwen2Vl,
+    /// GLM-4.1V (`Glm4vImageProcessor`): a side under a token's scaled up first, and the pixels
+    /// counted once for each frame of the temporal patch the image fills.
+    Glm4v,
+}
+
+impl SizeRule {
+    /// The size `smart_resize` starts from, and the frames it counts the pixels for.
+    fn start(
+        self,
+        height: usize,
+        width: usize,
+        factor: usize,
+        temporal: usize,
+    ) -> (usize, usize, usize) {
+        match self {
+            SizeRule::Qwen2Vl => (height, width, 1),
+            SizeRule::Glm4v if height < factor || width < factor => {
+                let scale = (factor as f64 / height as f64).max(factor as f64 / width as f64);
+                let grown = |side: usize| (side as f64 * scale) as usize;
+                (grown(height), grown(width), temporal)
+            }
+            SizeRule::Glm4v => (height, width, temporal),
+        }
+    }
 }
 
 pub enum Processor {
     Qwen2Vl {
+        rule: SizeRule,
         min_pixels: usize,
         max_pixels: usize,
         patch: usize,
@@ -107,6 +160,8 @@ pub enum Processor {
     Pixtral(Pixtral),
     LlavaNext(LlavaNext),
     InternVl(InternVl),
+    Idefics3(Idefics3),
+    Llama4(Llama4),
 }
 
 pub enum FixedResize {
@@ -132,6 +187,58 @@ impl RawConfig {
     }
 }
 
+/// Idefics3's and SmolVLM's processor (their defaults are Idefics3-8B's).
+fn idefics3(raw: &RawConfig) -> PluginResult<Idefics3> {
+    let longest = |field: &Option<SizeField>, name: &str, default: usize| match field {
+        None => Ok(default),
+        Some(SizeField::Dict(SizeConfig {
+            longest_edge: Some(edge),
+            ..
+        })) => positive(name, *edge),
+        Some(_) => Err(PluginError::unsupported(format!(
+            "processor config: {name} needs longest_edge"
+        ))),
+    };
+    Ok(Idefics3 {
+        splitting: raw.do_image_splitting.unwrap_or(true),
+        longest_edge: longest(&raw.size, "size", 4 * 364)?,
+        tile: longest(&raw.max_image_size, "max_image_size", 364)?,
+        tokens_per_tile: positive("image_seq_len", raw.image_seq_len.unwrap_or(169))?,
+    })
+}
+
+/// Llama 4's processor (its defaults are Llama 4 Scout's).
+fn llama4(raw: &RawConfig) -> PluginResult<Llama4> {
+    let tile = match &raw.size {
+        None => 336,
+        Some(SizeField::Dict(SizeConfig {
+            height: Some(h),
+            width: Some(w),
+            ..
+        })) if h == w => positive("size.height", *h)?,
+        Some(_) => {
+            return Err(PluginError::unsupported(
+                "processor config: Llama 4's tiles need a square size {height, width}",
+            ));
+        }
+    };
+    let patch = positive("patch_size", raw.patch_edge()?.unwrap_or(14))?;
+    let ratio = raw.pixel_shuffle_ratio.unwrap_or(0.5);
+    if !(ratio > 0.0 && ratio <= 1.0) || tile < patch {
+        return Err(PluginError::unsupported(format!(
+            "processor config: tiles of {tile} px in patches of {patch} px, shuffled by {ratio}"
+        )));
+    }
+    // transformers' and vLLM's `(tile // patch)² // round(1 / ratio²)`.
+    let shuffle = (1.0 / (ratio * ratio)).round() as usize;
+    Ok(Llama4 {
+        tile,
+        max_tiles: positive("max_patches", raw.max_patches.unwrap_or(16))?,
+        resize_to_max_canvas: raw.resize_to_max_canvas.unwrap_or(false),
+        tokens_per_tile: positive("tokens per tile", (tile / patch).pow(2) / shuffle.max(1))?,
+    })
+}
+
 fn positive(name: &str, value: usize) -> PluginResult<usize> {
     if value == 0 {
         return Err(PluginError::unsupported(format!(
@@ -149,7 +256,11 @@ enum Family {
     Gemma3,
     Pixtral,
     LlavaNext,
+    LlavaOnevision,
     InternVl,
+    Glm4v,
+    Idefics3,
+    Llama4,
 }
 
 /// The processor family a class name belongs to: HF's PIL (`...Pil`), torchvision (`...Fast`) and
@@ -164,7 +275,11 @@ fn family(class: &str) -> Option<Family> {
         "Gemma3ImageProcessor" => Some(Family::Gemma3),
         "PixtralImageProcessor" => Some(Family::Pixtral),
         "LlavaNextImageProcessor" => Some(Family::LlavaNext),
+        "LlavaOnevisionImageProcessor" => Some(Family::LlavaOnevision),
         "GotOcr2ImageProcessor" => Some(Family::InternVl),
+        "Glm4vImageProcessor" => Some(Family::Glm4v),
+        "Idefics3ImageProcessor" | "SmolVLMImageProcessor" => Some(Family::Idefics3),
+        "Llama4ImageProcessor" => Some(Family::Llama4),
         _ => None,
     }
 }
@@ -188,6 +303,8 @@ impl Processor {
             ))
         })?;
         let filter = match raw.resample {
+            // Planned and counted only: the resampling is the engine's (Idefics3's is Lanczos).
+            _ if matches!(family, Family::Idefics3 | Family::Llama4) => Filter::Bicubic,
             None => Filter::Bicubic,
             Some(code) => Filter::from_pil_code(code).ok_or_else(|| {
                 PluginError::unsupported(format!(
@@ -219,7 +336,11 @@ impl Processor {
             ));
         }
         match family {
-            Family::Qwen2Vl => {
+            Family::Qwen2Vl | Family::Glm4v => {
+                let (rule, default_pixels) = match family {
+                    Family::Glm4v => (SizeRule::Glm4v, (112 * 112, 28 * 28 * 15_000)),
+                    _ => (SizeRule::Qwen2Vl, (56 * 56, 28 * 28 * 1280)),
+                };
                 let size = match &raw.size {
                     Some(SizeField::Dict(size)) => Some(size),
                     _ => None,
@@ -227,17 +348,18 @@ impl Processor {
                 let min_pixels = raw
                     .min_pixels
                     .or_else(|| size.and_then(|s| s.shortest_edge))
-                    .unwrap_or(56 * 56);
+                    .unwrap_or(default_pixels.0);
                 let max_pixels = raw
                     .max_pixels
                     .or_else(|| size.and_then(|s| s.longest_edge))
-                    .unwrap_or(28 * 28 * 1280);
+                    .unwrap_or(default_pixels.1);
                 if min_pixels > max_pixels {
                     return Err(PluginError::unsupported(format!(
                         "processor config: min_pixels {min_pixels} > max_pixels {max_pixels}"
                     )));
                 }
                 Ok(Processor::Qwen2Vl {
+                    rule,
                     min_pixels,
                     max_pixels: positive("max_pixels", max_pixels)?,
                     patch: positive("patch_size", raw.patch_edge()?.unwrap_or(14))?,
@@ -250,7 +372,7 @@ impl Processor {
                     normalize: normalize(CLIP_MEAN, CLIP_STD),
                 })
             }
-            Family::LlavaNext => {
+            Family::LlavaNext | Family::LlavaOnevision => {
                 let tile = match (&raw.crop_size, &raw.size) {
                     (
                         Some(SizeField::Dict(SizeConfig {
@@ -266,6 +388,13 @@ impl Processor {
                             ..
                         })),
                     ) => *edge,
+                    (
+                        None,
+                        Some(SizeField::Dict(SizeConfig {
+                            height: Some(h), ..
+                        })),
+                    ) => *h,
+                    _ if family == Family::LlavaOnevision => 384,
                     _ => 336,
                 };
                 let tile = positive("crop_size", tile)?;
@@ -278,26 +407,53 @@ impl Processor {
                     .collect();
                 if pinpoints.is_empty() || pinpoints.iter().any(|&(h, w)| h < tile || w < tile) {
                     return Err(PluginError::unsupported(
-                        "processor config: LLaVA-NeXT needs image_grid_pinpoints of at least a tile each",
+                        "processor config: anyres needs image_grid_pinpoints of at least a tile each",
                     ));
                 }
-                let class_token = match raw.vision_feature_select_strategy.as_deref() {
-                    None | Some("default") => false,
-                    Some("full") => true,
-                    Some(other) => {
+                let onevision = family == Family::LlavaOnevision;
+                let strategy = raw.vision_feature_select_strategy.as_deref();
+                let drops_one = match strategy.unwrap_or(if onevision { "full" } else { "default" })
+                {
+                    "default" => true,
+                    "full" => false,
+                    other => {
                         return Err(PluginError::unsupported(format!(
                             "processor config: vision_feature_select_strategy {other:?} (default, full)"
                         )));
                     }
                 };
+                let patch = positive("patch_size", raw.patch_edge()?.unwrap_or(14))?;
+                // CLIP's class token (LLaVA-NeXT's towers); SigLIP (OneVision's) has none.
+                let additional = raw
+                    .num_additional_image_tokens
+                    .unwrap_or(usize::from(!onevision));
+                let side = tile / patch;
+                let max_views = match (onevision, raw.vision_aspect_ratio.as_deref()) {
+                    (false, _) => None,
+                    (true, None) => Some(9),
+                    (true, Some(aspect)) => Some(
+                        aspect
+                            .strip_prefix("anyres_max_")
+                            .and_then(|n| n.parse().ok())
+                            .filter(|&n: &usize| n > 0)
+                            .ok_or_else(|| {
+                                PluginError::unsupported(format!(
+                                    "processor config: vision_aspect_ratio {aspect:?} (anyres_max_N)"
+                                ))
+                            })?,
+                    ),
+                };
                 Ok(Processor::LlavaNext(LlavaNext {
                     pinpoints,
                     tile,
-                    patch: positive("patch_size", raw.patch_edge()?.unwrap_or(14))?,
-                    class_token,
+                    patch,
+                    base_tokens: (side * side + additional).saturating_sub(usize::from(drops_one)),
+                    max_views,
                     filter,
                 }))
             }
+            Family::Idefics3 => idefics3(&raw).map(Processor::Idefics3),
+            Family::Llama4 => llama4(&raw).map(Processor::Llama4),
             Family::InternVl => {
                 let tile = match raw.size {
                     Some(SizeField::Dict(SizeConfig {
@@ -469,15 +625,21 @@ impl Processor {
     ) -> PluginResult<TokenPlan> {
         match self {
             Processor::Qwen2Vl {
+                rule,
                 min_pixels,
                 max_pixels,
                 patch,
                 merge,
+                temporal,
                 ..
             } => {
                 let factor = patch * merge;
                 let tokens_of = |(h, w): (usize, usize)| (h / factor) * (w / factor);
-                let native_size = smart_resize(height, width, factor, *min_pixels, *max_pixels)?;
+                let (start_h, start_w, frames) = rule.start(height, width, factor, *temporal);
+                let resize = |max_pixels| {
+                    smart_resize(start_h, start_w, factor, *min_pixels, max_pixels, frames)
+                };
+                let native_size = resize(*max_pixels)?;
                 let native = tokens_of(native_size);
                 let budget_tokens = budget as usize;
                 let ((h, w), reduced) = if native <= budget_tokens {
@@ -494,10 +656,10 @@ impl Processor {
                     let mut tokens_worth = budget_tokens;
                     let size = loop {
                         let cap = tokens_worth
-                            .saturating_mul(factor * factor)
+                            .saturating_mul(factor * factor * frames)
                             .clamp(*min_pixels, *max_pixels);
-                        let size = smart_resize(height, width, factor, *min_pixels, cap)?;
-                        if size.0 * size.1 >= *min_pixels || cap >= *max_pixels {
+                        let size = resize(cap)?;
+                        if frames * size.0 * size.1 >= *min_pixels || cap >= *max_pixels {
                             break size;
                         }
                         tokens_worth += 1;
@@ -525,6 +687,7 @@ impl Processor {
                     bands: (jpeg && large).then_some(BANDS),
                     crops: None,
                     squashed: None,
+                    tile_grid: None,
                 };
                 TokenPlan::new(tokens_u32(tokens)?, reduced, reason, &choices)
             }
@@ -555,6 +718,7 @@ impl Processor {
                     bands: None,
                     crops: None,
                     squashed: None,
+                    tile_grid: None,
                 };
                 let reason = format!("{width}x{height} → {fw}x{fh}: fixed {tokens} tokens");
                 TokenPlan::new(tokens_u32(tokens)?, false, reason, &choices)
@@ -563,6 +727,8 @@ impl Processor {
             Processor::Pixtral(pixtral) => pixtral.plan(width, height, budget),
             Processor::LlavaNext(llava) => llava.plan(width, height, budget),
             Processor::InternVl(internvl) => internvl.plan(width, height, budget),
+            Processor::Idefics3(idefics3) => idefics3.plan(width, height, budget),
+            Processor::Llama4(llama4) => llama4.plan(width, height, budget),
         }
     }
 
@@ -587,6 +753,8 @@ impl Processor {
             Processor::Pixtral(pixtral) => pixtral.reduced_image(image, choices),
             Processor::LlavaNext(llava) => llava.reduced_image(image, choices),
             Processor::InternVl(internvl) => internvl.reduced_image(image, choices),
+            Processor::Idefics3(idefics3) => idefics3.reduced_image(image, choices),
+            Processor::Llama4(llama4) => llama4.reduced_image(image, choices),
         }
     }
 
@@ -640,10 +808,12 @@ impl Processor {
             Processor::Gemma3(gemma3) => gemma3.preprocess(image, choices),
             Processor::Pixtral(pixtral) => pixtral.preprocess(image, choices),
             Processor::InternVl(internvl) => internvl.preprocess(image, choices),
-            Processor::LlavaNext(_) => Err(PluginError::unsupported(
-                "LLaVA-NeXT is planned here for an engine that makes its tensors: this plugin \
-                 counts its tokens but does not make them",
-            )),
+            Processor::LlavaNext(_) | Processor::Idefics3(_) | Processor::Llama4(_) => {
+                Err(PluginError::unsupported(
+                    "this model's images are planned here for an engine that makes their tensors: \
+                 this plugin counts their tokens but does not make them",
+                ))
+            }
         }
     }
 }
@@ -846,16 +1016,19 @@ fn round_half_even(x: f64) -> f64 {
     }
 }
 
-/// Qwen2-VL's `smart_resize`: both sides multiples of `factor`, pixel count within
-/// [`min_pixels`, `max_pixels`], aspect ratio kept as closely as possible. Returns (height, width).
+/// Qwen2-VL's `smart_resize`: both sides multiples of `factor`, pixel count (times `frames`, which
+/// GLM-4.1V counts) within [`min_pixels`, `max_pixels`], aspect ratio kept as closely as possible.
+/// Returns (height, width).
 pub fn smart_resize(
     height: usize,
     width: usize,
     factor: usize,
     min_pixels: usize,
     max_pixels: usize,
+    frames: usize,
 ) -> PluginResult<(usize, usize)> {
     let (hf, wf, ff) = (height as f64, width as f64, factor as f64);
+    let counted = frames as f64;
     if height.max(width) as f64 / height.min(width).max(1) as f64 > 200.0 {
         return Err(PluginError::limit(format!(
             "absolute aspect ratio must be smaller than 200, got {}",
@@ -864,12 +1037,12 @@ pub fn smart_resize(
     }
     let mut h_bar = (round_half_even(hf / ff) * ff) as usize;
     let mut w_bar = (round_half_even(wf / ff) * ff) as usize;
-    if h_bar * w_bar > max_pixels {
-        let beta = ((hf * wf) / max_pixels as f64).sqrt();
+    if frames * h_bar * w_bar > max_pixels {
+        let beta = ((counted * hf * wf) / max_pixels as f64).sqrt();
         h_bar = factor.max(((hf / beta / ff).floor() * ff) as usize);
         w_bar = factor.max(((wf / beta / ff).floor() * ff) as usize);
-    } else if h_bar * w_bar < min_pixels {
-        let beta = (min_pixels as f64 / (hf * wf)).sqrt();
+    } else if frames * h_bar * w_bar < min_pixels {
+        let beta = (min_pixels as f64 / (counted * hf * wf)).sqrt();
         h_bar = ((hf * beta / ff).ceil() * ff) as usize;
         w_bar = ((wf * beta / ff).ceil() * ff) as usize;
     }
