@@ -47,7 +47,8 @@ pub struct PreprocessArgs {
 }
 
 pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
-    let config = mmgate_inference::prompt::read_processor_config(&args.model)?;
+    // With what the model's family adds (Mistral 3's merge, LLaVA-NeXT's tower), as served.
+    let config = mmgate_inference::prompt::plugin_processor_config(&args.model)?;
     let data = std::fs::read(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use mmgate_host::{LoadedPlugin, Media, ReducedItem, Started, Tensor, TokenPlan};
 use mmgate_inference::engine::{GenerateRequest, MediaItem};
-use mmgate_inference::families::MediaKind;
+use mmgate_inference::families::{MediaKind, PlannedItem};
 use mmgate_inference::models::GenerationConfig;
 use mmgate_inference::prompt::{PieceMaker, PlacedItem, PromptModel, expand_placeholders};
 use mmgate_inference::sampling::SamplingParams;
@@ -502,11 +502,11 @@ async fn plan_upstream_once(
         .into_iter();
     let mut parts = Vec::with_capacity(gathered.items.len());
     let mut accounts = Vec::with_capacity(gathered.items.len());
-    let mut item_tokens = Vec::with_capacity(gathered.items.len());
+    let mut planned_items = Vec::with_capacity(gathered.items.len());
     for (index, item) in gathered.items.iter().enumerate() {
         match &item.input {
             ItemInput::Embeddings(input) => {
-                item_tokens.push((item.kind, input.tokens));
+                planned_items.push(PlannedItem::counted(item.kind, input.tokens));
                 accounts.push(MediaAccount::embeddings(index, item.kind, input.tokens));
                 parts.push((item.kind, None));
             }
@@ -514,7 +514,12 @@ async fn plan_upstream_once(
                 let done = processed
                     .next()
                     .ok_or_else(|| internal("a media item was not processed"))?;
-                item_tokens.push((item.kind, done.plan.tokens as usize));
+                // Choices that are not JSON (a third-party plugin's) say nothing to a family.
+                planned_items.push(PlannedItem {
+                    kind: item.kind,
+                    tokens: done.plan.tokens as usize,
+                    choices: serde_json::from_str(&done.plan.choices).unwrap_or_default(),
+                });
                 accounts.push(MediaAccount::plugin(index, item.kind, plugin, &done));
                 let Made::Files(files) = done.made else {
                     return Err(internal("a media item was not reduced"));
@@ -535,7 +540,7 @@ async fn plan_upstream_once(
     // As the server's processor writes each item into the prompt (a family may set it off with
     // text of its own, which can merge with the tokens around it).
     let prompt_tokens = prompt
-        .planned_prompt_tokens(&gathered.messages, &gathered.ids, &item_tokens)
+        .planned_prompt_tokens(&gathered.messages, &gathered.ids, &planned_items)
         .map_err(|e| internal(format!("counting the planned prompt: {e}")))?;
     Ok(PlannedUpstream {
         parts,

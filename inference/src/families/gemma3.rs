@@ -11,7 +11,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::{Family, FamilyModel, MediaKind, PromptPiece, upstream_context};
+use super::{Family, FamilyModel, MediaKind, PlannedItem, PromptPiece, upstream_context};
 use crate::error::{Error, Result};
 use crate::models::config::{ConfigFile, Section};
 
@@ -88,10 +88,11 @@ impl FamilyModel for Gemma3Model {
 
     /// One view for an image made whole; with pan-and-scan crops, transformers' sentence: "Here
     /// is the original image <view> and here are some crops to help you see better <view> <view>…".
-    fn item_prompt(&self, kind: MediaKind, tokens: usize) -> Result<Option<Vec<PromptPiece>>> {
-        if kind != MediaKind::Image {
+    fn item_prompt(&self, item: &PlannedItem) -> Result<Option<Vec<PromptPiece>>> {
+        if item.kind != MediaKind::Image {
             return Ok(None);
         }
+        let tokens = item.tokens;
         if tokens == 0 || !tokens.is_multiple_of(self.tokens_per_view) {
             return Err(Error::Input(format!(
                 "an image of {tokens} tokens is not whole views of {} tokens",
@@ -153,9 +154,15 @@ mod tests {
         assert_eq!(gemma.placeholder(MediaKind::Image), Some(6));
         assert_eq!(gemma.placeholder(MediaKind::Video), None);
         assert!(gemma.native().is_none());
-        let one = gemma.item_prompt(MediaKind::Image, 16).unwrap().unwrap();
+        let one = gemma
+            .item_prompt(&PlannedItem::counted(MediaKind::Image, 16))
+            .unwrap()
+            .unwrap();
         assert_eq!(one, view());
-        let three = gemma.item_prompt(MediaKind::Image, 48).unwrap().unwrap();
+        let three = gemma
+            .item_prompt(&PlannedItem::counted(MediaKind::Image, 48))
+            .unwrap()
+            .unwrap();
         let mut expected = vec![PromptPiece::Text("Here is the original image ".into())];
         expected.extend(view());
         expected.push(PromptPiece::Text(
@@ -165,7 +172,15 @@ mod tests {
         expected.push(PromptPiece::Text(" ".into()));
         expected.extend(view());
         assert_eq!(three, expected);
-        assert!(gemma.item_prompt(MediaKind::Image, 17).is_err());
-        assert!(gemma.item_prompt(MediaKind::Image, 0).is_err());
+        assert!(
+            gemma
+                .item_prompt(&PlannedItem::counted(MediaKind::Image, 17))
+                .is_err()
+        );
+        assert!(
+            gemma
+                .item_prompt(&PlannedItem::counted(MediaKind::Image, 0))
+                .is_err()
+        );
     }
 }

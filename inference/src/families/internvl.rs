@@ -6,7 +6,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::{Family, FamilyModel, MediaKind, PromptPiece, UpstreamImageModel};
+use super::{
+    Family, FamilyModel, MediaKind, PlannedItem, PromptPiece, UpstreamImageModel, json_file,
+};
 use crate::error::{Error, Result};
 use crate::models::config::ConfigFile;
 
@@ -97,21 +99,6 @@ fn tokenizer_specials(dir: &Path) -> Result<Option<serde_json::Value>> {
         .and_then(|mut v| v.get_mut("extra_special_tokens").map(|v| v.take())))
 }
 
-fn json_file(dir: &Path, name: &str) -> Result<Option<serde_json::Value>> {
-    let path = dir.join(name);
-    let text = match std::fs::read_to_string(&path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => return Err(Error::Io { path, source }),
-    };
-    serde_json::from_str(&text)
-        .map(Some)
-        .map_err(|e| Error::Config {
-            path,
-            reason: format!("not valid JSON: {e}"),
-        })
-}
-
 struct InternVlModel {
     image: UpstreamImageModel,
     start_image: String,
@@ -135,13 +122,16 @@ impl FamilyModel for InternVlModel {
         self.image.processor_settings()
     }
 
-    fn item_prompt(&self, kind: MediaKind, tokens: usize) -> Result<Option<Vec<PromptPiece>>> {
-        let Some(id) = self.placeholder(kind) else {
+    fn item_prompt(&self, item: &PlannedItem) -> Result<Option<Vec<PromptPiece>>> {
+        let Some(id) = self.placeholder(item.kind) else {
             return Ok(None);
         };
         Ok(Some(vec![
             PromptPiece::Text(self.start_image.clone()),
-            PromptPiece::Tokens { id, count: tokens },
+            PromptPiece::Tokens {
+                id,
+                count: item.tokens,
+            },
             PromptPiece::Text(self.end_image.clone()),
         ]))
     }
@@ -168,7 +158,10 @@ mod tests {
         assert_eq!(model.context_length(), 4096);
         assert_eq!(model.placeholder(MediaKind::Image), Some(9));
         assert_eq!(model.processor_settings()["image_seq_length"], 4);
-        let prompt = model.item_prompt(MediaKind::Image, 8).unwrap().unwrap();
+        let prompt = model
+            .item_prompt(&PlannedItem::counted(MediaKind::Image, 8))
+            .unwrap()
+            .unwrap();
         assert_eq!(
             prompt,
             [
@@ -189,7 +182,10 @@ mod tests {
         );
         let model = super::super::read(dir.path()).unwrap();
         assert_eq!(model.processor_settings()["image_seq_length"], 64);
-        let prompt = model.item_prompt(MediaKind::Image, 1).unwrap().unwrap();
+        let prompt = model
+            .item_prompt(&PlannedItem::counted(MediaKind::Image, 1))
+            .unwrap()
+            .unwrap();
         assert_eq!(prompt[0], PromptPiece::Text("<s_img>".into()));
         write(
             dir.path(),

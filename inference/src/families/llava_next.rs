@@ -1,7 +1,8 @@
-//! LLaVA-NeXT (served in front of an engine that runs it): an image fitted into the best of the
-//! model's `image_grid_pinpoints` and tiled, its tokens one run of `<image>` (the base view, the
-//! tiles without their padding, a newline token per row); the image plugin plans and counts them
-//! ("anyres"), with the vision tower's patch size and feature strategy, which are the model's.
+//! LLaVA-NeXT and LLaVA-OneVision (served in front of an engine that runs them): an image fitted
+//! into the best of the model's `image_grid_pinpoints` and tiled, its tokens one run of `<image>`
+//! (the base view, the tiles without their padding, a newline token per row; OneVision pools the
+//! tiles down to about nine views' worth); the image plugin plans and counts them ("anyres"), with
+//! the vision tower's patch size, class token and feature strategy, which are the model's.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -14,30 +15,47 @@ pub(super) struct LlavaNextFamily;
 
 impl Family for LlavaNextFamily {
     fn model_types(&self) -> &'static [&'static str] {
-        &["llava_next"]
+        &["llava_next", "llava_onevision"]
     }
 
-    /// The tower's patch size and whether the base view keeps its class token, with which
-    /// `LlavaNextProcessor` counts, go into the processor config.
+    /// The tower's patch size, whether it has a class token (CLIP does, SigLIP not) and whether
+    /// the base view keeps it, with which `LlavaNextProcessor` and `LlavaOnevisionProcessor`
+    /// count, go into the processor config.
     fn read(&self, dir: &Path) -> Result<Arc<dyn FamilyModel>> {
-        let file = ConfigFile::read_of_type(dir, "llava_next")?;
+        let file = ConfigFile::read_of_types(dir, self.model_types())?;
+        let onevision = file.model_type() == Some("llava_onevision");
         let root = file.root();
-        let patch_size = match root.sub("vision_config", "vision_config") {
+        let vision = root.sub("vision_config", "vision_config");
+        let patch_size = match &vision {
             Some(vision) => vision.usize_or(&["patch_size"], Some(14))?,
             None => 14,
         };
+        let tower = vision
+            .as_ref()
+            .and_then(|v| v.get("model_type"))
+            .and_then(|v| v.as_str())
+            .unwrap_or(if onevision {
+                "siglip_vision_model"
+            } else {
+                "clip_vision_model"
+            });
+        let class_token = !tower.starts_with("siglip");
         let strategy = root
             .get("vision_feature_select_strategy")
             .and_then(|v| v.as_str())
-            .unwrap_or("default");
+            .unwrap_or(if onevision { "full" } else { "default" });
         let mut settings = serde_json::Map::new();
         settings.insert("patch_size".into(), patch_size.into());
         settings.insert("vision_feature_select_strategy".into(), strategy.into());
+        settings.insert(
+            "num_additional_image_tokens".into(),
+            usize::from(class_token).into(),
+        );
         let model = UpstreamImageModel::read(
             &file,
-            4096,
+            if onevision { 32_768 } else { 4096 },
             &["image_token_index", "image_token_id"],
-            32_000,
+            if onevision { 151_646 } else { 32_000 },
             settings,
         )?;
         Ok(Arc::new(model))
@@ -63,5 +81,19 @@ mod tests {
         let settings = model.processor_settings();
         assert_eq!(settings["patch_size"], 16);
         assert_eq!(settings["vision_feature_select_strategy"], "full");
+        assert_eq!(settings["num_additional_image_tokens"], 1);
+    }
+
+    #[test]
+    fn onevision_towers_are_siglip_and_keep_every_feature() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = r#"{"model_type": "llava_onevision", "image_token_index": 5,
+            "vision_config": {"model_type": "siglip_vision_model", "patch_size": 14}}"#;
+        std::fs::write(dir.path().join("config.json"), config).unwrap();
+        let model = super::super::read(dir.path()).unwrap();
+        let settings = model.processor_settings();
+        assert_eq!(settings["vision_feature_select_strategy"], "full");
+        assert_eq!(settings["num_additional_image_tokens"], 0);
+        assert_eq!(model.placeholder(MediaKind::Image), Some(5));
     }
 }

@@ -43,7 +43,7 @@ impl Family for Mistral3Family {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use crate::families::MediaKind;
+    use crate::families::{MediaKind, PlannedItem};
 
     #[test]
     fn the_image_token_and_the_merge_come_from_the_config() {
@@ -56,6 +56,11 @@ mod tests {
         assert_eq!(model.placeholder(MediaKind::Image), Some(10));
         assert_eq!(model.placeholder(MediaKind::Audio), None);
         assert_eq!(model.processor_settings()["spatial_merge_size"], 2);
-        assert!(model.item_prompt(MediaKind::Image, 12).unwrap().is_none());
+        assert!(
+            model
+                .item_prompt(&PlannedItem::counted(MediaKind::Image, 12))
+                .unwrap()
+                .is_none()
+        );
     }
 }

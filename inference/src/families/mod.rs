@@ -11,7 +11,10 @@
 //! prompt.
 
 mod gemma3;
+mod glm4v;
+mod idefics3;
 mod internvl;
+mod llama4;
 mod llava_next;
 mod mistral3;
 mod qwen2_audio;
@@ -131,6 +134,28 @@ pub struct RowBands {
     pub patches: &'static str,
 }
 
+/// An item as its plugin planned it, as [`FamilyModel::item_prompt`] writes it into the prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedItem {
+    pub kind: MediaKind,
+    /// Encoder tokens.
+    pub tokens: usize,
+    /// The plan's `choices` (the plugin's JSON object; `Null` for embeddings made here): for a
+    /// family whose prompt text depends on more than the count (Idefics3's tile grid).
+    pub choices: serde_json::Value,
+}
+
+impl PlannedItem {
+    /// An item known only by its tokens.
+    pub fn counted(kind: MediaKind, tokens: usize) -> Self {
+        Self {
+            kind,
+            tokens,
+            choices: serde_json::Value::Null,
+        }
+    }
+}
+
 /// A piece of an item's prompt ([`FamilyModel::item_prompt`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PromptPiece {
@@ -162,12 +187,12 @@ pub trait FamilyModel: Send + Sync {
     fn processor_settings(&self) -> serde_json::Map<String, serde_json::Value> {
         serde_json::Map::new()
     }
-    /// What an item of `kind` whose plugin planned `tokens` encoder tokens is in the prompt, in
-    /// place of its one templated placeholder, as the model's own processor writes it; `None`
-    /// for a run of `tokens` placeholders. Its text is tokenized with the prompt around it (as
-    /// the processor's is), so tokens may merge across its edges.
-    fn item_prompt(&self, kind: MediaKind, tokens: usize) -> Result<Option<Vec<PromptPiece>>> {
-        let _ = (kind, tokens);
+    /// What a planned item is in the prompt, in place of its one templated placeholder, as the
+    /// model's own processor writes it; `None` for a run of its tokens' placeholders. Its text is
+    /// tokenized with the prompt around it (as the processor's is), so tokens may merge across
+    /// its edges.
+    fn item_prompt(&self, item: &PlannedItem) -> Result<Option<Vec<PromptPiece>>> {
+        let _ = item;
         Ok(None)
     }
     /// How mmgate runs the model itself; `None` for a family served only in front of an engine
@@ -277,6 +302,23 @@ fn upstream_context(config: &ConfigFile, default: usize) -> Result<usize> {
     }
 }
 
+/// A JSON file of the model's directory beside `config.json` (its processor's or tokenizer's
+/// config), if it has one.
+fn json_file(dir: &Path, name: &str) -> Result<Option<serde_json::Value>> {
+    let path = dir.join(name);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(Error::Io { path, source }),
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| Error::Config {
+            path,
+            reason: format!("not valid JSON: {e}"),
+        })
+}
+
 /// Every family mmgate serves.
 pub fn registry() -> &'static [&'static dyn Family] {
     &[
@@ -287,7 +329,18 @@ pub fn registry() -> &'static [&'static dyn Family] {
         &mistral3::Mistral3Family,
         &llava_next::LlavaNextFamily,
         &internvl::InternVlFamily,
+        &glm4v::Glm4vFamily,
+        &idefics3::Idefics3Family,
+        &llama4::Llama4Family,
     ]
+}
+
+/// Whether the checkpoint in `dir` is of a family mmgate knows (its `config.json`'s `model_type`).
+pub fn is_known(dir: &Path) -> Result<bool> {
+    let config = ConfigFile::read(dir)?;
+    Ok(config
+        .model_type()
+        .is_some_and(|t| registry().iter().any(|f| f.model_types().contains(&t))))
 }
 
 /// The family model of the checkpoint in `dir`.

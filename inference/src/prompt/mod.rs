@@ -13,7 +13,9 @@ pub use placement::{PartLayout, PieceMaker};
 
 use crate::engine::MediaItem;
 use crate::error::{Error, Result};
-use crate::families::{self, FamilyModel, MediaKind, NativeFamily, PromptPiece, RowBands};
+use crate::families::{
+    self, FamilyModel, MediaKind, NativeFamily, PlannedItem, PromptPiece, RowBands,
+};
 use crate::models::GenerationConfig;
 use crate::text::{ChatMessage, TextProcessor};
 
@@ -138,19 +140,19 @@ impl PromptModel {
         &self,
         messages: &[ChatMessage],
         ids: &[u32],
-        items: &[(MediaKind, usize)],
+        items: &[PlannedItem],
     ) -> Result<usize> {
         let mut texts = Vec::with_capacity(items.len());
-        for &(kind, tokens) in items {
-            texts.push(self.family.item_prompt(kind, tokens)?);
+        for item in items {
+            texts.push(self.family.item_prompt(item)?);
         }
         if texts.iter().all(Option::is_none) {
-            return Ok(self.text_tokens(ids) + items.iter().map(|(_, t)| t).sum::<usize>());
+            return Ok(self.text_tokens(ids) + items.iter().map(|i| i.tokens).sum::<usize>());
         }
         let templated = self.text.apply_chat_template(messages, true)?;
         let mut expanded = String::with_capacity(templated.len());
         let mut rest = templated.as_str();
-        for (&(kind, tokens), text) in items.iter().zip(texts) {
+        for (&PlannedItem { kind, tokens, .. }, text) in items.iter().zip(texts) {
             let placeholder = self.placeholder(kind)?;
             let spelled = self.token_text(placeholder)?;
             let Some(at) = rest.find(spelled.as_str()) else {
@@ -263,6 +265,18 @@ pub fn read_processor_config(dir: &Path) -> Result<String> {
         fields.insert(VIDEO_PROCESSOR_KEY.into(), video);
     }
     Ok(config.to_string())
+}
+
+/// The processor config the plugins get for the model in `dir`, as a served model's
+/// ([`PromptModel::processor_config`]): [`read_processor_config`], with the settings its family
+/// adds from `config.json` when the directory has one of a family mmgate knows (a directory of
+/// only a processor config, or of another architecture, gets the processor config alone).
+pub fn plugin_processor_config(dir: &Path) -> Result<String> {
+    let config = read_processor_config(dir)?;
+    if !dir.join("config.json").is_file() || !families::is_known(dir)? {
+        return Ok(config);
+    }
+    with_settings(dir, config, &*families::read(dir)?)
 }
 
 /// `config` (a processor config) with the settings `family` adds from the model's config.
