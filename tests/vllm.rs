@@ -122,8 +122,19 @@ fn gateway_config(served: &Path, vllm: &str, weightless: &Path, models: &[(&str,
 /// through `forward`: every promise is vLLM's count, and what was not cut is counted alike
 /// forwarded. Returns each image's usage.media entry.
 fn promises_hold(gateway: &Server, model: &str, forward: &str, extra: &Value) -> Vec<Value> {
+    promises_hold_on(gateway, model, forward, extra, &IMAGES)
+}
+
+/// [`promises_hold`] on `images`.
+fn promises_hold_on(
+    gateway: &Server,
+    model: &str,
+    forward: &str,
+    extra: &Value,
+    images: &[&str],
+) -> Vec<Value> {
     let mut plans = Vec::new();
-    for image in IMAGES {
+    for &image in images {
         let content = json!([image_part(image), {"type": "text", "text": "What is this?"}]);
         let (promised, counted, media) = planned(gateway, model, &content, extra);
         assert_eq!(promised, counted, "{model}, {image}: {media}");
@@ -410,4 +421,194 @@ fn internvl_in_front_of_vllm_keeps_its_promise_on_its_tiles() {
                       "messages": [{"role": "user", "content": broken}]});
     let (status, _, reply) = post(&gateway, &body);
     assert!(status.is_client_error(), "{status}: {reply}");
+}
+
+#[test]
+fn glm4v_in_front_of_vllm_keeps_its_promise_on_its_own_sizing() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let model = checkpoint(&venv, "glm4v", scratch.path());
+    let weightless = weightless(&model);
+    let vllm = Vllm::start(&venv, &model, 4096, &[]);
+    let config = scratch.path().join("mmgate.toml");
+    let models = [
+        ("glm4v", "media = \"preprocess\"\npath = {path}"),
+        (
+            "glm4v-tight",
+            "media = \"preprocess\"\npath = {path}\nmax_model_len = 40",
+        ),
+        ("glm4v-forward", ""),
+    ];
+    std::fs::write(
+        &config,
+        gateway_config(&model, &vllm.addr, &weightless, &models),
+    )
+    .unwrap();
+    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    let plans = promises_hold(&gateway, "glm4v", "glm4v-forward", &json!({}));
+    // 20x30 is under a token's 28 px: scaled up first, as GLM's processor does.
+    assert!(
+        plans
+            .iter()
+            .all(|plan| plan["tokens"].as_u64().unwrap() <= 64)
+    );
+
+    // A context too small for 640x480's 54 tokens: a smaller size, and the promise holds.
+    let content = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What?"}]);
+    let (promised, counted, media) = planned(&gateway, "glm4v-tight", &content, &json!({}));
+    assert_eq!(promised, counted, "tight: {media}");
+    assert!(promised + 2 <= 40, "{promised} tokens in a context of 40");
+    assert_eq!(media[0]["reduced"], true, "{media}");
+
+    let broken =
+        json!([{"type": "image_url", "image_url": {"url": "data:image/webp;base64,UklGRg=="}}]);
+    let body = json!({"model": "glm4v", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": broken}]});
+    let (status, _, reply) = post(&gateway, &body);
+    assert!(status.is_client_error(), "{status}: {reply}");
+}
+
+#[test]
+fn llava_onevision_in_front_of_vllm_keeps_its_promise_on_pooled_tiles() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let model = checkpoint(&venv, "llava_onevision", scratch.path());
+    let weightless = weightless(&model);
+    let vllm = Vllm::start(&venv, &model, 4096, &[]);
+    let config = scratch.path().join("mmgate.toml");
+    let models = [
+        ("onevision", "media = \"preprocess\"\npath = {path}"),
+        (
+            "onevision-tight",
+            "media = \"preprocess\"\npath = {path}\nmax_model_len = 80",
+        ),
+        ("onevision-forward", ""),
+    ];
+    std::fs::write(
+        &config,
+        gateway_config(&model, &vllm.addr, &weightless, &models),
+    )
+    .unwrap();
+    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    let plans = promises_hold(&gateway, "onevision", "onevision-forward", &json!({}));
+    // 256x256 fills 4x4 tiles, whose 16x16 features pool to 12x12 (past nine views' worth).
+    let square = &plans[IMAGES
+        .iter()
+        .position(|i| *i == "scene-256x256.jpg")
+        .unwrap()];
+    assert_eq!(square["tokens"], 16 + 12 * 12 + 12, "{square}");
+
+    // A context too small for the image at its size: a smaller image, and the promise holds.
+    let content = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What?"}]);
+    let (promised, counted, media) = planned(&gateway, "onevision-tight", &content, &json!({}));
+    assert_eq!(promised, counted, "tight: {media}");
+    assert!(promised + 2 <= 80, "{promised} tokens in a context of 80");
+    assert_eq!(media[0]["reduced"], true, "{media}");
+}
+
+#[test]
+fn idefics3_in_front_of_vllm_keeps_its_promise_on_its_tile_grid() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let model = checkpoint(&venv, "idefics3", scratch.path());
+    let weightless = weightless(&model);
+    let vllm = Vllm::start(&venv, &model, 4096, &[]);
+    let config = scratch.path().join("mmgate.toml");
+    let models = [
+        ("idefics3", "media = \"preprocess\"\npath = {path}"),
+        (
+            "idefics3-tight",
+            "media = \"preprocess\"\npath = {path}\nmax_model_len = 60",
+        ),
+        ("idefics3-forward", ""),
+    ];
+    std::fs::write(
+        &config,
+        gateway_config(&model, &vllm.addr, &weightless, &models),
+    )
+    .unwrap();
+    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    let plans = promises_hold(&gateway, "idefics3", "idefics3-forward", &json!({}));
+    // Four tiles along the long side, one to four along the short: 5 to 17 views of 4 tokens.
+    let views: std::collections::BTreeSet<u64> = plans
+        .iter()
+        .map(|plan| plan["tokens"].as_u64().unwrap() / 4)
+        .collect();
+    assert!(views.contains(&5) && views.contains(&17), "{views:?}");
+
+    // A context too small for 640x480's 3x4 tiles: fewer rows of a squashed image, and the
+    // promise holds, landscape and portrait.
+    for image in ["scene-640x480.jpg", "scene-300x1000.jpg"] {
+        let content = json!([image_part(image), {"type": "text", "text": "What?"}]);
+        let (promised, counted, media) = planned(&gateway, "idefics3-tight", &content, &json!({}));
+        assert_eq!(promised, counted, "tight {image}: {media}");
+        assert!(promised + 2 <= 60, "{promised} tokens in a context of 60");
+        assert_eq!(media[0]["reduced"], true, "{media}");
+    }
+}
+
+#[test]
+fn llama4_in_front_of_vllm_keeps_its_promise_on_its_canvas_of_tiles() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let model = checkpoint(&venv, "llama4", scratch.path());
+    let weightless = weightless(&model);
+    let vllm = Vllm::start(&venv, &model, 4096, &[]);
+    let config = scratch.path().join("mmgate.toml");
+    let models = [
+        ("llama4", "media = \"preprocess\"\npath = {path}"),
+        (
+            "llama4-tight",
+            "media = \"preprocess\"\npath = {path}\nmax_model_len = 60",
+        ),
+        ("llama4-forward", ""),
+    ];
+    std::fs::write(
+        &config,
+        gateway_config(&model, &vllm.addr, &weightless, &models),
+    )
+    .unwrap();
+    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    // Not the 20x30 image: it fits one tile, on which vLLM 0.32's CPU build crashes its engine
+    // (its `onednn_mm` wants a contiguous tensor), however the image comes.
+    let images: Vec<&str> = IMAGES
+        .into_iter()
+        .filter(|image| *image != "tiny-upscaled.png")
+        .collect();
+    let plans = promises_hold_on(&gateway, "llama4", "llama4-forward", &json!({}), &images);
+    // Canvases of 12, 14, 15 and 16 tiles and their global views, 4 tokens each.
+    let views: std::collections::BTreeSet<u64> = plans
+        .iter()
+        .map(|plan| plan["tokens"].as_u64().unwrap() / 4)
+        .collect();
+    assert!(views.len() >= 3 && views.contains(&17), "{views:?}");
+
+    // A context too small for a 4x4 canvas: a canvas of fewer tiles, the image squashed to it,
+    // and the promise holds.
+    for image in ["scene-640x480.jpg", "scene-1200x300.jpg"] {
+        let content = json!([image_part(image), {"type": "text", "text": "What?"}]);
+        let (promised, counted, media) = planned(&gateway, "llama4-tight", &content, &json!({}));
+        assert_eq!(promised, counted, "tight {image}: {media}");
+        assert!(promised + 2 <= 60, "{promised} tokens in a context of 60");
+        assert_eq!(media[0]["reduced"], true, "{media}");
+    }
+
+    // The engine's own failure (the one-tile crash) comes back as a server error that says so,
+    // and the gateway serves on.
+    let content = json!([image_part("tiny-upscaled.png"), {"type": "text", "text": "What?"}]);
+    let body = json!({"model": "llama4", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": content}]});
+    let (status, _, reply) = post(&gateway, &body);
+    assert!(status.is_server_error(), "{status}: {reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{reply}"
+    );
+    let models = client()
+        .get(format!("http://{}/v1/models", gateway.addr))
+        .send()
+        .unwrap();
+    assert!(models.status().is_success());
 }
