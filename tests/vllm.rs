@@ -469,7 +469,7 @@ fn glm4v_in_front_of_vllm_keeps_its_promise_on_its_own_sizing() {
 }
 
 #[test]
-fn llava_onevision_in_front_of_vllm_keeps_its_promise_on_pooled_tiles() {
+fn llava_onevision_in_front_of_vllm_keeps_its_promise_on_pooled_tiles_and_videos() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
     let model = checkpoint(&venv, "llava_onevision", scratch.path());
@@ -504,6 +504,35 @@ fn llava_onevision_in_front_of_vllm_keeps_its_promise_on_pooled_tiles() {
     assert_eq!(promised, counted, "tight: {media}");
     assert!(promised + 2 <= 80, "{promised} tokens in a context of 80");
     assert_eq!(media[0]["reduced"], true, "{media}");
+
+    // Videos: 32 frames evenly (all of a shorter one's), each 4 pooled tokens, and a newline;
+    // sent as vLLM's frame list at the tower's size. Under the tight context, fewer frames.
+    for (clip, frames) in [("h264.mp4", 32), ("portrait.mp4", 32), ("short.mp4", 5)] {
+        let content = json!([video_part(clip), {"type": "text", "text": "What happens?"}]);
+        let (promised, counted, media) = planned(&gateway, "onevision", &content, &json!({}));
+        assert_eq!(promised, counted, "{clip}: {media}");
+        assert_eq!(media[0]["tokens"], frames * 4 + 1, "{clip}: {media}");
+    }
+    let content = json!([video_part("vp9.webm"), {"type": "text", "text": "What?"}]);
+    let (promised, counted, media) = planned(&gateway, "onevision-tight", &content, &json!({}));
+    assert_eq!(promised, counted, "tight video: {media}");
+    assert!(promised + 2 <= 80, "{promised} tokens in a context of 80");
+    assert_eq!(media[0]["reduced"], true, "{media}");
+}
+
+/// A clip of tests/fixtures/video/clips as a `video_url` data URL.
+fn video_part(name: &str) -> Value {
+    use base64::Engine as _;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/video/clips")
+        .join(name);
+    let data = base64::engine::general_purpose::STANDARD.encode(std::fs::read(path).unwrap());
+    let mime = if name.ends_with(".webm") {
+        "video/webm"
+    } else {
+        "video/mp4"
+    };
+    json!({"type": "video_url", "video_url": {"url": format!("data:{mime};base64,{data}")}})
 }
 
 #[test]

@@ -3,6 +3,8 @@
 //! (the base view, the tiles without their padding, a newline token per row; OneVision pools the
 //! tiles down to about nine views' worth); the image plugin plans and counts them ("anyres"), with
 //! the vision tower's patch size, class token and feature strategy, which are the model's.
+//! OneVision's videos are a run of `<video>` (each frame's pooled features and a newline), which
+//! the video plugin plans and counts.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -58,6 +60,11 @@ impl Family for LlavaNextFamily {
             if onevision { 151_646 } else { 32_000 },
             settings,
         )?;
+        // OneVision takes videos: frames of the tower's size, pooled (the video plugin counts).
+        let model = match onevision {
+            true => model.with_videos(&file, &["video_token_index", "video_token_id"], 151_647)?,
+            false => model,
+        };
         Ok(Arc::new(model))
     }
 }
@@ -82,6 +89,7 @@ mod tests {
         assert_eq!(settings["patch_size"], 16);
         assert_eq!(settings["vision_feature_select_strategy"], "full");
         assert_eq!(settings["num_additional_image_tokens"], 1);
+        assert_eq!(model.placeholder(MediaKind::Video), None);
     }
 
     #[test]
@@ -95,5 +103,7 @@ mod tests {
         assert_eq!(settings["vision_feature_select_strategy"], "full");
         assert_eq!(settings["num_additional_image_tokens"], 0);
         assert_eq!(model.placeholder(MediaKind::Image), Some(5));
+        assert_eq!(model.placeholder(MediaKind::Video), Some(151_647));
+        assert_eq!(model.media_kinds(), [MediaKind::Image, MediaKind::Video]);
     }
 }

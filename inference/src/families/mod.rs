@@ -245,11 +245,13 @@ pub trait NativeFamily: FamilyModel {
     ) -> Result<LoadedModel>;
 }
 
-/// A model served only in front of an engine whose images are each a run of one placeholder token
-/// (however the plugin counts them), with settings its processor takes from the model's config.
+/// A model served only in front of an engine whose images (and videos, if it takes them) are each
+/// a run of one placeholder token (however the plugin counts them), with settings its processor
+/// takes from the model's config.
 struct UpstreamImageModel {
     context: usize,
     image_token: u32,
+    video_token: Option<u32>,
     settings: serde_json::Map<String, serde_json::Value>,
 }
 
@@ -269,8 +271,25 @@ impl UpstreamImageModel {
             image_token: u32::try_from(image_token).map_err(|_| {
                 config.error(format!("image token {image_token} is not a token id"))
             })?,
+            video_token: None,
             settings,
         })
+    }
+
+    /// Videos too, each a run of the token under the first of `token_keys` present (else
+    /// `default_token`).
+    fn with_videos(
+        mut self,
+        config: &ConfigFile,
+        token_keys: &[&str],
+        default_token: usize,
+    ) -> Result<Self> {
+        let token = config.root().usize_or(token_keys, Some(default_token))?;
+        self.video_token = Some(
+            u32::try_from(token)
+                .map_err(|_| config.error(format!("video token {token} is not a token id")))?,
+        );
+        Ok(self)
     }
 }
 
@@ -280,11 +299,18 @@ impl FamilyModel for UpstreamImageModel {
     }
 
     fn media_kinds(&self) -> &'static [MediaKind] {
-        &[MediaKind::Image]
+        match self.video_token {
+            Some(_) => &[MediaKind::Image, MediaKind::Video],
+            None => &[MediaKind::Image],
+        }
     }
 
     fn placeholder(&self, kind: MediaKind) -> Option<u32> {
-        (kind == MediaKind::Image).then_some(self.image_token)
+        match kind {
+            MediaKind::Image => Some(self.image_token),
+            MediaKind::Video => self.video_token,
+            MediaKind::Audio => None,
+        }
     }
 
     fn processor_settings(&self) -> serde_json::Map<String, serde_json::Value> {

@@ -23,6 +23,9 @@ pub const SUPPORTED: &[&str] = &[
     "Qwen2VLImageProcessorFast",
     "Qwen2VLVideoProcessor",
     "Qwen3VLVideoProcessor",
+    // Planned and counted only (`onevision`).
+    "LlavaOnevisionVideoProcessor",
+    "LlavaOnevisionImageProcessor",
 ];
 
 /// Where the host puts a model's `video_preprocessor_config.json` inside the processor config.
@@ -102,6 +105,12 @@ impl VideoConfig {
             .as_deref()
             .or(raw.image_processor_type.as_deref())
             .unwrap_or("Qwen2VLImageProcessor");
+        if crate::onevision::CLASSES.contains(&class) {
+            return Err(PluginError::unsupported(
+                "LLaVA-OneVision's videos are planned here for an engine that makes their \
+                 tensors: this plugin counts their tokens but does not make them",
+            ));
+        }
         if !SUPPORTED.contains(&class) {
             return Err(PluginError::unsupported(format!(
                 "processor {class} has no video path here (supported: {})",
@@ -306,7 +315,7 @@ impl VideoConfig {
 
 /// The processor config with a model's own video processor config (under [`VIDEO_CONFIG_KEY`])
 /// laid over the image processor's keys, as one JSON object.
-fn with_video_config(json: &str) -> PluginResult<String> {
+pub(crate) fn with_video_config(json: &str) -> PluginResult<String> {
     let mut config: serde_json::Value = parse_config(json)?;
     let Some(fields) = config.as_object_mut() else {
         return Err(PluginError::unsupported(

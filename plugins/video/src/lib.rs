@@ -13,9 +13,11 @@
 //! `video_fps_f64_bits` (i64 [1]: the source frame rate's f64 bits, for Qwen3-VL's timestamps).
 //!
 //! Two sets of rules choose frames and sizes: qwen-vl-utils' (Qwen2-VL, Qwen2.5-VL) and
-//! transformers' `Qwen3VLVideoProcessor` (see `config`).
+//! transformers' `Qwen3VLVideoProcessor` (see `config`). LLaVA-OneVision's videos are planned and
+//! counted only, for an engine that makes their tensors (see `onevision`).
 
 mod config;
+mod onevision;
 pub mod sampling;
 
 use mmgate_plugin_sdk::imageops::{RgbImage, qwen2vl_frame_patches};
@@ -23,7 +25,8 @@ use mmgate_plugin_sdk::video::VideoDecoder;
 use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
 
-use config::{Rules, VideoConfig};
+use config::{Rules, VideoConfig, with_video_config};
+use onevision::OneVision;
 use sampling::{
     FRAME_FACTOR, Strategy, evenly, linspace_indices, numpy_linspace_indices, pad_to_pairs,
 };
@@ -129,8 +132,11 @@ impl Plugin for VideoPlugin {
     }
 
     fn plan(info: MediaInfo, budget: Budget, config: ProcessorConfig) -> PluginResult<TokenPlan> {
-        let config = VideoConfig::parse(&config)?;
         let source = Source::from_info(&info)?;
+        if let Some(onevision) = OneVision::from_config(&with_video_config(&config)?)? {
+            return onevision.plan(&source, budget);
+        }
+        let config = VideoConfig::parse(&config)?;
         let choices_for = |frames: Vec<u64>, (height, width): (usize, usize)| Choices {
             strategy: config.strategy.clone(),
             sample_fps: frames.len() as f64 / (source.frames as f64).max(1e-6) * source.fps,
@@ -285,8 +291,16 @@ impl Plugin for VideoPlugin {
     /// that takes a video as its frames (vLLM's `video/jpeg` frame list) samples nothing more and,
     /// the frames being at a size its resize keeps, counts the plan's tokens.
     fn reduce(media: Media, plan: TokenPlan, config: ProcessorConfig) -> PluginResult<ReducedItem> {
-        let config = VideoConfig::parse(&config)?;
         let choices: Choices = plan.choices()?;
+        let resize: Box<dyn Fn(&RgbImage) -> RgbImage> =
+            match OneVision::from_config(&with_video_config(&config)?)? {
+                Some(onevision) => Box::new(move |frame| onevision.resize_frame(frame)),
+                None => {
+                    let config = VideoConfig::parse(&config)?;
+                    let (width, height) = (choices.width, choices.height);
+                    Box::new(move |frame| config.resize_frame(frame, width, height))
+                }
+            };
         let video = VideoDecoder::open(&media.data)?;
         if video.info().frame_count != choices.source_frames {
             return Err(PluginError::internal(format!(
@@ -304,7 +318,7 @@ impl Plugin for VideoPlugin {
                 height: frame.height as usize,
                 data: frame.rgb,
             };
-            let resized = config.resize_frame(&decoded, choices.width, choices.height);
+            let resized = resize(&decoded);
             files.push(files::png(&resized)?);
             timestamps.push(frame.timestamp);
         }
