@@ -1326,3 +1326,63 @@ fn valid_videos_are_served_on_a_busy_machine_under_a_tight_deadline() {
         stop.store(true, Ordering::Relaxed);
     });
 }
+
+/// `POST /v1/preprocess` with a served model plans as that model does: an upstream-only family's
+/// (Llama 4's tiles, from its checkpoint configs; no engine is needed to plan) comes back with its
+/// tile grid and the files its engine would be sent, a native model's with tensors; a model that
+/// forwards media, an unknown model and a model beside a processor config are refused.
+#[test]
+fn preprocess_explains_a_served_models_plan() {
+    let counts = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm/counts");
+    let config = format!(
+        "[[models]]\nname = \"llama4\"\nupstreams = [\"127.0.0.1:9\"]\nmedia = \"preprocess\"\n\
+         path = {:?}\n\n[[models]]\nname = \"llama4-forward\"\nupstreams = [\"127.0.0.1:9\"]\n\n\
+         [[models]]\nname = \"demo\"\npath = \"demo\"\n",
+        counts.join("llama4")
+    );
+    let (server, _dir) = start(&config);
+    let image = data_url("image/jpeg", &fixture("image/images/photo-640x480.jpg"));
+    let (status, body) = post(
+        &server,
+        "/v1/preprocess",
+        &json!({"media": image, "model": "llama4"}),
+    );
+    assert_eq!(status, 200, "{body}");
+    // 640x480 on 56 px tiles of 4 tokens: a 3x4 canvas and the global view.
+    assert_eq!(body["tokens"], 13 * 4, "{body}");
+    assert_eq!(body["choices"]["tile_grid"], json!([3, 4]), "{body}");
+    assert!(body["files"][0]["bytes"].as_u64().unwrap() > 0, "{body}");
+    assert!(body.get("tensors").is_none(), "{body}");
+    let (status, body) = post(
+        &server,
+        "/v1/preprocess",
+        &json!({"media": image, "model": "llama4", "max_tokens": 30}),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["reduced"], true, "{body}");
+    assert!(body["tokens"].as_u64().unwrap() <= 30, "{body}");
+
+    let (status, body) = post(
+        &server,
+        "/v1/preprocess",
+        &json!({"media": image, "model": "demo"}),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body["tensors"].as_array().is_some_and(|t| !t.is_empty()),
+        "{body}"
+    );
+
+    for (request, expected) in [
+        (json!({"media": image, "model": "llama4-forward"}), 400),
+        (json!({"media": image, "model": "nope"}), 404),
+        (
+            json!({"media": image, "model": "llama4", "processor_config": {}}),
+            400,
+        ),
+    ] {
+        let (status, body) = post(&server, "/v1/preprocess", &request);
+        assert_eq!(status, expected, "{request}: {body}");
+        assert!(body["error"]["message"].is_string(), "{body}");
+    }
+}

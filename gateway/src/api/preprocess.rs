@@ -1,6 +1,8 @@
 //! `POST /v1/preprocess`: media items through their plugins as a chat request runs them (several
 //! items share the budget); answers with the plans and the tensors' shapes (the account `mmgate
-//! preprocess --explain` prints).
+//! preprocess --explain` prints). With `model`, as that served model plans them: its processor
+//! config, and for a model planned here for an engine (`media = "preprocess"`) the files the
+//! engine would be sent instead of tensors.
 
 use std::sync::Arc;
 
@@ -10,8 +12,9 @@ use pingora::protocols::http::ServerSession;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::Gateway;
 use super::io::read_body;
+use super::media_modes::UpstreamMedia;
+use super::{Gateway, Route};
 use crate::error::ApiError;
 use crate::media::budget::BudgetError;
 use crate::media::pipeline;
@@ -57,7 +60,7 @@ impl Gateway {
             })?),
             None => None,
         };
-        let config = request.processor_config.to_string();
+        let (config, produce) = self.processor_of(&request)?;
         let max_tokens = request.max_tokens.unwrap_or(u32::MAX);
         // Choosing may probe, so it runs on the plugin pool too, in the same job as the items.
         self.pool
@@ -72,11 +75,60 @@ impl Gateway {
                         None => return Ok(Err(unsupported(index, several, media.mime_type))),
                     }
                 }
-                Ok(Ok(run_items(&items, &config, max_tokens, several)))
+                Ok(Ok(run_items(
+                    &items, &config, max_tokens, several, &produce,
+                )))
             })
             .await
             .map_err(|e| ApiError::from(&e))?
             .and_then(|outcome| outcome)
+    }
+}
+
+impl Gateway {
+    /// The processor config a request's items are planned with, and what is made of them: the
+    /// request's own config and tensors, or those of the served model it names.
+    fn processor_of(
+        &self,
+        request: &PreprocessRequest,
+    ) -> Result<(String, pipeline::Produce), ApiError> {
+        let whole = pipeline::Produce::Tensors {
+            parts: pipeline::Parts::Whole,
+        };
+        let invalid =
+            |message: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message);
+        let Some(name) = &request.model else {
+            let config = request
+                .processor_config
+                .clone()
+                .unwrap_or_else(|| json!({}));
+            return Ok((config.to_string(), whole));
+        };
+        if request.processor_config.is_some() {
+            return Err(invalid(
+                "give a model or a processor_config, not both: a model plans with its own".into(),
+            ));
+        }
+        match self.models.get(name.as_str()) {
+            None => Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "model_not_found",
+                format!("the model {name:?} does not exist"),
+            )),
+            Some(Route::Native(model))
+            | Some(Route::Upstream {
+                media: UpstreamMedia::Embed(model),
+                ..
+            }) => Ok((model.runtime.prompt.processor_config.clone(), whole)),
+            Some(Route::Upstream {
+                media: UpstreamMedia::Preprocess(prompt),
+                ..
+            }) => Ok((prompt.processor_config.clone(), pipeline::Produce::Files)),
+            Some(Route::Upstream { .. }) => Err(invalid(format!(
+                "model {name:?} forwards media as they came (media = \"forward\"): nothing is \
+                 planned for it here"
+            ))),
+        }
     }
 }
 
@@ -86,21 +138,23 @@ fn run_items(
     config: &str,
     max_tokens: u32,
     several: bool,
+    produce: &pipeline::Produce,
 ) -> Result<Value, ApiError> {
-    let processed = pipeline::process_together(items, config, max_tokens).map_err(|e| match e {
-        BudgetError::TooSmall { .. } => ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "context_length_exceeded",
-            e.to_string(),
-        ),
-        BudgetError::Plugin { item, error } => {
-            let mut api = ApiError::from(&error);
-            if several {
-                api.message = format!("media item {item}: {}", api.message);
+    let processed =
+        pipeline::process_together(items, config, max_tokens, produce).map_err(|e| match e {
+            BudgetError::TooSmall { .. } => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "context_length_exceeded",
+                e.to_string(),
+            ),
+            BudgetError::Plugin { item, error } => {
+                let mut api = ApiError::from(&error);
+                if several {
+                    api.message = format!("media item {item}: {}", api.message);
+                }
+                api
             }
-            api
-        }
-    })?;
+        })?;
     let mut reports = items
         .iter()
         .zip(&processed)
@@ -158,16 +212,15 @@ struct PreprocessRequest {
     /// A plugin by name (default: chosen by the media's type).
     #[serde(default)]
     plugin: Option<String>,
-    /// The model's `preprocessor_config.json`.
-    #[serde(default = "empty_object")]
-    processor_config: Value,
+    /// A served model whose processor config (and, in front of an engine, whose files) to use.
+    #[serde(default)]
+    model: Option<String>,
+    /// The model's `preprocessor_config.json` (without `model`).
+    #[serde(default)]
+    processor_config: Option<Value>,
     /// The token budget of the item, or of all items together (default: unlimited, native sizes).
     #[serde(default)]
     max_tokens: Option<u32>,
-}
-
-fn empty_object() -> Value {
-    json!({})
 }
 
 /// `data:<mime>;base64,<data>` → (mime, bytes), decoded as chat requests decode theirs (the body

@@ -91,7 +91,10 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
     };
     let max_tokens = args.max_tokens.unwrap_or(u32::MAX);
     let item = [(plugin.clone(), media)];
-    let processed = pipeline::process_together(&item, &config, max_tokens)
+    let whole = pipeline::Produce::Tensors {
+        parts: pipeline::Parts::Whole,
+    };
+    let processed = pipeline::process_together(&item, &config, max_tokens, &whole)
         .map_err(reason)?
         .pop()
         .context("the plugin returned no result")?;

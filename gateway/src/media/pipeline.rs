@@ -227,11 +227,13 @@ pub struct Timings {
 }
 
 /// Items of one request planned together within one budget (see [`crate::media::budget`]): probe each,
-/// share the budget, preprocess each with its plan; each step a sandboxed call.
+/// share the budget, preprocess (or `reduce`: `produce` says; tensors are made whole) each with
+/// its plan; each step a sandboxed call.
 pub fn process_together(
     items: &[(Arc<LoadedPlugin>, Media)],
     processor_config: &str,
     budget: u32,
+    produce: &Produce,
 ) -> Result<Vec<Processed>, BudgetError> {
     let mut infos = Vec::with_capacity(items.len());
     let mut probe_times = Vec::with_capacity(items.len());
@@ -249,13 +251,19 @@ pub fn process_together(
     let mut processed = Vec::with_capacity(items.len());
     for (item, (((plugin, media), info), plan)) in items.iter().zip(infos).zip(plans).enumerate() {
         let started = Instant::now();
-        let tensors = plugin
-            .preprocess(media, &plan, processor_config)
-            .map_err(|error| BudgetError::Plugin { item, error })?;
+        let made = match produce {
+            Produce::Tensors { .. } => plugin
+                .preprocess(media, &plan, processor_config)
+                .map(Made::Tensors),
+            Produce::Files => plugin
+                .reduce(media, &plan, processor_config)
+                .map(Made::Files),
+        }
+        .map_err(|error| BudgetError::Plugin { item, error })?;
         processed.push(Processed {
             info,
             plan,
-            made: Made::Tensors(tensors),
+            made,
             share_key: None,
             timings: Timings {
                 probe: probe_times[item],
