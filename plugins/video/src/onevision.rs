@@ -29,10 +29,15 @@ struct Size {
     width: usize,
 }
 
+/// The classes a processor config names (read first: other classes' keys differ).
 #[derive(Debug, Deserialize)]
-struct RawConfig {
+struct Classes {
     video_processor_type: Option<String>,
     image_processor_type: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawConfig {
     size: Option<Size>,
     /// The tower's patch size (the model's, which its family adds).
     patch_size: Option<usize>,
@@ -49,15 +54,16 @@ pub struct OneVision {
 impl OneVision {
     /// The config's OneVision video processor, `None` for another class.
     pub fn from_config(json: &str) -> PluginResult<Option<OneVision>> {
-        let raw: RawConfig = parse_config(json)?;
-        let class = raw
+        let classes: Classes = parse_config(json)?;
+        let class = classes
             .video_processor_type
             .as_deref()
-            .or(raw.image_processor_type.as_deref())
+            .or(classes.image_processor_type.as_deref())
             .map(|c| c.strip_suffix("Fast").unwrap_or(c));
         if !class.is_some_and(|c| CLASSES.contains(&c)) {
             return Ok(None);
         }
+        let raw: RawConfig = parse_config(json)?;
         let side = match raw.size {
             None => 384,
             Some(Size { height, width }) if height == width && height > 0 => height,
@@ -184,7 +190,11 @@ mod tests {
                 .plan(&source(300), Budget { max_tokens: 196 })
                 .is_err()
         );
+        // Other classes' keys are not read (Qwen3-VL's `size` holds pixel bounds).
         let qwen = r#"{"image_processor_type": "Qwen2VLImageProcessor"}"#;
         assert!(OneVision::from_config(qwen).unwrap().is_none());
+        let qwen3 = r#"{"video_processor_type": "Qwen3VLVideoProcessor",
+            "size": {"shortest_edge": 4096, "longest_edge": 25165824}}"#;
+        assert!(OneVision::from_config(qwen3).unwrap().is_none());
     }
 }
