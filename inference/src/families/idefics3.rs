@@ -10,7 +10,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    Family, FamilyModel, MediaKind, PlannedItem, PromptPiece, UpstreamImageModel, json_file,
+    Family, FamilyModel, ImagePrompt, PlannedItem, PromptPiece, UpstreamImageModel, WrittenImages,
+    json_file,
 };
 use crate::error::{Error, Result};
 use crate::models::config::ConfigFile;
@@ -67,39 +68,20 @@ impl Family for Idefics3Family {
             if smolvlm { 49_190 } else { 128_257 },
             settings,
         )?;
-        Ok(Arc::new(Idefics3Model {
-            image,
-            tokens_per_tile,
+        Ok(Arc::new(WrittenImages {
+            model: image,
+            prompt: Idefics3Prompt { tokens_per_tile },
         }))
     }
 }
 
-struct Idefics3Model {
-    image: UpstreamImageModel,
+/// The tiles row by row, then the global view.
+struct Idefics3Prompt {
     tokens_per_tile: usize,
 }
 
-impl FamilyModel for Idefics3Model {
-    fn context_length(&self) -> usize {
-        self.image.context_length()
-    }
-
-    fn media_kinds(&self) -> &'static [MediaKind] {
-        self.image.media_kinds()
-    }
-
-    fn placeholder(&self, kind: MediaKind) -> Option<u32> {
-        self.image.placeholder(kind)
-    }
-
-    fn processor_settings(&self) -> serde_json::Map<String, serde_json::Value> {
-        self.image.processor_settings()
-    }
-
-    fn item_prompt(&self, item: &PlannedItem) -> Result<Option<Vec<PromptPiece>>> {
-        let Some(id) = self.placeholder(item.kind) else {
-            return Ok(None);
-        };
+impl ImagePrompt for Idefics3Prompt {
+    fn write(&self, item: &PlannedItem, id: u32) -> Result<Vec<PromptPiece>> {
         let grid = match item.choices.get("tile_grid") {
             None => None,
             Some(value) => Some(serde_json::from_value::<[usize; 2]>(value.clone()).map_err(
@@ -139,7 +121,7 @@ impl FamilyModel for Idefics3Model {
         )));
         pieces.push(view);
         pieces.push(PromptPiece::Text(FAKE_IMAGE_TOKEN.into()));
-        Ok(Some(pieces))
+        Ok(pieces)
     }
 }
 
@@ -148,6 +130,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+    use crate::families::MediaKind;
 
     #[test]
     fn tiles_are_spelled_row_by_row_before_the_global_view() {

@@ -7,7 +7,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{
-    Family, FamilyModel, MediaKind, PlannedItem, PromptPiece, UpstreamImageModel, json_file,
+    Family, FamilyModel, ImagePrompt, PlannedItem, PromptPiece, UpstreamImageModel, WrittenImages,
+    json_file,
 };
 use crate::error::{Error, Result};
 use crate::models::config::ConfigFile;
@@ -52,10 +53,12 @@ impl Family for InternVlFamily {
                 .unwrap_or(default)
                 .to_owned()
         };
-        Ok(Arc::new(InternVlModel {
-            image,
-            start_image: special("start_image_token", "<img>"),
-            end_image: special("end_image_token", "</img>"),
+        Ok(Arc::new(WrittenImages {
+            model: image,
+            prompt: InternVlPrompt {
+                start_image: special("start_image_token", "<img>"),
+                end_image: special("end_image_token", "</img>"),
+            },
         }))
     }
 }
@@ -99,41 +102,22 @@ fn tokenizer_specials(dir: &Path) -> Result<Option<serde_json::Value>> {
         .and_then(|mut v| v.get_mut("extra_special_tokens").map(|v| v.take())))
 }
 
-struct InternVlModel {
-    image: UpstreamImageModel,
+/// `<img>`, the tiles' tokens, `</img>`.
+struct InternVlPrompt {
     start_image: String,
     end_image: String,
 }
 
-impl FamilyModel for InternVlModel {
-    fn context_length(&self) -> usize {
-        self.image.context_length()
-    }
-
-    fn media_kinds(&self) -> &'static [MediaKind] {
-        self.image.media_kinds()
-    }
-
-    fn placeholder(&self, kind: MediaKind) -> Option<u32> {
-        self.image.placeholder(kind)
-    }
-
-    fn processor_settings(&self) -> serde_json::Map<String, serde_json::Value> {
-        self.image.processor_settings()
-    }
-
-    fn item_prompt(&self, item: &PlannedItem) -> Result<Option<Vec<PromptPiece>>> {
-        let Some(id) = self.placeholder(item.kind) else {
-            return Ok(None);
-        };
-        Ok(Some(vec![
+impl ImagePrompt for InternVlPrompt {
+    fn write(&self, item: &PlannedItem, image_token: u32) -> Result<Vec<PromptPiece>> {
+        Ok(vec![
             PromptPiece::Text(self.start_image.clone()),
             PromptPiece::Tokens {
-                id,
+                id: image_token,
                 count: item.tokens,
             },
             PromptPiece::Text(self.end_image.clone()),
-        ]))
+        ])
     }
 }
 
@@ -142,6 +126,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+    use crate::families::MediaKind;
 
     fn write(dir: &Path, name: &str, text: &str) {
         std::fs::write(dir.join(name), text).unwrap();

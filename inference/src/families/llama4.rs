@@ -9,7 +9,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::{Family, FamilyModel, MediaKind, PlannedItem, PromptPiece, UpstreamImageModel};
+use super::{
+    Family, FamilyModel, ImagePrompt, PlannedItem, PromptPiece, UpstreamImageModel, WrittenImages,
+};
 use crate::error::{Error, Result};
 use crate::models::config::ConfigFile;
 
@@ -42,35 +44,18 @@ impl Family for Llama4Family {
             200_092,
             settings,
         )?;
-        Ok(Arc::new(Llama4Model { image }))
+        Ok(Arc::new(WrittenImages {
+            model: image,
+            prompt: Llama4Prompt,
+        }))
     }
 }
 
-struct Llama4Model {
-    image: UpstreamImageModel,
-}
+/// The canvas's tiles row by row, then the global view.
+struct Llama4Prompt;
 
-impl FamilyModel for Llama4Model {
-    fn context_length(&self) -> usize {
-        self.image.context_length()
-    }
-
-    fn media_kinds(&self) -> &'static [MediaKind] {
-        self.image.media_kinds()
-    }
-
-    fn placeholder(&self, kind: MediaKind) -> Option<u32> {
-        self.image.placeholder(kind)
-    }
-
-    fn processor_settings(&self) -> serde_json::Map<String, serde_json::Value> {
-        self.image.processor_settings()
-    }
-
-    fn item_prompt(&self, item: &PlannedItem) -> Result<Option<Vec<PromptPiece>>> {
-        if self.placeholder(item.kind).is_none() {
-            return Ok(None);
-        }
+impl ImagePrompt for Llama4Prompt {
+    fn write(&self, item: &PlannedItem, _image_token: u32) -> Result<Vec<PromptPiece>> {
         let grid = item.choices.get("tile_grid").cloned().unwrap_or_default();
         let Ok([rows, columns]) = serde_json::from_value::<[usize; 2]>(grid.clone()) else {
             return Err(Error::Input(format!(
@@ -98,7 +83,7 @@ impl FamilyModel for Llama4Model {
         text.push_str("<|image|>");
         text.push_str(&run);
         text.push_str("<|image_end|>");
-        Ok(Some(vec![PromptPiece::Text(text)]))
+        Ok(vec![PromptPiece::Text(text)])
     }
 }
 
@@ -107,6 +92,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+    use crate::families::MediaKind;
 
     #[test]
     fn tiles_are_spelled_row_by_row_before_the_global_view() {

@@ -318,6 +318,44 @@ impl FamilyModel for UpstreamImageModel {
     }
 }
 
+/// How an upstream-only family writes an image into the prompt when it is more than a run of its
+/// placeholder (tokens around it, a tile grid spelled out).
+trait ImagePrompt: Send + Sync {
+    /// The pieces of `item`, an image whose placeholder token is `image_token`.
+    fn write(&self, item: &PlannedItem, image_token: u32) -> Result<Vec<PromptPiece>>;
+}
+
+/// An [`UpstreamImageModel`] whose images `prompt` writes.
+struct WrittenImages<P> {
+    model: UpstreamImageModel,
+    prompt: P,
+}
+
+impl<P: ImagePrompt> FamilyModel for WrittenImages<P> {
+    fn context_length(&self) -> usize {
+        self.model.context_length()
+    }
+
+    fn media_kinds(&self) -> &'static [MediaKind] {
+        self.model.media_kinds()
+    }
+
+    fn placeholder(&self, kind: MediaKind) -> Option<u32> {
+        self.model.placeholder(kind)
+    }
+
+    fn processor_settings(&self) -> serde_json::Map<String, serde_json::Value> {
+        self.model.processor_settings()
+    }
+
+    fn item_prompt(&self, item: &PlannedItem) -> Result<Option<Vec<PromptPiece>>> {
+        if item.kind != MediaKind::Image {
+            return Ok(None);
+        }
+        self.prompt.write(item, self.model.image_token).map(Some)
+    }
+}
+
 /// The context of a checkpoint that only an engine runs: its `text_config`'s
 /// `max_position_embeddings`, else `default` (the family's released models'); nothing else of
 /// the LLM is read.
