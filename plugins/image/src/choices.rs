@@ -1,6 +1,7 @@
 //! What an image plan chose, which the plugin's later calls read back (the plan's `choices`), shared
 //! by the processors.
 
+use mmgate_plugin_sdk::imageops::{Filter, RgbImage};
 use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
 
@@ -38,6 +39,15 @@ pub fn tokens_u32(tokens: usize) -> PluginResult<u32> {
 }
 
 impl Choices {
+    /// `image` squashed to the size a reduced plan names (`squashed`), with `filter`: what the
+    /// model's server is sent so that its processor makes the planned crops or tiles.
+    pub fn squash(&self, image: RgbImage, filter: Filter) -> PluginResult<RgbImage> {
+        let [w, h] = self
+            .squashed
+            .ok_or_else(|| PluginError::internal("a reduced plan names no squashed size"))?;
+        Ok(image.into_resized(w, h, filter))
+    }
+
     /// A plan of only a size (no crop, grid, bands or crops).
     pub fn sized(width: usize, height: usize) -> Self {
         Self {

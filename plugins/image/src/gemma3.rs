@@ -155,10 +155,7 @@ impl Gemma3 {
     /// The image the model's server is sent for a reduced plan: squashed so that its
     /// pan-and-scan makes the planned crops.
     pub fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
-        let [w, h] = choices
-            .squashed
-            .ok_or_else(|| PluginError::internal("a reduced Gemma 3 plan names no size"))?;
-        Ok(image.into_resized(w, h, self.filter))
+        choices.squash(image, self.filter)
     }
 
     /// `pixel_values` [views, 3, H, W]: the whole image, then its crops left to right, top to

@@ -146,10 +146,7 @@ impl Idefics3 {
     /// The image the model's server is sent for a reduced plan: squashed to the planned grid's
     /// aspect ratio (the server scales it again, so the filter is only this step's).
     pub fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
-        let [w, h] = choices
-            .squashed
-            .ok_or_else(|| PluginError::internal("a reduced Idefics3 plan names no size"))?;
-        Ok(image.into_resized(w, h, Filter::Bicubic))
+        choices.squash(image, Filter::Bicubic)
     }
 }
 

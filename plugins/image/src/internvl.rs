@@ -129,10 +129,7 @@ impl InternVl {
 
     /// The image the model's server is sent for a reduced plan: squashed to its grid's canvas.
     pub fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
-        let [w, h] = choices
-            .squashed
-            .ok_or_else(|| PluginError::internal("a reduced InternVL plan names no size"))?;
-        Ok(image.into_resized(w, h, self.filter))
+        choices.squash(image, self.filter)
     }
 
     /// `pixel_values` [tiles, 3, T, T]: the grid's tiles left to right, top to bottom, then the

@@ -143,10 +143,7 @@ impl Llama4 {
     /// The image the model's server is sent for a reduced plan: squashed to its canvas (the
     /// server resizes it again, so the filter is only this step's).
     pub fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
-        let [w, h] = choices
-            .squashed
-            .ok_or_else(|| PluginError::internal("a reduced Llama 4 plan names no size"))?;
-        Ok(image.into_resized(w, h, Filter::Bilinear))
+        choices.squash(image, Filter::Bilinear)
     }
 }
 
