@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use super::{
     Family, FamilyModel, ImagePrompt, PlannedItem, PromptPiece, UpstreamImageModel, WrittenImages,
-    json_file,
+    processor_count,
 };
 use crate::error::{Error, Result};
 use crate::models::config::ConfigFile;
@@ -31,16 +31,8 @@ impl Family for Idefics3Family {
     fn read(&self, dir: &Path) -> Result<Arc<dyn FamilyModel>> {
         let file = ConfigFile::read_of_types(dir, self.model_types())?;
         let smolvlm = file.model_type() == Some("smolvlm");
-        let processor = json_file(dir, "processor_config.json")?;
-        let tokens_per_tile = match processor.as_ref().and_then(|p| p.get("image_seq_len")) {
-            Some(value) => value
-                .as_u64()
-                .filter(|&n| n > 0)
-                .map(|n| n as usize)
-                .ok_or_else(|| Error::Config {
-                    path: dir.join("processor_config.json"),
-                    reason: format!("image_seq_len {value} is not a positive number"),
-                })?,
+        let tokens_per_tile = match processor_count(dir, "image_seq_len")? {
+            Some(n) => n,
             None => {
                 let root = file.root();
                 let (image, patch) = match root.sub("vision_config", "vision_config") {

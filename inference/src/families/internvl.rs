@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use super::{
     Family, FamilyModel, ImagePrompt, PlannedItem, PromptPiece, UpstreamImageModel, WrittenImages,
-    json_file,
+    json_file, processor_count,
 };
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::models::config::ConfigFile;
 
 pub(super) struct InternVlFamily;
@@ -24,15 +24,8 @@ impl Family for InternVlFamily {
     /// `processor_config.json`, else the tower's patches of a tile, pixel-shuffled.
     fn read(&self, dir: &Path) -> Result<Arc<dyn FamilyModel>> {
         let file = ConfigFile::read_of_type(dir, "internvl")?;
-        let tokens_per_tile = match processor_value(dir, "image_seq_length")? {
-            Some(value) => value
-                .as_u64()
-                .filter(|&n| n > 0)
-                .map(|n| n as usize)
-                .ok_or_else(|| Error::Config {
-                    path: dir.join("processor_config.json"),
-                    reason: format!("image_seq_length {value} is not a positive number"),
-                })?,
+        let tokens_per_tile = match processor_count(dir, "image_seq_length")? {
+            Some(n) => n,
             None => tower_tokens_per_tile(&file)?,
         };
         let mut settings = serde_json::Map::new();
@@ -88,11 +81,6 @@ fn tower_tokens_per_tile(file: &ConfigFile) -> Result<usize> {
     }
     let patches = (image / patch) as f64;
     Ok(((patches * f64::from(ratio)).powi(2)) as usize)
-}
-
-/// A key of the model's `processor_config.json`, if it has one.
-fn processor_value(dir: &Path, key: &str) -> Result<Option<serde_json::Value>> {
-    Ok(json_file(dir, "processor_config.json")?.and_then(|mut v| v.get_mut(key).map(|v| v.take())))
 }
 
 /// `tokenizer_config.json`'s `extra_special_tokens`, where transformers 5 keeps the image tokens'

@@ -383,6 +383,23 @@ fn json_file(dir: &Path, name: &str) -> Result<Option<serde_json::Value>> {
         })
 }
 
+/// A positive count under `key` in the model's `processor_config.json` (a tile's tokens, as the
+/// processor takes them), if the file names one.
+fn processor_count(dir: &Path, key: &str) -> Result<Option<usize>> {
+    let Some(value) =
+        json_file(dir, "processor_config.json")?.and_then(|mut v| v.get_mut(key).map(|v| v.take()))
+    else {
+        return Ok(None);
+    };
+    match value.as_u64().filter(|&n| n > 0) {
+        Some(n) => Ok(Some(n as usize)),
+        None => Err(Error::Config {
+            path: dir.join("processor_config.json"),
+            reason: format!("{key} {value} is not a positive number"),
+        }),
+    }
+}
+
 /// Every family mmgate serves.
 pub fn registry() -> &'static [&'static dyn Family] {
     &[
