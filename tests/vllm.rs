@@ -1,7 +1,9 @@
 //! mmgate in front of vLLM itself (its CPU build from PyPI, pinned in
 //! tests/fixtures/engine/requirements.txt) serving tiny random checkpoints of families mmgate plans
-//! media for but does not run (made by tests/fixtures/vllm/checkpoints.py in the engine venv).
-//! For each family and each image of several sizes and aspect ratios, through `media = "preprocess"`:
+//! media for but does not run (made by tests/fixtures/vllm/checkpoints.py in the engine venv), and
+//! mmgate's own demo checkpoints of the Qwen families it also runs. For each family and each image
+//! of several sizes and aspect ratios (and videos and audio where the family takes them), through
+//! `media = "preprocess"`:
 //! the prompt tokens mmgate promised (`x-mmgate-prompt-tokens`) are vLLM's `usage.prompt_tokens`;
 //! under a tight context the plan cuts what the family's processor can cut and still keeps its
 //! promise and fits; `forward` reaches vLLM unchanged; bad media are refused here with a 4xx.
@@ -34,16 +36,17 @@ fn vllm_venv() -> Option<PathBuf> {
     None
 }
 
+/// The committed checkpoint script, run by the venv's Python.
+fn checkpoints_py(venv: &Path) -> Command {
+    let mut command = Command::new(venv.join("bin/python"));
+    command
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm/checkpoints.py"));
+    command
+}
+
 /// `family`'s tiny checkpoint, made in `into` by the committed script.
 fn checkpoint(venv: &Path, family: &str, into: &Path) -> PathBuf {
-    let script =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm/checkpoints.py");
-    common::run_ok(
-        Command::new(venv.join("bin/python"))
-            .arg(script)
-            .arg(into)
-            .arg(family),
-    );
+    common::run_ok(checkpoints_py(venv).arg(into).arg(family));
     into.join(family)
 }
 
@@ -158,7 +161,93 @@ fn promises_hold_on(
                          {"type": "text", "text": "and"}, image_part("scene-256x256.jpg")]);
     let (promised, counted, media) = planned(gateway, model, &content, extra);
     assert_eq!(promised, counted, "{model}, three images: {media}");
+    bad_media_is_refused_here(gateway, model);
     plans
+}
+
+/// Truncated images of each format and a part of a kind the model does not take are refused here
+/// with a 4xx, before the engine sees them.
+fn bad_media_is_refused_here(gateway: &Server, model: &str) {
+    let truncated = |url: &str| json!([{"type": "image_url", "image_url": {"url": url}}]);
+    for content in [
+        truncated("data:image/jpeg;base64,/9j/4AAQ"),
+        truncated("data:image/png;base64,iVBORw0KGgo="),
+        truncated("data:image/gif;base64,R0lGODlh"),
+        truncated("data:image/webp;base64,UklGRg=="),
+        json!([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]),
+    ] {
+        let body = json!({"model": model, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": content}]});
+        let (status, _, reply) = post(gateway, &body);
+        assert!(status.is_client_error(), "{model}: {status}: {reply}");
+        assert!(reply["error"]["message"].is_string(), "{reply}");
+    }
+}
+
+/// A model served by vLLM (started with `args`) and a gateway in front of it, on the model's
+/// weightless copy: planned here as `name` and, under `max_model_len = tight`, as `{name}-tight`
+/// (both with the TOML `lines`), forwarded as `{name}-forward`, and `more` models (name, TOML lines
+/// beyond the upstream; `{path}` is the weightless copy).
+fn fronted(
+    venv: &Path,
+    model: &Path,
+    args: &[&str],
+    (name, tight, lines): (&str, usize, &str),
+    more: &[(&str, &str)],
+) -> (Vllm, Server) {
+    let weightless = weightless(model);
+    let vllm = Vllm::start(venv, model, 4096, args);
+    let planned = format!("media = \"preprocess\"\npath = {{path}}\n{lines}");
+    let tight_lines = format!("{planned}\nmax_model_len = {tight}");
+    let (tight_name, forward) = (format!("{name}-tight"), format!("{name}-forward"));
+    let mut models = vec![
+        (name, planned.as_str()),
+        (tight_name.as_str(), tight_lines.as_str()),
+        (forward.as_str(), ""),
+    ];
+    models.extend_from_slice(more);
+    let scratch = model.parent().unwrap();
+    let config = scratch.join(format!("{name}.toml"));
+    std::fs::write(
+        &config,
+        gateway_config(model, &vllm.addr, &weightless, &models),
+    )
+    .unwrap();
+    let cache = scratch.join("cache");
+    let gateway = Server::start_with_env(
+        &["--config", config.to_str().unwrap()],
+        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
+    );
+    (vllm, gateway)
+}
+
+/// `family`'s tiny checkpoint (checkpoints.py) behind vLLM, as [`fronted`] with no more models.
+fn family_fronted(venv: &Path, scratch: &Path, family: &str, tight: usize) -> (Vllm, Server) {
+    let model = checkpoint(venv, family, scratch);
+    fronted(venv, &model, &[], (family, tight, ""), &[])
+}
+
+/// One item (`part`) through `{model}-tight`, a context of `context` tokens too small for it as
+/// it came: the plan cuts it (`reduced`), the promise holds, and the request fits. Its plan.
+fn tight_holds(gateway: &Server, model: &str, part: Value, context: u64, extra: &Value) -> Value {
+    let content = json!([part, {"type": "text", "text": "What?"}]);
+    let tight = format!("{model}-tight");
+    let (promised, counted, media) = planned(gateway, &tight, &content, extra);
+    assert_eq!(promised, counted, "{tight}: {media}");
+    assert!(
+        promised + 2 <= context,
+        "{promised} tokens in a context of {context}"
+    );
+    assert_eq!(media[0]["reduced"], true, "{media}");
+    media[0].clone()
+}
+
+/// Distinct values of `plans`' tokens divided by `per`: the views, tiles or crops they chose.
+fn units(plans: &[Value], per: u64) -> std::collections::BTreeSet<u64> {
+    plans
+        .iter()
+        .map(|plan| plan["tokens"].as_u64().unwrap() / per)
+        .collect()
 }
 
 #[test]
@@ -166,108 +255,53 @@ fn gemma3_in_front_of_vllm_keeps_its_promise_with_and_without_pan_and_scan() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
     let model = checkpoint(&venv, "gemma3", scratch.path());
-    let weightless = weightless(&model);
     // Pan-and-scan is the processor's setting: vLLM takes it per request here (as an operator's
     // `--mm-processor-kwargs` sets it for all), mmgate from the model's `processor_kwargs`.
-    let vllm = Vllm::start(&venv, &model, 4096, &["--trust-request-mm-kwargs"]);
-    let config = scratch.path().join("mmgate.toml");
-    let models = [
-        ("gemma3", "media = \"preprocess\"\npath = {path}"),
+    let (_vllm, gateway) = fronted(
+        &venv,
+        &model,
+        &["--trust-request-mm-kwargs"],
         (
             "gemma3-pas",
-            "media = \"preprocess\"\npath = {path}\nprocessor_kwargs = { do_pan_and_scan = true }",
+            150,
+            "processor_kwargs = { do_pan_and_scan = true }",
         ),
-        (
-            "gemma3-pas-tight",
-            "media = \"preprocess\"\npath = {path}\nprocessor_kwargs = { do_pan_and_scan = true }\n\
-             max_model_len = 150",
-        ),
-        ("gemma3-forward", ""),
-    ];
-    std::fs::write(
-        &config,
-        gateway_config(&model, &vllm.addr, &weightless, &models),
-    )
-    .unwrap();
-    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
-    promises_hold(&gateway, "gemma3", "gemma3-forward", &json!({}));
-    let pas = json!({"mm_processor_kwargs": {"do_pan_and_scan": true}});
-    let plans = promises_hold(&gateway, "gemma3-pas", "gemma3-forward", &pas);
-    // The images make whole images and 2, 3 and 4 crops.
-    let crops: std::collections::BTreeSet<u64> = plans
-        .iter()
-        .map(|plan| plan["tokens"].as_u64().unwrap() / 16 - 1)
-        .collect();
-    assert_eq!(
-        crops.into_iter().collect::<Vec<_>>(),
-        [0, 2, 3, 4],
-        "crops made"
+        &[("gemma3", "media = \"preprocess\"\npath = {path}")],
     );
+    promises_hold(&gateway, "gemma3", "gemma3-pas-forward", &json!({}));
+    let pas = json!({"mm_processor_kwargs": {"do_pan_and_scan": true}});
+    let plans = promises_hold(&gateway, "gemma3-pas", "gemma3-pas-forward", &pas);
+    // 16 tokens a view: whole images and 2, 3 and 4 crops.
+    let views: Vec<u64> = units(&plans, 16).into_iter().collect();
+    assert_eq!(views, [1, 3, 4, 5], "views made");
 
-    // A context too small for every crop: the plan keeps fewer, the promise holds, and it fits.
-    let content = json!([image_part("scene-1200x300.jpg"), {"type": "text", "text": "What?"}]);
-    let (promised, counted, media) = planned(&gateway, "gemma3-pas-tight", &content, &pas);
-    assert_eq!(promised, counted, "tight: {media}");
-    assert!(promised + 2 <= 150, "{promised} tokens in a context of 150");
-    assert_eq!(media[0]["reduced"], true, "{media}");
-    let tokens = media[0]["tokens"].as_u64().unwrap();
-    assert!(tokens < 5 * 16, "{media}");
-
-    // Bad media are refused here, before vLLM sees them.
-    let broken =
-        json!([{"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,/9j/4AAQ"}}]);
-    let body = json!({"model": "gemma3", "max_tokens": 2,
-                      "messages": [{"role": "user", "content": broken}]});
-    let (status, _, reply) = post(&gateway, &body);
-    assert!(status.is_client_error(), "{status}: {reply}");
-    assert!(reply["error"]["message"].is_string(), "{reply}");
-    // Audio is not Gemma 3's.
-    let body = json!({"model": "gemma3", "max_tokens": 2, "messages": [{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]});
-    let (status, _, reply) = post(&gateway, &body);
-    assert_eq!(status, 400, "{reply}");
+    // A context too small for every crop: fewer crops.
+    let plan = tight_holds(
+        &gateway,
+        "gemma3-pas",
+        image_part("scene-1200x300.jpg"),
+        150,
+        &pas,
+    );
+    assert!(plan["tokens"].as_u64().unwrap() < 5 * 16, "{plan}");
 }
 
 #[test]
 fn mistral3_in_front_of_vllm_keeps_its_promise_at_native_resolution() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let model = checkpoint(&venv, "mistral3", scratch.path());
-    let weightless = weightless(&model);
-    let vllm = Vllm::start(&venv, &model, 4096, &[]);
-    let config = scratch.path().join("mmgate.toml");
-    let models = [
-        ("mistral3", "media = \"preprocess\"\npath = {path}"),
-        (
-            "mistral3-tight",
-            "media = \"preprocess\"\npath = {path}\nmax_model_len = 80",
-        ),
-        ("mistral3-forward", ""),
-    ];
-    std::fs::write(
-        &config,
-        gateway_config(&model, &vllm.addr, &weightless, &models),
-    )
-    .unwrap();
-    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "mistral3", 80);
     let plans = promises_hold(&gateway, "mistral3", "mistral3-forward", &json!({}));
     // Within 336 px in 28 px tokens: 640x480 is 12x9 tokens and 9 breaks.
     assert_eq!(plans[0]["tokens"], 9 * 13, "{}", plans[0]);
-
-    // A context too small for the image at its size: a lower longest edge, and the promise holds.
-    let content = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What?"}]);
-    let (promised, counted, media) = planned(&gateway, "mistral3-tight", &content, &json!({}));
-    assert_eq!(promised, counted, "tight: {media}");
-    assert!(promised + 2 <= 80, "{promised} tokens in a context of 80");
-    assert_eq!(media[0]["reduced"], true, "{media}");
-
-    // Bad media are refused here, before vLLM sees them.
-    let broken =
-        json!([{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]);
-    let body = json!({"model": "mistral3", "max_tokens": 2,
-                      "messages": [{"role": "user", "content": broken}]});
-    let (status, _, reply) = post(&gateway, &body);
-    assert!(status.is_client_error(), "{status}: {reply}");
+    // A context too small for the image at its size: a lower longest edge.
+    tight_holds(
+        &gateway,
+        "mistral3",
+        image_part("scene-640x480.jpg"),
+        80,
+        &json!({}),
+    );
 }
 
 /// mmgate's demo Qwen2-VL (random weights, run by vLLM too): images encoded here and sent as
@@ -279,25 +313,15 @@ fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
     let scratch = tempfile::tempdir().unwrap();
     let cache = scratch.path().join("cache");
     let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
-    let weightless = weightless(&model);
-    let vllm = Vllm::start(&venv, &model, 4096, &["--enable-mm-embeds"]);
-    let config = scratch.path().join("mmgate.toml");
     let embed = format!("media = \"embed\"\npath = {model:?}");
-    let models = [
-        ("qwen2-vl-embed", embed.as_str()),
-        ("qwen2-vl-planned", "media = \"preprocess\"\npath = {path}"),
-        ("qwen2-vl-forward", ""),
-    ];
-    std::fs::write(
-        &config,
-        gateway_config(&model, &vllm.addr, &weightless, &models),
-    )
-    .unwrap();
-    let gateway = Server::start_with_env(
-        &["--config", config.to_str().unwrap()],
-        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
+    let (_vllm, gateway) = fronted(
+        &venv,
+        &model,
+        &["--enable-mm-embeds"],
+        ("qwen2-vl", 200, ""),
+        &[("qwen2-vl-embed", embed.as_str())],
     );
-    promises_hold(&gateway, "qwen2-vl-planned", "qwen2-vl-forward", &json!({}));
+    promises_hold(&gateway, "qwen2-vl", "qwen2-vl-forward", &json!({}));
     for image in [
         "scene-640x480.jpg",
         "scene-300x1000.jpg",
@@ -327,31 +351,108 @@ fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
             "the greedy answer to {image}"
         );
     }
+    tight_holds(
+        &gateway,
+        "qwen2-vl",
+        image_part("scene-640x480.jpg"),
+        200,
+        &json!({}),
+    );
+}
+
+/// A demo checkpoint of `family` (`spec`: mmgate's demo name) behind vLLM, as [`fronted`].
+fn demo_fronted(
+    venv: &Path,
+    scratch: &Path,
+    spec: &str,
+    family: &str,
+    tight: usize,
+) -> (Vllm, Server) {
+    let model = common::engine::demo_checkpoint(&scratch.join("cache"), scratch, spec, family);
+    fronted(venv, &model, &[], (family, tight, ""), &[])
+}
+
+/// The demo Qwen2.5-VL: images and videos (frames sent as vLLM's frame list, with Qwen2.5-VL's
+/// seconds per temporal patch) planned here keep their promise, and a tight context cuts frames.
+#[test]
+fn qwen2_5_vl_images_and_videos_planned_here_keep_their_promise_in_vllm() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let (_vllm, gateway) =
+        demo_fronted(&venv, scratch.path(), "demo-qwen2.5-vl", "qwen2.5-vl", 400);
+    promises_hold(&gateway, "qwen2.5-vl", "qwen2.5-vl-forward", &json!({}));
+    for clip in ["h264.mp4", "portrait.mp4", "vp9.webm"] {
+        let content = json!([video_part(clip), {"type": "text", "text": "What happens?"}]);
+        let (promised, counted, media) = planned(&gateway, "qwen2.5-vl", &content, &json!({}));
+        assert_eq!(promised, counted, "{clip}: {media}");
+    }
+    tight_holds(
+        &gateway,
+        "qwen2.5-vl",
+        video_part("h264.mp4"),
+        400,
+        &json!({}),
+    );
+}
+
+/// The demo Qwen3-VL: images planned here (16 px patches, transformers' pixel bounds) keep their
+/// promise.
+#[test]
+fn qwen3_vl_images_planned_here_keep_their_promise_in_vllm() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let (_vllm, gateway) = demo_fronted(&venv, scratch.path(), "demo-qwen3-vl", "qwen3-vl", 200);
+    promises_hold(&gateway, "qwen3-vl", "qwen3-vl-forward", &json!({}));
+    tight_holds(
+        &gateway,
+        "qwen3-vl",
+        image_part("scene-640x480.jpg"),
+        200,
+        &json!({}),
+    );
+}
+
+/// The demo Qwen2-Audio: audio of several encodings, rates and lengths (61 s: three 30 s chunks)
+/// planned here and sent as 16 kHz WAV keeps its promise.
+#[test]
+fn qwen2_audio_planned_here_keeps_its_promise_in_vllm() {
+    use base64::Engine as _;
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let model = common::engine::demo_checkpoint(
+        &scratch.path().join("cache"),
+        scratch.path(),
+        "demo-audio",
+        "audio",
+    );
+    // vLLM loads Qwen2-Audio only under the Hub's weight names (the demo has transformers 5's).
+    common::run_ok(checkpoints_py(&venv).arg("--hub-names").arg(&model));
+    let (_vllm, gateway) = fronted(&venv, &model, &[], ("audio", 4096, ""), &[]);
+    let clips = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/audio/clips");
+    for name in [
+        "speech-16k-s16.wav",
+        "speech-44k1-stereo-s16.wav",
+        "tone-8k-s16.wav",
+        "speech-16k.mp3",
+        "long-61s-16k.flac",
+    ] {
+        let data = base64::engine::general_purpose::STANDARD
+            .encode(std::fs::read(clips.join(name)).unwrap());
+        let format = name.rsplit('.').next().unwrap();
+        let content = json!([{"type": "input_audio", "input_audio": {"data": data, "format": format}},
+                             {"type": "text", "text": "What is said?"}]);
+        let (promised, counted, media) = planned(&gateway, "audio", &content, &json!({}));
+        assert_eq!(promised, counted, "{name}: {media}");
+    }
+    bad_media_is_refused_here(&gateway, "audio");
 }
 
 #[test]
 fn llava_next_in_front_of_vllm_keeps_its_promise_on_anyres_tiles() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let model = checkpoint(&venv, "llava_next", scratch.path());
-    let weightless = weightless(&model);
-    let vllm = Vllm::start(&venv, &model, 4096, &[]);
-    let config = scratch.path().join("mmgate.toml");
-    let models = [
-        ("llava-next", "media = \"preprocess\"\npath = {path}"),
-        (
-            "llava-next-tight",
-            "media = \"preprocess\"\npath = {path}\nmax_model_len = 80",
-        ),
-        ("llava-next-forward", ""),
-    ];
-    std::fs::write(
-        &config,
-        gateway_config(&model, &vllm.addr, &weightless, &models),
-    )
-    .unwrap();
-    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
-    let plans = promises_hold(&gateway, "llava-next", "llava-next-forward", &json!({}));
+    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "llava_next", 80);
+    let plans = promises_hold(&gateway, "llava_next", "llava_next-forward", &json!({}));
     // Fitted into 2x2, 1x2, 2x1, 1x3 and 3x1 tiles, as their aspect ratios ask.
     let tiles: std::collections::BTreeSet<String> = plans
         .iter()
@@ -366,85 +467,36 @@ fn llava_next_in_front_of_vllm_keeps_its_promise_on_anyres_tiles() {
         })
         .collect();
     assert!(tiles.len() >= 3, "{tiles:?}");
-
-    // A context too small for the image at its size: a smaller image, and the promise holds.
-    let content = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What?"}]);
-    let (promised, counted, media) = planned(&gateway, "llava-next-tight", &content, &json!({}));
-    assert_eq!(promised, counted, "tight: {media}");
-    assert!(promised + 2 <= 80, "{promised} tokens in a context of 80");
-    assert_eq!(media[0]["reduced"], true, "{media}");
+    // A context too small for the image at its size: a smaller image.
+    tight_holds(
+        &gateway,
+        "llava_next",
+        image_part("scene-640x480.jpg"),
+        80,
+        &json!({}),
+    );
 }
 
 #[test]
 fn internvl_in_front_of_vllm_keeps_its_promise_on_its_tiles() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let model = checkpoint(&venv, "internvl", scratch.path());
-    let weightless = weightless(&model);
-    let vllm = Vllm::start(&venv, &model, 4096, &[]);
-    let config = scratch.path().join("mmgate.toml");
-    let models = [
-        ("internvl", "media = \"preprocess\"\npath = {path}"),
-        (
-            "internvl-tight",
-            "media = \"preprocess\"\npath = {path}\nmax_model_len = 40",
-        ),
-        ("internvl-forward", ""),
-    ];
-    std::fs::write(
-        &config,
-        gateway_config(&model, &vllm.addr, &weightless, &models),
-    )
-    .unwrap();
-    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "internvl", 40);
     let plans = promises_hold(&gateway, "internvl", "internvl-forward", &json!({}));
     // 4 tokens a tile: one tile, and grids of 3, 4, 9 and 12 tiles with their thumbnails.
-    let tiles: std::collections::BTreeSet<u64> = plans
-        .iter()
-        .map(|plan| plan["tokens"].as_u64().unwrap() / 4)
-        .collect();
+    let tiles = units(&plans, 4);
     assert!(tiles.len() >= 4 && tiles.contains(&13), "{tiles:?}");
-
-    // A context too small for 4x3 tiles: a smaller grid of the squashed image, and the promise holds.
+    // A context too small for 4x3 tiles: a smaller grid of the squashed image.
     for image in ["scene-640x480.jpg", "scene-300x1000.jpg"] {
-        let content = json!([image_part(image), {"type": "text", "text": "What?"}]);
-        let (promised, counted, media) = planned(&gateway, "internvl-tight", &content, &json!({}));
-        assert_eq!(promised, counted, "tight {image}: {media}");
-        assert!(promised + 2 <= 40, "{promised} tokens in a context of 40");
-        assert_eq!(media[0]["reduced"], true, "{media}");
+        tight_holds(&gateway, "internvl", image_part(image), 40, &json!({}));
     }
-
-    // Bad media are refused here, before vLLM sees them.
-    let broken =
-        json!([{"type": "image_url", "image_url": {"url": "data:image/gif;base64,R0lGODlh"}}]);
-    let body = json!({"model": "internvl", "max_tokens": 2,
-                      "messages": [{"role": "user", "content": broken}]});
-    let (status, _, reply) = post(&gateway, &body);
-    assert!(status.is_client_error(), "{status}: {reply}");
 }
 
 #[test]
 fn glm4v_in_front_of_vllm_keeps_its_promise_on_its_own_sizing() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let model = checkpoint(&venv, "glm4v", scratch.path());
-    let weightless = weightless(&model);
-    let vllm = Vllm::start(&venv, &model, 4096, &[]);
-    let config = scratch.path().join("mmgate.toml");
-    let models = [
-        ("glm4v", "media = \"preprocess\"\npath = {path}"),
-        (
-            "glm4v-tight",
-            "media = \"preprocess\"\npath = {path}\nmax_model_len = 40",
-        ),
-        ("glm4v-forward", ""),
-    ];
-    std::fs::write(
-        &config,
-        gateway_config(&model, &vllm.addr, &weightless, &models),
-    )
-    .unwrap();
-    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "glm4v", 40);
     let plans = promises_hold(&gateway, "glm4v", "glm4v-forward", &json!({}));
     // 20x30 is under a token's 28 px: scaled up first, as GLM's processor does.
     assert!(
@@ -452,72 +504,46 @@ fn glm4v_in_front_of_vllm_keeps_its_promise_on_its_own_sizing() {
             .iter()
             .all(|plan| plan["tokens"].as_u64().unwrap() <= 64)
     );
-
-    // A context too small for 640x480's 54 tokens: a smaller size, and the promise holds.
-    let content = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What?"}]);
-    let (promised, counted, media) = planned(&gateway, "glm4v-tight", &content, &json!({}));
-    assert_eq!(promised, counted, "tight: {media}");
-    assert!(promised + 2 <= 40, "{promised} tokens in a context of 40");
-    assert_eq!(media[0]["reduced"], true, "{media}");
-
-    let broken =
-        json!([{"type": "image_url", "image_url": {"url": "data:image/webp;base64,UklGRg=="}}]);
-    let body = json!({"model": "glm4v", "max_tokens": 2,
-                      "messages": [{"role": "user", "content": broken}]});
-    let (status, _, reply) = post(&gateway, &body);
-    assert!(status.is_client_error(), "{status}: {reply}");
+    // A context too small for 640x480's 54 tokens: a smaller size.
+    tight_holds(
+        &gateway,
+        "glm4v",
+        image_part("scene-640x480.jpg"),
+        40,
+        &json!({}),
+    );
 }
 
 #[test]
 fn llava_onevision_in_front_of_vllm_keeps_its_promise_on_pooled_tiles_and_videos() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let model = checkpoint(&venv, "llava_onevision", scratch.path());
-    let weightless = weightless(&model);
-    let vllm = Vllm::start(&venv, &model, 4096, &[]);
-    let config = scratch.path().join("mmgate.toml");
-    let models = [
-        ("onevision", "media = \"preprocess\"\npath = {path}"),
-        (
-            "onevision-tight",
-            "media = \"preprocess\"\npath = {path}\nmax_model_len = 80",
-        ),
-        ("onevision-forward", ""),
-    ];
-    std::fs::write(
-        &config,
-        gateway_config(&model, &vllm.addr, &weightless, &models),
-    )
-    .unwrap();
-    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
-    let plans = promises_hold(&gateway, "onevision", "onevision-forward", &json!({}));
+    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "llava_onevision", 80);
+    let model = "llava_onevision";
+    let plans = promises_hold(&gateway, model, "llava_onevision-forward", &json!({}));
     // 256x256 fills 4x4 tiles, whose 16x16 features pool to 12x12 (past nine views' worth).
     let square = &plans[IMAGES
         .iter()
         .position(|i| *i == "scene-256x256.jpg")
         .unwrap()];
     assert_eq!(square["tokens"], 16 + 12 * 12 + 12, "{square}");
-
-    // A context too small for the image at its size: a smaller image, and the promise holds.
-    let content = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What?"}]);
-    let (promised, counted, media) = planned(&gateway, "onevision-tight", &content, &json!({}));
-    assert_eq!(promised, counted, "tight: {media}");
-    assert!(promised + 2 <= 80, "{promised} tokens in a context of 80");
-    assert_eq!(media[0]["reduced"], true, "{media}");
+    tight_holds(
+        &gateway,
+        model,
+        image_part("scene-640x480.jpg"),
+        80,
+        &json!({}),
+    );
 
     // Videos: 32 frames evenly (all of a shorter one's), each 4 pooled tokens, and a newline;
     // sent as vLLM's frame list at the tower's size. Under the tight context, fewer frames.
     for (clip, frames) in [("h264.mp4", 32), ("portrait.mp4", 32), ("short.mp4", 5)] {
         let content = json!([video_part(clip), {"type": "text", "text": "What happens?"}]);
-        let (promised, counted, media) = planned(&gateway, "onevision", &content, &json!({}));
+        let (promised, counted, media) = planned(&gateway, model, &content, &json!({}));
         assert_eq!(promised, counted, "{clip}: {media}");
         assert_eq!(media[0]["tokens"], frames * 4 + 1, "{clip}: {media}");
     }
-    let content = json!([video_part("vp9.webm"), {"type": "text", "text": "What?"}]);
-    let (promised, counted, media) = planned(&gateway, "onevision-tight", &content, &json!({}));
-    assert_eq!(promised, counted, "tight video: {media}");
-    assert!(promised + 2 <= 80, "{promised} tokens in a context of 80");
-    assert_eq!(media[0]["reduced"], true, "{media}");
+    tight_holds(&gateway, model, video_part("vp9.webm"), 80, &json!({}));
 }
 
 /// A clip of tests/fixtures/video/clips as a `video_url` data URL.
@@ -539,40 +565,15 @@ fn video_part(name: &str) -> Value {
 fn idefics3_in_front_of_vllm_keeps_its_promise_on_its_tile_grid() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let model = checkpoint(&venv, "idefics3", scratch.path());
-    let weightless = weightless(&model);
-    let vllm = Vllm::start(&venv, &model, 4096, &[]);
-    let config = scratch.path().join("mmgate.toml");
-    let models = [
-        ("idefics3", "media = \"preprocess\"\npath = {path}"),
-        (
-            "idefics3-tight",
-            "media = \"preprocess\"\npath = {path}\nmax_model_len = 60",
-        ),
-        ("idefics3-forward", ""),
-    ];
-    std::fs::write(
-        &config,
-        gateway_config(&model, &vllm.addr, &weightless, &models),
-    )
-    .unwrap();
-    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "idefics3", 60);
     let plans = promises_hold(&gateway, "idefics3", "idefics3-forward", &json!({}));
     // Four tiles along the long side, one to four along the short: 5 to 17 views of 4 tokens.
-    let views: std::collections::BTreeSet<u64> = plans
-        .iter()
-        .map(|plan| plan["tokens"].as_u64().unwrap() / 4)
-        .collect();
+    let views = units(&plans, 4);
     assert!(views.contains(&5) && views.contains(&17), "{views:?}");
-
-    // A context too small for 640x480's 3x4 tiles: fewer rows of a squashed image, and the
-    // promise holds, landscape and portrait.
+    // A context too small for 640x480's 3x4 tiles: fewer rows of a squashed image, landscape
+    // and portrait.
     for image in ["scene-640x480.jpg", "scene-300x1000.jpg"] {
-        let content = json!([image_part(image), {"type": "text", "text": "What?"}]);
-        let (promised, counted, media) = planned(&gateway, "idefics3-tight", &content, &json!({}));
-        assert_eq!(promised, counted, "tight {image}: {media}");
-        assert!(promised + 2 <= 60, "{promised} tokens in a context of 60");
-        assert_eq!(media[0]["reduced"], true, "{media}");
+        tight_holds(&gateway, "idefics3", image_part(image), 60, &json!({}));
     }
 }
 
@@ -580,24 +581,7 @@ fn idefics3_in_front_of_vllm_keeps_its_promise_on_its_tile_grid() {
 fn llama4_in_front_of_vllm_keeps_its_promise_on_its_canvas_of_tiles() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let model = checkpoint(&venv, "llama4", scratch.path());
-    let weightless = weightless(&model);
-    let vllm = Vllm::start(&venv, &model, 4096, &[]);
-    let config = scratch.path().join("mmgate.toml");
-    let models = [
-        ("llama4", "media = \"preprocess\"\npath = {path}"),
-        (
-            "llama4-tight",
-            "media = \"preprocess\"\npath = {path}\nmax_model_len = 60",
-        ),
-        ("llama4-forward", ""),
-    ];
-    std::fs::write(
-        &config,
-        gateway_config(&model, &vllm.addr, &weightless, &models),
-    )
-    .unwrap();
-    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
+    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "llama4", 60);
     // Not the 20x30 image: it fits one tile, on which vLLM 0.32's CPU build crashes its engine
     // (its `onednn_mm` wants a contiguous tensor), however the image comes.
     let images: Vec<&str> = IMAGES
@@ -606,20 +590,11 @@ fn llama4_in_front_of_vllm_keeps_its_promise_on_its_canvas_of_tiles() {
         .collect();
     let plans = promises_hold_on(&gateway, "llama4", "llama4-forward", &json!({}), &images);
     // Canvases of 12, 14, 15 and 16 tiles and their global views, 4 tokens each.
-    let views: std::collections::BTreeSet<u64> = plans
-        .iter()
-        .map(|plan| plan["tokens"].as_u64().unwrap() / 4)
-        .collect();
+    let views = units(&plans, 4);
     assert!(views.len() >= 3 && views.contains(&17), "{views:?}");
-
-    // A context too small for a 4x4 canvas: a canvas of fewer tiles, the image squashed to it,
-    // and the promise holds.
+    // A context too small for a 4x4 canvas: a canvas of fewer tiles, the image squashed to it.
     for image in ["scene-640x480.jpg", "scene-1200x300.jpg"] {
-        let content = json!([image_part(image), {"type": "text", "text": "What?"}]);
-        let (promised, counted, media) = planned(&gateway, "llama4-tight", &content, &json!({}));
-        assert_eq!(promised, counted, "tight {image}: {media}");
-        assert!(promised + 2 <= 60, "{promised} tokens in a context of 60");
-        assert_eq!(media[0]["reduced"], true, "{media}");
+        tight_holds(&gateway, "llama4", image_part(image), 60, &json!({}));
     }
 
     // The engine's own failure (the one-tile crash) comes back as a server error that says so,
