@@ -358,6 +358,10 @@ fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
         200,
         &json!({}),
     );
+    // OpenAI's SDK through the Responses API, translated to the chat completion vLLM serves.
+    let kinds = ["text", "image", "file"];
+    let lines = common::responses_sdk(&venv, &gateway.addr, "qwen2-vl", &kinds);
+    assert!(lines.iter().any(|l| l["what"] == "follow-up"), "{lines:?}");
 }
 
 /// A demo checkpoint of `family` (`spec`: mmgate's demo name) behind vLLM, as [`fronted`].
@@ -393,6 +397,8 @@ fn qwen2_5_vl_images_and_videos_planned_here_keep_their_promise_in_vllm() {
         400,
         &json!({}),
     );
+    let lines = common::responses_sdk(&venv, &gateway.addr, "qwen2.5-vl", &["video"]);
+    assert_eq!(lines[0]["media"][0]["kind"], "video", "{lines:?}");
 }
 
 /// The demo Qwen3-VL: images planned here (16 px patches, transformers' pixel bounds) keep their
@@ -445,6 +451,8 @@ fn qwen2_audio_planned_here_keeps_its_promise_in_vllm() {
         assert_eq!(promised, counted, "{name}: {media}");
     }
     bad_media_is_refused_here(&gateway, "audio");
+    let lines = common::responses_sdk(&venv, &gateway.addr, "audio", &["audio"]);
+    assert_eq!(lines[0]["media"][0]["kind"], "audio", "{lines:?}");
 }
 
 #[test]

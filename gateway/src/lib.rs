@@ -13,6 +13,7 @@ pub mod fuzzing;
 mod keylimits;
 pub mod logging;
 mod metrics;
+mod responses_store;
 mod server;
 mod store;
 mod tls_files;

@@ -28,6 +28,7 @@ use crate::native::chat::NativeModel;
 use crate::native::model::{
     Devices, ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir,
 };
+use crate::responses_store::ResponseStore;
 use crate::store::{Redis, StoreKind};
 use crate::upstream::UpstreamPool;
 use mmgate_inference::devices::{DeviceName, Placement};
@@ -173,6 +174,10 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
         Some(redis) => FileStore::in_redis(config.files.clone(), redis.clone()),
         None => FileStore::in_memory(config.files.clone()),
     };
+    let responses = match &redis {
+        Some(redis) => ResponseStore::in_redis(config.store.response_ttl_seconds, redis.clone()),
+        None => ResponseStore::in_memory(config.store.response_ttl_seconds),
+    };
     let key_limits = match &redis {
         Some(redis) => KeyLimits::in_redis(config.key_limits.clone(), redis.clone()),
         None => KeyLimits::in_memory(config.key_limits.clone()),
@@ -183,6 +188,7 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
         pool: Arc::new(pool),
         models,
         files,
+        responses,
         fetcher: Fetcher::new(config.fetch.clone())?,
         limits: config.limits.clone(),
         connections: config.connections.clone(),

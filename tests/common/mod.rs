@@ -59,3 +59,27 @@ impl Drop for StopOnDrop<'_> {
         self.0.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
+
+/// OpenAI's Python SDK (the venv's) through the Responses API of the gateway at `addr`, on `model`
+/// for each of `kinds` (tests/fixtures/responses/sdk.py, which checks each answer): the JSON
+/// lines it printed, one per request.
+pub fn responses_sdk(
+    venv: &std::path::Path,
+    addr: &str,
+    model: &str,
+    kinds: &[&str],
+) -> Vec<serde_json::Value> {
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/responses/sdk.py");
+    let output = run_ok(
+        Command::new(venv.join("bin/python"))
+            .arg(script)
+            .arg(format!("http://{addr}/v1"))
+            .arg(model)
+            .args(kinds),
+    );
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}")))
+        .collect()
+}

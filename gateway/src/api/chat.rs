@@ -26,7 +26,7 @@ use crate::upstream::{Forwarded, UpstreamPool};
 use crate::wire::openai::{self, ChatCompletionRequest};
 
 /// Characters of a requested model's name the access log keeps (a client may send any string).
-const MODEL_NAME_LOGGED: usize = 128;
+pub(super) const MODEL_NAME_LOGGED: usize = 128;
 
 /// Just what routing needs; the rest of the body is left to whoever serves the model.
 #[derive(Deserialize)]
@@ -48,6 +48,20 @@ impl Gateway {
     ) {
         let started = Instant::now();
         let outcome = self.chat_inner(session, tally, &mut access).await;
+        self.request_done(session, "/v1/chat/completions", started, outcome, access)
+            .await;
+    }
+
+    /// A request on `path` that writes its own answer, done: the error answered if it failed,
+    /// and the request counted and logged with the route it took.
+    pub(super) async fn request_done(
+        &self,
+        session: &mut ServerSession,
+        path: &'static str,
+        started: Instant,
+        outcome: Result<(&'static str, StatusCode), (&'static str, ApiError)>,
+        mut access: Access,
+    ) {
         let (route, status, code) = match &outcome {
             Ok((route, status)) => (*route, *status, None),
             Err((route, error)) => (*route, error.status, Some(error.code)),
@@ -57,8 +71,8 @@ impl Gateway {
             write_error(session, &error).await;
         }
         self.metrics
-            .request_done("/v1/chat/completions", route, status, started.elapsed());
-        access.log("/v1/chat/completions", route, status, code);
+            .request_done(path, route, status, started.elapsed());
+        access.log(path, route, status, code);
     }
 
     /// The route taken ("native", "upstream", or "none") and the status answered, or the error to
@@ -134,7 +148,7 @@ impl Gateway {
         }
     }
 
-    fn services<'a>(&'a self, caller: &'a Caller) -> ChatServices<'a> {
+    pub(super) fn services<'a>(&'a self, caller: &'a Caller) -> ChatServices<'a> {
         ChatServices {
             caller,
             registry: self.plugins.registry(),
@@ -146,7 +160,7 @@ impl Gateway {
     }
 
     /// The request's media fetched, preprocessed and budgeted for `model`, and counted in the metrics.
-    async fn prepare(
+    pub(super) async fn prepare(
         &self,
         caller: &Caller,
         model: &NativeModel,
@@ -268,6 +282,7 @@ impl Gateway {
                 match route {
                     Route::Native(m) => {
                         model["served_by"] = json!("native");
+                        model["responses"] = json!("native");
                         model["context_length"] = json!(m.runtime.prompt.context_length);
                         model["modalities"] = json!(
                             m.runtime
@@ -280,6 +295,8 @@ impl Gateway {
                     }
                     Route::Upstream { pool, media } => {
                         model["served_by"] = json!("upstream");
+                        // `/v1/responses` reaches the engine as the chat completion it means.
+                        model["responses"] = json!("chat_completions");
                         media.describe(&mut model);
                         model["upstreams"] = pool.health_json();
                     }

@@ -51,6 +51,17 @@ pub async fn write_json(session: &mut ServerSession, status: StatusCode, body: &
     write_complete(session, status, "application/json", bytes, &[]).await;
 }
 
+/// [`write_json`] with `headers` besides.
+pub async fn write_json_with(
+    session: &mut ServerSession,
+    status: StatusCode,
+    body: &Value,
+    headers: &[(&str, &str)],
+) {
+    let bytes = Bytes::from(body.to_string());
+    write_complete(session, status, "application/json", bytes, headers).await;
+}
+
 /// A complete non-JSON response (the metrics exposition).
 pub async fn write_text(session: &mut ServerSession, content_type: &str, text: String) {
     write_complete(
@@ -110,12 +121,29 @@ pub struct EventStream<'s> {
 
 impl<'s> EventStream<'s> {
     pub async fn start(session: &'s mut ServerSession) -> pingora::Result<EventStream<'s>> {
-        let mut header = ResponseHeader::build(StatusCode::OK, Some(4))?;
+        Self::start_with(session, &[]).await
+    }
+
+    /// [`Self::start`] with `headers` besides.
+    pub async fn start_with(
+        session: &'s mut ServerSession,
+        headers: &[(&str, &str)],
+    ) -> pingora::Result<EventStream<'s>> {
+        let mut header = ResponseHeader::build(StatusCode::OK, Some(4 + headers.len()))?;
         header.insert_header("content-type", "text/event-stream")?;
         header.insert_header("cache-control", "no-cache")?;
         header.insert_header("transfer-encoding", "chunked")?;
+        for (name, value) in headers {
+            header.insert_header(name.to_string(), value.to_string())?;
+        }
         session.write_response_header(Box::new(header)).await?;
         Ok(EventStream { session })
+    }
+
+    /// `event: <name>\ndata: <json>\n\n` (the Responses API names its events).
+    pub async fn send_event(&mut self, name: &str, data: &Value) -> pingora::Result<()> {
+        let event = Bytes::from(format!("event: {name}\ndata: {data}\n\n"));
+        self.session.write_response_body(event, false).await
     }
 
     /// `data: <json>\n\n`; an error means the client is gone.

@@ -10,6 +10,7 @@ mod media_modes;
 mod preprocess;
 mod replay;
 mod request;
+mod responses;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -31,6 +32,7 @@ use crate::media::files::FileStore;
 use crate::media::plugins::{LivePlugins, ReloadGuard};
 use crate::metrics::{Metrics, ModelGauges, Snapshot};
 use crate::native::chat::NativeModel;
+use crate::responses_store::ResponseStore;
 use crate::store::{Caller, Redis};
 use crate::upstream::{ClientHop, UpstreamPool};
 pub use connection::App;
@@ -53,6 +55,8 @@ pub struct Gateway {
     pub pool: Arc<PluginPool>,
     pub models: BTreeMap<String, Route>,
     pub files: FileStore,
+    /// Responses kept for `previous_response_id` (the Responses API's `store`).
+    pub responses: ResponseStore,
     pub fetcher: Fetcher,
     pub limits: RequestLimits,
     /// How many client connections, and their timeouts.
@@ -116,6 +120,10 @@ impl Gateway {
                 let tally = _permit.as_ref().and_then(Permit::tally);
                 return self.chat_completions(session, tally, access).await;
             }
+            ("POST", "/v1/responses") => {
+                let tally = _permit.as_ref().and_then(Permit::tally);
+                return self.responses(session, tally, access).await;
+            }
             ("GET", "/metrics") => {
                 let text = self.metrics.render(self.snapshot());
                 io::write_text(session, "text/plain; version=0.0.4", text).await;
@@ -137,6 +145,15 @@ impl Gateway {
                     _ => Err(ApiError::method_not_allowed(m, p)),
                 }
             }
+            (m, p) if p.starts_with("/v1/responses/") => {
+                let id = &p["/v1/responses/".len()..];
+                let caller = self.caller(session);
+                match m {
+                    "GET" => self.response_json(&caller, id).await,
+                    "DELETE" => self.delete_response(&caller, id).await,
+                    _ => Err(ApiError::method_not_allowed(m, p)),
+                }
+            }
             (
                 _,
                 "/health"
@@ -146,7 +163,8 @@ impl Gateway {
                 | "/v1/plugins"
                 | "/v1/preprocess"
                 | "/v1/files"
-                | "/v1/chat/completions",
+                | "/v1/chat/completions"
+                | "/v1/responses",
             ) => Err(ApiError::method_not_allowed(&method, &path)),
             _ => Err(ApiError::not_found(&path)),
         };
@@ -342,7 +360,9 @@ fn route_label(path: &str) -> &'static str {
         "/v1/preprocess" => "/v1/preprocess",
         "/v1/files" => "/v1/files",
         "/v1/chat/completions" => "/v1/chat/completions",
+        "/v1/responses" => "/v1/responses",
         p if p.starts_with("/v1/files/") => "/v1/files/{id}",
+        p if p.starts_with("/v1/responses/") => "/v1/responses/{id}",
         _ => "other",
     }
 }

@@ -44,6 +44,8 @@ pub struct StoreConfig {
     pub feature_ttl_seconds: u64,
     /// Encoder outputs larger than this are not shared.
     pub max_feature_entry_bytes: usize,
+    /// How long a response stored by the Responses API (`store`) is kept for follow-ups.
+    pub response_ttl_seconds: u64,
 }
 
 impl Default for StoreConfig {
@@ -57,6 +59,7 @@ impl Default for StoreConfig {
             startup_wait_seconds: 30,
             feature_ttl_seconds: 3600,
             max_feature_entry_bytes: 64 << 20,
+            response_ttl_seconds: 3600,
         }
     }
 }

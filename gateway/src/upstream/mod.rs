@@ -320,6 +320,11 @@ impl UpstreamPool {
             .collect()
     }
 
+    /// How long the upstream may take to begin an answer, and between its pieces.
+    pub fn answer_timeout(&self) -> Duration {
+        self.answer_timeout
+    }
+
     /// What picks a server for a request (`body`, as it goes upstream, from `user`): under
     /// `media_hash` the content of its media when it has any; else the user, else the body. Round
     /// robin ignores it.
@@ -349,6 +354,90 @@ impl UpstreamPool {
                 "the request target cannot be forwarded",
             ));
         }
+        let mut exchange = match self
+            .exchange(downstream.req_header(), &body, key, client)
+            .await
+        {
+            Ok(exchange) => exchange,
+            Err(error) => return Forwarded::Failed(error),
+        };
+        let server = exchange.idle_key.0;
+        let Some(header) = exchange.upstream.resp_header() else {
+            return Forwarded::Failed(bad_gateway(&self.model, "no response header"));
+        };
+        let status = header.status;
+        let mut response = downstream_response(header);
+        for (name, value) in &additions.headers {
+            let _ = response.insert_header(*name, value.clone());
+        }
+        if let Some(media) = &additions.usage_media
+            && has_content_type(&response, "application/json")
+        {
+            return self
+                .answer_with_usage_media(downstream, exchange, response, media, tally)
+                .await;
+        }
+        let event_stream = has_content_type(&response, "text/event-stream");
+        if let Err(e) = downstream.write_response_header(Box::new(response)).await {
+            tracing::debug!(error = %e, "client went away before the answer");
+            return Forwarded::Answered(status);
+        }
+        loop {
+            let read =
+                tokio::time::timeout(self.answer_timeout, exchange.upstream.read_body_bytes())
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(pingora::Error::explain(
+                            pingora::ErrorType::ReadTimedout,
+                            "no more of the answer within upstream_timeout_ms",
+                        ))
+                    });
+            match read {
+                Ok(Some(chunk)) => {
+                    if let Some(tally) = tally {
+                        tally.answer(&chunk);
+                    }
+                    if let Err(e) = downstream.write_response_body(chunk, false).await {
+                        // The client left: the upstream connection is dropped, not reused.
+                        tracing::debug!(error = %e, "client went away mid-answer");
+                        return Forwarded::Answered(status);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(upstream = %server, error = %e, "upstream failed mid-answer");
+                    // A stream of events ends with an error event, and properly: the client
+                    // learns why rather than seeing the connection drop.
+                    if event_stream {
+                        let event = mid_stream_error_event(&self.model, &e);
+                        if downstream
+                            .write_response_body(event.into(), true)
+                            .await
+                            .is_ok()
+                        {
+                            let _ = downstream.finish_body().await;
+                        }
+                    }
+                    return Forwarded::Answered(status);
+                }
+            }
+        }
+        if let Err(e) = downstream.finish_body().await {
+            tracing::debug!(error = %e, "finishing the answer to the client");
+        }
+        exchange.done().await;
+        Forwarded::Answered(status)
+    }
+
+    /// Sends `header` with `body` to a healthy server (picked by `key`, tried as [`Attempts`]
+    /// says) and reads its answer's head: the session to read the rest of it from.
+    pub async fn exchange(
+        &self,
+        header: &RequestHeader,
+        body: &[u8],
+        key: &[u8],
+        client: &ClientHop,
+    ) -> Result<Exchange, ApiError> {
         let mut attempts = Attempts::new(self, key);
         while let Some(Connection {
             server,
@@ -357,13 +446,7 @@ impl UpstreamPool {
             reused,
         }) = attempts.connect().await
         {
-            let wire = request_wire(
-                downstream.req_header(),
-                &body,
-                &target.authority,
-                &self.auth,
-                client,
-            );
+            let wire = request_wire(header, body, &target.authority, &self.auth, client);
             let written = async {
                 stream.write_all(&wire).await?;
                 stream.flush().await
@@ -376,87 +459,22 @@ impl UpstreamPool {
             if let Err(e) = written {
                 match attempts.unsent(server, &e, reused) {
                     None => continue,
-                    Some(error) => return Forwarded::Failed(error),
+                    Some(error) => return Err(error),
                 }
             }
             let mut upstream = UpstreamSession::new(stream);
-            match tokio::time::timeout(self.answer_timeout, final_response(&mut upstream)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Forwarded::Failed(attempts.failed(server, &e)),
-                Err(_) => return Forwarded::Failed(self.timed_out(server)),
-            }
-            let Some(header) = upstream.resp_header() else {
-                return Forwarded::Failed(bad_gateway(&self.model, "no response header"));
-            };
-            let status = header.status;
-            let mut response = downstream_response(header);
-            for (name, value) in &additions.headers {
-                let _ = response.insert_header(*name, value.clone());
-            }
-            if let Some(media) = &additions.usage_media
-                && has_content_type(&response, "application/json")
+            return match tokio::time::timeout(self.answer_timeout, final_response(&mut upstream))
+                .await
             {
-                let idle_key = (server, target.id);
-                return self
-                    .answer_with_usage_media(downstream, upstream, response, media, idle_key, tally)
-                    .await;
-            }
-            let event_stream = has_content_type(&response, "text/event-stream");
-            if let Err(e) = downstream.write_response_header(Box::new(response)).await {
-                tracing::debug!(error = %e, "client went away before the answer");
-                return Forwarded::Answered(status);
-            }
-            loop {
-                let read = tokio::time::timeout(self.answer_timeout, upstream.read_body_bytes())
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(pingora::Error::explain(
-                            pingora::ErrorType::ReadTimedout,
-                            "no more of the answer within upstream_timeout_ms",
-                        ))
-                    });
-                match read {
-                    Ok(Some(chunk)) => {
-                        if let Some(tally) = tally {
-                            tally.answer(&chunk);
-                        }
-                        if let Err(e) = downstream.write_response_body(chunk, false).await {
-                            // The client left: the upstream connection is dropped, not reused.
-                            tracing::debug!(error = %e, "client went away mid-answer");
-                            return Forwarded::Answered(status);
-                        }
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::warn!(upstream = %server, error = %e, "upstream failed mid-answer");
-                        // A stream of events ends with an error event, and properly: the client
-                        // learns why rather than seeing the connection drop.
-                        if event_stream {
-                            let event = mid_stream_error_event(&self.model, &e);
-                            if downstream
-                                .write_response_body(event.into(), true)
-                                .await
-                                .is_ok()
-                            {
-                                let _ = downstream.finish_body().await;
-                            }
-                        }
-                        return Forwarded::Answered(status);
-                    }
-                }
-            }
-            if let Err(e) = downstream.finish_body().await {
-                tracing::debug!(error = %e, "finishing the answer to the client");
-            }
-            if upstream.is_body_done() {
-                upstream.respect_keepalive();
-                if let Some(stream) = upstream.reuse().await {
-                    idle::put((server, target.id), stream);
-                }
-            }
-            return Forwarded::Answered(status);
+                Ok(Ok(())) => Ok(Exchange {
+                    idle_key: (server, target.id),
+                    upstream,
+                }),
+                Ok(Err(e)) => Err(attempts.failed(server, &e)),
+                Err(_) => Err(self.timed_out(server)),
+            };
         }
-        Forwarded::Failed(attempts.exhausted())
+        Err(attempts.exhausted())
     }
 
     /// Answers with the upstream's JSON `response` read whole, `media` set as its `usage.media`
@@ -464,33 +482,20 @@ impl UpstreamPool {
     async fn answer_with_usage_media(
         &self,
         downstream: &mut ServerSession,
-        mut upstream: UpstreamSession,
+        mut exchange: Exchange,
         mut response: ResponseHeader,
         media: &Value,
-        idle_key: idle::Key,
         tally: Option<&TokenTally>,
     ) -> Forwarded {
-        let (server, _) = idle_key;
+        let server = exchange.idle_key.0;
         let status = response.status;
-        let mut body = Vec::new();
-        loop {
-            match upstream.read_body_bytes().await {
-                Ok(Some(chunk)) if body.len() + chunk.len() <= MAX_EDITED_ANSWER_BYTES => {
-                    body.extend_from_slice(&chunk);
-                }
-                Ok(Some(_)) => {
-                    return Forwarded::Failed(bad_gateway(
-                        &self.model,
-                        &format!("the answer is over {MAX_EDITED_ANSWER_BYTES} bytes"),
-                    ));
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    tracing::warn!(upstream = %server, error = %e, "upstream failed mid-answer");
-                    return Forwarded::Failed(bad_gateway(&self.model, &e.to_string()));
-                }
+        let body = match exchange.read_whole(self.answer_timeout).await {
+            Ok(body) => body,
+            Err(error) => {
+                tracing::warn!(upstream = %server, %error, "upstream failed mid-answer");
+                return Forwarded::Failed(bad_gateway(&self.model, &error));
             }
-        }
+        };
         let body = with_usage_media(body, media);
         if let Some(tally) = tally {
             tally.answer(&body);
@@ -508,10 +513,7 @@ impl UpstreamPool {
         if let Err(e) = downstream.finish_body().await {
             tracing::debug!(error = %e, "finishing the answer to the client");
         }
-        upstream.respect_keepalive();
-        if let Some(stream) = upstream.reuse().await {
-            idle::put(idle_key, stream);
-        }
+        exchange.done().await;
         Forwarded::Answered(status)
     }
 
@@ -560,6 +562,47 @@ async fn final_response(upstream: &mut UpstreamSession) -> Result<(), String> {
 }
 
 /// A connection to one of a pool's servers, for one request.
+/// A request sent and its answer's head read ([`UpstreamPool::exchange`]).
+pub struct Exchange {
+    /// The server that answers, and its target: where the connection goes back when it is done.
+    idle_key: idle::Key,
+    pub upstream: UpstreamSession,
+}
+
+impl Exchange {
+    /// The rest of the answer, read whole (at most [`MAX_EDITED_ANSWER_BYTES`], each read within
+    /// `timeout`), or why not.
+    pub async fn read_whole(&mut self, timeout: Duration) -> Result<Vec<u8>, String> {
+        let mut body = Vec::new();
+        loop {
+            match tokio::time::timeout(timeout, self.upstream.read_body_bytes()).await {
+                Ok(Ok(Some(chunk))) if body.len() + chunk.len() <= MAX_EDITED_ANSWER_BYTES => {
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(Ok(Some(_))) => {
+                    return Err(format!(
+                        "the answer is over {MAX_EDITED_ANSWER_BYTES} bytes"
+                    ));
+                }
+                Ok(Ok(None)) => return Ok(body),
+                Ok(Err(e)) => return Err(e.to_string()),
+                Err(_) => return Err("no more of the answer within upstream_timeout_ms".into()),
+            }
+        }
+    }
+
+    /// Puts the connection back for the next request to the same server, if the answer was read
+    /// whole and the server keeps it alive.
+    pub async fn done(mut self) {
+        if self.upstream.is_body_done() {
+            self.upstream.respect_keepalive();
+            if let Some(stream) = self.upstream.reuse().await {
+                idle::put(self.idle_key, stream);
+            }
+        }
+    }
+}
+
 struct Connection {
     server: SocketAddr,
     target: Arc<Target>,

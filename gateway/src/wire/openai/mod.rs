@@ -7,6 +7,7 @@ use serde_json::{Value, json};
 use mmgate_inference::families::MediaKind;
 
 pub mod parts;
+pub mod responses;
 
 /// The fields the native core uses (`model` and `user` are read when routing).
 #[derive(Debug, Deserialize)]
