@@ -239,6 +239,37 @@ fn replicas_share_uploads_features_and_limits_drain_under_load_and_outlive_redis
     assert_eq!(listed["data"][0]["id"], json!(id), "{listed}");
     assert_eq!(get(b, "sk-bob", &format!("/v1/files/{id}")).0, 404);
     assert_eq!(get(b, "sk-bob", "/v1/files").1["data"], json!([]));
+
+    // A response stored through A is continued through B (its conversation is in Redis), and
+    // is alice's alone.
+    let ask = |server: &Server, body: Value| {
+        let response = client()
+            .post(url(server, "/v1/responses"))
+            .bearer_auth("sk-alice")
+            .json(&body)
+            .send()
+            .unwrap();
+        (
+            response.status().as_u16(),
+            response.json::<Value>().unwrap(),
+        )
+    };
+    let (status, first) = ask(
+        a,
+        json!({"model": "demo", "input": "hi", "max_output_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{first}");
+    let follow = json!({"model": "demo", "input": "and?", "max_output_tokens": 2,
+                        "previous_response_id": first["id"]});
+    let (status, second) = ask(b, follow);
+    assert_eq!(status, 200, "{second}");
+    assert!(
+        second["usage"]["input_tokens"].as_u64() > first["usage"]["input_tokens"].as_u64(),
+        "{first} then {second}"
+    );
+    let kept = format!("/v1/responses/{}", second["id"].as_str().unwrap());
+    assert_eq!(get(c, "sk-alice", &kept).1["id"], second["id"]);
+    assert_eq!(get(c, "sk-bob", &kept).0, 404);
     let by_id = json!([
         {"type": "file", "file": {"file_id": id}},
         {"type": "text", "text": "what is this?"},
