@@ -624,3 +624,74 @@ fn llama4_in_front_of_vllm_keeps_its_promise_on_its_canvas_of_tiles() {
         .unwrap();
     assert!(models.status().is_success());
 }
+
+/// A request planned here and answered by vLLM is one trace: the gateway's spans (continued from
+/// the client's `traceparent`), its call upstream, and under that vLLM's own span, which vLLM
+/// exported itself to the same receiver.
+#[test]
+fn an_upstream_request_is_one_trace_joined_by_vllms_own_spans() {
+    let Some(venv) = vllm_venv() else { return };
+    let receiver = common::traces::Receiver::start(&venv);
+    let scratch = tempfile::tempdir().unwrap();
+    let cache = scratch.path().join("cache");
+    let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
+    let endpoint = format!("{}/v1/traces", receiver.endpoint);
+    let vllm = Vllm::start_with_env(
+        &venv,
+        &model,
+        4096,
+        &["--otlp-traces-endpoint", &endpoint],
+        &[
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+            ("OTEL_SERVICE_NAME", "vllm"),
+        ],
+    );
+    let config = scratch.path().join("traced.toml");
+    let planned = "media = \"preprocess\"\npath = {path}";
+    std::fs::write(
+        &config,
+        gateway_config(
+            &model,
+            &vllm.addr,
+            &weightless(&model),
+            &[("qwen2-vl", planned)],
+        ),
+    )
+    .unwrap();
+    let gateway = Server::start_with_env(
+        &["--config", config.to_str().unwrap()],
+        &[
+            ("XDG_CACHE_HOME", cache.to_str().unwrap()),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    );
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let body = json!({"model": "qwen2-vl", "max_tokens": 2, "messages": [{"role": "user",
+        "content": [image_part("scene-640x480.jpg"), {"type": "text", "text": "What?"}]}]});
+    let answer = client()
+        .post(format!("http://{}/v1/chat/completions", gateway.addr))
+        .header("traceparent", format!("00-{trace}-b7ad6b7169203331-01"))
+        .json(&body)
+        .send()
+        .unwrap();
+    assert!(answer.status().is_success());
+    assert_eq!(answer.headers()["x-mmgate-trace-id"], trace);
+    let spans = receiver.trace(trace, |spans| {
+        spans.iter().any(|s| s["service"] == "vllm")
+            && spans
+                .iter()
+                .any(|s| s["name"] == "POST /v1/chat/completions")
+    });
+    let upstream = spans.iter().find(|s| s["name"] == "upstream").unwrap();
+    assert_eq!(upstream["attributes"]["server.address"], vllm.addr);
+    assert_eq!(upstream["attributes"]["http.response.status_code"], 200);
+    let engine: Vec<&Value> = spans.iter().filter(|s| s["service"] == "vllm").collect();
+    assert!(
+        engine
+            .iter()
+            .any(|s| s["parent_span_id"] == upstream["span_id"]),
+        "vLLM's span continues the gateway's call upstream: {engine:#?}"
+    );
+    assert!(spans.iter().any(|s| s["name"] == "plugin.preprocess"));
+}

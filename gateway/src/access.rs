@@ -79,6 +79,22 @@ impl Access {
         let latency_ms = (self.started.elapsed().as_secs_f64() * 1e4).round() / 10.0;
         let tokens = self.tokens.unwrap_or_default();
         let client = self.client.map(|ip| ip.to_string());
+        let span = tracing::Span::current();
+        span.record("http.response.status_code", i64::from(status.as_u16()));
+        span.record("mmgate.route", route);
+        if let Some(model) = &self.model {
+            span.record("gen_ai.request.model", model.as_str());
+        }
+        span.record("gen_ai.usage.input_tokens", as_attribute(tokens.prompt));
+        span.record(
+            "gen_ai.usage.output_tokens",
+            as_attribute(tokens.completion),
+        );
+        span.record("mmgate.media_tokens", as_attribute(tokens.media));
+        if status.is_server_error() {
+            span.record("otel.status_code", "ERROR");
+        }
+        let trace_id = crate::telemetry::trace_id();
         tracing::info!(
             target: TARGET,
             method = %self.method,
@@ -94,9 +110,16 @@ impl Access {
             client = client.as_deref().unwrap_or("-"),
             key = self.key.as_deref().unwrap_or("-"),
             detail = self.detail.as_deref().unwrap_or("-"),
+            trace_id = trace_id.as_deref().unwrap_or("-"),
             "request"
         );
     }
+}
+
+/// A count as a trace attribute: OpenTelemetry's integers are signed (an unsigned one would go
+/// as text).
+pub fn as_attribute(count: impl TryInto<i64>) -> i64 {
+    count.try_into().unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]

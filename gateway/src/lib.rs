@@ -16,6 +16,7 @@ mod metrics;
 mod responses_store;
 mod server;
 mod store;
+mod telemetry;
 mod tls_files;
 mod upstream;
 // The three layers a request passes: formats on the wire, media through the plugins, and

@@ -30,24 +30,55 @@ pub enum LogFormat {
     Json,
 }
 
+/// Logs as `filter` and `format` say; the command-line tools log only.
 pub fn init(filter: Option<&str>, format: LogFormat) {
+    let _ = install(filter, format, false);
+}
+
+/// [`init`] for the server, with its traces sent where the environment says
+/// ([`crate::telemetry`]); an error if the trace settings cannot be followed.
+pub fn init_with_traces(filter: Option<&str>, format: LogFormat) -> anyhow::Result<()> {
+    install(filter, format, true)
+}
+
+fn install(filter: Option<&str>, format: LogFormat, traces: bool) -> anyhow::Result<()> {
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::filter::FilterExt as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+
     let filter = match filter {
         Some(f) => EnvFilter::new(f),
         None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
     };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let set = match format {
-        LogFormat::Text => tracing::subscriber::set_global_default(builder.finish()),
-        LogFormat::Json => tracing::subscriber::set_global_default(builder.json().finish()),
+    let lines = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let lines = match format {
+        LogFormat::Text => lines.boxed(),
+        LogFormat::Json => lines.json().boxed(),
     };
-    if set.is_err() {
-        return; // already set (a test harness)
+    // The log's filter is the log's alone: spans are traced whatever the log level.
+    let traced = match traces {
+        true => crate::telemetry::layer()?
+            .map(|layer| layer.with_filter(tracing_subscriber::filter::filter_fn(traced))),
+        false => None,
+    };
+    // Log lines are events alone: the spans that make traces would prefix each with their fields.
+    let events = tracing_subscriber::filter::filter_fn(|m| !m.is_span());
+    let subscriber = tracing_subscriber::registry()
+        .with(lines.with_filter(filter.and(events)))
+        .with(traced);
+    if tracing::subscriber::set_global_default(subscriber).is_err() {
+        return Ok(()); // already set (a test harness)
     }
     if log::set_boxed_logger(Box::new(Bridge::default())).is_ok() {
         log::set_max_level(log::LevelFilter::Trace);
     }
+    Ok(())
+}
+
+/// What a trace holds: this project's spans (the gateway's, the host's, the engine's), not the
+/// libraries' nor any event.
+fn traced(metadata: &tracing::Metadata<'_>) -> bool {
+    metadata.is_span() && metadata.target().starts_with("mmgate")
 }
 
 /// `log` records into `tracing`, failed client handshakes rate-limited.

@@ -249,6 +249,7 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
             drain: Duration::from_secs(config.drain_seconds),
         }),
     });
+    crate::telemetry::flush();
     Ok(())
 }
 

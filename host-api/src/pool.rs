@@ -153,6 +153,9 @@ impl PluginPool {
     ) -> Result<Started<R>, CallError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let running = self.running.clone();
+        // The call's time on a worker, under the caller's span: a trace shows the wait for a
+        // worker as the gap before it.
+        let caller = tracing::Span::current();
         let job: Job = Box::new(move || {
             // A caller gone before its call began (a request ended while its later parts
             // queued) wants nothing: the call is skipped.
@@ -162,6 +165,7 @@ impl PluginPool {
             // Counted out before the caller hears back, so that what it asks next sees this worker
             // free again.
             let result = {
+                let _on_worker = tracing::info_span!(parent: &caller, "plugin.run").entered();
                 let _running = Running::start(&running);
                 call()
             };

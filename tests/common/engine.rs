@@ -114,6 +114,17 @@ impl Drop for Vllm {
 impl Vllm {
     /// Starts it with `args` beyond the model, its context and float32, and waits for its health.
     pub fn start(venv: &Path, model: &Path, max_model_len: usize, args: &[&str]) -> Vllm {
+        Self::start_with_env(venv, model, max_model_len, args, &[])
+    }
+
+    /// [`Self::start`] with `env` set besides.
+    pub fn start_with_env(
+        venv: &Path,
+        model: &Path,
+        max_model_len: usize,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Vllm {
         use std::os::unix::process::CommandExt as _;
         let port = super::server::free_port();
         let log = model.with_extension("vllm.log");
@@ -130,6 +141,7 @@ impl Vllm {
             .env("VLLM_CPU_KVCACHE_SPACE", "1")
             .env("HF_HUB_OFFLINE", "1")
             .env("VLLM_NO_USAGE_STATS", "1")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .process_group(0)

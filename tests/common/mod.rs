@@ -6,6 +6,7 @@ pub mod engine;
 pub mod files_server;
 pub mod redis;
 pub mod server;
+pub mod traces;
 
 use std::process::{Command, Output};
 

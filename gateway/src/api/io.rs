@@ -88,6 +88,7 @@ async fn write_complete(
         for (name, value) in extra_headers {
             header.insert_header(name.to_string(), value.to_string())?;
         }
+        crate::telemetry::with_trace_id(&mut header)?;
         session.write_response_header(Box::new(header)).await?;
         session.write_response_body(bytes, true).await
     }
@@ -136,6 +137,7 @@ impl<'s> EventStream<'s> {
         for (name, value) in headers {
             header.insert_header(name.to_string(), value.to_string())?;
         }
+        crate::telemetry::with_trace_id(&mut header)?;
         session.write_response_header(Box::new(header)).await?;
         Ok(EventStream { session })
     }

@@ -21,6 +21,7 @@ use http::StatusCode;
 use mmgate_host::{CONTRACT_VERSION, PluginPool};
 use pingora::protocols::http::ServerSession;
 use serde_json::{Value, json};
+use tracing::Instrument as _;
 
 use crate::access::Access;
 use crate::config::{ConnectionsConfig, RequestLimits};
@@ -80,7 +81,31 @@ pub struct Gateway {
 }
 
 impl Gateway {
+    /// Answers one request, in a span of its own: the root of its trace, or the continuation of
+    /// the client's (`traceparent`).
     async fn handle(&self, session: &mut ServerSession) {
+        let header = session.req_header();
+        let (method, path) = (header.method.as_str(), header.uri.path());
+        let route = route_label(path);
+        let span = tracing::info_span!(
+            "request",
+            otel.name = %format_args!("{method} {route}"),
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            http.request.method = method,
+            http.route = route,
+            http.response.status_code = tracing::field::Empty,
+            gen_ai.request.model = tracing::field::Empty,
+            mmgate.route = tracing::field::Empty,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            mmgate.media_tokens = tracing::field::Empty,
+        );
+        crate::telemetry::continue_trace(&span, &header.headers);
+        self.handle_in_span(session).instrument(span).await;
+    }
+
+    async fn handle_in_span(&self, session: &mut ServerSession) {
         let started = Instant::now();
         let method = session.req_header().method.as_str().to_owned();
         let path = session.req_header().uri.path().to_owned();

@@ -117,7 +117,7 @@ impl Gateway {
                     .await
                     .map_err(|e| (label, e))?;
                 let generation = Generation::start(model, prepared).map_err(|e| (label, e))?;
-                let steps = Steps::Native(generation);
+                let steps = Steps::Native(Box::new(generation));
                 self.answer(session, &caller, &turn, chat, steps, &[], tally, access)
                     .await
                     .map(|()| (label, StatusCode::OK))
@@ -463,7 +463,7 @@ impl<'r> Turn<'r> {
 
 /// Where an answer's text comes from.
 enum Steps<'m> {
-    Native(Generation<'m>),
+    Native(Box<Generation<'m>>),
     Upstream(Box<UpstreamSteps<'m>>),
 }
 

@@ -68,7 +68,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let format = cli
                 .log_format
                 .or(config.as_ref().ok().map(|c| c.log_format));
-            logging::init(filter, format.unwrap_or_default());
+            logging::init_with_traces(filter, format.unwrap_or_default())?;
             let mut config = config?;
             if let Some(listen) = listen {
                 config.listen = listen;

@@ -12,7 +12,9 @@ use mmgate_host::{
     PluginRegistry, ReducedItem, Started, Tensor, TokenPlan,
 };
 use serde_json::{Value, json};
+use tracing::Instrument as _;
 
+use crate::access::as_attribute;
 use crate::media::budget::{self, BudgetError};
 
 /// The plugin for `media`: the one that lists its MIME type (a directory plugin before a built-in),
@@ -312,6 +314,7 @@ pub async fn process_concurrently(
     let plugin_error = |item: usize| move |error| BudgetError::Plugin { item, error };
     let probes = items.iter().enumerate().map(|(item, (plugin, media))| {
         let (plugin, media) = (plugin.clone(), media.clone());
+        let span = stage_span("plugin.probe", item, &plugin, &media);
         async move {
             pool.run_ahead(move || {
                 let started = Instant::now();
@@ -320,6 +323,7 @@ pub async fn process_concurrently(
             .await
             .map_err(plugin_error(item))
         }
+        .instrument(span)
     });
     let (infos, probe_times): (Vec<MediaInfo>, Vec<Duration>) = join_all(probes)
         .await
@@ -337,6 +341,11 @@ pub async fn process_concurrently(
             let plugins: Vec<&LoadedPlugin> = plugins.iter().map(AsRef::as_ref).collect();
             Ok(plan_items(&plugins, &planning_infos, &config, budget))
         })
+        .instrument(tracing::info_span!(
+            "plugin.plan",
+            mmgate.items = as_attribute(items.len()),
+            mmgate.budget_tokens = i64::from(budget)
+        ))
         .await
         .map_err(plugin_error(0))?;
     let plans = plans?;
@@ -353,6 +362,8 @@ pub async fn process_concurrently(
                 processor_config.clone(),
                 lookup.clone(),
             );
+            let span = stage_span("plugin.preprocess", item, &plugin, &media);
+            span.record("mmgate.tokens", i64::from(plan.tokens));
             async move {
                 let started = Instant::now();
                 // Found whole among other replicas' outputs: used as it is.
@@ -396,6 +407,7 @@ pub async fn process_concurrently(
                 .await
                 .map_err(plugin_error(item))
             }
+            .instrument(span)
         });
     let outputs = join_all(jobs)
         .await
@@ -421,6 +433,24 @@ pub async fn process_concurrently(
             },
         )
         .collect())
+}
+
+/// A span for one item's plugin call `name`: which item, plugin and medium (never its bytes).
+fn stage_span(
+    name: &'static str,
+    item: usize,
+    plugin: &LoadedPlugin,
+    media: &Media,
+) -> tracing::Span {
+    tracing::info_span!(
+        "plugin",
+        otel.name = name,
+        mmgate.item = as_attribute(item),
+        mmgate.plugin = %plugin.descriptor().name,
+        mmgate.mime_type = media.mime_type.as_deref().unwrap_or("-"),
+        mmgate.bytes = as_attribute(media.data.len()),
+        mmgate.tokens = tracing::field::Empty,
+    )
 }
 
 /// An item's parts, each made on its own instance of the plugin pool, all queued at once: made

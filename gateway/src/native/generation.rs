@@ -13,6 +13,7 @@ use super::chat::{NativeModel, Prepared};
 use super::errors::internal;
 use super::plugin_output::item_tensors;
 use super::prompt_text::{prompt_ids, without_media};
+use crate::access::as_attribute;
 use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
 use crate::media::account::{self, MediaAccount};
@@ -35,6 +36,10 @@ pub struct Generation<'m> {
     /// One per task handing a part still being made to the engine: dropping it stops the task
     /// (a part not yet begun is then never made).
     feeding: Vec<tokio::sync::oneshot::Sender<()>>,
+    /// The generation's span (under the request's), and the phase's within it: `prefill` (the
+    /// media merged, the prompt prefilled, the first token) until the first token, then `decode`.
+    span: tracing::Span,
+    phase: tracing::Span,
 }
 
 impl Drop for Generation<'_> {
@@ -62,12 +67,22 @@ impl<'m> Generation<'m> {
             request.stop.clone(),
             request.sampling.clone(),
         );
+        let span = tracing::info_span!(
+            "generate",
+            gen_ai.request.max_tokens = as_attribute(max_tokens),
+            mmgate.media_items = as_attribute(media.len()),
+            mmgate.pieces_fed = as_attribute(feeds.len()),
+        );
+        let phase = tracing::info_span!(parent: &span, "prefill");
+        // Submitted in the prefill's span: the engine traces the request's encoding under it.
+        let submitting = phase.clone().entered();
         let handle = model
             .runtime
             .engine()
             .map_err(|e| internal(e.to_string()))?
             .submit(request)
             .map_err(|e| internal(e.to_string()))?;
+        drop(submitting);
         // Each part goes to the engine as soon as it is made; the engine merges and prefills the
         // pieces in order meanwhile.
         let feeding = feeds
@@ -96,6 +111,8 @@ impl<'m> Generation<'m> {
             produced: false,
             token_ids: Vec::new(),
             feeding,
+            span,
+            phase,
         })
     }
 
@@ -110,13 +127,19 @@ impl<'m> Generation<'m> {
                 .ok_or_else(|| internal("the inference engine stopped"))?;
             match event {
                 Event::Token { id, text } => {
+                    if !self.produced {
+                        self.next_phase(tracing::info_span!(parent: &self.span, "decode"));
+                    }
                     self.produced = true;
                     self.token_ids.push(id);
                     if !text.is_empty() {
                         return Ok(Step::Text(text));
                     }
                 }
-                Event::Done { finish, usage } => return Ok(self.done(finish, &usage)),
+                Event::Done { finish, usage } => {
+                    self.next_phase(tracing::Span::none());
+                    return Ok(self.done(finish, &usage));
+                }
                 Event::Failed(Failure::Encode { item, message })
                     if self.model.on_encode_error == EncodeErrorPolicy::Drop && !self.produced =>
                 {
@@ -126,6 +149,14 @@ impl<'m> Generation<'m> {
                 Event::Failed(failure) => return Err(failure_error(&failure)),
             }
         }
+    }
+
+    /// Ends the phase's span now and starts `next`. (A span's trace ends where it was last
+    /// exited, and the request's encoding entered the prefill's on the engine's thread long
+    /// before the prefill ends: it is entered once more here.)
+    fn next_phase(&mut self, next: tracing::Span) {
+        self.phase.in_scope(|| {});
+        self.phase = next;
     }
 
     fn done(&self, finish: FinishReason, usage: &Usage) -> Step {

@@ -9,9 +9,11 @@ use mmgate_host::{LoadedPlugin, Media, PluginPool, PluginRegistry};
 use mmgate_inference::engine::MediaItem;
 use mmgate_inference::families::MediaKind;
 use mmgate_inference::prompt::PromptModel;
+use tracing::Instrument as _;
 
 use super::errors::{invalid, too_large, unsupported_media};
 use super::plugin_output::named_tensor;
+use crate::access::as_attribute;
 use crate::config::RequestLimits;
 use crate::error::ApiError;
 use crate::media::files::FileStore;
@@ -92,6 +94,7 @@ pub(crate) async fn resolve_media(
         return Ok(items.into_iter().map(|(_, item)| item).collect());
     }
     // Choosing a plugin may probe: plugin work runs on the plugin pool, ahead of preprocessing.
+    let count = resolved.len();
     let registry = services.registry.clone();
     let processor_config = runtime.processor_config.clone();
     let chosen = services
@@ -111,6 +114,10 @@ pub(crate) async fn resolve_media(
                 })
                 .collect::<Vec<_>>())
         })
+        .instrument(tracing::info_span!(
+            "plugin.choose",
+            mmgate.items = as_attribute(count)
+        ))
         .await
         .map_err(|e| ApiError::from(&e))?;
 

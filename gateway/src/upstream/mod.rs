@@ -47,6 +47,7 @@ use pingora::services::background::background_service;
 use pingora::upstreams::peer::HttpPeer;
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
+use tracing::Instrument as _;
 
 use crate::config::{Balance, ModelConfig, UpstreamAddr};
 use crate::error::ApiError;
@@ -367,6 +368,7 @@ impl UpstreamPool {
         };
         let status = header.status;
         let mut response = downstream_response(header);
+        let _ = crate::telemetry::with_trace_id(&mut response);
         for (name, value) in &additions.headers {
             let _ = response.insert_header(*name, value.clone());
         }
@@ -438,6 +440,31 @@ impl UpstreamPool {
         key: &[u8],
         client: &ClientHop,
     ) -> Result<Exchange, ApiError> {
+        let span = tracing::info_span!(
+            "upstream",
+            otel.kind = "client",
+            gen_ai.request.model = %self.model,
+            server.address = tracing::field::Empty,
+            http.request.method = header.method.as_str(),
+            url.path = header.uri.path(),
+            http.response.status_code = tracing::field::Empty,
+            mmgate.body_bytes = crate::access::as_attribute(body.len()),
+        );
+        self.exchange_in(&span, header, body, key, client)
+            .instrument(span.clone())
+            .await
+    }
+
+    async fn exchange_in(
+        &self,
+        span: &tracing::Span,
+        header: &RequestHeader,
+        body: &[u8],
+        key: &[u8],
+        client: &ClientHop,
+    ) -> Result<Exchange, ApiError> {
+        // The engine continues this request's trace (vLLM does, given `traceparent`).
+        let trace = crate::telemetry::propagation_headers();
         let mut attempts = Attempts::new(self, key);
         while let Some(Connection {
             server,
@@ -446,7 +473,8 @@ impl UpstreamPool {
             reused,
         }) = attempts.connect().await
         {
-            let wire = request_wire(header, body, &target.authority, &self.auth, client);
+            span.record("server.address", tracing::field::display(server));
+            let wire = request_wire(header, body, &target.authority, &self.auth, client, &trace);
             let written = async {
                 stream.write_all(&wire).await?;
                 stream.flush().await
@@ -466,10 +494,18 @@ impl UpstreamPool {
             return match tokio::time::timeout(self.answer_timeout, final_response(&mut upstream))
                 .await
             {
-                Ok(Ok(())) => Ok(Exchange {
-                    idle_key: (server, target.id),
-                    upstream,
-                }),
+                Ok(Ok(())) => {
+                    if let Some(answer) = upstream.resp_header() {
+                        span.record(
+                            "http.response.status_code",
+                            i64::from(answer.status.as_u16()),
+                        );
+                    }
+                    Ok(Exchange {
+                        idle_key: (server, target.id),
+                        upstream,
+                    })
+                }
                 Ok(Err(e)) => Err(attempts.failed(server, &e)),
                 Err(_) => Err(self.timed_out(server)),
             };
@@ -801,6 +837,7 @@ fn request_wire(
     authority: &str,
     auth: &UpstreamAuth,
     client: &ClientHop,
+    trace: &[(String, String)],
 ) -> Vec<u8> {
     let mut wire = Vec::with_capacity(512 + body.len());
     wire.extend_from_slice(downstream.method.as_str().as_bytes());
@@ -829,10 +866,14 @@ fn request_wire(
             || name == http::header::EXPECT
             || hop.drops(name.as_str())
             || crate::wire::http1::is_forwarding_header(name.as_str())
+            || trace.iter().any(|(traced, _)| name.as_str() == traced)
         {
             continue;
         }
         header(name.as_str().as_bytes(), value.as_bytes());
+    }
+    for (name, value) in trace {
+        header(name.as_bytes(), value.as_bytes());
     }
     wire.extend_from_slice(&client.headers(|name| {
         let values: Vec<&str> = downstream
@@ -909,6 +950,31 @@ mod tests {
         request
     }
 
+    #[test]
+    fn the_requests_own_trace_context_replaces_the_clients() {
+        let mut request = client_request();
+        request
+            .insert_header(
+                "traceparent",
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            )
+            .unwrap();
+        let ours = "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01";
+        let (_, headers, _) = split(request_wire(
+            &request,
+            b"",
+            "h:1",
+            &UpstreamAuth::PassThrough,
+            &ClientHop::new(None, false, &[]),
+            &[("traceparent".to_owned(), ours.to_owned())],
+        ));
+        let sent: Vec<_> = headers
+            .iter()
+            .filter(|h| h.starts_with("traceparent"))
+            .collect();
+        assert_eq!(sent, [&format!("traceparent: {ours}")]);
+    }
+
     /// (request line, sorted header lines, body) of a wire request.
     fn split(wire: Vec<u8>) -> (String, Vec<String>, String) {
         let text = String::from_utf8(wire).unwrap();
@@ -929,6 +995,7 @@ mod tests {
             "vllm:8000",
             &UpstreamAuth::PassThrough,
             &ClientHop::new(Some([192, 0, 2, 1].into()), false, &[]),
+            &[],
         );
         let (first, headers, body) = split(wire);
         assert_eq!(first, "POST /v1/chat/completions?x=1 HTTP/1.1");
@@ -956,6 +1023,7 @@ mod tests {
             "h:1",
             &key,
             &ClientHop::new(None, false, &[]),
+            &[],
         ));
         let auth: Vec<_> = headers
             .iter()
@@ -969,6 +1037,7 @@ mod tests {
             "h:1",
             &UpstreamAuth::Strip,
             &ClientHop::new(None, false, &[]),
+            &[],
         ));
         assert!(
             !headers.iter().any(|h| h.starts_with("authorization")),

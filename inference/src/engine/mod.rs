@@ -242,6 +242,8 @@ struct Submission {
     request: GenerateRequest,
     events: UnboundedSender<Event>,
     cancel: Arc<AtomicBool>,
+    /// The span the request was submitted in: its encoder work is traced under it.
+    trace: tracing::Span,
 }
 
 pub struct Engine {
@@ -306,6 +308,7 @@ impl Engine {
             request,
             events,
             cancel: cancel.clone(),
+            trace: tracing::Span::current(),
         };
         self.commands
             .as_ref()
@@ -511,6 +514,10 @@ impl<M: Llm> Scheduler<M> {
     }
 
     fn start(&mut self, sub: Submission) -> Result<Sequence<M::Cache>> {
+        // Encoder jobs submitted from here on are the request's ([`pool::EncoderPool`] traces
+        // them under the span current at submission).
+        let _traced = sub.trace.clone().entered();
+        let trace = sub.trace;
         let r = sub.request;
         if r.prompt.is_empty() {
             return Err(Error::Input("empty prompt".into()));
@@ -603,8 +610,9 @@ impl<M: Llm> Scheduler<M> {
             // One id per item of one request: its pieces are batched apart.
             let piece_id = piece_of.map(|(request, item)| (request << 16) ^ item as u64);
             if let EncodeInput::Later { handoff, .. } = input.as_ref() {
-                let (pool, store) = (self.pool.clone(), self.store.clone());
+                let (pool, store, trace) = (self.pool.clone(), self.store.clone(), trace.clone());
                 handoff.attach(move |handed| {
+                    let _traced = trace.enter();
                     // A request that ended meanwhile released its pin: nothing waits for it.
                     if store.state(&key).is_none() {
                         return;

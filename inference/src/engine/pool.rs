@@ -26,6 +26,10 @@ struct Job {
     /// piece is done first and its next ones follow (on this or another device).
     piece_of: Option<u64>,
     done: Box<dyn FnOnce(EncodeResult) + Send>,
+    /// The span it was submitted in (its request's), and when: its encoding is traced there,
+    /// the wait for the device included.
+    trace: tracing::Span,
+    queued: Instant,
 }
 
 struct Device {
@@ -204,9 +208,11 @@ impl EncoderPool {
             share_key,
             piece_of,
             done: Box::new(done),
+            trace: tracing::Span::current(),
+            queued: Instant::now(),
         };
-        let sent = device.queue.as_ref().map(|q| q.send(job));
-        if !matches!(sent, Some(Ok(()))) {
+        let sent = device.queue.as_ref().is_some_and(|q| q.send(job).is_ok());
+        if !sent {
             device.load.fetch_sub(1, Ordering::Relaxed);
             return Err(Error::Device {
                 device: device.name.clone(),
@@ -302,8 +308,22 @@ impl Worker {
         let results = match self.encoders.iter().find(|e| e.kind() == kind) {
             Some(encoder) => {
                 let inputs: Vec<&EncodeInput> = batch.iter().map(|j| j.input.as_ref()).collect();
-                let span = tracing::debug_span!("encode", ?kind, items = inputs.len());
-                let _guard = span.enter();
+                // A span per job, under its request's, open while the batch encodes.
+                let _traced: Vec<tracing::Span> = batch
+                    .iter()
+                    .filter(|job| !job.trace.is_none())
+                    .map(|job| {
+                        tracing::info_span!(
+                            parent: &job.trace,
+                            "encode",
+                            mmgate.encoder = ?kind,
+                            mmgate.device = %self.name,
+                            mmgate.batch = i64::try_from(inputs.len()).unwrap_or(i64::MAX),
+                            mmgate.queued_us = i64::try_from(job.queued.elapsed().as_micros())
+                                .unwrap_or(i64::MAX),
+                        )
+                    })
+                    .collect();
                 encoder.encode(&inputs)
             }
             None => batch
