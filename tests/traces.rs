@@ -117,6 +117,7 @@ fn each_request_is_one_trace_with_a_span_per_stage_continued_from_the_client() {
     assert_eq!(chat(&server, "image_url", image, Some(traceparent)), TRACE);
     let stages = [
         "POST /v1/chat/completions",
+        "media.read",
         "plugin.choose",
         "plugin.probe",
         "plugin.plan",
@@ -162,7 +163,17 @@ fn each_request_is_one_trace_with_a_span_per_stage_continued_from_the_client() {
     );
 
     // A video in parts: a trace of its own, a plugin run per part under its preprocessing.
-    let video = data_url("video/mp4", "video/clips/h264.mp4");
+    let clip = dir.path().join("long.avi");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/traces/clip.py");
+    common::run_ok(
+        std::process::Command::new(venv.join("bin/python"))
+            .arg(script)
+            .arg(&clip),
+    );
+    let video = format!(
+        "data:video/x-msvideo;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(std::fs::read(&clip).unwrap())
+    );
     let id = chat(&server, "video_url", video, None);
     assert_ne!(id, TRACE);
     let spans = nested(&receiver, &id, &stages);
@@ -171,5 +182,13 @@ fn each_request_is_one_trace_with_a_span_per_stage_continued_from_the_client() {
         .iter()
         .filter(|s| s["name"] == "plugin.run" && s["parent_span_id"] == preprocess)
         .count();
-    assert!(runs >= 2, "a run per part: {runs}");
+    assert!(
+        runs >= 3,
+        "one to ask for the parts, then one per part: {runs}"
+    );
+    let generate = &named(&spans, "generate")[0]["attributes"];
+    assert!(
+        generate["mmgate.pieces_fed"].as_i64().unwrap() >= 1,
+        "parts handed to the engine as they were made: {generate}"
+    );
 }

@@ -80,7 +80,24 @@ pub(crate) async fn resolve_media(
                 ));
                 continue;
             }
-            MediaSource::Bytes(source) => source_bytes(index, source, limit, services).await?,
+            MediaSource::Bytes(source) => {
+                let from = match &source {
+                    ByteSource::Base64 { .. } | ByteSource::NotBase64 => "inline",
+                    ByteSource::Url(_) => "url",
+                    ByteSource::File(_) => "upload",
+                };
+                let span = tracing::info_span!(
+                    "media.read",
+                    mmgate.item = as_attribute(index),
+                    mmgate.source = from,
+                    mmgate.bytes = tracing::field::Empty,
+                );
+                let read = source_bytes(index, source, limit, services)
+                    .instrument(span.clone())
+                    .await?;
+                span.record("mmgate.bytes", as_attribute(read.0.len()));
+                read
+            }
         };
         if data.len() > limit {
             return Err(too_large(index, data.len(), limit));
