@@ -7,6 +7,7 @@
 //! steps of text ([`Step`]), which are written as a response object or as its event stream, and
 //! kept with the conversation when the request asks for `store`.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -103,14 +104,15 @@ impl Gateway {
                 kept.conversation
             }
         };
-        let chat = request
-            .chat_body(history)
+        let conversation = request
+            .conversation(history)
             .map_err(|e| none(invalid(e.param, e.message)))?;
+        let chat = request.chat_body(&conversation);
         let turn = Turn::new(&request);
         match route {
             Route::Native(model) => {
                 let label = "native";
-                let parsed: ChatCompletionRequest = serde_json::from_value(chat.clone())
+                let parsed: ChatCompletionRequest = serde_json::from_value(chat)
                     .map_err(|e| (label, invalid("input", e.to_string())))?;
                 let prepared = self
                     .prepare(&caller, model, parsed)
@@ -118,10 +120,19 @@ impl Gateway {
                     .map_err(|e| (label, e))?;
                 let generation = Generation::start(model, prepared).map_err(|e| (label, e))?;
                 let steps = Steps::Native(Box::new(generation));
-                self.answer(session, &caller, &turn, chat, steps, &[], tally, access)
-                    .await
-                    .map(|()| (label, StatusCode::OK))
-                    .map_err(|e| (label, e))
+                self.answer(
+                    session,
+                    &caller,
+                    &turn,
+                    conversation,
+                    steps,
+                    &[],
+                    tally,
+                    access,
+                )
+                .await
+                .map(|()| (label, StatusCode::OK))
+                .map_err(|e| (label, e))
             }
             Route::Upstream { pool, media } => {
                 let label = "upstream";
@@ -130,7 +141,7 @@ impl Gateway {
                     services: self.services(&caller),
                     metrics: &self.metrics,
                 };
-                let mut sent = chat.clone();
+                let mut sent = chat;
                 // The upstream always streams: the answer is translated as it comes.
                 sent["stream"] = json!(true);
                 sent["stream_options"] = json!({"include_usage": true});
@@ -150,14 +161,21 @@ impl Gateway {
                 let steps = Steps::Upstream(Box::new(UpstreamSteps {
                     exchange: Some(exchange),
                     pending: Vec::new(),
-                    text: Vec::new(),
+                    text: VecDeque::new(),
                     finish: None,
                     done: None,
                     usage_media: additions.usage_media,
                     pool,
                 }));
                 self.answer(
-                    session, &caller, &turn, chat, steps, &headers, tally, access,
+                    session,
+                    &caller,
+                    &turn,
+                    conversation,
+                    steps,
+                    &headers,
+                    tally,
+                    access,
                 )
                 .await
                 .map(|()| (label, StatusCode::OK))
@@ -204,14 +222,14 @@ impl Gateway {
     }
 
     /// Writes the answer `steps` make: a response object, or its event stream; keeps it with
-    /// `conversation` (the chat messages sent) when asked to.
+    /// `conversation` (its input after the earlier turns) when asked to.
     #[allow(clippy::too_many_arguments)]
     async fn answer(
         &self,
         session: &mut ServerSession,
         caller: &Caller,
         turn: &Turn<'_>,
-        conversation: Value,
+        conversation: Vec<Value>,
         mut steps: Steps<'_>,
         headers: &[(&str, String)],
         tally: Option<&TokenTally>,
@@ -355,29 +373,20 @@ impl Gateway {
         }
     }
 
-    /// Keeps `response` and the conversation it ends (the messages sent, `instructions` aside,
-    /// and its answer `text`), when the request asked for `store`.
+    /// Keeps `response` and the conversation it ends (`conversation`, then its answer `text`),
+    /// when the request asked for `store`.
     async fn keep(
         &self,
         caller: &Caller,
         turn: &Turn<'_>,
-        conversation: Value,
+        conversation: Vec<Value>,
         response: &Value,
         text: &str,
     ) -> Result<(), ApiError> {
         if !turn.request.store {
             return Ok(());
         }
-        let mut messages: Vec<Value> = match conversation {
-            Value::Object(mut body) => match body.remove("messages") {
-                Some(Value::Array(messages)) => messages,
-                _ => Vec::new(),
-            },
-            _ => Vec::new(),
-        };
-        if turn.request.instructions.is_some() && !messages.is_empty() {
-            messages.remove(0);
-        }
+        let mut messages = conversation;
         messages.push(json!({"role": "assistant", "content": text}));
         self.responses
             .put(caller, response.clone(), messages)
@@ -484,7 +493,7 @@ struct UpstreamSteps<'p> {
     /// Bytes of an event not yet complete.
     pending: Vec<u8>,
     /// Texts read and not yet given.
-    text: Vec<String>,
+    text: VecDeque<String>,
     finish: Option<&'static str>,
     /// The last step, once read (given after the texts before it).
     done: Option<Step>,
@@ -495,8 +504,8 @@ struct UpstreamSteps<'p> {
 impl UpstreamSteps<'_> {
     async fn next(&mut self) -> Result<Step, ApiError> {
         loop {
-            if !self.text.is_empty() {
-                return Ok(Step::Text(self.text.remove(0)));
+            if let Some(text) = self.text.pop_front() {
+                return Ok(Step::Text(text));
             }
             if let Some(done) = self.done.take() {
                 return Ok(done);
@@ -555,7 +564,7 @@ impl UpstreamSteps<'_> {
             if let Some(text) = choice["delta"]["content"].as_str()
                 && !text.is_empty()
             {
-                self.text.push(text.to_owned());
+                self.text.push_back(text.to_owned());
             }
             if let Some(reason) = choice["finish_reason"].as_str() {
                 self.finish = Some(if reason == "length" { "length" } else { "stop" });

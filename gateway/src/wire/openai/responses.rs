@@ -55,14 +55,11 @@ const ROLES: [&str; 4] = ["user", "assistant", "system", "developer"];
 const SNIFFED_BASE64_CHARS: usize = 4096;
 
 impl ResponsesRequest {
-    /// The request's input as chat messages (`instructions` first when given), each content
-    /// part the chat completion part that means the same; the Responses parameter at fault
-    /// otherwise.
-    pub fn messages(&self) -> Result<Vec<Value>, Invalid> {
-        let mut messages = Vec::new();
-        if let Some(instructions) = &self.instructions {
-            messages.push(json!({"role": "system", "content": instructions}));
-        }
+    /// The conversation this request continues: `history` (an earlier turn's messages), then
+    /// its input as chat messages, each content part the chat part that means the same; the
+    /// Responses parameter at fault otherwise. What a stored response keeps (with its answer).
+    pub fn conversation(&self, history: Vec<Value>) -> Result<Vec<Value>, Invalid> {
+        let mut messages = history;
         match &self.input {
             Input::Text(text) => messages.push(json!({"role": "user", "content": text})),
             Input::Items(items) => {
@@ -74,10 +71,14 @@ impl ResponsesRequest {
         Ok(messages)
     }
 
-    /// The chat completion this request means, after `history` (an earlier turn's messages).
-    pub fn chat_body(&self, history: Vec<Value>) -> Result<Value, Invalid> {
-        let mut messages = history;
-        messages.extend(self.messages()?);
+    /// The chat completion this request means: its `instructions` (which a follow-up does not
+    /// inherit) as the system message, then `conversation`.
+    pub fn chat_body(&self, conversation: &[Value]) -> Value {
+        let instructions = self
+            .instructions
+            .iter()
+            .map(|text| json!({"role": "system", "content": text}));
+        let messages: Vec<Value> = instructions.chain(conversation.iter().cloned()).collect();
         let mut body = json!({"model": self.model, "messages": messages, "stream": self.stream});
         if self.stream {
             body["stream_options"] = json!({"include_usage": true});
@@ -93,7 +94,7 @@ impl ResponsesRequest {
                 body[name] = value;
             }
         }
-        Ok(body)
+        body
     }
 }
 
@@ -216,8 +217,8 @@ fn file_data_part(data: &str) -> Result<Value, String> {
         },
         None => data,
     };
-    let head = &payload[..payload.len().min(SNIFFED_BASE64_CHARS)];
-    let head = &head[..head.len() / 4 * 4];
+    // Bytes, not characters: a payload that is not base64 may hold any UTF-8.
+    let head = &payload.as_bytes()[..payload.len().min(SNIFFED_BASE64_CHARS) / 4 * 4];
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(head)
         .map_err(|e| format!("file_data is not base64: {e}"))?;
@@ -342,12 +343,11 @@ mod tests {
     #[test]
     fn a_string_input_is_one_user_message_after_the_instructions() {
         let r = request(json!({"model": "m", "input": "hi", "instructions": "be brief"}));
+        let conversation = r.conversation(Vec::new()).unwrap();
+        assert_eq!(conversation, vec![json!({"role": "user", "content": "hi"})]);
         assert_eq!(
-            r.messages().unwrap(),
-            vec![
-                json!({"role": "system", "content": "be brief"}),
-                json!({"role": "user", "content": "hi"}),
-            ]
+            r.chat_body(&conversation)["messages"],
+            json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
         );
     }
 
@@ -362,7 +362,7 @@ mod tests {
             {"type": "input_file", "file_data": format!("data:application/octet-stream;base64,{png}")},
             {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
         ]}]}));
-        let parts = r.messages().unwrap()[0]["content"].clone();
+        let parts = r.conversation(Vec::new()).unwrap()[0]["content"].clone();
         assert_eq!(parts[0], json!({"type": "text", "text": "look"}));
         assert_eq!(parts[1]["image_url"]["url"], "https://example.com/a.jpg");
         assert_eq!(
@@ -402,9 +402,15 @@ mod tests {
                 "needs image_url or file_id",
             ),
             (json!([{"role": "user", "content": 7}]), "string or a list"),
+            // Not base64, multi-byte characters across the sniffed prefix's end: refused, no panic.
+            (
+                json!([{"role": "user", "content": [
+                    {"type": "input_file", "file_data": format!("a{}", "é".repeat(3000))}]}]),
+                "not base64",
+            ),
         ] {
             let r = request(json!({"model": "m", "input": input}));
-            let error = r.messages().unwrap_err();
+            let error = r.conversation(Vec::new()).unwrap_err();
             assert_eq!(error.param, "input");
             assert!(error.message.contains(said), "{}", error.message);
         }
@@ -414,14 +420,21 @@ mod tests {
     fn the_chat_body_carries_the_history_and_the_sampling() {
         let r = request(
             json!({"model": "m", "input": "again", "max_output_tokens": 5,
-                               "temperature": 0.5, "stream": true}),
+                   "instructions": "be brief", "temperature": 0.5, "stream": true}),
         );
         let history = vec![
             json!({"role": "user", "content": "hi"}),
             json!({"role": "assistant", "content": "hello"}),
         ];
-        let body = r.chat_body(history).unwrap();
-        assert_eq!(body["messages"].as_array().unwrap().len(), 3);
+        let conversation = r.conversation(history.clone()).unwrap();
+        // What is kept for the next turn holds no instructions (a follow-up brings its own) ...
+        assert_eq!(conversation[..2], history[..]);
+        assert_eq!(conversation.len(), 3);
+        // ... and what the model sees has them first, before the earlier turns.
+        let body = r.chat_body(&conversation);
+        assert_eq!(body["messages"][0]["role"], "system");
+        assert_eq!(body["messages"][1], history[0]);
+        assert_eq!(body["messages"].as_array().unwrap().len(), 4);
         assert_eq!(body["max_tokens"], 5);
         assert_eq!(body["temperature"], 0.5);
         assert_eq!(body["stream_options"]["include_usage"], true);
