@@ -23,21 +23,12 @@ fn data_url(mime: &str, bytes: &[u8]) -> String {
     )
 }
 
-/// Demo models are written once into this cache, shared by the tests' servers.
 fn cache_dir() -> PathBuf {
-    Path::new(env!("CARGO_TARGET_TMPDIR")).join("chat-api-cache")
+    common::server::demo_cache()
 }
 
 fn start(config: &str) -> (Server, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("mmgate.toml");
-    std::fs::write(&path, config).unwrap();
-    let cache = cache_dir();
-    let server = Server::start_with_env(
-        &["--config", path.to_str().unwrap()],
-        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
-    );
-    (server, dir)
+    Server::with_config(config, &cache_dir())
 }
 
 fn client() -> reqwest::blocking::Client {

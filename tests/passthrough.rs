@@ -19,15 +19,8 @@ use common::server::Server;
 use serde_json::{Value, json};
 
 fn start(config: &str) -> (Server, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("mmgate.toml");
-    std::fs::write(&path, config).unwrap();
     let cache = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("passthrough-cache");
-    let server = Server::start_with_env(
-        &["--config", path.to_str().unwrap()],
-        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
-    );
-    (server, dir)
+    Server::with_config(config, &cache)
 }
 
 fn connect(server: &Server) -> BufReader<TcpStream> {

@@ -6,6 +6,7 @@ mod access;
 mod api;
 pub mod cli;
 mod config;
+mod console;
 mod deadline;
 mod draining;
 mod error;

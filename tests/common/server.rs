@@ -27,7 +27,25 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Where the demo models are written once, shared by the tests' servers.
+pub fn demo_cache() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("chat-api-cache")
+}
+
 impl Server {
+    /// `mmgate serve` with `config` (TOML, in a directory kept as long as the handle returned),
+    /// models cached in `cache`.
+    pub fn with_config(config: &str, cache: &std::path::Path) -> (Server, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mmgate.toml");
+        std::fs::write(&path, config).unwrap();
+        let server = Server::start_with_env(
+            &["--config", path.to_str().unwrap()],
+            &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
+        );
+        (server, dir)
+    }
+
     /// `mmgate serve ARGS --listen <free port>`, once it accepts connections.
     pub fn start(args: &[&str]) -> Server {
         Server::start_with_env(args, &[])

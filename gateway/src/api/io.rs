@@ -74,6 +74,30 @@ pub async fn write_text(session: &mut ServerSession, content_type: &str, text: S
     .await;
 }
 
+/// One of the console's files, with `headers` (its security policy).
+pub async fn write_static(
+    session: &mut ServerSession,
+    content_type: &str,
+    body: &'static [u8],
+    headers: &[(&str, &str)],
+) {
+    let body = Bytes::from_static(body);
+    write_complete(session, StatusCode::OK, content_type, body, headers).await;
+}
+
+/// A redirect to `location` on this server.
+pub async fn write_redirect(session: &mut ServerSession, location: &str) {
+    let headers = [("location", location)];
+    write_complete(
+        session,
+        StatusCode::FOUND,
+        "text/plain",
+        Bytes::new(),
+        &headers,
+    )
+    .await;
+}
+
 async fn write_complete(
     session: &mut ServerSession,
     status: StatusCode,

@@ -7,6 +7,7 @@ mod connection;
 pub(crate) mod files;
 mod io;
 mod media_modes;
+mod plan;
 mod preprocess;
 mod replay;
 mod request;
@@ -152,6 +153,19 @@ impl Gateway {
             ("GET", "/metrics") => {
                 let text = self.metrics.render(self.snapshot());
                 io::write_text(session, "text/plain; version=0.0.4", text).await;
+                return;
+            }
+            ("GET", "/") => {
+                io::write_redirect(session, crate::console::PATH).await;
+                return;
+            }
+            ("GET", p) if crate::console::owns(p) => {
+                let Some(asset) = crate::console::asset(p) else {
+                    write_error(session, &ApiError::not_found(p)).await;
+                    return;
+                };
+                let headers = crate::console::HEADERS;
+                io::write_static(session, asset.content_type, asset.body, &headers).await;
                 return;
             }
             ("GET", "/health") => Ok(json!({ "status": "ok" })),
@@ -387,6 +401,8 @@ fn route_label(path: &str) -> &'static str {
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/responses" => "/v1/responses",
         p if p.starts_with("/v1/files/") => "/v1/files/{id}",
+        "/" => "/",
+        p if crate::console::owns(p) => "/console",
         p if p.starts_with("/v1/responses/") => "/v1/responses/{id}",
         _ => "other",
     }

@@ -2,7 +2,8 @@
 //! items share the budget); answers with the plans and the tensors' shapes (the account `mmgate
 //! preprocess --explain` prints). With `model`, as that served model plans them: its processor
 //! config, and for a model planned here for an engine (`media = "preprocess"`) the files the
-//! engine would be sent instead of tensors.
+//! engine would be sent instead of tensors. With `messages`, a whole chat request is planned instead
+//! ([`super::plan`]).
 
 use std::sync::Arc;
 
@@ -13,8 +14,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::io::read_body;
-use super::media_modes::UpstreamMedia;
-use super::{Gateway, Route};
+use super::Gateway;
 use crate::error::ApiError;
 use crate::media::budget::BudgetError;
 use crate::media::pipeline;
@@ -26,7 +26,18 @@ const MAX_BODY_BYTES: usize = 64 << 20;
 
 impl Gateway {
     pub(super) async fn preprocess(&self, session: &mut ServerSession) -> Result<Value, ApiError> {
-        let body = read_body(session, MAX_BODY_BYTES).await?;
+        let body = read_body(session, MAX_BODY_BYTES.max(self.limits.max_body_bytes)).await?;
+        let form: Form = serde_json::from_slice(&body).unwrap_or_default();
+        if form.messages.is_some() {
+            let Some(model) = form.model else {
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request",
+                    "a chat request to plan (messages) needs its model",
+                ));
+            };
+            return self.plan_chat(session, body, &model, form.pictures).await;
+        }
         let request: PreprocessRequest = serde_json::from_slice(&body).map_err(|e| {
             ApiError::new(
                 StatusCode::BAD_REQUEST,
@@ -109,26 +120,13 @@ impl Gateway {
                 "give a model or a processor_config, not both: a model plans with its own".into(),
             ));
         }
-        match self.models.get(name.as_str()) {
-            None => Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "model_not_found",
-                format!("the model {name:?} does not exist"),
-            )),
-            Some(Route::Native(model))
-            | Some(Route::Upstream {
-                media: UpstreamMedia::Embed(model),
-                ..
-            }) => Ok((model.runtime.prompt.processor_config.clone(), whole)),
-            Some(Route::Upstream {
-                media: UpstreamMedia::Preprocess(prompt),
-                ..
-            }) => Ok((prompt.processor_config.clone(), pipeline::Produce::Files)),
-            Some(Route::Upstream { .. }) => Err(invalid(format!(
-                "model {name:?} forwards media as they came (media = \"forward\"): nothing is \
-                 planned for it here"
-            ))),
-        }
+        let side = self.planning_side(name)?;
+        let produce = if side.server_processes {
+            pipeline::Produce::Files
+        } else {
+            whole
+        };
+        Ok((side.prompt.processor_config.clone(), produce))
     }
 }
 
@@ -194,6 +192,16 @@ fn media_of(url: &str) -> Result<Media, ApiError> {
     let (declared_mime, data) = decode_data_url(url)?;
     let mime_type = sniff_mime_type(&data).map(str::to_owned).or(declared_mime);
     Ok(Media { data, mime_type })
+}
+
+/// Which of the two requests a body is: with `messages`, a chat request to plan (see
+/// [`super::plan`]); else media items to run.
+#[derive(Deserialize, Default)]
+struct Form {
+    messages: Option<serde::de::IgnoredAny>,
+    model: Option<String>,
+    #[serde(default)]
+    pictures: bool,
 }
 
 #[derive(Deserialize)]

@@ -3,7 +3,6 @@
 mod generate;
 mod plugin;
 mod preprocess;
-mod render;
 mod scaffold;
 
 use std::net::SocketAddr;

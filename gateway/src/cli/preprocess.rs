@@ -16,7 +16,7 @@ use crate::media::budget::BudgetError;
 use crate::media::pipeline;
 use crate::media::sniff::sniff_mime_type;
 
-use super::render;
+use crate::media::render;
 
 #[derive(Args, Debug)]
 pub struct PreprocessArgs {
@@ -113,11 +113,14 @@ pub fn run(args: PreprocessArgs) -> anyhow::Result<ExitCode> {
     ]);
     // The picture first: when it cannot be drawn (not audio), nothing is written.
     if let Some(path) = &args.mel_png {
-        render::mel_png(tensors, path)?;
+        let png = render::mel_png(tensors).context("--mel-png")?;
+        std::fs::write(path, png).with_context(|| format!("cannot write {}", path.display()))?;
     }
     if let Some(path) = &args.contact_sheet {
         let (mean, std) = normalisation(&config);
-        render::contact_sheet(tensors, mean, std, plan.tokens, path)?;
+        let png =
+            render::contact_sheet(tensors, mean, std, plan.tokens).context("--contact-sheet")?;
+        std::fs::write(path, png).with_context(|| format!("cannot write {}", path.display()))?;
     }
     write_safetensors(&args.out, tensors, metadata)?;
 

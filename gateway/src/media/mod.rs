@@ -9,4 +9,5 @@ pub mod fetch;
 pub mod files;
 pub mod pipeline;
 pub mod plugins;
+pub mod render;
 pub mod sniff;

@@ -40,6 +40,9 @@ pub struct ReloadStatus {
     pub generation: u64,
     /// The plugins the latest reload could not load.
     pub rejected: Vec<RejectedPlugin>,
+    /// When the latest reload ran, in seconds since the Unix epoch (none yet: absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -131,6 +134,10 @@ impl LivePlugins {
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         status.generation += 1;
         status.rejected = rejected;
+        status.at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()
+            .map(|since| since.as_secs());
     }
 
     /// Reload on every change in the plugin directory and on SIGHUP, until the returned guard is

@@ -451,6 +451,19 @@ pub struct PlannedUpstream {
     pub accounts: Vec<MediaAccount>,
     /// The prompt's tokens as the server's processor will count them: text and every item.
     pub prompt_tokens: usize,
+    /// The tokens the plugins' items shared (the context less the text, the completion and
+    /// embeddings, and less any overflow a first plan left).
+    pub budget: usize,
+    /// Per media part: what its plugin planned, from what (`None` for `image_embeds`); what a
+    /// picture of the item (the console's) is made from.
+    pub sources: Vec<Option<PlannedSource>>,
+}
+
+/// One plugin item as it was planned.
+pub struct PlannedSource {
+    pub plugin: Arc<LoadedPlugin>,
+    pub media: Arc<Media>,
+    pub plan: TokenPlan,
 }
 
 /// Plans `request`'s media for `prompt`'s model exactly as for a native model (limits, probe, the
@@ -503,14 +516,16 @@ async fn plan_upstream_once(
     let mut parts = Vec::with_capacity(gathered.items.len());
     let mut accounts = Vec::with_capacity(gathered.items.len());
     let mut planned_items = Vec::with_capacity(gathered.items.len());
+    let mut sources = Vec::with_capacity(gathered.items.len());
     for (index, item) in gathered.items.iter().enumerate() {
         match &item.input {
             ItemInput::Embeddings(input) => {
                 planned_items.push(PlannedItem::counted(item.kind, input.tokens));
                 accounts.push(MediaAccount::embeddings(index, item.kind, input.tokens));
                 parts.push((item.kind, None));
+                sources.push(None);
             }
-            ItemInput::Plugin { plugin, .. } => {
+            ItemInput::Plugin { plugin, media } => {
                 let done = processed
                     .next()
                     .ok_or_else(|| internal("a media item was not processed"))?;
@@ -521,6 +536,11 @@ async fn plan_upstream_once(
                     choices: serde_json::from_str(&done.plan.choices).unwrap_or_default(),
                 });
                 accounts.push(MediaAccount::plugin(index, item.kind, plugin, &done));
+                sources.push(Some(PlannedSource {
+                    plugin: plugin.clone(),
+                    media: media.clone(),
+                    plan: done.plan.clone(),
+                }));
                 let Made::Files(files) = done.made else {
                     return Err(internal("a media item was not reduced"));
                 };
@@ -546,6 +566,8 @@ async fn plan_upstream_once(
         parts,
         accounts,
         prompt_tokens,
+        budget: gathered.budget,
+        sources,
     })
 }
 

@@ -1,7 +1,5 @@
 //! Pictures of preprocessed tensors, for people checking what a plugin made of their media.
 
-use std::path::Path;
-
 use anyhow::{Context, anyhow, bail};
 use mmgate_host::{Dtype, Tensor};
 
@@ -49,12 +47,12 @@ fn values<T, const N: usize>(
 /// Render `input_features` [chunks, n_mels, frames] as a spectrogram PNG: time left to right (the
 /// chunks one after another, only their frames that hold audio, per `feature_attention_mask`), low
 /// frequencies at the bottom, quiet dark and loud bright. Chunks are separated by a white line.
-pub fn mel_png(tensors: &[Tensor], path: &Path) -> anyhow::Result<()> {
+pub fn mel_png(tensors: &[Tensor]) -> anyhow::Result<Vec<u8>> {
     let find = |name: &str| {
         tensors
             .iter()
             .find(|t| t.name == name)
-            .ok_or_else(|| anyhow!("--mel-png: the plugin produced no {name} (is this audio?)"))
+            .ok_or_else(|| anyhow!("the plugin produced no {name} (is this audio?)"))
     };
     let features = find("input_features")?;
     let mask = find("feature_attention_mask")?;
@@ -114,15 +112,20 @@ pub fn mel_png(tensors: &[Tensor], path: &Path) -> anyhow::Result<()> {
         }
     }
 
-    let file =
-        std::fs::File::create(path).with_context(|| format!("cannot write {}", path.display()))?;
-    let mut encoder = png::Encoder::new(std::io::BufWriter::new(file), width as u32, height as u32);
+    rgb_png(width, height, &rgb)
+}
+
+/// `rgb` (8-bit, row after row) as a PNG.
+fn rgb_png(width: usize, height: usize, rgb: &[u8]) -> anyhow::Result<Vec<u8>> {
+    let mut png = Vec::new();
+    let mut encoder = png::Encoder::new(&mut png, width as u32, height as u32);
     encoder.set_color(png::ColorType::Rgb);
     encoder.set_depth(png::BitDepth::Eight);
     encoder
         .write_header()
-        .and_then(|mut writer| writer.write_image_data(&rgb))
-        .with_context(|| format!("cannot write {}", path.display()))
+        .and_then(|mut writer| writer.write_image_data(rgb))
+        .context("encoding a PNG")?;
+    Ok(png)
 }
 
 /// Widest thumbnail in a contact sheet; frames are scaled down (nearest pixel) to fit.
@@ -196,15 +199,15 @@ pub fn contact_sheet(
     mean: [f32; 3],
     std: [f32; 3],
     tokens: u32,
-    path: &Path,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<u8>> {
     const PATCH: usize = 14;
     const MERGE: usize = 2;
     const TEMPORAL: usize = 2;
     let find = |name: &str| {
-        tensors.iter().find(|t| t.name == name).ok_or_else(|| {
-            anyhow!("--contact-sheet: the plugin produced no {name} (is this a video?)")
-        })
+        tensors
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| anyhow!("the plugin produced no {name} (is this a video?)"))
     };
     let grid = values(find("video_grid_thw")?, Dtype::I64, i64::from_le_bytes)?;
     let [t, gh, gw] = <[i64; 3]>::try_from(grid.as_slice())
@@ -264,18 +267,5 @@ pub fn contact_sheet(
         let text = format!("#{index} {time:.2}s");
         canvas.text(x0, y0 + th + GAP / 2, &text);
     }
-    let file =
-        std::fs::File::create(path).with_context(|| format!("cannot write {}", path.display()))?;
-    let mut encoder = png::Encoder::new(
-        std::io::BufWriter::new(file),
-        canvas.width as u32,
-        canvas.height as u32,
-    );
-    encoder.set_color(png::ColorType::Rgb);
-    encoder.set_depth(png::BitDepth::Eight);
-    encoder
-        .write_header()
-        .and_then(|mut writer| writer.write_image_data(&canvas.rgb))
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
+    rgb_png(canvas.width, canvas.height, &canvas.rgb)
 }
