@@ -283,9 +283,10 @@ fn mel_png_draws_the_audible_frames() {
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     let width = u32::from_be_bytes(png[16..20].try_into().unwrap());
     let height = u32::from_be_bytes(png[20..24].try_into().unwrap());
-    // One column per audible frame and a separator between chunks, averaged in groups to at most
-    // 6000 pixels; two rows per mel bin.
-    let columns = mask.iter().sum::<i64>() as u32 + 2;
+    // One column per audible frame and a separator between chunks (a column per 400 frames),
+    // averaged in groups to at most 6000 pixels; two rows per mel bin.
+    let audible = mask.iter().sum::<i64>() as u32;
+    let columns = audible + 2 * (audible / 400).max(1);
     let group = columns.div_ceil(6000);
     assert_eq!((width, height), (columns.div_ceil(group), 160));
 }

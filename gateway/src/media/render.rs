@@ -5,6 +5,8 @@ use mmgate_host::{Dtype, Tensor};
 
 /// Widest spectrogram drawn, in pixels; longer audio is averaged over groups of frames to fit.
 const MAX_WIDTH: usize = 6000;
+/// A separator between chunks is one column per this many frames of audio (at least one).
+const SEPARATOR_EVERY: usize = 400;
 /// Pixel rows per mel bin, so 80 bins are still visible.
 const ROWS_PER_BIN: usize = 2;
 
@@ -65,16 +67,20 @@ pub fn mel_png(tensors: &[Tensor]) -> anyhow::Result<Vec<u8>> {
         bail!("input_features and feature_attention_mask do not agree in shape");
     }
 
-    // Columns: the audible frames of each chunk, then a separator (None) between chunks.
+    // Columns: the audible frames of each chunk, then a separator (None) between chunks, wide
+    // enough to stay visible when the picture is shown smaller than it is drawn.
+    let audible: Vec<usize> = (0..chunks)
+        .map(|chunk| {
+            let mask = &mask[chunk * frames..(chunk + 1) * frames];
+            mask.iter().filter(|&&m| m != 0).count()
+        })
+        .collect();
+    let separator = (audible.iter().sum::<usize>() / SEPARATOR_EVERY).max(1);
     let mut columns: Vec<Option<(usize, usize)>> = Vec::new();
-    for chunk in 0..chunks {
+    for (chunk, &audible) in audible.iter().enumerate() {
         if chunk > 0 {
-            columns.push(None);
+            columns.extend(std::iter::repeat_n(None, separator));
         }
-        let audible = mask[chunk * frames..(chunk + 1) * frames]
-            .iter()
-            .filter(|&&m| m != 0)
-            .count();
         columns.extend((0..audible).map(|f| Some((chunk, f))));
     }
     let group = columns.len().div_ceil(MAX_WIDTH).max(1);
