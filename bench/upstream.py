@@ -117,9 +117,11 @@ def make_media(scratch: Path) -> dict[str, tuple[str, Path]]:
     return {"photo 4032x3024": ("image", photo), "video 60 s 1080p": ("video", video)}
 
 
-def model_dirs(scratch: Path, cache: Path) -> tuple[Path, Path]:
-    """The demo Qwen2-VL checkpoint for the engine (with real Qwen2-VL image limits and its chat
-    template as transformers 5 reads it), and the same without weights for mmgate."""
+def model_dirs(scratch: Path, cache: Path,
+               max_pixels: int = QWEN2_VL_MAX_PIXELS) -> tuple[Path, Path]:
+    """The demo Qwen2-VL checkpoint for the engine (with real Qwen2-VL image limits, or
+    `max_pixels`, and its chat template as transformers 5 reads it), and the same without weights
+    for mmgate."""
     subprocess.run([str(MMGATE), "generate", "--model", "demo", "--prompt", "hi", "--max-tokens",
                     "1"], env={**os.environ, "XDG_CACHE_HOME": str(cache)}, check=True,
                    capture_output=True)
@@ -127,7 +129,7 @@ def model_dirs(scratch: Path, cache: Path) -> tuple[Path, Path]:
     engine_dir, weightless = scratch / "engine-model", scratch / "weightless"
     shutil.copytree(demo, engine_dir)
     processor = json.loads((engine_dir / "preprocessor_config.json").read_text())
-    processor["max_pixels"] = QWEN2_VL_MAX_PIXELS
+    processor["max_pixels"] = max_pixels
     (engine_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
     tokenizer_config = json.loads((engine_dir / "tokenizer_config.json").read_text())
     (engine_dir / "chat_template.jinja").write_text(tokenizer_config["chat_template"])

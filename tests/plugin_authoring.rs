@@ -67,7 +67,11 @@ fn plugin_entry<'a>(plugins: &'a serde_json::Value, name: &str) -> Option<&'a se
 fn generation(plugins: &serde_json::Value) -> u64 {
     let generation = plugins["reload"]["generation"].as_u64().unwrap();
     // Every reload says when it ran (the console shows it); none yet, nothing.
-    assert_eq!(generation > 0, plugins["reload"]["at"].is_u64(), "{plugins}");
+    assert_eq!(
+        generation > 0,
+        plugins["reload"]["at"].is_u64(),
+        "{plugins}"
+    );
     generation
 }
 

@@ -13,8 +13,8 @@ use pingora::protocols::http::ServerSession;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::io::read_body;
 use super::Gateway;
+use super::io::read_body;
 use crate::error::ApiError;
 use crate::media::budget::BudgetError;
 use crate::media::pipeline;
