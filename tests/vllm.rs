@@ -322,6 +322,22 @@ fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
         &[("qwen2-vl-embed", embed.as_str())],
     );
     promises_hold(&gateway, "qwen2-vl", "qwen2-vl-forward", &json!({}));
+    // A photo of more than twice the pixels its plan keeps is sent at its planned size (a PNG),
+    // not as it came, though the budget did not cut it: the promise holds all the same.
+    let big = "scene-1280x960.jpg";
+    let plans = promises_hold_on(&gateway, "qwen2-vl", "qwen2-vl-forward", &json!({}), &[big]);
+    assert_eq!(plans[0]["reduced"], false, "{}", plans[0]);
+    let explained = client()
+        .post(format!("http://{}/v1/preprocess", gateway.addr))
+        .json(&json!({"model": "qwen2-vl", "media": image_part(big)["image_url"]["url"]}))
+        .send()
+        .unwrap()
+        .json::<Value>()
+        .unwrap();
+    assert_eq!(
+        explained["files"][0]["mime_type"], "image/png",
+        "{explained}"
+    );
     for image in [
         "scene-640x480.jpg",
         "scene-300x1000.jpg",

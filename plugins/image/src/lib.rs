@@ -97,13 +97,18 @@ impl Plugin for ImagePlugin {
     }
 
     /// An image whose plan keeps HF's own size goes as it came (the server's processor resizes it
-    /// as the plan did); a reduced one goes at its planned size, as a PNG.
+    /// as the plan did), unless the plan shrinks it a lot (see [`Processor::sends_resized`]); a
+    /// reduced one goes at its planned size, as a PNG.
     fn reduce(media: Media, plan: TokenPlan, config: ProcessorConfig) -> PluginResult<ReducedItem> {
-        if !plan.reduced {
-            return Ok(ReducedItem::single(media));
-        }
         let processor = Processor::from_config(&config)?;
         let choices: Choices = plan.choices()?;
+        if !plan.reduced {
+            let header = decode::probe(&media.data)?;
+            let (width, height) = (header.width as usize, header.height as usize);
+            if !processor.sends_resized(width, height, &choices) {
+                return Ok(ReducedItem::single(media));
+            }
+        }
         let image = decode::decode_rgb(&media.data)?;
         let resized = processor.reduced_image(image, &choices)?;
         Ok(ReducedItem::single(files::png(&resized)?))

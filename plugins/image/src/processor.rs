@@ -732,6 +732,16 @@ impl Processor {
         }
     }
 
+    /// Whether an image its plan keeps at the processor's own size is still sent resized to it:
+    /// when that size has at most half its pixels, the model server's processor would decode all
+    /// of them and resize, which costs it more than reading the planned image (bench/fronting.py
+    /// measures it). Only for Qwen2-VL plans, whose resize of an image already at its planned
+    /// size changes nothing, so the server sees the pixels it would have made.
+    pub fn sends_resized(&self, width: usize, height: usize, choices: &Choices) -> bool {
+        matches!(self, Processor::Qwen2Vl { .. })
+            && choices.width * choices.height * 2 <= width * height
+    }
+
     /// The image a reduced plan chose, at its planned size: resized exactly as [`Self::preprocess`]
     /// resizes it, so the model server's own processor (whose resize of an image already at a
     /// planned size changes nothing) sees the same pixels. Only Qwen2-VL plans are ever reduced.
@@ -1106,5 +1116,29 @@ mod tests {
         assert_eq!(bands(4032, 3024, true), 2);
         assert_eq!(bands(4032, 3024, false), 1);
         assert_eq!(bands(1280, 960, true), 1);
+    }
+
+    /// A Qwen2-VL image its plan shrinks to half its pixels or fewer goes to a model server
+    /// resized; one kept near its size, or another family's, goes as it came.
+    #[test]
+    fn only_much_shrunk_qwen2_vl_images_are_sent_resized() {
+        let qwen = Processor::from_config(
+            r#"{"image_processor_type": "Qwen2VLImageProcessor", "max_pixels": 1003520}"#,
+        )
+        .unwrap();
+        let sent_resized = |processor: &Processor, width, height| {
+            let plan = processor.plan(width, height, true, u32::MAX).unwrap();
+            processor.sends_resized(width, height, &plan.choices().unwrap())
+        };
+        assert!(sent_resized(&qwen, 4032, 3024));
+        assert!(sent_resized(&qwen, 1920, 1080));
+        assert!(!sent_resized(&qwen, 1280, 720));
+        assert!(!sent_resized(&qwen, 640, 480));
+        let clip = Processor::from_config(
+            r#"{"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 224},
+                "crop_size": {"height": 224, "width": 224}}"#,
+        )
+        .unwrap();
+        assert!(!sent_resized(&clip, 4032, 3024));
     }
 }
