@@ -367,6 +367,12 @@ fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
             "the greedy answer to {image}"
         );
     }
+    // A video has no embeddings form: through the embed model it is planned here as `preprocess`
+    // plans it (vLLM's frontend then reads only its chosen frames), and the promise holds.
+    let content = json!([video_part("h264.mp4"), {"type": "text", "text": "What happens?"}]);
+    let (promised, counted, media) = planned(&gateway, "qwen2-vl-embed", &content, &json!({}));
+    assert_eq!(promised, counted, "{media}");
+    assert_eq!(media[0]["kind"], "video", "{media}");
     tight_holds(
         &gateway,
         "qwen2-vl",

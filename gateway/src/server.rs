@@ -145,23 +145,20 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
                     UpstreamPool::build(model, !config.api_keys.is_empty())?;
                 background.push(health_checks);
                 // The config's checks leave a path wherever the mode needs one.
+                // The prompt side of the model's server, for what is planned here.
+                let planned = |path: &std::path::Path| -> anyhow::Result<PromptModel> {
+                    let dir = resolve_model_dir(path, &default_cache_dir())?;
+                    PromptModel::load(&model.name, &dir, model.max_model_len)
+                        .and_then(|m| m.for_server_processor(&model.processor_kwargs))
+                        .with_context(|| format!("model {}: reading {}", model.name, dir.display()))
+                };
                 let media = match (mode, path) {
-                    (Some(MediaMode::Embed), Some(path)) => UpstreamMedia::Embed(load_model(
-                        model,
-                        path,
-                        &metrics,
-                        shared_features.clone(),
-                        true,
-                    )?),
+                    (Some(MediaMode::Embed), Some(path)) => UpstreamMedia::Embed {
+                        model: load_model(model, path, &metrics, shared_features.clone(), true)?,
+                        planned: planned(path)?,
+                    },
                     (Some(MediaMode::Preprocess), Some(path)) => {
-                        let dir = resolve_model_dir(path, &default_cache_dir())?;
-                        UpstreamMedia::Preprocess(
-                            PromptModel::load(&model.name, &dir, model.max_model_len)
-                                .and_then(|m| m.for_server_processor(&model.processor_kwargs))
-                                .with_context(|| {
-                                    format!("model {}: reading {}", model.name, dir.display())
-                                })?,
-                        )
+                        UpstreamMedia::Preprocess(planned(path)?)
                     }
                     _ => UpstreamMedia::Forward,
                 };

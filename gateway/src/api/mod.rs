@@ -336,7 +336,7 @@ impl Gateway {
             let encoders = match route {
                 Route::Native(model) => Some(model),
                 Route::Upstream {
-                    media: UpstreamMedia::Embed(model),
+                    media: UpstreamMedia::Embed { model, .. },
                     ..
                 } => Some(model),
                 Route::Upstream { .. } => None,

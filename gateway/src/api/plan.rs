@@ -91,7 +91,7 @@ impl Gateway {
             )),
             Some(Route::Native(native))
             | Some(Route::Upstream {
-                media: UpstreamMedia::Embed(native),
+                media: UpstreamMedia::Embed { model: native, .. },
                 ..
             }) => Ok(side(
                 &native.runtime.prompt,

@@ -34,13 +34,20 @@ fn prompt_tokens_header(tokens: usize) -> (&'static str, HeaderValue) {
 }
 
 /// What an upstream model's servers get of a request's media (the config's `media`).
+// One per served model, made at start and never moved after: boxing would only add a pointer hop.
+#[allow(clippy::large_enum_variant)]
 pub enum UpstreamMedia {
     /// The media as they came (URLs and uploads inlined).
     Forward,
     /// The media as planned here for this prompt side of the model (no weights loaded).
     Preprocess(PromptModel),
-    /// Images encoded here, by this model's encoders, and sent as embeddings.
-    Embed(NativeModel),
+    /// Images encoded here, by this model's encoders, and sent as embeddings; a request with
+    /// media that have no embeddings form (video, audio) is planned here as `Preprocess` plans it,
+    /// with `planned`, the prompt side of the model's server.
+    Embed {
+        model: NativeModel,
+        planned: PromptModel,
+    },
 }
 
 /// What a mode works with for one request.
@@ -55,7 +62,7 @@ impl UpstreamMedia {
         match self {
             Self::Forward => "forward",
             Self::Preprocess(_) => "preprocess",
-            Self::Embed(_) => "embed",
+            Self::Embed { .. } => "embed",
         }
     }
 
@@ -79,11 +86,16 @@ impl UpstreamMedia {
         }
         let value: Value = serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
         let (mut value, additions, changed) = match self {
-            Self::Embed(model) if embed::encodes_here(&value) => {
+            Self::Embed { model, .. } if embed::encodes_here(&value) => {
                 let (value, additions) = embed::prepare(model, call, value, body.clone()).await?;
                 (value, additions, true)
             }
-            Self::Preprocess(prompt) if preprocess::has_media(&value) => {
+            Self::Embed {
+                planned: prompt, ..
+            }
+            | Self::Preprocess(prompt)
+                if preprocess::has_media(&value) =>
+            {
                 let (value, additions) =
                     preprocess::prepare(prompt, call, value, body.clone()).await?;
                 (value, additions, true)
@@ -110,7 +122,7 @@ impl UpstreamMedia {
     pub fn describe(&self, model: &mut Value) {
         model["media"] = json!(self.name());
         match self {
-            Self::Embed(m) => {
+            Self::Embed { model: m, .. } => {
                 model["images_encoded_here"] = json!(true);
                 model["context_length"] = json!(m.runtime.prompt.context_length);
             }
