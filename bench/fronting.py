@@ -28,17 +28,16 @@ import base64
 import http.client
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from machine import cpu_name
-from upstream import MMGATE, VENV, CountingRelay, cpu_seconds, free_port, model_dirs, wait_healthy
+from upstream import (MMGATE, VENV, CountingRelay, cpu_seconds, free_port, in_scratch, model_dirs,
+                      wait_healthy)
 
 CONCURRENCY = 2
 PASSES = 3  # closed-loop passes over the workload, each target in turn in each pass
@@ -203,11 +202,7 @@ def main() -> None:
     os.sched_setaffinity(0, GATEWAY_CPUS)
     if not (VENV / "bin/python").exists():
         sys.exit(f"no engine venv at {VENV}: ./dev test installs it")
-    scratch = Path(tempfile.mkdtemp(prefix="mmgate-bench-fronting-"))
-    try:
-        run(scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    in_scratch("fronting", run)
 
 
 def run(scratch: Path) -> None:

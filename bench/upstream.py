@@ -169,15 +169,20 @@ def gateway_plugin_ms(headers: dict, answer: dict) -> float | None:
     return sum(a.get("plugin_ms", 0) for a in accounts)
 
 
-def main() -> None:
-    print(f"# {cpu_name()}")
-    if not (VENV / "bin/transformers").exists():
-        sys.exit(f"no engine venv at {VENV}: ./dev test installs it")
-    scratch = Path(tempfile.mkdtemp(prefix="mmgate-bench-upstream-"))
+def in_scratch(name: str, run) -> None:
+    """`run(scratch)` in a scratch directory of its own, removed however it ends."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"mmgate-bench-{name}-"))
     try:
         run(scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main() -> None:
+    print(f"# {cpu_name()}")
+    if not (VENV / "bin/transformers").exists():
+        sys.exit(f"no engine venv at {VENV}: ./dev test installs it")
+    in_scratch("upstream", run)
 
 
 def run(scratch: Path) -> None:
