@@ -127,11 +127,15 @@ impl Gateway {
         };
         match kind {
             MediaKind::Image => {
-                let resized = match source {
-                    Some(source) if !source.plan.reduced => self.resized(source, config).await,
+                let file = files.files.first();
+                // Handed on as it came, the engine's processor resizing it: drawn resized.
+                let resized = match (file, source) {
+                    (Some(file), Some(source)) if file.data == source.media.data => {
+                        self.resized(source, config).await
+                    }
                     _ => None,
                 };
-                let file = resized.as_ref().or(files.files.first());
+                let file = resized.as_ref().or(file);
                 Ok(file.map(|file| json!({ "image": data_url(file) })))
             }
             MediaKind::Video => {
@@ -151,9 +155,9 @@ impl Gateway {
         }
     }
 
-    /// An image the budget did not cut at the size its plan chose. `reduce` hands such an image
-    /// on as it came (the model's processor resizes it to that size itself); asked as for a cut
-    /// one, the plugin resizes it as its processor does. `None` when the plugin cannot.
+    /// An image `reduce` handed on as it came (the model's processor resizes it to its planned
+    /// size itself), at that size: asked as for an image the budget cut, the plugin resizes it as
+    /// its processor does. `None` when the plugin cannot.
     async fn resized(&self, source: &PlannedSource, config: &str) -> Option<mmgate_host::Media> {
         let (plugin, media) = (source.plugin.clone(), source.media.clone());
         let mut plan = source.plan.clone();

@@ -109,7 +109,7 @@ impl Gateway {
             .map_err(|e| none(invalid(e.param, e.message)))?;
         let chat = request.chat_body(&conversation);
         let turn = Turn::new(&request);
-        match route {
+        let (label, steps, headers) = match route {
             Route::Native(model) => {
                 let label = "native";
                 let parsed: ChatCompletionRequest = serde_json::from_value(chat)
@@ -119,20 +119,7 @@ impl Gateway {
                     .await
                     .map_err(|e| (label, e))?;
                 let generation = Generation::start(model, prepared).map_err(|e| (label, e))?;
-                let steps = Steps::Native(Box::new(generation));
-                self.answer(
-                    session,
-                    &caller,
-                    &turn,
-                    conversation,
-                    steps,
-                    &[],
-                    tally,
-                    access,
-                )
-                .await
-                .map(|()| (label, StatusCode::OK))
-                .map_err(|e| (label, e))
+                (label, Steps::Native(Box::new(generation)), Vec::new())
             }
             Route::Upstream { pool, media } => {
                 let label = "upstream";
@@ -167,21 +154,22 @@ impl Gateway {
                     usage_media: additions.usage_media,
                     pool,
                 }));
-                self.answer(
-                    session,
-                    &caller,
-                    &turn,
-                    conversation,
-                    steps,
-                    &headers,
-                    tally,
-                    access,
-                )
-                .await
-                .map(|()| (label, StatusCode::OK))
-                .map_err(|e| (label, e))
+                (label, steps, headers)
             }
-        }
+        };
+        self.answer(
+            session,
+            &caller,
+            &turn,
+            conversation,
+            steps,
+            &headers,
+            tally,
+            access,
+        )
+        .await
+        .map(|()| (label, StatusCode::OK))
+        .map_err(|e| (label, e))
     }
 
     /// Sends the chat completion `body` to `pool`'s `/v1/chat/completions`: its answer's head,

@@ -29,7 +29,6 @@
   keyInput.addEventListener('change', () => {
     sessionStorage.setItem('mmgate.key', keyInput.value.trim());
     clearAlert();
-    loadModels();
     load(currentPage());
   });
 
@@ -105,7 +104,8 @@
   });
 
   function load(page) {
-    if (page === 'models') loadModels();
+    // The Try page's model list is the Models page's: both read /v1/models anew.
+    if (page === 'try' || page === 'models') loadModels();
     if (page === 'plugins') loadPlugins();
     if (page === 'live') startLive(); else stopLive();
   }
@@ -605,7 +605,6 @@
   }
 
   // ---- Start ----
-  loadModels();
   const first = tabs.find((t) => pageOf(t) === location.hash.slice(1)) || tabs[0];
   select(first, false);
 })();
