@@ -1,6 +1,6 @@
 //! The CPU linear with bf16 weights (kept half size, widened a block of rows at a time inside the
-//! linear) against the same linear with f32 weights, in the same run, one thread: decode (one row)
-//! and prefill (256 rows) through a Qwen2-VL-2B-sized MLP projection.
+//! linear) against the same linear with f32 weights, in the same run, one thread: decode (one row,
+//! and a batch of eight) and prefill (256 rows) through a Qwen2-VL-2B-sized MLP projection.
 //!
 //!     cargo bench -p mmgate-inference --bench linear_precision
 
@@ -28,11 +28,11 @@ fn main() -> Result<()> {
         w32.bytes() >> 20,
         w16.bytes() >> 20
     );
-    for m in [1usize, 256] {
+    for m in [1usize, 8, 16, 32, 256] {
         let x = Tensor::from_host(&dev, &vec![0.01; m * k], &[m, k])?;
         let mut times = [Vec::new(), Vec::new()];
         // Interleaved, so both see the same machine state.
-        for _ in 0..if m == 1 { 200 } else { 20 } {
+        for _ in 0..if m < 64 { 100 } else { 20 } {
             for (t, w) in times.iter_mut().zip([&w32, &w16]) {
                 let start = Instant::now();
                 let y = x.linear(w, None)?;

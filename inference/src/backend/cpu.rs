@@ -615,10 +615,11 @@ fn linear_half<T: HalfFloat>(
     Ok(())
 }
 
-/// Input rows up to which a half-precision linear reads each weight row once and dots it with every
-/// input row (decode: a GEMV is memory-bound, so the weights must be read once, at 2 bytes a value)
-/// instead of widening blocks for the GEMM. Measured by `benches/linear_precision.rs`.
-const GEMV_ROWS: usize = 4;
+/// Input rows up to which a half-precision linear streams each weight row once against every input
+/// row (decoding, up to a batch of this many sequences: memory-bound, so the weights are read once,
+/// at 2 bytes a value) instead of widening blocks for the GEMM. `benches/linear_precision.rs`: on
+/// AVX2 the streaming kernel is as fast as the f32 GEMM at 32 rows, and the widened GEMM slower.
+const GEMV_ROWS: usize = 32;
 
 /// `out[m, n] += x[m, k] · w[n, k]ᵀ` for a few input rows, a block of weight rows per task.
 fn linear_half_gemv<T: HalfFloat>(
@@ -633,16 +634,9 @@ fn linear_half_gemv<T: HalfFloat>(
         .into_par_iter()
         .map(|b| {
             let (n0, n1) = (b * rows, ((b + 1) * rows).min(n));
-            let mut scratch = Vec::new();
             // [m, n1 - n0]: this block's columns of the output.
             let mut part = vec![0.0f32; m * (n1 - n0)];
-            for j in n0..n1 {
-                let row = &w[j * k..(j + 1) * k];
-                for r in 0..m {
-                    part[r * (n1 - n0) + (j - n0)] =
-                        T::dot_row(&x[r * k..(r + 1) * k], row, &mut scratch);
-                }
-            }
+            T::dot_rows(x, m, &w[n0 * k..n1 * k], k, &mut part);
             (n0, part)
         })
         .collect();
@@ -660,8 +654,9 @@ fn linear_half_gemv<T: HalfFloat>(
 /// A half-precision float type the CPU computes with by widening.
 trait HalfFloat: Copy + Send + Sync {
     fn convert_to_f32_slice(slice: &[Self], out: &mut [f32]);
-    /// `x · row`, `row` widened (into `scratch` where that takes a pass of its own).
-    fn dot_row(x: &[f32], row: &[Self], scratch: &mut Vec<f32>) -> f32;
+    /// `out[r, j] = x[r] · w[j]` for the `rows` rows of `x` and the rows of `w` (both `k` wide),
+    /// `w` widened as it is read.
+    fn dot_rows(x: &[f32], rows: usize, w: &[Self], k: usize, out: &mut [f32]);
 }
 
 impl HalfFloat for bf16 {
@@ -669,8 +664,8 @@ impl HalfFloat for bf16 {
         HalfFloatSliceExt::convert_to_f32_slice(slice, out)
     }
 
-    fn dot_row(x: &[f32], row: &[Self], _: &mut Vec<f32>) -> f32 {
-        gemm::dot_bf16(x, row)
+    fn dot_rows(x: &[f32], rows: usize, w: &[Self], k: usize, out: &mut [f32]) {
+        gemm::dot_rows_bf16(x, rows, w, k, out)
     }
 }
 
@@ -679,10 +674,15 @@ impl HalfFloat for f16 {
         HalfFloatSliceExt::convert_to_f32_slice(slice, out)
     }
 
-    fn dot_row(x: &[f32], row: &[Self], scratch: &mut Vec<f32>) -> f32 {
-        scratch.resize(row.len(), 0.0);
-        HalfFloatSliceExt::convert_to_f32_slice(row, scratch);
-        gemm::dot(x, scratch)
+    fn dot_rows(x: &[f32], rows: usize, w: &[Self], k: usize, out: &mut [f32]) {
+        let n = out.len() / rows.max(1);
+        let mut wide = vec![0.0f32; k];
+        for (j, row) in w.chunks(k.max(1)).take(n).enumerate() {
+            HalfFloatSliceExt::convert_to_f32_slice(row, &mut wide);
+            for r in 0..rows {
+                out[r * n + j] = gemm::dot(&x[r * k..(r + 1) * k], &wide);
+            }
+        }
     }
 }
 

@@ -246,27 +246,163 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_with(a, b, |_, y| y)
 }
 
-/// `Σ x[i] · w[i]` for a bf16 row `w`, widened in registers (a bf16 is the top half of the f32
-/// of the same value): the weights are read once, at 2 bytes a value.
-pub fn dot_bf16(x: &[f32], w: &[half::bf16]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: as above.
-        return unsafe { dot_bf16_avx2(x, w) };
-    }
-    dot_with(x, w, |_, w| f32::from_bits(u32::from(w.to_bits()) << 16))
-}
-
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     dot_fma(a, b, |x| x)
 }
 
+/// `out[r, j] = x[r] · w[j]` for the `rows` input rows of `x` (row-major, `k` wide) and the weight
+/// rows of `w` (bf16, `k` wide; as many as `out` has columns): a few decoding sequences against a block of weight rows as it
+/// streams from memory, read once at 2 bytes a value and widened in registers. `out` is
+/// `[rows, w.len() / k]`.
+///
+/// Each output is one chain of eight lanes over `k`, summed across its lanes at the end, whatever
+/// tile computes it: a sequence decodes to the same values alone or in a batch. The tiles take
+/// eight outputs at once (eight weight rows for one input row, four for two, two for three or
+/// four) so that eight independent chains hide the multiply-adds' latency.
+pub fn dot_rows_bf16(x: &[f32], rows: usize, w: &[half::bf16], k: usize, out: &mut [f32]) {
+    let n = out.len() / rows.max(1);
+    assert!(
+        x.len() == rows * k && w.len() == n * k && out.len() == rows * n,
+        "dot_rows_bf16: x {} for {rows}x{k}, w {} for {n}x{k}, out {}",
+        x.len(),
+        w.len(),
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // A block of weight rows at a time, read from memory by the first group of input rows
+        // and from cache by the others.
+        for j0 in (0..n).step_by(WEIGHT_BLOCK) {
+            let j1 = (j0 + WEIGHT_BLOCK).min(n);
+            let mut r0 = 0;
+            while r0 < rows {
+                let mr = (rows - r0).min(4);
+                // SAFETY: the CPU has the features the kernels are compiled for, and the sizes
+                // are the ones asserted above.
+                unsafe {
+                    match mr {
+                        1 => rows_tiles_avx2::<1, 1>(x, r0, w, j0..j1, k, n, out),
+                        2 => rows_tiles_avx2::<2, 2>(x, r0, w, j0..j1, k, n, out),
+                        3 => rows_tiles_avx2::<3, 1>(x, r0, w, j0..j1, k, n, out),
+                        _ => rows_tiles_avx2::<4, 1>(x, r0, w, j0..j1, k, n, out),
+                    }
+                }
+                r0 += mr;
+            }
+        }
+        return;
+    }
+    for r in 0..rows {
+        for j in 0..n {
+            out[r * n + j] = dot_with(&x[r * k..][..k], &w[j * k..][..k], |_, w| widen_bf16(w));
+        }
+    }
+}
+
+/// Accumulators of eight lanes per output, each taking every `CHAINS`-th eight values of the row:
+/// a single row's multiply-adds then do not wait on each other's latency.
+const CHAINS: usize = 2;
+const STEP: usize = 8 * CHAINS;
+
+/// Weight rows [`dot_rows_bf16`] takes through every group of input rows before the next: a
+/// multiple of every tile's width, and in L2 at any model's width (8 rows of 8 960 are 140 KiB).
+const WEIGHT_BLOCK: usize = 8;
+
+fn widen_bf16(w: half::bf16) -> f32 {
+    f32::from_bits(u32::from(w.to_bits()) << 16)
+}
+
+/// Input rows `r0..r0 + MR` of `x` against weight rows `js`, `NR` weight rows a tile (the last
+/// few one at a time).
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `x` is `[rows, k]` with `r0 + MR <= rows`, `w` is `[n, k]`,
+/// `out` is `[rows, n]`, and `js` lies within `0..n`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn dot_bf16_avx2(x: &[f32], w: &[half::bf16]) -> f32 {
-    dot_fma(x, w, |w| f32::from_bits(u32::from(w.to_bits()) << 16))
+unsafe fn rows_tiles_avx2<const MR: usize, const NR: usize>(
+    x: &[f32],
+    r0: usize,
+    w: &[half::bf16],
+    js: std::ops::Range<usize>,
+    k: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let mut j = js.start;
+    while j + NR <= js.end {
+        // SAFETY: as the caller's.
+        unsafe { tile_avx2::<MR, NR>(x, r0, w, j, k, n, out) };
+        j += NR;
+    }
+    while j < js.end {
+        // SAFETY: as the caller's.
+        unsafe { tile_avx2::<MR, 1>(x, r0, w, j, k, n, out) };
+        j += 1;
+    }
+}
+
+/// One tile: input rows `r0..r0 + MR` against weight rows `j0..j0 + NR`.
+///
+/// # Safety
+/// As [`rows_tiles_avx2`], with `j0 + NR <= n`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn tile_avx2<const MR: usize, const NR: usize>(
+    x: &[f32],
+    r0: usize,
+    w: &[half::bf16],
+    j0: usize,
+    k: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    debug_assert!((r0 + MR) * k <= x.len() && (j0 + NR) * k <= w.len());
+    let full = k / STEP * STEP;
+    let (x_ptr, w_ptr) = (x.as_ptr(), w.as_ptr().cast::<u16>());
+    let mut acc = [[[_mm256_setzero_ps(); CHAINS]; NR]; MR];
+    let mut i = 0;
+    while i < full {
+        for chain in 0..CHAINS {
+            let at = i + 8 * chain;
+            let mut wide = [_mm256_setzero_ps(); NR];
+            for (c, wide) in wide.iter_mut().enumerate() {
+                // SAFETY: `at + 8 <= k` and weight row `j0 + c` has `k` values.
+                let half = unsafe { _mm_loadu_si128(w_ptr.add((j0 + c) * k + at).cast()) };
+                *wide = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: `at + 8 <= k` and input row `r0 + r` has `k` values.
+                let xv = unsafe { _mm256_loadu_ps(x_ptr.add((r0 + r) * k + at)) };
+                for (acc, &wide) in acc.iter_mut().zip(&wide) {
+                    acc[chain] = _mm256_fmadd_ps(xv, wide, acc[chain]);
+                }
+            }
+        }
+        i += STEP;
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        let row = &x[(r0 + r) * k..][..k];
+        for (c, chains) in acc.iter().enumerate() {
+            let sum = chains[1..]
+                .iter()
+                .fold(chains[0], |a, &b| _mm256_add_ps(a, b));
+            let mut lanes = [0f32; 8];
+            // SAFETY: `lanes` holds eight f32.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
+            let weights = &w[(j0 + c) * k..][..k];
+            let tail: f32 = row[full..]
+                .iter()
+                .zip(&weights[full..])
+                .map(|(&x, &w)| x * widen_bf16(w))
+                .sum();
+            out[(r0 + r) * n + j0 + c] = lanes.iter().sum::<f32>() + tail;
+        }
+    }
 }
 
 /// The portable loop: `widen(a[i], b[i])` is `b[i]` as f32.
@@ -335,7 +471,39 @@ mod tests {
                 close(dot_with(&a, &b, |_, y| y), plain),
                 "portable dot, {n}"
             );
-            assert!(close(dot_bf16(&a, &w), plain_bf16), "dot_bf16, {n}");
+            // One to seven input rows (the kernels take up to four at a time), each its own
+            // multiple of `a`, against eleven weight rows (tiles and the last ones alone), each `w`
+            // times its own power of two (exact in bf16); and each output the same however many
+            // rows come with it.
+            let weights: Vec<half::bf16> = (0..11)
+                .flat_map(|j| {
+                    w.iter()
+                        .map(move |&v| v * half::bf16::from_f32((1 << j) as f32))
+                })
+                .collect();
+            for rows in 1..=7 {
+                let x: Vec<f32> = (1..=rows)
+                    .flat_map(|r| a.iter().map(move |&v| v * r as f32))
+                    .collect();
+                let mut got = vec![0.0; rows * 11];
+                dot_rows_bf16(&x, rows, &weights, n, &mut got);
+                for (i, &got) in got.iter().enumerate() {
+                    let (r, j) = (i / 11, i % 11);
+                    let want = plain_bf16 * ((r + 1) << j) as f64;
+                    assert!(
+                        close(got, want),
+                        "dot_rows_bf16, {n}, row {r} of {rows}, column {j}"
+                    );
+                    let mut alone = [0.0];
+                    let weight = &weights[j * n..(j + 1) * n];
+                    dot_rows_bf16(&x[r * n..(r + 1) * n], 1, weight, n, &mut alone);
+                    assert_eq!(
+                        got.to_bits(),
+                        alone[0].to_bits(),
+                        "row {r} of {rows}, {j}, {n}"
+                    );
+                }
+            }
             let widen = |_, y: half::bf16| f32::from_bits(u32::from(y.to_bits()) << 16);
             assert!(
                 close(dot_with(&a, &w, widen), plain_bf16),
