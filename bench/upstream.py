@@ -90,7 +90,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_healthy(url: str, child: subprocess.Popen, what: str) -> None:
+def wait_healthy(url: str, child: subprocess.Popen, what: str, limit: float = 300) -> None:
     started = time.monotonic()
     while True:
         try:
@@ -101,8 +101,8 @@ def wait_healthy(url: str, child: subprocess.Popen, what: str) -> None:
             pass
         if child.poll() is not None:
             sys.exit(f"{what} exited during start-up ({child.returncode})")
-        if time.monotonic() - started > 300:
-            sys.exit(f"{what} did not become healthy in 300 s")
+        if time.monotonic() - started > limit:
+            sys.exit(f"{what} did not become healthy in {limit:.0f} s")
         time.sleep(0.2)
 
 
