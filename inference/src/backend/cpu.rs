@@ -1081,6 +1081,38 @@ mod tests {
     use super::*;
     use crate::backend::Segment;
 
+    /// A half-precision linear, streamed (up to `GEMV_ROWS` rows) or widened for the GEMM (more),
+    /// is the f64 product with the rounded weights, for bf16 and f16 and widths that leave tails.
+    #[test]
+    fn half_linears_match_the_product_with_the_rounded_weights_on_both_paths() {
+        fn check<T: HalfFloat>(from: impl Fn(f32) -> T, widen: impl Fn(T) -> f32, what: &str) {
+            for (k, n) in [(37, 19), (64, 8), (300, 5)] {
+                let w: Vec<T> = (0..n * k)
+                    .map(|i| from(((i * 29 % 71) as f32 - 35.0) * 0.013))
+                    .collect();
+                for m in [1, 2, 3, 5, 8, GEMV_ROWS, GEMV_ROWS + 1, 40] {
+                    let x: Vec<f32> = (0..m * k)
+                        .map(|i| ((i * 17 % 43) as f32 - 21.0) * 0.05)
+                        .collect();
+                    let mut out = vec![0.0; m * n];
+                    linear_half(&mut out, &x, &w, [m, k, n], 2).unwrap();
+                    for (i, &got) in out.iter().enumerate() {
+                        let (r, j) = (i / n, i % n);
+                        let want: f64 = (0..k)
+                            .map(|p| f64::from(x[r * k + p]) * f64::from(widen(w[j * k + p])))
+                            .sum();
+                        assert!(
+                            (f64::from(got) - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "{what}: {m}x{k} by {n}: [{r}, {j}] {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+        check(bf16::from_f32, bf16::to_f32, "bf16");
+        check(f16::from_f32, f16::to_f32, "f16");
+    }
+
     /// Scaled dot-product attention in f64, one row at a time, keys `0..=visible(row)` (or the
     /// segment's visible keys): the definition the blocked kernel must agree with.
     fn reference(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Vec<f32> {
