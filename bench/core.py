@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = Path.home() / ".cache/mmgate/bench-models/qwen2-vl-2b-random-v1"
 PROMPT_TOKENS = 2048
 IMAGE_SIDE = 448  # 16x16 merged patches: 256 tokens
+# What a prompt holds besides its text: the image's tokens, its markers and the chat template.
+NON_TEXT_TOKENS = 300
 DECODE_TOKENS = 16
 ROUNDS = 2
 MAX_MODEL_LEN = 4096
@@ -102,7 +104,7 @@ def measure(port: int, model: str, scratch: Path) -> dict:
     burst(port, model, 1, 2)  # warm-up
     # The text's length for a PROMPT_TOKENS prompt, from one measured prompt.
     tokens, _ = prefill(port, model, scratch, 100, 1000)
-    chars = int(1000 * (PROMPT_TOKENS - 300) / max(tokens - 300, 1))
+    chars = int(1000 * (PROMPT_TOKENS - NON_TEXT_TOKENS) / max(tokens - NON_TEXT_TOKENS, 1))
     prefills = [prefill(port, model, scratch, seed, chars) for seed in range(ROUNDS)]
     result = {"prompt_tokens": prefills[0][0],
               "prefill": max(tokens / seconds for tokens, seconds in prefills)}

@@ -1,6 +1,6 @@
 //! The CPU linear with bf16 weights (kept half size, widened a block of rows at a time inside the
 //! linear) against the same linear with f32 weights, in the same run, one thread: decode (one row,
-//! and a batch of eight) and prefill (256 rows) through a Qwen2-VL-2B-sized MLP projection.
+//! and batches of 8 to 32 rows) and prefill (256 rows) through a Qwen2-VL-2B-sized MLP projection.
 //!
 //!     cargo bench -p mmgate-inference --bench linear_precision
 

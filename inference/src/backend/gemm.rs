@@ -253,14 +253,14 @@ fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `out[r, j] = x[r] · w[j]` for the `rows` input rows of `x` (row-major, `k` wide) and the weight
-/// rows of `w` (bf16, `k` wide; as many as `out` has columns): a few decoding sequences against a block of weight rows as it
-/// streams from memory, read once at 2 bytes a value and widened in registers. `out` is
-/// `[rows, w.len() / k]`.
+/// rows of `w` (bf16, `k` wide, as many as `out`, `[rows, n]`, has columns): a few decoding
+/// sequences against a block of weight rows as it streams from memory, read once at 2 bytes a
+/// value and widened in registers.
 ///
-/// Each output is one chain of eight lanes over `k`, summed across its lanes at the end, whatever
-/// tile computes it: a sequence decodes to the same values alone or in a batch. The tiles take
-/// eight outputs at once (eight weight rows for one input row, four for two, two for three or
-/// four) so that eight independent chains hide the multiply-adds' latency.
+/// Each output is [`CHAINS`] chains of eight lanes over `k`, added together and across their lanes
+/// at the end, whatever tile computes it: a sequence decodes to the same values alone or in a
+/// batch. The tiles are up to four input rows by one or two weight rows (at most eight outputs, so
+/// sixteen accumulators never outgrow AVX2's registers).
 pub fn dot_rows_bf16(x: &[f32], rows: usize, w: &[half::bf16], k: usize, out: &mut [f32]) {
     let n = out.len() / rows.max(1);
     assert!(
