@@ -102,8 +102,9 @@ trait Tiles {
     fn tile<const R: usize, const W: usize>(&mut self, i0: usize, c0: usize);
 }
 
-/// Computes all of `product`: tiles of `R` rows × `W` columns, then single rows; the columns past
-/// the last `W`-wide tile in tiles of 16 (when `W` is wider) and 8, then one at a time.
+/// Computes all of `product`: tiles of `R` rows × `W` columns, the rows past the last of them in
+/// tiles of 4 (when `R` is larger), then single rows; the columns past the last `W`-wide tile in
+/// tiles of 16 (when `W` is wider) and 8, then one at a time.
 #[inline(always)]
 fn every_tile<const R: usize, const W: usize>(product: &mut impl Tiles) {
     let (rows, cols) = product.shape();
@@ -111,7 +112,15 @@ fn every_tile<const R: usize, const W: usize>(product: &mut impl Tiles) {
     for i0 in (0..full_rows).step_by(R) {
         tiles_of_rows::<R, W>(product, i0, cols);
     }
-    for i0 in full_rows..rows {
+    let fours = if R > 4 {
+        full_rows + (rows - full_rows) / 4 * 4
+    } else {
+        full_rows
+    };
+    for i0 in (full_rows..fours).step_by(4) {
+        tiles_of_rows::<4, W>(product, i0, cols);
+    }
+    for i0 in fours..rows {
         tiles_of_rows::<1, W>(product, i0, cols);
     }
 }
@@ -251,7 +260,9 @@ pub fn exp2_and_sum(row: &mut [f32], max: f32) -> f32 {
 mod x86 {
     use super::{Tiles, every_tile};
 
-    // Tiles: 8 rows × 32 floats is 16 of AVX-512's 32 registers; 4 × 16 is 8 of AVX2's 16.
+    // Tiles: 8 rows × 32 floats is 16 of AVX-512's 32 registers; 6 × 16 is 12 of AVX2's 16 (the
+    // other four hold a row of the right operand and a broadcast), enough independent sums to
+    // keep both FMA units busy through their latency.
 
     #[target_feature(enable = "avx512f,fma")]
     pub fn every_tile_avx512(product: &mut impl Tiles) {
@@ -260,7 +271,7 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma")]
     pub fn every_tile_avx2(product: &mut impl Tiles) {
-        every_tile::<4, 16>(product)
+        every_tile::<6, 16>(product)
     }
 
     #[target_feature(enable = "avx512f,fma")]
