@@ -1,6 +1,7 @@
 //! The CPU linear with bf16 weights (kept half size, widened a block of rows at a time inside the
 //! linear) against the same linear with f32 weights, in the same run, one thread: decode (one row,
-//! and batches of 8 to 32 rows) and prefill (256 rows) through a Qwen2-VL-2B-sized MLP projection.
+//! and batches of 8 to 32 rows) and prefill (256 rows, and 512: a prefill chunk) through a
+//! Qwen2-VL-2B-sized MLP projection.
 //!
 //!     cargo bench -p mmgate-inference --bench linear_precision
 
@@ -28,7 +29,7 @@ fn main() -> Result<()> {
         w32.bytes() >> 20,
         w16.bytes() >> 20
     );
-    for m in [1usize, 8, 16, 32, 256] {
+    for m in [1usize, 8, 16, 32, 256, 512] {
         let x = Tensor::from_host(&dev, &vec![0.01; m * k], &[m, k])?;
         let mut times = [Vec::new(), Vec::new()];
         // Interleaved, so both see the same machine state.

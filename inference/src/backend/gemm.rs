@@ -235,6 +235,130 @@ fn matmul_padded(
     Ok(())
 }
 
+/// `dst += lhs · wᵀ` for a weight `w` (`[dst.cols, lhs.cols]`, row-major) that exists only as
+/// blocks of `block` rows at a time: `widen(rows, scratch)` writes the rows `rows` of `w` as f32
+/// into `scratch` (`rows.len() · lhs.cols` values), and the blocks are multiplied in parallel on
+/// the current rayon pool, each straight into its own columns of `dst`.
+///
+/// Each thread keeps one scratch for the blocks it takes, and no block's product goes through a
+/// buffer of its own: a half-precision linear's blocks cost neither allocations nor a second pass
+/// to add them in.
+pub fn matmul_weight_blocks<W>(
+    dst: MatMut<'_>,
+    lhs: MatRef<'_>,
+    block: usize,
+    widen: W,
+) -> Result<()>
+where
+    W: Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
+{
+    use rayon::prelude::*;
+    use std::cell::RefCell;
+
+    thread_local! {
+        static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+    let (m, k, n) = (dst.rows, lhs.cols, dst.cols);
+    lhs.check("left")?;
+    let dst_fits = m == 0
+        || n == 0
+        || (dst.row_stride >= n
+            && (m - 1)
+                .checked_mul(dst.row_stride)
+                .and_then(|r| r.checked_add(n))
+                .is_some_and(|end| end <= dst.data.len()));
+    if lhs.rows != m || !dst_fits {
+        return Err(Error::shape(
+            "matmul",
+            format!(
+                "[{m}x{k}] weight blocks into [{}x{n}] (row stride {})",
+                lhs.rows, dst.row_stride
+            ),
+        ));
+    }
+    if m == 0 || n == 0 || k == 0 {
+        return Ok(());
+    }
+    let block = block.clamp(1, n);
+    let row_stride = dst.row_stride;
+    let dst = SharedDestination(dst.data.as_mut_ptr());
+    (0..n.div_ceil(block)).into_par_iter().try_for_each(|b| {
+        let cols = b * block..((b + 1) * block).min(n);
+        let nb = cols.len();
+        SCRATCH.with_borrow_mut(|scratch| {
+            if scratch.len() < nb * k {
+                scratch.resize(nb * k, 0.0);
+            }
+            let wide = &mut scratch[..nb * k];
+            widen(cols.clone(), wide);
+            let rhs = MatRef::row_major(wide, nb, k).t();
+            if (2..rows_summed_as_large_products(nb)).contains(&m) {
+                // Too few rows for gemm to sum as it sums large products: through `matmul`'s
+                // padding, then added in.
+                let mut part = vec![0.0; m * nb];
+                matmul(
+                    MatMut::row_major(&mut part, m, nb),
+                    lhs,
+                    rhs,
+                    false,
+                    Threads::One,
+                )?;
+                for (r, part_row) in part.chunks_exact(nb).enumerate() {
+                    for (c, value) in part_row.iter().enumerate() {
+                        // SAFETY: (r, cols.start + c) lies in `dst` (checked above) and in this
+                        // block's columns, which no other task writes.
+                        unsafe { *dst.at(r * row_stride + cols.start + c) += value };
+                    }
+                }
+                return Ok(());
+            }
+            // SAFETY: `lhs` was checked to lie in its slice, `wide` is a dense `[nb, k]` slice;
+            // the destination's rows `0..m` and columns `cols` lie inside `dst` (checked above),
+            // and the blocks' column ranges are disjoint, so no two tasks write one element;
+            // `dst`'s slice is borrowed mutably for the whole call, so nothing else reads it.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    nb,
+                    k,
+                    dst.at(cols.start),
+                    1,
+                    row_stride as isize,
+                    true,
+                    lhs.data.as_ptr(),
+                    lhs.col_stride as isize,
+                    lhs.row_stride as isize,
+                    rhs.data.as_ptr(),
+                    rhs.col_stride as isize,
+                    rhs.row_stride as isize,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            Ok(())
+        })
+    })
+}
+
+/// The destination of [`matmul_weight_blocks`], shared by tasks that write disjoint columns.
+#[derive(Clone, Copy)]
+struct SharedDestination(*mut f32);
+
+// SAFETY: tasks write only their own columns (see `matmul_weight_blocks`).
+unsafe impl Send for SharedDestination {}
+unsafe impl Sync for SharedDestination {}
+
+impl SharedDestination {
+    /// SAFETY: `offset` must lie inside the destination's slice.
+    unsafe fn at(self, offset: usize) -> *mut f32 {
+        unsafe { self.0.add(offset) }
+    }
+}
+
 /// `Σ a[i] · b[i]` over equal-length slices (the shorter length otherwise), with eight
 /// accumulators; AVX2 + FMA where the CPU has them (the baseline x86-64 build has SSE2 only).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -590,6 +714,66 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Blocks of widened weight rows add their products into their own columns of a strided
+    /// destination, on gemm's path and through the padding for few rows; the columns past the
+    /// destination's width are left alone, and a thread's scratch is reused at every block width.
+    #[test]
+    fn weight_blocks_add_their_products_into_their_columns() {
+        let (k, n, stride) = (300, 200, 203);
+        let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos() * 0.05).collect();
+        for block in [200, 48, 24, 7, 1] {
+            for m in [1, 2, 5, 40, 70] {
+                let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+                let start: Vec<f32> = (0..m * stride).map(|i| i as f32 * 0.5).collect();
+                let mut got = start.clone();
+                let widened_rows = std::sync::atomic::AtomicUsize::new(0);
+                matmul_weight_blocks(
+                    MatMut {
+                        data: &mut got,
+                        rows: m,
+                        cols: n,
+                        row_stride: stride,
+                    },
+                    MatRef::row_major(&a, m, k),
+                    block,
+                    |rows, wide| {
+                        assert_eq!(wide.len(), rows.len() * k);
+                        wide.copy_from_slice(&w[rows.start * k..rows.end * k]);
+                        widened_rows.fetch_add(rows.len(), std::sync::atomic::Ordering::Relaxed);
+                    },
+                )
+                .unwrap();
+                assert_eq!(widened_rows.into_inner(), n, "each weight row widened once");
+                for r in 0..m {
+                    for c in 0..stride {
+                        let (got, start) = (got[r * stride + c], start[r * stride + c]);
+                        if c >= n {
+                            assert_eq!(got, start, "column {c} past the width");
+                            continue;
+                        }
+                        let want: f64 = f64::from(start)
+                            + (0..k)
+                                .map(|p| f64::from(a[r * k + p]) * f64::from(w[c * k + p]))
+                                .sum::<f64>();
+                        assert!(
+                            (f64::from(got) - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "block {block}, {m} rows: [{r}, {c}] {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+        let mut small = vec![0.0; 4];
+        let a = vec![0.0; 6];
+        let overrun = matmul_weight_blocks(
+            MatMut::row_major(&mut small, 2, 3),
+            MatRef::row_major(&a, 2, 3),
+            2,
+            |_, wide| wide.fill(0.0),
+        );
+        assert!(overrun.is_err());
     }
 
     #[test]
