@@ -10,6 +10,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::activation_kernels;
 use super::amx;
 use super::attention_kernels::{self, exp2_and_sum, row_max};
 use super::gemm::{self, MatMut, MatRef, Threads, matmul, matmul_weight_blocks};
@@ -86,18 +87,6 @@ impl CpuBackend {
 
     fn run<T: Send>(&self, work: impl FnOnce() -> T + Send) -> T {
         self.pool.install(work)
-    }
-}
-
-fn activate_one(x: f32, act: Activation) -> f32 {
-    match act {
-        Activation::Silu => x / (1.0 + (-x).exp()),
-        Activation::Gelu => 0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2)),
-        Activation::QuickGelu => x / (1.0 + (-1.702 * x).exp()),
-        Activation::GeluTanh => {
-            let inner = 0.797_884_6 * (x + 0.044715 * x * x * x);
-            0.5 * x * (1.0 + inner.tanh())
-        }
     }
 }
 
@@ -250,7 +239,7 @@ impl Backend for CpuBackend {
         let x = x.f32s_mut("activate")?;
         self.run(|| {
             x.par_chunks_mut(4096)
-                .for_each(|c| c.iter_mut().for_each(|v| *v = activate_one(*v, act)))
+                .for_each(|c| activation_kernels::activate(c, act))
         });
         Ok(())
     }
@@ -262,11 +251,7 @@ impl Backend for CpuBackend {
         self.run(|| {
             gate.par_chunks_mut(4096)
                 .zip(up.par_chunks(4096))
-                .for_each(|(g, u)| {
-                    g.iter_mut()
-                        .zip(u)
-                        .for_each(|(g, u)| *g = activate_one(*g, act) * u)
-                })
+                .for_each(|(g, u)| activation_kernels::gated(g, u, act))
         });
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! A bounds-checked view API over the `gemm` crate, and the dot products of the half-precision
-//! GEMV compiled for AVX2/FMA where the CPU has them: with the softmax kernels' dispatch, the only
-//! unsafe code of the crate.
+//! GEMV compiled for AVX2/FMA where the CPU has them: with the attention, activation and AMX
+//! kernels' dispatch and the CUDA driver, the only unsafe code of the crate.
 //!
 //! `gemm::gemm` takes raw pointers and strides. The wrappers here take slices with explicit
 //! row/column strides, check that every element the multiplication touches lies inside its slice,

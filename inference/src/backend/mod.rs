@@ -12,6 +12,7 @@
 //! shapes travel with [`crate::Tensor`], and each operation receives the dimensions it needs and
 //! checks them against the buffer lengths.
 
+mod activation_kernels;
 mod amx;
 mod attention_kernels;
 pub mod cpu;
