@@ -282,64 +282,70 @@ where
     let block = block.clamp(1, n);
     let row_stride = dst.row_stride;
     let dst = SharedDestination(dst.data.as_mut_ptr());
+    let block_product = |cols: std::ops::Range<usize>, scratch: &mut Vec<f32>| -> Result<()> {
+        let nb = cols.len();
+        if scratch.len() < nb * k {
+            scratch.resize(nb * k, 0.0);
+        }
+        let wide = &mut scratch[..nb * k];
+        widen(cols.clone(), wide);
+        let rhs = MatRef::row_major(wide, nb, k).t();
+        if (2..rows_summed_as_large_products(nb)).contains(&m) {
+            // Too few rows for gemm to sum as it sums large products: through `matmul`'s
+            // padding, then added in.
+            let mut part = vec![0.0; m * nb];
+            matmul(
+                MatMut::row_major(&mut part, m, nb),
+                lhs,
+                rhs,
+                false,
+                Threads::One,
+            )?;
+            for (r, part_row) in part.chunks_exact(nb).enumerate() {
+                for (c, value) in part_row.iter().enumerate() {
+                    // SAFETY: (r, cols.start + c) lies in `dst` (checked above) and in this
+                    // block's columns, which no other task writes.
+                    unsafe { *dst.at(r * row_stride + cols.start + c) += value };
+                }
+            }
+            return Ok(());
+        }
+        // SAFETY: `lhs` was checked to lie in its slice, `wide` is a dense `[nb, k]` slice; the
+        // destination's rows `0..m` and columns `cols` lie inside `dst` (checked above), and the
+        // blocks' column ranges are disjoint, so no two tasks write one element; `dst`'s slice is
+        // borrowed mutably for the whole call, so nothing else reads it.
+        unsafe {
+            gemm::gemm(
+                m,
+                nb,
+                k,
+                dst.at(cols.start),
+                1,
+                row_stride as isize,
+                true,
+                lhs.data.as_ptr(),
+                lhs.col_stride as isize,
+                lhs.row_stride as isize,
+                rhs.data.as_ptr(),
+                rhs.col_stride as isize,
+                rhs.row_stride as isize,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        Ok(())
+    };
     (0..n.div_ceil(block)).into_par_iter().try_for_each(|b| {
         let cols = b * block..((b + 1) * block).min(n);
-        let nb = cols.len();
-        SCRATCH.with_borrow_mut(|scratch| {
-            if scratch.len() < nb * k {
-                scratch.resize(nb * k, 0.0);
-            }
-            let wide = &mut scratch[..nb * k];
-            widen(cols.clone(), wide);
-            let rhs = MatRef::row_major(wide, nb, k).t();
-            if (2..rows_summed_as_large_products(nb)).contains(&m) {
-                // Too few rows for gemm to sum as it sums large products: through `matmul`'s
-                // padding, then added in.
-                let mut part = vec![0.0; m * nb];
-                matmul(
-                    MatMut::row_major(&mut part, m, nb),
-                    lhs,
-                    rhs,
-                    false,
-                    Threads::One,
-                )?;
-                for (r, part_row) in part.chunks_exact(nb).enumerate() {
-                    for (c, value) in part_row.iter().enumerate() {
-                        // SAFETY: (r, cols.start + c) lies in `dst` (checked above) and in this
-                        // block's columns, which no other task writes.
-                        unsafe { *dst.at(r * row_stride + cols.start + c) += value };
-                    }
-                }
-                return Ok(());
-            }
-            // SAFETY: `lhs` was checked to lie in its slice, `wide` is a dense `[nb, k]` slice;
-            // the destination's rows `0..m` and columns `cols` lie inside `dst` (checked above),
-            // and the blocks' column ranges are disjoint, so no two tasks write one element;
-            // `dst`'s slice is borrowed mutably for the whole call, so nothing else reads it.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    nb,
-                    k,
-                    dst.at(cols.start),
-                    1,
-                    row_stride as isize,
-                    true,
-                    lhs.data.as_ptr(),
-                    lhs.col_stride as isize,
-                    lhs.row_stride as isize,
-                    rhs.data.as_ptr(),
-                    rhs.col_stride as isize,
-                    rhs.row_stride as isize,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-            Ok(())
+        SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut scratch) => block_product(cols, &mut scratch),
+            // This thread's scratch is in use: `widen` waited on rayon work and this thread took
+            // another block meanwhile. That block gets a scratch of its own.
+            Err(_) => block_product(cols, &mut Vec::new()),
         })
     })
 }
@@ -718,7 +724,8 @@ mod tests {
 
     /// Blocks of widened weight rows add their products into their own columns of a strided
     /// destination, on gemm's path and through the padding for few rows; the columns past the
-    /// destination's width are left alone, and a thread's scratch is reused at every block width.
+    /// destination's width are left alone, and a thread's scratch is reused at every block width
+    /// (or left to the block that has it, when `widen` waits on rayon work).
     #[test]
     fn weight_blocks_add_their_products_into_their_columns() {
         let (k, n, stride) = (300, 200, 203);
@@ -740,7 +747,12 @@ mod tests {
                     block,
                     |rows, wide| {
                         assert_eq!(wide.len(), rows.len() * k);
-                        wide.copy_from_slice(&w[rows.start * k..rows.end * k]);
+                        // Widened on rayon itself, as a caller may: a thread waiting here can take
+                        // another block while its scratch is in use.
+                        use rayon::prelude::*;
+                        wide.par_chunks_mut(k)
+                            .zip(w[rows.start * k..rows.end * k].par_chunks(k))
+                            .for_each(|(to, from)| to.copy_from_slice(from));
                         widened_rows.fetch_add(rows.len(), std::sync::atomic::Ordering::Relaxed);
                     },
                 )
