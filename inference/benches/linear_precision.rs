@@ -3,7 +3,9 @@
 //! and batches of 8 to 32 rows) and prefill (256 rows, and 512: a prefill chunk) through a
 //! Qwen2-VL-2B-sized MLP projection.
 //!
-//!     cargo bench -p mmgate-inference --bench linear_precision
+//!     cargo bench -p mmgate-inference --bench linear_precision [-- THREADS]
+//!
+//! (`THREADS` runs both linears on that many threads instead of one.)
 
 use std::time::{Duration, Instant};
 
@@ -16,7 +18,12 @@ fn median(mut v: Vec<Duration>) -> f64 {
 }
 
 fn main() -> Result<()> {
-    let dev = CpuBackend::new("bench", 1)?;
+    let threads = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse::<usize>().ok())
+        .unwrap_or(1);
+    let dev = CpuBackend::new("bench", threads)?;
+    println!("{threads} thread(s)");
     let (k, n) = (1536, 8960);
     let values: Vec<f32> = (0..n * k)
         .map(|i| ((i % 977) as f32 - 488.0) * 1e-3)
