@@ -24,6 +24,10 @@ use common::ttft;
 
 const ROUNDS: usize = 3;
 
+/// The `mmgate` binary's allocator (see `linear_precision`).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> Result<()> {
     let Some(dir) = std::env::var_os("MMGATE_CHECKPOINT_2B") else {
         println!(

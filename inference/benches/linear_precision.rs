@@ -12,6 +12,13 @@ use std::time::{Duration, Instant};
 use mmgate_inference::backend::Values;
 use mmgate_inference::{Backend, CpuBackend, Result, Tensor};
 
+/// The `mmgate` binary's allocator. Under the system allocator the `gemm` crate's packing buffers,
+/// allocated every call, were unmapped and mapped again with their page faults once smaller
+/// products had run first: 512 rows on two threads took 1.44–1.51x the f32 time after the smaller
+/// sizes and 0.99–1.00x as the first size (1.02x in order with glibc told to keep its memory).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn median(mut v: Vec<Duration>) -> f64 {
     v.sort();
     v[v.len() / 2].as_secs_f64() * 1e3
