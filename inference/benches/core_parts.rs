@@ -9,18 +9,13 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Instant;
 
-use mmgate_inference::engine::{
-    DeviceSpec, Encoder, EncoderPool, Engine, EngineConfig, FeatureStore, PositionScheme,
-};
 use mmgate_inference::models::Qwen2Vl;
 use mmgate_inference::rope::Grid;
-use mmgate_inference::text::TextProcessor;
 use mmgate_inference::{CpuBackend, Result, Tensor};
 
-use common::ttft;
+use common::{qwen2_vl_engine, ttft};
 
 const ROUNDS: usize = 3;
 
@@ -74,31 +69,7 @@ fn main() -> Result<()> {
     if !timed("llm") {
         return Ok(());
     }
-    let vision: Arc<dyn Encoder> = Arc::new(model.vision);
-    let pool = Arc::new(EncoderPool::new(
-        vec![DeviceSpec {
-            name: "enc".into(),
-            encoders: vec![vision],
-        }],
-        4,
-    )?);
-    let text = Arc::new(TextProcessor::load(&dir)?);
-    let config = EngineConfig {
-        model_name: "core".into(),
-        positions: PositionScheme::MRope { merge: 2 },
-        max_running: 1,
-        prefill_chunk: 512,
-        kv_budget_tokens: 4096,
-        eos_token_ids: Vec::new(),
-        deepstack_levels: 0,
-    };
-    let engine = Engine::start(
-        config,
-        model.llm,
-        text.clone(),
-        pool,
-        Arc::new(FeatureStore::new(0)),
-    )?;
+    let (engine, text, _pool) = qwen2_vl_engine(model, &dir, 1, 4096)?;
     let sentence = text.encode("Describe the weather in the garden today, please. ")?;
     let prompt: Vec<u32> = sentence.iter().copied().cycle().take(2048).collect();
     let mut best = f64::MAX;

@@ -4,7 +4,7 @@
 // Each bench compiles this module on its own and uses only part of it.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,6 +39,23 @@ pub fn demo_engine(max_running: usize, kv_budget_tokens: usize) -> Result<DemoEn
     let llm_dev = CpuBackend::new("llm", 1)?;
     let enc_dev = CpuBackend::new("enc", 1)?;
     let model: Qwen2Vl<CpuBackend, CpuBackend> = Qwen2Vl::load(&dir, &enc_dev, &llm_dev)?;
+    let (engine, text, pool) = qwen2_vl_engine(model, &dir, max_running, kv_budget_tokens)?;
+    Ok(DemoEngine {
+        engine,
+        text,
+        pool,
+        cache,
+    })
+}
+
+/// A loaded Qwen2-VL in an engine with prefill chunks of 512 tokens, its vision tower the one
+/// encoder of a device of its own; with the text processor and the encoder pool.
+pub fn qwen2_vl_engine(
+    model: Qwen2Vl<CpuBackend, CpuBackend>,
+    dir: &Path,
+    max_running: usize,
+    kv_budget_tokens: usize,
+) -> Result<(Engine, Arc<TextProcessor>, Arc<EncoderPool>)> {
     let vision: Arc<dyn Encoder> = Arc::new(model.vision);
     let pool = Arc::new(EncoderPool::new(
         vec![DeviceSpec {
@@ -47,9 +64,9 @@ pub fn demo_engine(max_running: usize, kv_budget_tokens: usize) -> Result<DemoEn
         }],
         4,
     )?);
-    let text = Arc::new(TextProcessor::load(&dir)?);
+    let text = Arc::new(TextProcessor::load(dir)?);
     let config = EngineConfig {
-        model_name: "demo".into(),
+        model_name: "bench".into(),
         positions: PositionScheme::MRope { merge: 2 },
         max_running,
         prefill_chunk: 512,
@@ -64,12 +81,7 @@ pub fn demo_engine(max_running: usize, kv_budget_tokens: usize) -> Result<DemoEn
         pool.clone(),
         Arc::new(FeatureStore::new(0)),
     )?;
-    Ok(DemoEngine {
-        engine,
-        text,
-        pool,
-        cache,
-    })
+    Ok((engine, text, pool))
 }
 
 /// A text-only greedy request for up to `max_tokens` tokens.

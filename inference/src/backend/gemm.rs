@@ -97,6 +97,32 @@ impl<'a> MatMut<'a> {
             row_stride: cols,
         }
     }
+
+    /// Whether every element of the view lies in its slice, and no two share one (row stride at
+    /// least the width).
+    fn check(&self) -> Result<()> {
+        if self.rows == 0 || self.cols == 0 {
+            return Ok(());
+        }
+        let fits = self.row_stride >= self.cols
+            && (self.rows - 1)
+                .checked_mul(self.row_stride)
+                .and_then(|r| r.checked_add(self.cols))
+                .is_some_and(|end| end <= self.data.len());
+        if fits {
+            return Ok(());
+        }
+        Err(Error::shape(
+            "matmul",
+            format!(
+                "destination {}x{} (row stride {}) does not fit in {} elements",
+                self.rows,
+                self.cols,
+                self.row_stride,
+                self.data.len()
+            ),
+        ))
+    }
 }
 
 /// `dst = lhs · rhs`, or `dst += lhs · rhs` when `accumulate`.
@@ -118,25 +144,9 @@ pub fn matmul(
     }
     lhs.check("left")?;
     rhs.check("right")?;
+    dst.check()?;
     if dst.rows == 0 || dst.cols == 0 {
         return Ok(());
-    }
-    let dst_fits = dst.row_stride >= dst.cols
-        && (dst.rows - 1)
-            .checked_mul(dst.row_stride)
-            .and_then(|r| r.checked_add(dst.cols))
-            .is_some_and(|end| end <= dst.data.len());
-    if !dst_fits {
-        return Err(Error::shape(
-            "matmul",
-            format!(
-                "destination {}x{} (row stride {}) does not fit in {} elements",
-                dst.rows,
-                dst.cols,
-                dst.row_stride,
-                dst.data.len()
-            ),
-        ));
     }
     if lhs.cols == 0 {
         if !accumulate {
@@ -260,20 +270,11 @@ where
     }
     let (m, k, n) = (dst.rows, lhs.cols, dst.cols);
     lhs.check("left")?;
-    let dst_fits = m == 0
-        || n == 0
-        || (dst.row_stride >= n
-            && (m - 1)
-                .checked_mul(dst.row_stride)
-                .and_then(|r| r.checked_add(n))
-                .is_some_and(|end| end <= dst.data.len()));
-    if lhs.rows != m || !dst_fits {
+    dst.check()?;
+    if lhs.rows != m {
         return Err(Error::shape(
             "matmul",
-            format!(
-                "[{m}x{k}] weight blocks into [{}x{n}] (row stride {})",
-                lhs.rows, dst.row_stride
-            ),
+            format!("[{}x{k}] weight blocks into [{m}x{n}]", lhs.rows),
         ));
     }
     if m == 0 || n == 0 || k == 0 {
