@@ -266,7 +266,11 @@ fn slaney_filters(n_mels: usize) -> Vec<Filter> {
                 .map(|&f| {
                     let down = (f - lower) / (center - lower);
                     let up = (upper - f) / (upper - center);
-                    down.min(up).max(0.0) * enorm
+                    // Comparisons rather than `f64::min`/`max`, which are libm calls in wasm (see
+                    // `larger`): the filters are built on every call, every bin of every filter.
+                    let triangle = if down < up { down } else { up };
+                    let weight = if triangle > 0.0 { triangle } else { 0.0 };
+                    weight * enorm
                 })
                 .collect();
             let first = weights.iter().position(|&w| w > 0.0).unwrap_or(0);
