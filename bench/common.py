@@ -64,7 +64,8 @@ def peer_ms(path: Path, config: Path, iterations: int) -> dict:
 
 def native_ms(modality: str, path: Path, config: Path, iterations: int) -> dict:
     """The same plugin code built natively: {"native_ms_median", "tokens"}."""
-    binary = ROOT / "plugins" / "target" / "release" / "mmgate-native-bench"
+    target = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "plugins" / "target"))
+    binary = target / "release" / "mmgate-native-bench"
     return _last_json_line([str(binary), modality, str(path), str(config), str(iterations)])
 
 
