@@ -155,11 +155,16 @@ impl LogMel {
     }
 }
 
-/// The larger of two values that are never NaN. `f32::max` promises IEEE maxNum semantics for NaN,
-/// which wasm's `f32.max` does not have, so in wasm it is a libm call per value: in these loops
-/// that call alone cost more than the logarithm.
-fn larger(a: f32, b: f32) -> f32 {
+/// The larger of two values that are never NaN. `f32::max` (and `f64::max`) promise IEEE maxNum
+/// semantics for NaN, which wasm's `max` instructions do not have, so in wasm each is a libm call
+/// per value: in these loops that call alone cost more than the logarithm.
+fn larger<T: PartialOrd>(a: T, b: T) -> T {
     if a > b { a } else { b }
+}
+
+/// The smaller of two values that are never NaN (see [`larger`]).
+fn smaller<T: PartialOrd>(a: T, b: T) -> T {
+    if a < b { a } else { b }
 }
 
 /// The largest of `values` (never NaN), in eight independent lanes so the loop vectorises (a single
@@ -266,11 +271,9 @@ fn slaney_filters(n_mels: usize) -> Vec<Filter> {
                 .map(|&f| {
                     let down = (f - lower) / (center - lower);
                     let up = (upper - f) / (upper - center);
-                    // Comparisons rather than `f64::min`/`max`, which are libm calls in wasm (see
-                    // `larger`): the filters are built on every call, every bin of every filter.
-                    let triangle = if down < up { down } else { up };
-                    let weight = if triangle > 0.0 { triangle } else { 0.0 };
-                    weight * enorm
+                    // Not `f64::min`/`max`: libm calls in wasm (see `larger`), and the filters are
+                    // built on every call.
+                    larger(smaller(down, up), 0.0) * enorm
                 })
                 .collect();
             let first = weights.iter().position(|&w| w > 0.0).unwrap_or(0);
