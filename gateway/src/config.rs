@@ -212,6 +212,11 @@ pub struct ModelConfig {
     pub llm_threads: Option<usize>,
     /// The LLM's device: `"cpu"` (default) or `"cuda:N"`.
     pub llm_device: Option<DeviceName>,
+    /// With a bf16 checkpoint on CPU devices that have AVX-512 BF16: its linears round their input
+    /// to bf16, as the CUDA backend and bf16 engines do, for kernels about twice as fast; off (the
+    /// default), activations stay f32 throughout.
+    #[serde(default)]
+    pub cpu_bf16_inputs: bool,
     /// Dedicated encoder devices, each a thread pool of its own (default: one, half the cores; the
     /// LLM's threads share them while the encoder is idle).
     #[serde(default)]
@@ -554,6 +559,7 @@ impl ModelConfig {
             processor_kwargs: serde_json::Map::new(),
             llm_threads: None,
             llm_device: None,
+            cpu_bf16_inputs: false,
             encoder_devices: Vec::new(),
             max_running: default_max_running(),
             prefill_chunk: default_prefill_chunk(),

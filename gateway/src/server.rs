@@ -58,6 +58,7 @@ fn load_model(
             .map(|d| Placement::new(d.device, d.threads))
             .collect::<Result<_, _>>()?;
     }
+    devices.cpu_bf16_inputs = model.cpu_bf16_inputs;
     let options = RuntimeOptions {
         devices,
         max_running: model.max_running,

@@ -317,6 +317,32 @@ fn bf16_checkpoint_on_simulated_gpus_matches_transformers_within_bf16_rounding()
     assert!(vs_f32 < 1e-2 && vs_bf16 < 3e-2 && embeds < 1e-2);
 }
 
+/// The bf16 checkpoint on CPU devices asked for bf16 inputs: where the CPU has AVX-512 BF16 its
+/// linears of more than a few rows are bf16 GEMMs (the input rounded, as on the GPUs above), so
+/// the logits sit within the simulated GPUs' bounds of both of transformers' runs. On a CPU
+/// without, the request changes nothing and the f32 inputs' parity holds.
+#[test]
+fn bf16_checkpoint_with_bf16_inputs_on_the_cpu_matches_transformers_within_bf16_rounding() {
+    let (encoder, llm) = devices();
+    let (encoder, llm) = (encoder.with_bf16_inputs(), llm.with_bf16_inputs());
+    let model = Qwen2Vl::load(&family_dir("qwen2-vl").join("model-bf16"), &encoder, &llm).unwrap();
+    let g = Goldens::load_file("qwen2-vl", "goldens-bf16.safetensors");
+    let run = image_prompt(&model, &g);
+    let vs_f32 = relative_error(&run.logits, g.f32("image_prompt.logits").1);
+    let vs_bf16 = relative_error(&run.logits, g.f32("bf16_compute.image_prompt.logits").1);
+    let embeds = relative_error(&run.image.to_host().unwrap(), g.f32("image.embeds").1);
+    eprintln!(
+        "{}: logits vs transformers f32 compute {vs_f32:.2e}, vs bf16 compute {vs_bf16:.2e}; \
+         embeddings vs f32 compute {embeds:.2e}",
+        llm.name()
+    );
+    assert!(vs_f32 < 1e-2 && vs_bf16 < 3e-2 && embeds < 1e-2);
+    if llm.uses_bf16_inputs() {
+        // The rounding shows: the f32 inputs' run is within f32 tolerances, this one is not.
+        assert!(vs_f32 > 1e-5, "bf16 inputs gave f32 results: {vs_f32:.2e}");
+    }
+}
+
 /// On real GPUs (the GPU bundle's `run.sh`, see `./dev gpu-bundle`; never run in this project's
 /// CI, which has none): the same parity as the simulated and CPU backends, f32 and bf16.
 #[test]

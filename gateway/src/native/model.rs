@@ -22,6 +22,9 @@ pub struct Devices {
     pub llm: DevicePlacement,
     /// One entry per encoder device.
     pub encoders: Vec<DevicePlacement>,
+    /// CPU devices run bf16-weight linears as bf16 GEMMs where they can
+    /// ([`OpenDevice::with_bf16_inputs`]).
+    pub cpu_bf16_inputs: bool,
 }
 
 impl Devices {
@@ -39,6 +42,7 @@ impl Devices {
             encoders: vec![DevicePlacement::Cpu {
                 threads: (cores / 2).max(1),
             }],
+            cpu_bf16_inputs: false,
         }
     }
 
@@ -51,6 +55,7 @@ impl Devices {
                 .iter()
                 .map(|&threads| DevicePlacement::Cpu { threads })
                 .collect(),
+            cpu_bf16_inputs: false,
         }
     }
 }
@@ -187,12 +192,17 @@ impl ModelRuntime {
         for (i, &placement) in devices.encoders.iter().enumerate() {
             let label = format!("{name}-enc{i}");
             let device = OpenDevice::open(placement, &label)
-                .with_context(|| format!("encoder device {i}"))?;
+                .with_context(|| format!("encoder device {i}"))?
+                .with_bf16_inputs(devices.cpu_bf16_inputs);
             device_names.push(label);
             encoder_devices.push(device);
         }
         let llm_dev = if with_llm {
-            Some(OpenDevice::open(devices.llm, &format!("{name}-llm")).context("LLM device")?)
+            Some(
+                OpenDevice::open(devices.llm, &format!("{name}-llm"))
+                    .context("LLM device")?
+                    .with_bf16_inputs(devices.cpu_bf16_inputs),
+            )
         } else {
             None
         };

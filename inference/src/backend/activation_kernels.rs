@@ -11,6 +11,8 @@
 
 use super::Activation;
 use super::attention_kernels::exp2_nonpositive;
+#[cfg(target_arch = "x86_64")]
+use super::cpu_features::has_avx2;
 
 /// `values[i] = act(values[i])`.
 pub fn activate(values: &mut [f32], act: Activation) {
@@ -30,11 +32,6 @@ pub fn gated(gate: &mut [f32], up: &[f32], act: Activation) {
         return unsafe { x86::gated_avx2(gate, up, act) };
     }
     gated_portable(gate, up, act)
-}
-
-#[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
-    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -17,6 +17,9 @@
 
 #![allow(unsafe_code)]
 
+#[cfg(target_arch = "x86_64")]
+use super::cpu_features::{has_avx2, has_avx512};
+
 /// Rows of a matrix `stride` floats apart in `data`.
 #[derive(Clone, Copy)]
 pub struct Strided<'a> {
@@ -82,16 +85,6 @@ struct Block {
     nq: usize,
     nb: usize,
     hd: usize,
-}
-
-#[cfg(target_arch = "x86_64")]
-fn has_avx512() -> bool {
-    std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma")
-}
-
-#[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
-    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
 }
 
 /// A product computed a tile at a time: `tile::<R, W>(i0, c0)` computes its rows `i0..i0 + R`,

@@ -9,6 +9,8 @@
 
 #![allow(unsafe_code)]
 
+#[cfg(target_arch = "x86_64")]
+use super::cpu_features::has_avx2;
 use crate::error::{Error, Result};
 
 /// Whether a multiplication may use the current rayon pool.
@@ -282,7 +284,7 @@ where
     }
     let block = block.clamp(1, n);
     let row_stride = dst.row_stride;
-    let dst = SharedDestination(dst.data.as_mut_ptr());
+    let dst = SharedDestination::new(dst.data);
     let block_product = |cols: std::ops::Range<usize>, scratch: &mut Vec<f32>| -> Result<()> {
         let nb = cols.len();
         if scratch.len() < nb * k {
@@ -351,17 +353,23 @@ where
     })
 }
 
-/// The destination of [`matmul_weight_blocks`], shared by tasks that write disjoint columns.
+/// The destination of [`matmul_weight_blocks`] (and of `bf16_gemm`'s linears), shared by tasks
+/// that write disjoint columns.
 #[derive(Clone, Copy)]
-struct SharedDestination(*mut f32);
+pub(super) struct SharedDestination(*mut f32);
 
 // SAFETY: tasks write only their own columns (see `matmul_weight_blocks`).
 unsafe impl Send for SharedDestination {}
 unsafe impl Sync for SharedDestination {}
 
 impl SharedDestination {
+    /// `dst`, for tasks each writing elements no other task writes, while `dst` stays borrowed.
+    pub(super) fn new(dst: &mut [f32]) -> Self {
+        SharedDestination(dst.as_mut_ptr())
+    }
+
     /// SAFETY: `offset` must lie inside the destination's slice.
-    unsafe fn at(self, offset: usize) -> *mut f32 {
+    pub(super) unsafe fn at(self, offset: usize) -> *mut f32 {
         unsafe { self.0.add(offset) }
     }
 }
@@ -370,7 +378,7 @@ impl SharedDestination {
 /// accumulators; AVX2 + FMA where the CPU has them (the baseline x86-64 build has SSE2 only).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if has_avx2() {
         // SAFETY: the CPU has the features the function is compiled for.
         return unsafe { dot_avx2(a, b) };
     }
@@ -402,7 +410,7 @@ pub fn dot_rows_bf16(x: &[f32], rows: usize, w: &[half::bf16], k: usize, out: &m
         out.len()
     );
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if has_avx2() {
         // A block of weight rows at a time, read from memory by the first group of input rows
         // and from cache by the others.
         for j0 in (0..n).step_by(WEIGHT_BLOCK) {

@@ -15,7 +15,9 @@
 mod activation_kernels;
 mod amx;
 mod attention_kernels;
+mod bf16_gemm;
 pub mod cpu;
+mod cpu_features;
 pub mod cuda;
 mod gemm;
 
