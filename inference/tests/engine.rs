@@ -16,8 +16,8 @@ use mmgate_inference::backend::cuda::CudaBackend;
 use mmgate_inference::demo::{self, DemoFamily};
 use mmgate_inference::engine::{
     BatchObserver, DeviceSpec, EncodeInput, Encoder, EncoderPool, Engine, EngineConfig, Event,
-    Failure, FeatureStore, FinishReason, GenerateRequest, MediaItem, PositionScheme, RequestHandle,
-    SharedFeatures, Usage,
+    Failure, FeatureStore, FinishReason, GenerateRequest, Llm, MediaItem, PositionScheme,
+    RequestHandle, SharedFeatures, Usage,
 };
 use mmgate_inference::models::Qwen2Vl;
 use mmgate_inference::rope::{Grid, MediaSpan, mrope_positions};
@@ -251,8 +251,28 @@ fn batched_requests_match_their_solo_greedy_runs() {
 #[test]
 fn the_engine_on_simulated_gpus_matches_the_cpu_backend() {
     let gpu = |name: &str| CudaBackend::new(SimDevice::new(name));
-    let s = setup_on(gpu("cuda:0"), vec![gpu("cuda:1"), gpu("cuda:2")], 1 << 20);
+    let llm = gpu("cuda:0");
+    let s = setup_on(llm.clone(), vec![gpu("cuda:1"), gpu("cuda:2")], 1 << 20);
     batched_requests_match_solo_runs(&s);
+    // Sequences sampling in the same step had their logits made in one product: the LM head (as
+    // wide as the vocabulary) multiplied several rows at once, not one row a sequence.
+    let reference = &s.reference.llm;
+    let hidden = Tensor::zeros(Llm::device(reference), &[1, Llm::hidden_size(reference)]).unwrap();
+    let vocab = Llm::logits(reference, &hidden).unwrap().cols();
+    let record = llm.device().record.lock().unwrap();
+    let most_rows = record
+        .gemms
+        .iter()
+        .filter_map(|g| match (g.m == vocab, g.n == vocab) {
+            (true, _) => Some(g.n),
+            (_, true) => Some(g.m),
+            _ => None,
+        })
+        .max();
+    assert!(
+        most_rows > Some(1),
+        "LM head products of at most {most_rows:?} rows"
+    );
 }
 
 /// The same on real GPUs (the GPU bundle's `run.sh`): LLM on cuda:0, the encoder on cuda:1 where

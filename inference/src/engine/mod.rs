@@ -827,6 +827,8 @@ impl<M: Llm> Scheduler<M> {
         }
         let llm = &self.llm;
         let hidden = llm.device().run_on(|| llm.forward_batch(steps))?;
+        // The last hidden state of each sequence that samples this step, for one logits product.
+        let mut sampling = Vec::new();
         for ((i, rows, samples), h) in plan.into_iter().zip(hidden) {
             let seq = &mut self.running[i];
             if seq.next.take().is_none() {
@@ -840,11 +842,22 @@ impl<M: Llm> Scheduler<M> {
                 }
             }
             if samples {
-                let last = self
-                    .llm
-                    .logits(&h.slice_rows(h.rows() - 1, 1)?)?
-                    .to_host()?;
-                let token = seq.sampler.sample(&last)?;
+                sampling.push((i, h.slice_rows(h.rows() - 1, 1)?));
+            }
+        }
+        if !sampling.is_empty() {
+            // One product for the batch: the LM head, the largest matrix, is read once a step
+            // instead of once a sequence (at batch 8, most of a step's time had gone to it).
+            let mut last =
+                Tensor::zeros(self.llm.device(), &[sampling.len(), self.llm.hidden_size()])?;
+            for (at, (_, row)) in sampling.iter().enumerate() {
+                last.write_rows(at, row)?;
+            }
+            let logits = self.llm.logits(&last)?.to_host()?;
+            let vocab = logits.len() / sampling.len();
+            for ((i, _), row) in sampling.iter().zip(logits.chunks_exact(vocab.max(1))) {
+                let seq = &mut self.running[*i];
+                let token = seq.sampler.sample(row)?;
                 on_token(seq, token, &self.eos, &self.text);
             }
         }
