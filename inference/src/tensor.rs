@@ -57,7 +57,7 @@ impl<B: Backend> Tensor<B> {
     pub fn from_weight(device: &B, data: Values, shape: &[usize]) -> Result<Self> {
         check_count("from_weight", data.len(), shape)?;
         Ok(Self {
-            buffer: device.upload_weight(data)?,
+            buffer: device.upload_weight(data, shape)?,
             shape: shape.to_vec(),
             device: device.clone(),
         })

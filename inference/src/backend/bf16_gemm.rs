@@ -8,16 +8,17 @@
 //! **Precision.** A product of two bf16 values is exact in f32, so what differs from the f32 GEMM
 //! over the same weights is the input's rounding (8 bits of mantissa, relative 2⁻⁹ per value):
 //! the CUDA backend's bf16 linears, not the CPU's f32 ones. A CPU device uses this only when asked
-//! ([`super::cpu::CpuBackend::with_bf16_inputs`]), for every linear with bf16 weights.
+//! ([`super::cpu::CpuBackend::with_bf16_inputs`]), for every matrix of a bf16 checkpoint.
 //!
-//! **Layout.** Each task takes a panel of [`NR`] weight rows (output columns), repacks it so that
-//! one 64-byte load holds, for each of its 16 lanes' columns, the two weights of one pair of input
-//! positions (`vdpbf16ps`'s operand), and runs every input row through it, [`MR`] rows a tile
-//! (`2·MR` accumulators, two weight vectors and a broadcast input pair fill the 32 registers). An
-//! output is one lane summing its pairs in input order, whatever tile or panel it is in. A few
-//! rows (decoding: memory-bound) instead meet each weight row in place, as it streams from memory
-//! (its consecutive pairs are what `vdpbf16ps` takes), sixteen lanes an output summed across at
-//! the end. Either way a row's result does not depend on the rows beside it.
+//! **Layout.** A weight is packed once, when it is uploaded ([`Bf16Panels`]): panels of [`NR`]
+//! weight rows (output columns), each stored so that one 64-byte load holds, for each of 16 lanes'
+//! columns, the two weights of one pair of input positions (`vdpbf16ps`'s operand). Every input row
+//! runs through every panel, [`MR`] rows a tile (`2·MR` accumulators, two weight vectors and a
+//! broadcast input pair fill the 32 registers), a panel read from memory as one stream. An output
+//! is one lane summing its pairs in input order, whatever tile or panel it is in: a row's result
+//! does not depend on the rows beside it, so a sequence decodes to the same values alone or in a
+//! batch. (Decoding with the weights as stored, each row against the inputs in place, loads both
+//! operands of every instruction: a batch of eight ran at about a third of this kernel's rate.)
 
 #![allow(unsafe_code)]
 
@@ -25,15 +26,6 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::gemm::SharedDestination;
-
-/// Input rows up to which a linear reads each weight row in place against every input row
-/// (decoding: memory-bound, the weights read once and not repacked) instead of packing panels.
-const ROWS_IN_PLACE: usize = 32;
-/// Input rows a tile of the in-place kernel.
-const ROWS_A_TILE: usize = 8;
-/// Weight rows a tile of the in-place kernel: each input value loaded meets two of them (with
-/// one, loading the inputs bounded a batch of eight: a 2B model decoded at 0.5x vLLM's rate).
-const WEIGHT_ROWS_A_TILE: usize = 2;
 
 /// Output columns a panel: two vectors of sixteen f32 lanes.
 const NR: usize = 32;
@@ -53,14 +45,91 @@ pub fn available() -> bool {
     false
 }
 
+/// A bf16 weight matrix (`rows` outputs of `cols` inputs) packed for [`linear`]: panel `p` holds
+/// rows `p·NR..(p + 1)·NR`, pair `q` of its row `c` (the weights of inputs `2q` and `2q + 1`, the
+/// first in the low half) at `(p·pairs + q)·NR + c`; rows past the last and an odd `cols`' last
+/// pair's high half are zero.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Bf16Panels {
+    data: Vec<u32>,
+    rows: usize,
+    cols: usize,
+}
+
+impl Bf16Panels {
+    /// Packs `w` (`[rows, cols]`, row-major) on the current rayon pool.
+    pub fn pack(w: &[bf16], rows: usize, cols: usize) -> Self {
+        assert_eq!(w.len(), rows * cols, "Bf16Panels::pack: {rows}x{cols}");
+        let pairs = cols.div_ceil(2);
+        let mut data = vec![0u32; rows.div_ceil(NR) * pairs * NR];
+        if pairs > 0 {
+            data.par_chunks_mut(pairs * NR)
+                .enumerate()
+                .for_each(|(p, panel)| {
+                    let first = p * NR;
+                    let last = (first + NR).min(rows);
+                    pack_panel(&w[first * cols..last * cols], cols, panel);
+                });
+        }
+        Bf16Panels { data, rows, cols }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Weights held (`rows · cols`).
+    pub fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held (with the last panel's padding).
+    pub fn bytes(&self) -> usize {
+        4 * self.data.len()
+    }
+
+    fn pairs(&self) -> usize {
+        self.cols.div_ceil(2)
+    }
+
+    /// Row `j` (an embedding table's row) widened to f32 into `out` (`cols` values).
+    pub fn row_to_f32(&self, j: usize, out: &mut [f32]) {
+        let base = j / NR * self.pairs() * NR + j % NR;
+        for (c, out) in out.iter_mut().enumerate().take(self.cols) {
+            let pair = self.data[base + c / 2 * NR];
+            let bits = (pair >> (16 * (c % 2))) as u16;
+            *out = bf16::from_bits(bits).to_f32();
+        }
+    }
+
+    /// The matrix widened to f32, row-major.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.len()];
+        if self.cols > 0 {
+            for (j, row) in out.chunks_exact_mut(self.cols).enumerate() {
+                self.row_to_f32(j, row);
+            }
+        }
+        out
+    }
+}
+
 /// `out[m, n] += bf16(x[m, k]) · w[n, k]ᵀ` on the current rayon pool, `x` rounded to bf16 (to
 /// nearest even) and the products summed in f32. The CPU must have what [`available`] checks.
-pub fn linear(out: &mut [f32], x: &[f32], w: &[bf16], [m, k, n]: [usize; 3]) {
+pub fn linear(out: &mut [f32], x: &[f32], w: &Bf16Panels, m: usize) {
+    let (n, k) = (w.rows, w.cols);
     assert!(
-        available() && x.len() == m * k && w.len() == n * k && out.len() == m * n,
-        "bf16_gemm::linear: x {} for {m}x{k}, w {} for {n}x{k}, out {}",
+        available() && x.len() == m * k && out.len() == m * n,
+        "bf16_gemm::linear: x {} for {m}x{k}, w {n}x{k}, out {}",
         x.len(),
-        w.len(),
         out.len()
     );
     if m == 0 || n == 0 || k == 0 {
@@ -69,7 +138,7 @@ pub fn linear(out: &mut [f32], x: &[f32], w: &[bf16], [m, k, n]: [usize; 3]) {
     #[cfg(target_arch = "x86_64")]
     {
         // Pairs of input positions a row: an odd `k` gets a zero beside its last value.
-        let pairs = k.div_ceil(2);
+        let pairs = w.pairs();
         let mut inputs = vec![0u32; m * pairs];
         inputs
             .par_chunks_mut(pairs)
@@ -77,48 +146,12 @@ pub fn linear(out: &mut [f32], x: &[f32], w: &[bf16], [m, k, n]: [usize; 3]) {
             // SAFETY: `available` said the CPU has AVX-512 BF16.
             .for_each(|(pairs, row)| unsafe { x86::round_row(row, pairs) });
         let dst = SharedDestination::new(out);
-        if m <= ROWS_IN_PLACE {
-            // Blocks of weight rows, a few per thread; each row read once, in order.
-            let block = n.div_ceil(4 * rayon::current_num_threads()).max(1);
-            // A lone row's weights are read as one stream: two rows at once, as two short ones,
-            // took 1.5x the time (every output sums the same way either way).
-            let weight_rows_a_tile = if m == 1 { 1 } else { WEIGHT_ROWS_A_TILE };
-            (0..n.div_ceil(block)).into_par_iter().for_each(|b| {
-                let end = ((b + 1) * block).min(n);
-                let mut j = b * block;
-                while j < end {
-                    let weight_rows = weight_rows_a_tile.min(end - j);
-                    let mut r0 = 0;
-                    while r0 < m {
-                        let rows = ROWS_A_TILE.min(m - r0);
-                        // SAFETY: the CPU has AVX-512 BF16 (`available`); weight rows `j..j +
-                        // weight_rows` have `k` values each, input rows `r0..r0 + rows` `pairs`
-                        // pairs each; outputs `(r, j..)` lie in `out` and only this task writes
-                        // these columns.
-                        unsafe {
-                            x86::in_place(
-                                &inputs[r0 * pairs..(r0 + rows) * pairs],
-                                rows,
-                                &w[j * k..(j + weight_rows) * k],
-                                weight_rows,
-                                dst,
-                                r0 * n + j,
-                                n,
-                            )
-                        };
-                        r0 += rows;
-                    }
-                    j += weight_rows;
-                }
-            });
-            return;
-        }
-        (0..n.div_ceil(NR))
-            .into_par_iter()
-            .for_each_init(Vec::new, |panel: &mut Vec<u32>, p| {
+        w.data
+            .par_chunks(pairs * NR)
+            .enumerate()
+            .for_each(|(p, panel)| {
                 let j0 = p * NR;
                 let cols = NR.min(n - j0);
-                pack_panel(&w[j0 * k..(j0 + cols) * k], k, pairs, panel);
                 let mut r0 = 0;
                 while r0 < m {
                     let rows = MR.min(m - r0);
@@ -138,16 +171,13 @@ pub fn linear(out: &mut [f32], x: &[f32], w: &[bf16], [m, k, n]: [usize; 3]) {
     }
 }
 
-/// Packs weight rows (`cols` of them, `k` wide, row-major) into `panel`: pair `p` of column `c`
-/// (its weights at input positions `2p` and `2p + 1`, the low half first) at `p·NR + c`, columns
-/// past `cols` zero.
-fn pack_panel(rows: &[bf16], k: usize, pairs: usize, panel: &mut Vec<u32>) {
-    panel.clear();
-    panel.resize(pairs * NR, 0);
+/// Packs weight rows (up to `NR` of them, `k` wide, row-major) into `panel` (zeros, `pairs · NR`
+/// values): pair `q` of row `c` at `q·NR + c`.
+fn pack_panel(rows: &[bf16], k: usize, panel: &mut [u32]) {
     for (c, row) in rows.chunks_exact(k).enumerate() {
         let (whole, last) = row.as_chunks::<2>();
-        for (p, pair) in whole.iter().enumerate() {
-            panel[p * NR + c] = u32::from(pair[0].to_bits()) | u32::from(pair[1].to_bits()) << 16;
+        for (q, pair) in whole.iter().enumerate() {
+            panel[q * NR + c] = u32::from(pair[0].to_bits()) | u32::from(pair[1].to_bits()) << 16;
         }
         if let [value] = last {
             panel[whole.len() * NR + c] = u32::from(value.to_bits());
@@ -187,106 +217,6 @@ mod x86 {
                     .map_or(0, |&v| u32::from(half::bf16::from_f32(v).to_bits()))
             };
             *pair = at(0) | at(1) << 16;
-        }
-    }
-
-    /// Adds `inputs` (`rows` rows of bf16 pairs) times the `weight_rows` rows of `w` (in place:
-    /// their pairs are what `vdpbf16ps` takes) into the destination at `at + r·stride + c`: each
-    /// output sixteen lanes taking 32 values a step, the last step masked, then summed across.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512 BF16; `w` holds `weight_rows` rows (1 or
-    /// [`WEIGHT_ROWS_A_TILE`](super::WEIGHT_ROWS_A_TILE)) of `k` values, `inputs` `rows` (at most
-    /// [`ROWS_A_TILE`](super::ROWS_A_TILE)) rows of `k.div_ceil(2)` pairs, and the outputs lie in
-    /// the destination, written by no other thread meanwhile.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn in_place(
-        inputs: &[u32],
-        rows: usize,
-        w: &[half::bf16],
-        weight_rows: usize,
-        dst: SharedDestination,
-        at: usize,
-        stride: usize,
-    ) {
-        let k = w.len() / weight_rows.max(1);
-        macro_rules! tiles {
-            ($nw:literal) => {
-                // SAFETY: the caller's promises.
-                unsafe {
-                    match rows {
-                        1 => in_place_tile::<1, $nw>(inputs, w, k, dst, at, stride),
-                        2 => in_place_tile::<2, $nw>(inputs, w, k, dst, at, stride),
-                        3 => in_place_tile::<3, $nw>(inputs, w, k, dst, at, stride),
-                        4 => in_place_tile::<4, $nw>(inputs, w, k, dst, at, stride),
-                        5 => in_place_tile::<5, $nw>(inputs, w, k, dst, at, stride),
-                        6 => in_place_tile::<6, $nw>(inputs, w, k, dst, at, stride),
-                        7 => in_place_tile::<7, $nw>(inputs, w, k, dst, at, stride),
-                        _ => in_place_tile::<8, $nw>(inputs, w, k, dst, at, stride),
-                    }
-                }
-            };
-        }
-        const { assert!(super::ROWS_A_TILE == 8 && super::WEIGHT_ROWS_A_TILE == 2) };
-        if weight_rows == 1 {
-            tiles!(1)
-        } else {
-            tiles!(2)
-        }
-    }
-
-    /// # Safety
-    /// As [`in_place`], with `R` input rows and `NW` weight rows.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[inline]
-    unsafe fn in_place_tile<const R: usize, const NW: usize>(
-        inputs: &[u32],
-        w: &[half::bf16],
-        k: usize,
-        dst: SharedDestination,
-        at: usize,
-        stride: usize,
-    ) {
-        let pairs = k.div_ceil(2);
-        debug_assert!(inputs.len() == R * pairs && w.len() == NW * k);
-        // Input rows are bf16 values `pairs · 2` apart (an odd `k`'s padding zero between rows).
-        let (x, wp) = (inputs.as_ptr().cast::<u16>(), w.as_ptr().cast::<u16>());
-        let row_values = 2 * pairs;
-        let mut acc = [[_mm512_setzero_ps(); NW]; R];
-        let mut i = 0;
-        while i < k {
-            let left = k - i;
-            let mask: __mmask32 = if left >= 32 { !0 } else { (1 << left) - 1 };
-            // SAFETY: the masked lanes `i..i + left.min(32)` lie in every weight row and every
-            // input row; masked-off lanes are not read (and read as zero).
-            unsafe {
-                let mut weights =
-                    [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); NW];
-                for (c, weights) in weights.iter_mut().enumerate() {
-                    *weights = std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(
-                        mask,
-                        wp.add(c * k + i).cast(),
-                    ));
-                }
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let xs: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(
-                        mask,
-                        x.add(r * row_values + i).cast(),
-                    ));
-                    for (acc, &weights) in acc.iter_mut().zip(&weights) {
-                        *acc = _mm512_dpbf16_ps(*acc, xs, weights);
-                    }
-                }
-            }
-            i += 32;
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            for (c, &acc) in acc.iter().enumerate() {
-                let sum = _mm512_reduce_add_ps(acc);
-                // SAFETY: the caller's promise: the output lies in the destination.
-                unsafe { *dst.at(at + r * stride + c) += sum };
-            }
         }
     }
 
@@ -385,9 +315,8 @@ mod x86 {
 mod tests {
     use super::*;
 
-    /// The product with the input rounded to bf16, in f64, in place (up to `ROWS_IN_PLACE` rows)
-    /// and through panels (more); each row the same bits whatever rows come with it on either;
-    /// widths and depths that leave partial panels, tiles, pairs and steps.
+    /// The product with the input rounded to bf16, in f64; each row the same bits alone or among
+    /// others; widths and depths that leave partial panels, tiles and pairs.
     #[test]
     fn matches_the_product_of_the_rounded_input_and_each_row_alone() {
         if !available() {
@@ -398,13 +327,14 @@ mod tests {
             let w: Vec<bf16> = (0..n * k)
                 .map(|i| bf16::from_f32(((i * 29 % 71) as f32 - 35.0) * 0.013))
                 .collect();
-            for m in [1, 2, 8, 9, 11, 12, 13, ROWS_IN_PLACE, ROWS_IN_PLACE + 1, 40] {
+            let panels = Bf16Panels::pack(&w, n, k);
+            for m in [1, 2, 11, 12, 13, 40] {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 17 % 43) as f32 - 21.0) * 0.0517)
                     .collect();
                 let bias: Vec<f32> = (0..m * n).map(|i| (i % 7) as f32 * 0.25).collect();
                 let mut out = bias.clone();
-                linear(&mut out, &x, &w, [m, k, n]);
+                linear(&mut out, &x, &panels, m);
                 for (i, &got) in out.iter().enumerate() {
                     let (r, j) = (i / n, i % n);
                     let want: f64 = f64::from(bias[i])
@@ -419,19 +349,9 @@ mod tests {
                         "{m}x{k} by {n}: [{r}, {j}] {got} vs {want}"
                     );
                 }
-                // Alone (in place), or beside as many rows as there are (through panels).
-                let beside = m.max(ROWS_IN_PLACE + 1);
                 for r in 0..m {
                     let mut alone = bias[r * n..(r + 1) * n].to_vec();
-                    linear(&mut alone, &x[r * k..(r + 1) * k], &w, [1, k, n]);
-                    if m > ROWS_IN_PLACE {
-                        let mut many = vec![0.0; beside * n];
-                        many[..n].copy_from_slice(&bias[r * n..(r + 1) * n]);
-                        let mut xs = x[r * k..(r + 1) * k].to_vec();
-                        xs.resize(beside * k, 0.5);
-                        linear(&mut many, &xs, &w, [beside, k, n]);
-                        alone = many[..n].to_vec();
-                    }
+                    linear(&mut alone, &x[r * k..(r + 1) * k], &panels, 1);
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(
                         bits(&alone),
@@ -439,6 +359,29 @@ mod tests {
                         "row {r} of {m}, {k}x{n}"
                     );
                 }
+            }
+        }
+    }
+
+    /// Packed weights read back as they were: whole, and a row at a time (an embedding's lookup).
+    #[test]
+    fn packed_weights_read_back_exactly() {
+        for (rows, cols) in [(0, 3), (1, 1), (5, 7), (33, 64), (70, 301)] {
+            let w: Vec<bf16> = (0..rows * cols)
+                .map(|i| bf16::from_f32(((i * 13 % 97) as f32 - 48.0) * 0.021))
+                .collect();
+            let panels = Bf16Panels::pack(&w, rows, cols);
+            let widened: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+            assert_eq!(panels.to_f32(), widened, "{rows}x{cols}");
+            assert_eq!(panels.len(), rows * cols);
+            for j in 0..rows {
+                let mut row = vec![0.0; cols];
+                panels.row_to_f32(j, &mut row);
+                assert_eq!(
+                    row,
+                    widened[j * cols..(j + 1) * cols],
+                    "row {j} of {rows}x{cols}"
+                );
             }
         }
     }

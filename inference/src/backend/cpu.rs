@@ -16,7 +16,7 @@ use super::attention_kernels::{self, exp2_and_sum, row_max};
 use super::bf16_gemm;
 use super::gemm::{self, MatMut, MatRef, Threads, matmul, matmul_weight_blocks};
 use super::{
-    Activation, AttentionMask, AttentionShape, Backend, Conv1dShape, KvLayout, Values,
+    Activation, AttentionMask, AttentionShape, Backend, Bf16Panels, Conv1dShape, KvLayout, Values,
     check_attention, check_cached_attention, check_ids, check_row_range, check_scatter_rows,
     expect_len, pooled_rows, rows_of,
 };
@@ -42,8 +42,8 @@ pub struct CpuBackend {
     label: Arc<str>,
     /// KV caches are kept for, and attended with, AMX tiles (see [`amx`]).
     amx: bool,
-    /// Linears with bf16 weights round their input to bf16, for the AVX-512 BF16 kernels (see
-    /// [`bf16_gemm`]).
+    /// bf16 matrices are uploaded packed for the AVX-512 BF16 GEMM, and linears with them round
+    /// their input to bf16 (see [`bf16_gemm`]).
     bf16_inputs: bool,
 }
 
@@ -77,7 +77,8 @@ impl CpuBackend {
     /// This device with its bf16-weight linears computed in bf16 — the input rounded to bf16,
     /// products summed in f32, as the CUDA backend's and bf16 engines' — where the CPU has AVX-512
     /// BF16, which does twice the f32 kernels' products an instruction and needs no widening of
-    /// the weights. Elsewhere the input stays f32.
+    /// the weights. Matrices uploaded to it from then on are packed for that kernel
+    /// ([`Bf16Panels`], as many bytes). Elsewhere the input stays f32.
     pub fn with_bf16_inputs(mut self) -> Self {
         self.bf16_inputs = bf16_gemm::available();
         self
@@ -131,8 +132,14 @@ impl Backend for CpuBackend {
     }
 
     /// Kept as it is: the CPU computes with half-precision weights directly.
-    fn upload_weight(&self, weight: Values) -> Result<CpuBuffer> {
-        Ok(weight)
+    fn upload_weight(&self, weight: Values, shape: &[usize]) -> Result<CpuBuffer> {
+        Ok(match (weight, shape) {
+            // Packed once for the bf16 GEMM, which then reads each panel as one stream.
+            (Values::Bf16(w), &[rows, cols]) if self.bf16_inputs => {
+                Values::Bf16Panels(self.run(|| Bf16Panels::pack(&w, rows, cols)))
+            }
+            (weight, _) => weight,
+        })
     }
 
     fn download(&self, buffer: &CpuBuffer) -> Result<Vec<f32>> {
@@ -180,10 +187,14 @@ impl Backend for CpuBackend {
                     bias.is_some(),
                     Threads::Pool(threads),
                 ),
-                CpuBuffer::Bf16(weight) if self.bf16_inputs => {
-                    bf16_gemm::linear(&mut out, x, weight, dims);
+                CpuBuffer::Bf16Panels(weight) if weight.cols() == k && weight.rows() == n => {
+                    bf16_gemm::linear(&mut out, x, weight, m);
                     Ok(())
                 }
+                CpuBuffer::Bf16Panels(weight) => Err(Error::shape(
+                    "linear",
+                    format!("a {}x{} weight as {n}x{k}", weight.rows(), weight.cols()),
+                )),
                 CpuBuffer::Bf16(weight) => linear_half(&mut out, x, weight, dims, threads),
                 CpuBuffer::F16(weight) => linear_half(&mut out, x, weight, dims, threads),
             }
@@ -485,6 +496,13 @@ impl Backend for CpuBackend {
                 CpuBuffer::F32(t) => o.copy_from_slice(&t[row]),
                 CpuBuffer::Bf16(t) => t[row].convert_to_f32_slice(o),
                 CpuBuffer::F16(t) => t[row].convert_to_f32_slice(o),
+                CpuBuffer::Bf16Panels(t) if t.cols() == dim => t.row_to_f32(id as usize, o),
+                CpuBuffer::Bf16Panels(t) => {
+                    return Err(Error::shape(
+                        "gather_rows",
+                        format!("rows of {} from a {}x{} table", dim, t.rows(), t.cols()),
+                    ));
+                }
             }
         }
         Ok(out.into())

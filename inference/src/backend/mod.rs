@@ -21,15 +21,19 @@ mod cpu_features;
 pub mod cuda;
 mod gemm;
 
+pub use bf16_gemm::Bf16Panels;
+
 use crate::error::{Error, Result};
 
 /// Values in one of the precisions the backends hold: f32, or a checkpoint's bf16/f16 (a weight
-/// kept as stored). The CPU backend's buffers are these.
+/// kept as stored). The CPU backend's buffers are these, and, for a CPU device computing bf16
+/// linears in bf16, its matrices packed for that ([`Bf16Panels`]).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Values {
     F32(Vec<f32>),
     Bf16(Vec<half::bf16>),
     F16(Vec<half::f16>),
+    Bf16Panels(Bf16Panels),
 }
 
 impl From<Vec<f32>> for Values {
@@ -44,6 +48,7 @@ impl Values {
             Self::F32(v) => v.len(),
             Self::Bf16(v) => v.len(),
             Self::F16(v) => v.len(),
+            Self::Bf16Panels(w) => w.len(),
         }
     }
 
@@ -57,6 +62,7 @@ impl Values {
             Self::F32(v) => 4 * v.len(),
             Self::Bf16(v) => 2 * v.len(),
             Self::F16(v) => 2 * v.len(),
+            Self::Bf16Panels(w) => w.bytes(),
         }
     }
 
@@ -66,6 +72,8 @@ impl Values {
             Self::F32(v) => Self::F32(v.get(range)?.to_vec()),
             Self::Bf16(v) => Self::Bf16(v.get(range)?.to_vec()),
             Self::F16(v) => Self::F16(v.get(range)?.to_vec()),
+            // Packed once on a device; a matrix is split before it is uploaded.
+            Self::Bf16Panels(_) => return None,
         })
     }
 
@@ -84,6 +92,7 @@ impl Values {
             Self::F32(v) => v.clone(),
             Self::Bf16(v) => v.to_f32_vec(),
             Self::F16(v) => v.to_f32_vec(),
+            Self::Bf16Panels(w) => w.to_f32(),
         }
     }
 }
@@ -243,10 +252,10 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn upload_owned(&self, host: Vec<f32>) -> Result<Self::Buffer> {
         self.upload(&host)
     }
-    /// A linear layer's weight or an embedding table, kept in its checkpoint's precision where the
-    /// backend computes with it (as `linear`'s weight and `gather_rows`' table; accumulation stays
-    /// f32). The default widens it to f32.
-    fn upload_weight(&self, weight: Values) -> Result<Self::Buffer> {
+    /// A linear layer's weight or an embedding table (`shape`: `[rows, cols]` for a matrix), kept
+    /// in its checkpoint's precision where the backend computes with it (as `linear`'s weight and
+    /// `gather_rows`' table; accumulation stays f32). The default widens it to f32.
+    fn upload_weight(&self, weight: Values, _shape: &[usize]) -> Result<Self::Buffer> {
         self.upload_owned(weight.into_f32())
     }
     fn download(&self, buffer: &Self::Buffer) -> Result<Vec<f32>>;

@@ -226,7 +226,7 @@ impl<D: Device> Backend for CudaBackend<D> {
 
     /// bf16 weights stay bf16 (their linears run as bf16 GEMMs with f32 accumulation); f16
     /// weights are widened to f32 (no f16 GEMM path yet: they take f32's memory).
-    fn upload_weight(&self, weight: Values) -> Result<Self::Buffer> {
+    fn upload_weight(&self, weight: Values, _shape: &[usize]) -> Result<Self::Buffer> {
         match weight {
             Values::Bf16(bits) => Ok(CudaBuffer {
                 mem: self.device.upload(bytemuck::cast_slice(
