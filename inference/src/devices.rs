@@ -76,9 +76,7 @@ impl OpenDevice {
             }
         })
     }
-}
 
-impl OpenDevice {
     /// This device, when `on` and a CPU one, with its bf16-weight linears as bf16 GEMMs where
     /// the CPU has AVX-512 BF16 ([`CpuBackend::with_bf16_inputs`]); a GPU's are bf16 GEMMs
     /// already.

@@ -131,10 +131,10 @@ impl Backend for CpuBackend {
         Ok(CpuBuffer::F32(host))
     }
 
-    /// Kept as it is: the CPU computes with half-precision weights directly.
+    /// Kept as it is (the CPU computes with half-precision weights directly), except a bf16
+    /// matrix on a device computing in bf16: packed once for its kernel.
     fn upload_weight(&self, weight: Values, shape: &[usize]) -> Result<CpuBuffer> {
         Ok(match (weight, shape) {
-            // Packed once for the bf16 GEMM, which then reads each panel as one stream.
             (Values::Bf16(w), &[rows, cols]) if self.bf16_inputs => {
                 Values::Bf16Panels(self.run(|| Bf16Panels::pack(&w, rows, cols)))
             }
