@@ -212,9 +212,9 @@ pub struct ModelConfig {
     pub llm_threads: Option<usize>,
     /// The LLM's device: `"cpu"` (default) or `"cuda:N"`.
     pub llm_device: Option<DeviceName>,
-    /// With a bf16 checkpoint on CPU devices that have AVX-512 BF16: its linears round their input
-    /// to bf16, as the CUDA backend and bf16 engines do, for kernels about twice as fast; off (the
-    /// default), activations stay f32 throughout.
+    /// With a bf16 checkpoint on CPU devices that have AVX-512 BF16: its linears and attention
+    /// round their inputs to bf16, as the CUDA backend's linears and bf16 engines do, for kernels
+    /// about twice as fast; off (the default), activations stay f32 throughout.
     #[serde(default)]
     pub cpu_bf16_inputs: bool,
     /// Dedicated encoder devices, each a thread pool of its own (default: one, half the cores; the

@@ -77,9 +77,9 @@ impl OpenDevice {
         })
     }
 
-    /// This device, when `on` and a CPU one, with its bf16-weight linears as bf16 GEMMs where
-    /// the CPU has AVX-512 BF16 ([`CpuBackend::with_bf16_inputs`]); a GPU's are bf16 GEMMs
-    /// already.
+    /// This device, when `on` and a CPU one, with its bf16-weight linears as bf16 GEMMs and its
+    /// attention in bf16 where the CPU has AVX-512 BF16 ([`CpuBackend::with_bf16_inputs`]); a
+    /// GPU's linears are bf16 GEMMs already.
     pub fn with_bf16_inputs(self, on: bool) -> Self {
         match self {
             Self::Cpu(cpu) if on => Self::Cpu(cpu.with_bf16_inputs()),

@@ -22,7 +22,7 @@ pub struct Devices {
     pub llm: DevicePlacement,
     /// One entry per encoder device.
     pub encoders: Vec<DevicePlacement>,
-    /// CPU devices run bf16-weight linears as bf16 GEMMs where they can
+    /// CPU devices run bf16-weight linears as bf16 GEMMs, and attention in bf16, where they can
     /// ([`OpenDevice::with_bf16_inputs`]).
     pub cpu_bf16_inputs: bool,
 }

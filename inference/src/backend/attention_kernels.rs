@@ -63,6 +63,48 @@ pub fn add_weighted_values(
     })
 }
 
+/// The two products of one block of keys in a task's attention (see `cpu::attend`): the task's
+/// query rows by the block's keys, and the block's softmax weights by its values.
+pub trait BlockProducts {
+    /// Fills `scores` (`nq × nb`, row-major) with the queries by the block's keys (`keys_t`:
+    /// the keys transposed, from the block's first).
+    fn scores(&mut self, keys_t: Strided<'_>, nb: usize, scores: &mut [f32]);
+
+    /// Adds `weights · values` to `out` (`nq × hd`): `weights` is `nq × nb`, `values` the
+    /// block's `nb` rows of `hd`.
+    fn add_weighted_values(
+        &mut self,
+        weights: &[f32],
+        values: Strided<'_>,
+        nb: usize,
+        out: &mut [f32],
+    );
+}
+
+/// The products in f32, by [`scores`] and [`add_weighted_values`]: every CPU's.
+pub struct F32Products<'a> {
+    /// `nq` rows of `hd`.
+    pub queries: Strided<'a>,
+    pub nq: usize,
+    pub hd: usize,
+}
+
+impl BlockProducts for F32Products<'_> {
+    fn scores(&mut self, keys_t: Strided<'_>, nb: usize, out: &mut [f32]) {
+        scores(self.queries, self.nq, keys_t, nb, self.hd, out)
+    }
+
+    fn add_weighted_values(
+        &mut self,
+        weights: &[f32],
+        values: Strided<'_>,
+        nb: usize,
+        out: &mut [f32],
+    ) {
+        add_weighted_values(weights, self.nq, values, nb, self.hd, out)
+    }
+}
+
 /// Computes `product` with the widest tiles the CPU has registers for.
 fn compute(product: &mut impl Tiles) {
     #[cfg(target_arch = "x86_64")]

@@ -159,15 +159,106 @@ pub fn linear(out: &mut [f32], x: &[f32], w: &Bf16Panels, m: usize) {
                         inputs: &inputs[r0 * pairs..(r0 + rows) * pairs],
                         pairs,
                         panel,
+                        panel_stride: NR,
                         cols,
                     };
                     // SAFETY: the CPU has AVX-512 BF16 (`available`); the tile's rows `r0..r0 +
                     // rows` and columns `j0..j0 + cols` lie in `out` ([m, n], asserted above), and
                     // no other task writes these columns (one task a panel).
-                    unsafe { tile.add_into(dst, r0 * n + j0, n, rows) };
+                    unsafe { tile.add_into(dst, r0 * n + j0, n, rows, true) };
                     r0 += rows;
                 }
             });
+    }
+}
+
+/// `out[r·out_stride + c] = Σ_q inputs[r·pairs + q] · b[q·b_stride + c]` for rows `r < rows` and
+/// columns `c < cols` (added to what `out` holds when `accumulate`), on the calling thread: the
+/// products of CPU attention's blocks in bf16 (queries by keys, softmax weights by values), as
+/// pairs of bf16 (two inputs' values, the first in the low half) summed in f32 as [`linear`]
+/// sums them. `b` must hold `cols` rounded up to [`NR`] columns a row (what a row holds past
+/// `cols` is read, and only changes outputs that are not written). The CPU must have what
+/// [`available`] checks.
+#[allow(clippy::too_many_arguments)]
+pub fn pair_product(
+    (inputs, rows, pairs): (&[u32], usize, usize),
+    (b, b_stride): (&[u32], usize),
+    cols: usize,
+    (out, out_stride): (&mut [f32], usize),
+    accumulate: bool,
+) {
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    let padded = cols.div_ceil(NR) * NR;
+    assert!(
+        available()
+            && inputs.len() >= rows * pairs
+            && b_stride >= padded
+            && (pairs == 0 || b.len() >= (pairs - 1) * b_stride + padded)
+            && out.len() >= (rows - 1) * out_stride + cols
+            && out_stride >= cols,
+        "bf16_gemm::pair_product: {rows}x{pairs} pairs by {cols} columns {b_stride} apart"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        let dst = SharedDestination::new(out);
+        for c0 in (0..cols).step_by(NR) {
+            let mut r0 = 0;
+            while r0 < rows {
+                let tile_rows = MR.min(rows - r0);
+                let tile = x86::Tile {
+                    inputs: &inputs[r0 * pairs..(r0 + tile_rows) * pairs],
+                    pairs,
+                    panel: &b[c0..],
+                    panel_stride: b_stride,
+                    cols: NR.min(cols - c0),
+                };
+                // SAFETY: the CPU has AVX-512 BF16 (`available`); the tile reads `NR` columns of
+                // `pairs` rows of `b` from `c0` (in `b`, asserted above) and writes rows `r0..r0
+                // + tile_rows`, columns `c0..c0 + NR.min(cols - c0)` of `out` (asserted above),
+                // which only this thread holds.
+                unsafe {
+                    tile.add_into(dst, r0 * out_stride + c0, out_stride, tile_rows, accumulate)
+                };
+                r0 += tile_rows;
+            }
+        }
+    }
+}
+
+/// `row` rounded to bf16 (to nearest even) as pairs (see [`pair_product`]), a zero after an odd
+/// row's last value. The CPU must have what [`available`] checks.
+pub fn round_to_pairs(row: &[f32], pairs: &mut [u32]) {
+    assert!(
+        available() && pairs.len() == row.len().div_ceil(2),
+        "bf16_gemm::round_to_pairs: {} values into {} pairs",
+        row.len(),
+        pairs.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `available` said the CPU has AVX-512 BF16; the lengths are checked above.
+    unsafe {
+        x86::round_row(row, pairs)
+    }
+}
+
+/// `out[i]` = the pair of `first[i]` and `second[i]` rounded to bf16 (to nearest even; `first` in
+/// the low half): two rows of an operand whose pairs run down its columns (an attention block's
+/// transposed keys, two head dimensions; its values, two keys). The CPU must have what
+/// [`available`] checks.
+pub fn interleave_to_pairs(first: &[f32], second: &[f32], out: &mut [u32]) {
+    assert!(
+        available() && first.len() == out.len() && second.len() == out.len(),
+        "bf16_gemm::interleave_to_pairs: {} and {} values into {} pairs",
+        first.len(),
+        second.len(),
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `available` said the CPU has AVX-512 BF16; the lengths are checked above.
+    unsafe {
+        x86::interleave(first, second, out)
     }
 }
 
@@ -220,19 +311,51 @@ mod x86 {
         }
     }
 
-    /// Up to [`MR`] input rows, as bf16 pairs, against one packed panel.
+    /// See [`super::interleave_to_pairs`].
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 BF16; the three slices are as long.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub unsafe fn interleave(first: &[f32], second: &[f32], out: &mut [u32]) {
+        debug_assert!(first.len() == out.len() && second.len() == out.len());
+        let whole = out.len() / 16 * 16;
+        for i in (0..whole).step_by(16) {
+            // SAFETY: `i + 16 <= whole`, within all three slices.
+            unsafe {
+                let low: __m256i =
+                    std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(first.as_ptr().add(i))));
+                let high: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(
+                    second.as_ptr().add(i),
+                )));
+                let pairs = _mm512_or_si512(
+                    _mm512_cvtepu16_epi32(low),
+                    _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(high)),
+                );
+                _mm512_storeu_si512(out.as_mut_ptr().add(i).cast(), pairs);
+            }
+        }
+        for i in whole..out.len() {
+            let bits = |v: f32| u32::from(half::bf16::from_f32(v).to_bits());
+            out[i] = bits(first[i]) | bits(second[i]) << 16;
+        }
+    }
+
+    /// Up to [`MR`] input rows, as bf16 pairs, against [`NR`] columns of pairs.
     pub struct Tile<'a> {
         /// `rows · pairs` input pairs.
         pub inputs: &'a [u32],
         pub pairs: usize,
-        /// `pairs · NR` weight pairs (see `pack_panel`).
+        /// `pairs` rows of at least `NR` pairs, `panel_stride` apart (a packed weight's panel,
+        /// see `pack_panel`, or a block of an attention's keys or values).
         pub panel: &'a [u32],
-        /// The panel's real columns (the rest are zero).
+        pub panel_stride: usize,
+        /// The columns written (the rest are read and dropped).
         pub cols: usize,
     }
 
     impl Tile<'_> {
-        /// Adds the tile's `rows × cols` products into the destination at `at + r·stride + c`.
+        /// Adds the tile's `rows × cols` products into the destination at `at + r·stride + c`
+        /// (or stores them there, unless `accumulate`).
         ///
         /// # Safety
         /// The CPU must have AVX-512 BF16; every such position lies in the destination, and no
@@ -244,22 +367,24 @@ mod x86 {
             at: usize,
             stride: usize,
             rows: usize,
+            accumulate: bool,
         ) {
+            let to = (dst, at, stride, accumulate);
             // SAFETY: the caller's promises.
             unsafe {
                 match rows {
-                    1 => self.rows::<1>(dst, at, stride),
-                    2 => self.rows::<2>(dst, at, stride),
-                    3 => self.rows::<3>(dst, at, stride),
-                    4 => self.rows::<4>(dst, at, stride),
-                    5 => self.rows::<5>(dst, at, stride),
-                    6 => self.rows::<6>(dst, at, stride),
-                    7 => self.rows::<7>(dst, at, stride),
-                    8 => self.rows::<8>(dst, at, stride),
-                    9 => self.rows::<9>(dst, at, stride),
-                    10 => self.rows::<10>(dst, at, stride),
-                    11 => self.rows::<11>(dst, at, stride),
-                    _ => self.rows::<MR>(dst, at, stride),
+                    1 => self.rows::<1>(to),
+                    2 => self.rows::<2>(to),
+                    3 => self.rows::<3>(to),
+                    4 => self.rows::<4>(to),
+                    5 => self.rows::<5>(to),
+                    6 => self.rows::<6>(to),
+                    7 => self.rows::<7>(to),
+                    8 => self.rows::<8>(to),
+                    9 => self.rows::<9>(to),
+                    10 => self.rows::<10>(to),
+                    11 => self.rows::<11>(to),
+                    _ => self.rows::<MR>(to),
                 }
             }
         }
@@ -268,19 +393,23 @@ mod x86 {
         /// As [`Tile::add_into`], with `R` rows in `inputs`.
         #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
         #[inline]
-        unsafe fn rows<const R: usize>(&self, dst: SharedDestination, at: usize, stride: usize) {
+        unsafe fn rows<const R: usize>(
+            &self,
+            (dst, at, stride, accumulate): (SharedDestination, usize, usize, bool),
+        ) {
             debug_assert!(
-                self.inputs.len() == R * self.pairs && self.panel.len() == self.pairs * NR
+                self.inputs.len() == R * self.pairs
+                    && (self.pairs == 0
+                        || self.panel.len() >= (self.pairs - 1) * self.panel_stride + NR)
             );
             let (inputs, panel) = (self.inputs.as_ptr(), self.panel.as_ptr());
             let mut acc = [[_mm512_setzero_ps(); 2]; R];
             for p in 0..self.pairs {
                 // SAFETY: pair `p` of every row and the panel's row `p` lie in their slices.
                 unsafe {
-                    let w0: __m512bh =
-                        std::mem::transmute(_mm512_loadu_si512(panel.add(p * NR).cast()));
-                    let w1: __m512bh =
-                        std::mem::transmute(_mm512_loadu_si512(panel.add(p * NR + 16).cast()));
+                    let row = panel.add(p * self.panel_stride);
+                    let w0: __m512bh = std::mem::transmute(_mm512_loadu_si512(row.cast()));
+                    let w1: __m512bh = std::mem::transmute(_mm512_loadu_si512(row.add(16).cast()));
                     for (r, acc) in acc.iter_mut().enumerate() {
                         let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(
                             *inputs.add(r * self.pairs + p) as i32,
@@ -302,8 +431,12 @@ mod x86 {
                     // masked lanes are neither read nor written.
                     unsafe {
                         let out = dst.at(at + r * stride + first);
-                        let old = _mm512_maskz_loadu_ps(mask, out);
-                        _mm512_mask_storeu_ps(out, mask, _mm512_add_ps(old, sum));
+                        let value = if accumulate {
+                            _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), sum)
+                        } else {
+                            sum
+                        };
+                        _mm512_mask_storeu_ps(out, mask, value);
                     }
                 }
             }

@@ -12,7 +12,8 @@ use rayon::prelude::*;
 
 use super::activation_kernels;
 use super::amx;
-use super::attention_kernels::{self, exp2_and_sum, row_max};
+use super::attention_bf16::{self, Bf16Products};
+use super::attention_kernels::{self, BlockProducts, F32Products, exp2_and_sum, row_max};
 use super::bf16_gemm;
 use super::gemm::{self, MatMut, MatRef, Threads, matmul, matmul_weight_blocks};
 use super::{
@@ -78,7 +79,9 @@ impl CpuBackend {
     /// products summed in f32, as the CUDA backend's and bf16 engines' — where the CPU has AVX-512
     /// BF16, which does twice the f32 kernels' products an instruction and needs no widening of
     /// the weights. Matrices uploaded to it from then on are packed for that kernel
-    /// ([`Bf16Panels`], as many bytes). Elsewhere the input stays f32.
+    /// ([`Bf16Panels`], as many bytes). Its attention rounds queries, keys, values and softmax
+    /// weights to bf16 too ([`attention_bf16`]), unless it attends on AMX tiles. Elsewhere the
+    /// input stays f32.
     pub fn with_bf16_inputs(mut self) -> Self {
         self.bf16_inputs = bf16_gemm::available();
         self
@@ -115,7 +118,11 @@ impl Backend for CpuBackend {
 
     fn name(&self) -> String {
         let amx = if self.amx { ", AMX attention" } else { "" };
-        let bf16 = if self.bf16_inputs { ", bf16 GEMMs" } else { "" };
+        let bf16 = if self.bf16_inputs {
+            ", bf16 GEMMs and attention"
+        } else {
+            ""
+        };
         format!("cpu:{} ({} threads{amx}{bf16})", self.label, self.threads())
     }
 
@@ -437,7 +444,7 @@ impl Backend for CpuBackend {
         expect_len("attention_cached", "keys cache", keys.len(), keys_len)?;
         expect_len("attention_cached", "values cache", values.len(), values_len)?;
         let heads = cached_heads(keys, values, layout);
-        Ok(CpuBuffer::F32(attend_heads_f32(self, q, &heads, shape)))
+        Ok(CpuBuffer::F32(attend_heads_vectors(self, q, &heads, shape)))
     }
 
     fn im2col_1d(&self, x: &CpuBuffer, c: &Conv1dShape) -> Result<CpuBuffer> {
@@ -762,7 +769,7 @@ fn attention(
             },
         })
         .collect();
-    Ok(attend_heads_f32(dev, q, &heads, s))
+    Ok(attend_heads_vectors(dev, q, &heads, s))
 }
 
 /// [`attention`] on AMX tiles: each segment's visible keys and values (under a causal mask, all
@@ -818,20 +825,28 @@ fn attention_amx(
     })
 }
 
-/// [`attend_heads`] with the f32 kernels, over each KV head's keys and values in `heads`.
-fn attend_heads_f32(
+/// [`attend_heads`] with the vector kernels, over each KV head's keys and values in `heads`: in
+/// bf16 on a device whose linears round their inputs to bf16 (see [`attention_bf16`]), in f32
+/// elsewhere.
+fn attend_heads_vectors(
     dev: &CpuBackend,
     q: &[f32],
     heads: &[HeadKv<'_>],
     s: &AttentionShape,
 ) -> Vec<f32> {
     let (group, hd) = (s.heads / s.kv_heads, s.head_dim);
+    let bf16 = dev.bf16_inputs && attention_bf16::supports(hd);
     attend_heads(dev, q, s, QUERY_BLOCK, |t, queries| {
         let queries = attention_kernels::Strided {
             data: queries,
             stride: hd,
         };
-        attend(t, group, hd, queries, heads[t.kv_head])
+        let nq = (t.q1 - t.q0) * group;
+        let kv = heads[t.kv_head];
+        match bf16 {
+            true => attend(t, group, hd, &mut Bf16Products::new(queries, nq, hd), kv),
+            false => attend(t, group, hd, &mut F32Products { queries, nq, hd }, kv),
+        }
     })
 }
 
@@ -1029,12 +1044,12 @@ fn transposed_stride(rows: usize) -> usize {
 /// the output rescaled when the maximum grows), so the scores scratch stays `QUERY_BLOCK ×
 /// KEY_BLOCK` floats in cache however long the context. Blocks start at multiples of `KEY_BLOCK`
 /// from the task's first key, so a row's blocks are the same whichever rows it is computed with.
-/// `queries` come scaled to powers of two (see [`attend_heads`]).
+/// `products`' queries come scaled to powers of two (see [`attend_heads`]).
 fn attend(
     t: &Task,
     group: usize,
     hd: usize,
-    queries: attention_kernels::Strided<'_>,
+    products: &mut impl BlockProducts,
     kv: HeadKv<'_>,
 ) -> Vec<f32> {
     let nq = (t.q1 - t.q0) * group;
@@ -1051,7 +1066,7 @@ fn attend(
             data: &kv.keys_t.data[b0..],
             stride: kv.keys_t.stride,
         };
-        attention_kernels::scores(queries, nq, block_keys_t, nb, hd, scores);
+        products.scores(block_keys_t, nb, scores);
         for (i, row) in scores.chunks_mut(nb).enumerate() {
             // Keys of this block the row may see: all of them, or up to its own position.
             let visible = match t.causal_first {
@@ -1080,7 +1095,7 @@ fn attend(
             data: &kv.values.data[b0 * kv.values.stride..],
             stride: kv.values.stride,
         };
-        attention_kernels::add_weighted_values(scores, nq, values, nb, hd, &mut out);
+        products.add_weighted_values(scores, values, nb, &mut out);
     }
     for (row, &total) in out.chunks_mut(hd).zip(&sum) {
         // A row always sees at least its own key, so its sum is at least 1.
@@ -1237,6 +1252,84 @@ mod tests {
     fn attention_over_a_cache_filled_chunk_by_chunk_is_the_whole_prompts_bit_for_bit() {
         let dev = CpuBackend::new("test", 2).unwrap().without_amx();
         // The f32 cache: the same bits as attention over the whole prompt's keys and values.
+        chunk_by_chunk(&dev, |q, k, v, shape| {
+            attention(&dev, q, k, v, shape).unwrap()
+        });
+    }
+
+    /// A device whose linears and attention round their inputs to bf16 (AVX-512 BF16), without
+    /// AMX tiles, or `None` (said on stderr) where the CPU has no AVX-512 BF16.
+    fn bf16_inputs_device() -> Option<CpuBackend> {
+        let dev = CpuBackend::new("test", 2)
+            .unwrap()
+            .without_amx()
+            .with_bf16_inputs();
+        if !dev.uses_bf16_inputs() {
+            eprintln!("this CPU has no AVX-512 BF16: nothing to test");
+            return None;
+        }
+        Some(dev)
+    }
+
+    #[test]
+    fn bf16_input_attention_is_within_bf16_rounding_of_the_softmax() {
+        let Some(dev) = bf16_inputs_device() else {
+            return;
+        };
+        let segments = vec![
+            Segment {
+                rows: 0..KEY_BLOCK + 11,
+                visible_keys: KEY_BLOCK + 5,
+            },
+            Segment {
+                rows: KEY_BLOCK + 11..KEY_BLOCK + 100,
+                visible_keys: 89,
+            },
+        ];
+        // Head dimensions narrower than, between and past the kernels' 32-column tiles; blocks
+        // of keys of odd lengths; grouped-query heads.
+        for (heads, kv_heads, hd, mask) in [
+            (4, 2, 8, AttentionMask::Causal { first_query: 0 }),
+            (6, 1, 40, AttentionMask::Causal { first_query: 301 }),
+            (2, 2, 80, AttentionMask::Segments(segments.clone())),
+            (2, 1, 128, AttentionMask::Causal { first_query: 7 }),
+        ] {
+            let q_rows = KEY_BLOCK + 100;
+            let kv_rows = match mask {
+                AttentionMask::Causal { first_query } => first_query + q_rows,
+                AttentionMask::Segments(_) => q_rows,
+            };
+            let s = AttentionShape {
+                q_rows,
+                kv_rows,
+                heads,
+                kv_heads,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+                mask,
+            };
+            let q = values(s.q_rows * heads * hd, 1);
+            let k = values(kv_rows * kv_heads * hd, 2);
+            let v = values(kv_rows * kv_heads * hd, 3);
+            let want = reference(&q, &k, &v, &s);
+            let error = worst_error(&attention(&dev, &q, &k, &v, &s).unwrap(), &want);
+            let f32_dev = CpuBackend::new("test", 2).unwrap().without_amx();
+            let f32_error = worst_error(&attention(&f32_dev, &q, &k, &v, &s).unwrap(), &want);
+            // bf16 operands (8 bits of mantissa) put an output within about 2^-8 of the softmax,
+            // where the f32 kernels are within rounding of f32 — so these were rounded.
+            assert!(
+                error <= 1.5e-2 && error > 10.0 * f32_error,
+                "heads of {hd}, {:?}: bf16 {error}, f32 {f32_error}",
+                s.mask
+            );
+        }
+    }
+
+    #[test]
+    fn bf16_input_attention_over_a_cache_filled_chunk_by_chunk_is_the_whole_prompts_bit_for_bit() {
+        let Some(dev) = bf16_inputs_device() else {
+            return;
+        };
         chunk_by_chunk(&dev, |q, k, v, shape| {
             attention(&dev, q, k, v, shape).unwrap()
         });

@@ -1,10 +1,10 @@
 //! Which vector instructions the CPU kernels may use, decided at run time: the attention kernels
 //! come compiled for AVX-512, AVX2 (with FMA) and plain SSE2, the half-precision rows and the
 //! activations for AVX2 and SSE2, and each takes the widest this CPU runs; the bf16 GEMMs
-//! (`bf16_gemm`) need AVX-512 BF16.
+//! (`bf16_gemm`) and bf16 attention (`attention_bf16`) need AVX-512 BF16.
 //!
 //! Set [`NO_AVX512_VAR`] to `0` to run as a CPU without AVX-512 would, on the same machine: the
-//! attention on its AVX2 kernels (the same bits, only the time moves) and no bf16 GEMMs.
+//! attention on its AVX2 kernels (the same bits, only the time moves) and nothing in bf16.
 
 use std::sync::OnceLock;
 

@@ -14,6 +14,7 @@
 
 mod activation_kernels;
 mod amx;
+mod attention_bf16;
 mod attention_kernels;
 mod bf16_gemm;
 pub mod cpu;
