@@ -122,19 +122,24 @@ impl Bf16Panels {
     }
 }
 
-/// `out[m, n] += bf16(x[m, k]) · w[n, k]ᵀ` on the current rayon pool, `x` rounded to bf16 (to
-/// nearest even) and the products summed in f32. The CPU must have what [`available`] checks.
-pub fn linear(out: &mut [f32], x: &[f32], w: &Bf16Panels, m: usize) {
+/// `bf16(x[m, k]) · w[n, k]ᵀ (+ bias[n])` on the current rayon pool, `x` rounded to bf16 (to
+/// nearest even) and the products summed in f32: a new `[m, n]` output, each value written once
+/// (no pass zeroing it first, none reading it back). The CPU must have what [`available`] checks.
+pub fn linear(x: &[f32], w: &Bf16Panels, m: usize, bias: Option<&[f32]>) -> Vec<f32> {
     let (n, k) = (w.rows, w.cols);
     assert!(
-        available() && x.len() == m * k && out.len() == m * n,
-        "bf16_gemm::linear: x {} for {m}x{k}, w {n}x{k}, out {}",
+        available() && x.len() == m * k && bias.is_none_or(|b| b.len() == n),
+        "bf16_gemm::linear: x {} for {m}x{k}, w {n}x{k}, bias {:?}",
         x.len(),
-        out.len()
+        bias.map(<[f32]>::len)
     );
     if m == 0 || n == 0 || k == 0 {
-        return;
+        return match bias {
+            Some(b) if k == 0 => b.repeat(m),
+            _ => vec![0.0; m * n],
+        };
     }
+    let mut out = Vec::with_capacity(m * n);
     #[cfg(target_arch = "x86_64")]
     {
         // Pairs of input positions a row: an odd `k` gets a zero beside its last value.
@@ -145,13 +150,14 @@ pub fn linear(out: &mut [f32], x: &[f32], w: &Bf16Panels, m: usize) {
             .zip(x.par_chunks(k))
             // SAFETY: `available` said the CPU has AVX-512 BF16.
             .for_each(|(pairs, row)| unsafe { x86::round_row(row, pairs) });
-        let dst = SharedDestination::new(out);
+        let dst = SharedDestination::new_uninit(&mut out.spare_capacity_mut()[..m * n]);
         w.data
             .par_chunks(pairs * NR)
             .enumerate()
             .for_each(|(p, panel)| {
                 let j0 = p * NR;
                 let cols = NR.min(n - j0);
+                let write = x86::Write::Set(bias.map(|b| &b[j0..j0 + cols]));
                 let mut r0 = 0;
                 while r0 < m {
                     let rows = MR.min(m - r0);
@@ -163,13 +169,17 @@ pub fn linear(out: &mut [f32], x: &[f32], w: &Bf16Panels, m: usize) {
                         cols,
                     };
                     // SAFETY: the CPU has AVX-512 BF16 (`available`); the tile's rows `r0..r0 +
-                    // rows` and columns `j0..j0 + cols` lie in `out` ([m, n], asserted above), and
-                    // no other task writes these columns (one task a panel).
-                    unsafe { tile.add_into(dst, r0 * n + j0, n, rows, true) };
+                    // rows` and columns `j0..j0 + cols` lie in `out`'s `m · n` values, and no
+                    // other task writes these columns (one task a panel); `Set` writes without
+                    // reading.
+                    unsafe { tile.write_into(dst, r0 * n + j0, n, rows, write) };
                     r0 += rows;
                 }
             });
+        // SAFETY: the panels' tiles wrote every row's every column: all `m · n` values.
+        unsafe { out.set_len(m * n) };
     }
+    out
 }
 
 /// `out[r·out_stride + c] = Σ_q inputs[r·pairs + q] · b[q·b_stride + c]` for rows `r < rows` and
@@ -214,13 +224,15 @@ pub fn pair_product(
                     panel_stride: b_stride,
                     cols: NR.min(cols - c0),
                 };
+                let write = match accumulate {
+                    true => x86::Write::Add,
+                    false => x86::Write::Set(None),
+                };
                 // SAFETY: the CPU has AVX-512 BF16 (`available`); the tile reads `NR` columns of
                 // `pairs` rows of `b` from `c0` (in `b`, asserted above) and writes rows `r0..r0
                 // + tile_rows`, columns `c0..c0 + NR.min(cols - c0)` of `out` (asserted above),
                 // which only this thread holds.
-                unsafe {
-                    tile.add_into(dst, r0 * out_stride + c0, out_stride, tile_rows, accumulate)
-                };
+                unsafe { tile.write_into(dst, r0 * out_stride + c0, out_stride, tile_rows, write) };
                 r0 += tile_rows;
             }
         }
@@ -340,6 +352,16 @@ mod x86 {
         }
     }
 
+    /// What a tile does with its sums.
+    #[derive(Clone, Copy)]
+    pub enum Write<'a> {
+        /// Adds them to the values there.
+        Add,
+        /// Stores them (plus, in each row, these values: a bias from the tile's first column),
+        /// reading nothing there.
+        Set(Option<&'a [f32]>),
+    }
+
     /// Up to [`MR`] input rows, as bf16 pairs, against [`NR`] columns of pairs.
     pub struct Tile<'a> {
         /// `rows · pairs` input pairs.
@@ -354,22 +376,22 @@ mod x86 {
     }
 
     impl Tile<'_> {
-        /// Adds the tile's `rows × cols` products into the destination at `at + r·stride + c`
-        /// (or stores them there, unless `accumulate`).
+        /// Writes the tile's `rows × cols` products into the destination at `at + r·stride + c`
+        /// as `write` says.
         ///
         /// # Safety
-        /// The CPU must have AVX-512 BF16; every such position lies in the destination, and no
-        /// other thread touches them meanwhile.
+        /// The CPU must have AVX-512 BF16; every such position lies in the destination (and
+        /// holds a value, to [`Write::Add`] to), and no other thread touches them meanwhile.
         #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-        pub unsafe fn add_into(
+        pub unsafe fn write_into(
             &self,
             dst: SharedDestination,
             at: usize,
             stride: usize,
             rows: usize,
-            accumulate: bool,
+            write: Write<'_>,
         ) {
-            let to = (dst, at, stride, accumulate);
+            let to = (dst, at, stride, write);
             // SAFETY: the caller's promises.
             unsafe {
                 match rows {
@@ -390,12 +412,12 @@ mod x86 {
         }
 
         /// # Safety
-        /// As [`Tile::add_into`], with `R` rows in `inputs`.
+        /// As [`Tile::write_into`], with `R` rows in `inputs`.
         #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
         #[inline]
         unsafe fn rows<const R: usize>(
             &self,
-            (dst, at, stride, accumulate): (SharedDestination, usize, usize, bool),
+            (dst, at, stride, write): (SharedDestination, usize, usize, Write<'_>),
         ) {
             debug_assert!(
                 self.inputs.len() == R * self.pairs
@@ -431,10 +453,13 @@ mod x86 {
                     // masked lanes are neither read nor written.
                     unsafe {
                         let out = dst.at(at + r * stride + first);
-                        let value = if accumulate {
-                            _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), sum)
-                        } else {
-                            sum
+                        let value = match write {
+                            Write::Add => _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out), sum),
+                            Write::Set(None) => sum,
+                            Write::Set(Some(bias)) => _mm512_add_ps(
+                                sum,
+                                _mm512_maskz_loadu_ps(mask, bias.as_ptr().add(first)),
+                            ),
                         };
                         _mm512_mask_storeu_ps(out, mask, value);
                     }
@@ -465,12 +490,14 @@ mod tests {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 17 % 43) as f32 - 21.0) * 0.0517)
                     .collect();
-                let bias: Vec<f32> = (0..m * n).map(|i| (i % 7) as f32 * 0.25).collect();
-                let mut out = bias.clone();
-                linear(&mut out, &x, &panels, m);
+                // With a bias and without (every value written once, nothing read).
+                let bias: Vec<f32> = (0..n).map(|j| (j % 7) as f32 * 0.25).collect();
+                let bias = (m % 2 == 1).then_some(&bias[..]);
+                let out = linear(&x, &panels, m, bias);
+                assert_eq!(out.len(), m * n);
                 for (i, &got) in out.iter().enumerate() {
                     let (r, j) = (i / n, i % n);
-                    let want: f64 = f64::from(bias[i])
+                    let want: f64 = f64::from(bias.map_or(0.0, |b| b[j]))
                         + (0..k)
                             .map(|p| {
                                 f64::from(bf16::from_f32(x[r * k + p]).to_f32())
@@ -483,8 +510,7 @@ mod tests {
                     );
                 }
                 for r in 0..m {
-                    let mut alone = bias[r * n..(r + 1) * n].to_vec();
-                    linear(&mut alone, &x[r * k..(r + 1) * k], &panels, 1);
+                    let alone = linear(&x[r * k..(r + 1) * k], &panels, 1, bias);
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(
                         bits(&alone),

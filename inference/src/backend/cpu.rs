@@ -180,6 +180,15 @@ impl Backend for CpuBackend {
         if let Some(b) = bias {
             expect_len("linear", "bias", b.len(), n)?;
         }
+        if let CpuBuffer::Bf16Panels(weight) = weight {
+            if weight.cols() != k || weight.rows() != n {
+                return Err(Error::shape(
+                    "linear",
+                    format!("a {}x{} weight as {n}x{k}", weight.rows(), weight.cols()),
+                ));
+            }
+            return Ok(self.run(|| bf16_gemm::linear(x, weight, m, bias)).into());
+        }
         let mut out = vec![0.0; m * n];
         let threads = self.threads();
         self.run(|| {
@@ -194,13 +203,9 @@ impl Backend for CpuBackend {
                     bias.is_some(),
                     Threads::Pool(threads),
                 ),
-                CpuBuffer::Bf16Panels(weight) if weight.cols() == k && weight.rows() == n => {
-                    bf16_gemm::linear(&mut out, x, weight, m);
-                    Ok(())
-                }
-                CpuBuffer::Bf16Panels(weight) => Err(Error::shape(
+                CpuBuffer::Bf16Panels(_) => Err(Error::shape(
                     "linear",
-                    format!("a {}x{} weight as {n}x{k}", weight.rows(), weight.cols()),
+                    "packed bf16 weights on the widening path",
                 )),
                 CpuBuffer::Bf16(weight) => linear_half(&mut out, x, weight, dims, threads),
                 CpuBuffer::F16(weight) => linear_half(&mut out, x, weight, dims, threads),

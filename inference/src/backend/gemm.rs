@@ -368,6 +368,11 @@ impl SharedDestination {
         SharedDestination(dst.as_mut_ptr())
     }
 
+    /// `dst`, not yet written: for tasks that write every element before any is read.
+    pub(super) fn new_uninit(dst: &mut [std::mem::MaybeUninit<f32>]) -> Self {
+        SharedDestination(dst.as_mut_ptr().cast())
+    }
+
     /// SAFETY: `offset` must lie inside the destination's slice.
     pub(super) unsafe fn at(self, offset: usize) -> *mut f32 {
         unsafe { self.0.add(offset) }
