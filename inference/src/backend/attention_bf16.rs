@@ -92,10 +92,13 @@ impl BlockProducts for Bf16Products {
         let stride = hd.next_multiple_of(COLUMNS);
         self.values.resize(key_pairs * stride, 0);
         for (s, row) in self.values.chunks_exact_mut(stride).enumerate() {
-            let key = |j: usize| match j < nb {
-                true => &values.data[j * values.stride..][..hd],
-                // Weighs 0 (its weight's half is 0): a finite 0 beside it, never a NaN's product.
-                false => &self.zeros[..],
+            let key = |j: usize| {
+                if j < nb {
+                    &values.data[j * values.stride..][..hd]
+                } else {
+                    // Weighs 0 (its weight's half is 0): a finite 0 here, never a NaN's product.
+                    &self.zeros[..]
+                }
             };
             interleave_to_pairs(key(2 * s), key(2 * s + 1), &mut row[..hd]);
         }

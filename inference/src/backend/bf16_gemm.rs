@@ -158,23 +158,17 @@ pub fn linear(x: &[f32], w: &Bf16Panels, m: usize, bias: Option<&[f32]>) -> Vec<
                 let j0 = p * NR;
                 let cols = NR.min(n - j0);
                 let write = x86::Write::Set(bias.map(|b| &b[j0..j0 + cols]));
-                let mut r0 = 0;
-                while r0 < m {
-                    let rows = MR.min(m - r0);
-                    let tile = x86::Tile {
-                        inputs: &inputs[r0 * pairs..(r0 + rows) * pairs],
-                        pairs,
-                        panel,
-                        panel_stride: NR,
-                        cols,
-                    };
-                    // SAFETY: the CPU has AVX-512 BF16 (`available`); the tile's rows `r0..r0 +
-                    // rows` and columns `j0..j0 + cols` lie in `out`'s `m · n` values, and no
-                    // other task writes these columns (one task a panel); `Set` writes without
-                    // reading.
-                    unsafe { tile.write_into(dst, r0 * n + j0, n, rows, write) };
-                    r0 += rows;
-                }
+                // SAFETY: the CPU has AVX-512 BF16 (`available`); rows `0..m`, columns `j0..j0 +
+                // cols` lie in `out`'s `m · n` values, and no other task writes these columns
+                // (one task a panel); `Set` writes without reading.
+                unsafe {
+                    x86::column_of_tiles(
+                        (&inputs, m, pairs),
+                        (panel, NR, cols),
+                        (dst, j0, n),
+                        write,
+                    )
+                };
             });
         // SAFETY: the panels' tiles wrote every row's every column: all `m · n` values.
         unsafe { out.set_len(m * n) };
@@ -189,7 +183,6 @@ pub fn linear(x: &[f32], w: &Bf16Panels, m: usize, bias: Option<&[f32]>) -> Vec<
 /// sums them. `b` must hold `cols` rounded up to [`NR`] columns a row (what a row holds past
 /// `cols` is read, and only changes outputs that are not written). The CPU must have what
 /// [`available`] checks.
-#[allow(clippy::too_many_arguments)]
 pub fn pair_product(
     (inputs, rows, pairs): (&[u32], usize, usize),
     (b, b_stride): (&[u32], usize),
@@ -213,28 +206,17 @@ pub fn pair_product(
     #[cfg(target_arch = "x86_64")]
     {
         let dst = SharedDestination::new(out);
+        let write = match accumulate {
+            true => x86::Write::Add,
+            false => x86::Write::Set(None),
+        };
         for c0 in (0..cols).step_by(NR) {
-            let mut r0 = 0;
-            while r0 < rows {
-                let tile_rows = MR.min(rows - r0);
-                let tile = x86::Tile {
-                    inputs: &inputs[r0 * pairs..(r0 + tile_rows) * pairs],
-                    pairs,
-                    panel: &b[c0..],
-                    panel_stride: b_stride,
-                    cols: NR.min(cols - c0),
-                };
-                let write = match accumulate {
-                    true => x86::Write::Add,
-                    false => x86::Write::Set(None),
-                };
-                // SAFETY: the CPU has AVX-512 BF16 (`available`); the tile reads `NR` columns of
-                // `pairs` rows of `b` from `c0` (in `b`, asserted above) and writes rows `r0..r0
-                // + tile_rows`, columns `c0..c0 + NR.min(cols - c0)` of `out` (asserted above),
-                // which only this thread holds.
-                unsafe { tile.write_into(dst, r0 * out_stride + c0, out_stride, tile_rows, write) };
-                r0 += tile_rows;
-            }
+            let b = (&b[c0..], b_stride, NR.min(cols - c0));
+            // SAFETY: the CPU has AVX-512 BF16 (`available`); the tiles read `NR` columns of
+            // `pairs` rows of `b` from `c0` (in `b`, asserted above) and write rows `0..rows`,
+            // columns `c0..c0 + NR.min(cols - c0)` of `out` (asserted above), which only this
+            // thread holds.
+            unsafe { x86::column_of_tiles((inputs, rows, pairs), b, (dst, c0, out_stride), write) };
         }
     }
 }
@@ -349,6 +331,34 @@ mod x86 {
         for i in whole..out.len() {
             let bits = |v: f32| u32::from(half::bf16::from_f32(v).to_bits());
             out[i] = bits(first[i]) | bits(second[i]) << 16;
+        }
+    }
+
+    /// The products of all `rows` input rows (`pairs` each, row after row) with one panel's
+    /// `cols` columns (`pairs` rows of at least `NR`, `panel_stride` apart), [`MR`] rows a tile,
+    /// written at `at + r·stride + c` as `write` says.
+    ///
+    /// # Safety
+    /// As [`Tile::write_into`], for every row and column.
+    pub unsafe fn column_of_tiles(
+        (inputs, rows, pairs): (&[u32], usize, usize),
+        (panel, panel_stride, cols): (&[u32], usize, usize),
+        (dst, at, stride): (SharedDestination, usize, usize),
+        write: Write<'_>,
+    ) {
+        let mut r0 = 0;
+        while r0 < rows {
+            let tile_rows = MR.min(rows - r0);
+            let tile = Tile {
+                inputs: &inputs[r0 * pairs..(r0 + tile_rows) * pairs],
+                pairs,
+                panel,
+                panel_stride,
+                cols,
+            };
+            // SAFETY: the caller's promises, for these rows.
+            unsafe { tile.write_into(dst, at + r0 * stride, stride, tile_rows, write) };
+            r0 += tile_rows;
         }
     }
 

@@ -180,38 +180,45 @@ impl Backend for CpuBackend {
         if let Some(b) = bias {
             expect_len("linear", "bias", b.len(), n)?;
         }
-        if let CpuBuffer::Bf16Panels(weight) = weight {
-            if weight.cols() != k || weight.rows() != n {
-                return Err(Error::shape(
+        let threads = self.threads();
+        // The f32 and widening paths add their product to the output, which starts as the bias.
+        let added_to_bias = |product: &(dyn Fn(&mut [f32]) -> Result<()> + Sync)| {
+            let mut out = vec![0.0; m * n];
+            self.run(|| {
+                if let Some(b) = bias {
+                    out.par_chunks_mut(n).for_each(|row| row.copy_from_slice(b));
+                }
+                product(&mut out)
+            })?;
+            Ok(out.into())
+        };
+        match weight {
+            CpuBuffer::Bf16Panels(weight) if weight.cols() != k || weight.rows() != n => {
+                Err(Error::shape(
                     "linear",
                     format!("a {}x{} weight as {n}x{k}", weight.rows(), weight.cols()),
-                ));
+                ))
             }
-            return Ok(self.run(|| bf16_gemm::linear(x, weight, m, bias)).into());
-        }
-        let mut out = vec![0.0; m * n];
-        let threads = self.threads();
-        self.run(|| {
-            if let Some(b) = bias {
-                out.par_chunks_mut(n).for_each(|row| row.copy_from_slice(b));
+            // Writes each output once, the bias included.
+            CpuBuffer::Bf16Panels(weight) => {
+                Ok(self.run(|| bf16_gemm::linear(x, weight, m, bias)).into())
             }
-            match weight {
-                CpuBuffer::F32(weight) => matmul(
-                    MatMut::row_major(&mut out, m, n),
+            CpuBuffer::F32(weight) => added_to_bias(&|out| {
+                matmul(
+                    MatMut::row_major(out, m, n),
                     MatRef::row_major(x, m, k),
                     MatRef::row_major(weight, n, k).t(),
                     bias.is_some(),
                     Threads::Pool(threads),
-                ),
-                CpuBuffer::Bf16Panels(_) => Err(Error::shape(
-                    "linear",
-                    "packed bf16 weights on the widening path",
-                )),
-                CpuBuffer::Bf16(weight) => linear_half(&mut out, x, weight, dims, threads),
-                CpuBuffer::F16(weight) => linear_half(&mut out, x, weight, dims, threads),
+                )
+            }),
+            CpuBuffer::Bf16(weight) => {
+                added_to_bias(&|out| linear_half(out, x, weight, dims, threads))
             }
-        })?;
-        Ok(out.into())
+            CpuBuffer::F16(weight) => {
+                added_to_bias(&|out| linear_half(out, x, weight, dims, threads))
+            }
+        }
     }
 
     fn rms_norm(

@@ -308,12 +308,12 @@ fn mix_s16le_to_mono(data: &[u8], channels: usize, out: &mut Vec<f32>) {
         return;
     }
     let scale = 1.0 / channels as f32;
-    out.extend(samples.chunks_exact(channels).map(|frame| {
-        let (first, rest) = frame
-            .split_first()
-            .map_or((0.0, &[][..]), |(b, rest)| (sample(b), rest));
-        rest.iter().fold(first, |sum, b| sum + sample(b)) * scale
-    }));
+    // The channels in order from zero: a sum that starts at the first (no sample is −0.0).
+    out.extend(
+        samples
+            .chunks_exact(channels)
+            .map(|frame| frame.iter().map(sample).sum::<f32>() * scale),
+    );
 }
 
 /// Decoded audio: one channel (the mean of all channels) at the file's own rate, all of it or a
