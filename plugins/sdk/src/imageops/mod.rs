@@ -4,15 +4,17 @@
 
 mod kernels;
 pub mod patches;
-pub mod resample;
 pub mod tiling;
 mod torchvision;
 
+/// Pillow's resize: the `mmgate-resample` crate, which the host also runs natively
+/// ([`crate::imagedecode::decode_rgb_resized`]).
+pub use mmgate_resample as resample;
+pub use mmgate_resample::{Filter, Resized, Rows, source_rows};
 pub use patches::{
     qwen2vl_frame_patches, qwen2vl_patch_bytes, qwen2vl_resized_patch_bytes,
     qwen2vl_resized_patch_bytes_of_rows, qwen2vl_resized_patch_bytes_reusing,
 };
-pub use resample::{Filter, Resized, source_rows};
 pub use torchvision::{resize_like_torch_uint8, resize_like_torchvision};
 
 /// Bytes per RGB pixel.
@@ -31,16 +33,16 @@ impl RgbImage {
     /// Resize like Pillow's `Image.resize((width, height), filter)` on an RGB image (which, like
     /// this, returns a copy when the size does not change).
     pub fn resize(&self, width: usize, height: usize, filter: Filter) -> RgbImage {
-        let mut data = Vec::with_capacity(width * height * CHANNELS);
-        let mut rows = Resized::new(self, width, height, filter);
-        while let Some(row) = rows.next_row() {
-            data.extend_from_slice(row);
-        }
         RgbImage {
             width,
             height,
-            data,
+            data: mmgate_resample::resize(self.rows(), width, height, filter),
         }
+    }
+
+    /// All of the image's rows, as the resampler reads them.
+    pub fn rows(&self) -> Rows<'_> {
+        Rows::whole(&self.data, self.width, self.height)
     }
 
     /// [`RgbImage::resize`] that hands the image back as it is, without a copy, when the size does
@@ -127,21 +129,5 @@ impl Normalize {
             );
         }
         values.into_flattened()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn constant_image_stays_constant() {
-        let image = RgbImage {
-            width: 50,
-            height: 30,
-            data: [10u8, 200, 77].repeat(50 * 30),
-        };
-        let resized = image.resize(17, 61, Filter::Bicubic);
-        assert!(resized.data.chunks_exact(3).all(|p| p == [10, 200, 77]));
     }
 }

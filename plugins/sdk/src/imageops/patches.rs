@@ -12,8 +12,8 @@
 
 use std::mem::MaybeUninit;
 
-use super::resample::{Filter, Resized};
 use super::{CHANNELS, RgbImage, kernels};
+use mmgate_resample::{Filter, Resized, Rows};
 
 /// Qwen2-VL's patch layout of one image repeated over `temporal` frames (HF: `np.tile` of a single
 /// image to `temporal_patch_size` frames). See [`qwen2vl_frame_patches`].
@@ -67,15 +67,13 @@ pub fn qwen2vl_resized_patch_bytes_of_rows(
     let mut out = Vec::with_capacity(writer.bytes_for(out_rows.len()));
     let band_len = writer.band_rows() * width * CHANNELS;
     let mut band = Vec::with_capacity(band_len);
-    let mut rows = Resized::band(
-        rows,
-        src_first_row,
-        src_height,
-        width,
-        height,
-        filter,
-        out_rows.start,
-    );
+    let source = Rows {
+        rgb: &rows.data,
+        width: rows.width,
+        first_row: src_first_row,
+        image_height: src_height,
+    };
+    let mut rows = Resized::new(source, width, height, filter, out_rows.start);
     for _ in 0..out_rows.len() / writer.band_rows() {
         band.clear();
         for _ in 0..writer.band_rows() {
@@ -287,7 +285,7 @@ fn split_run(px: &[u8], len: usize) -> [[u8; kernels::BLOCK]; CHANNELS] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::imageops::resample::source_rows;
+    use mmgate_resample::source_rows;
 
     /// The layout against HF's reshape/transpose written out index by index, on frames wide
     /// enough for the SIMD path and with a remainder, a repeated frame and two distinct ones.

@@ -3,8 +3,8 @@
 //! a float copy; and through `torchvision.transforms.v2.functional` (transformers' video
 //! processors), which hands the u8 tensor to PyTorch's native u8 kernel.
 
-use super::resample::bicubic;
 use super::{CHANNELS, RgbImage};
+use mmgate_resample::bicubic;
 
 /// Resize as torchvision's `F.resize(uint8 tensor, size, BICUBIC, antialias=True)` does (what
 /// qwen-vl-utils runs on video frames): PyTorch's separable antialiased bicubic (Keys a = -0.5, support

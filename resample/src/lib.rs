@@ -8,9 +8,77 @@
 //! under its vertical filter, horizontally resampled once each into a ring of rows. Pillow resamples
 //! the whole image horizontally first; row by row gives the same bytes without holding either pass's
 //! full-size image (for a photo, megabytes written once and read once).
+//!
+//! Built twice: into the image plugins, in Wasm with SIMD128, and into the host, which runs it
+//! natively for contract 0.5.1's `image.decode-jpeg-resized` with AVX2 where the CPU has it
+//! (see `kernels`). Every backend makes the same bytes.
 
-use super::kernels::{self, PRECISION_BITS, ROUNDING, clip8};
-use super::{CHANNELS, RgbImage};
+mod kernels;
+
+use kernels::{PRECISION_BITS, ROUNDING, clip8, lanes};
+
+/// Bytes per RGB pixel.
+const CHANNELS: usize = 3;
+
+/// Which kernels run the passes' rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernels {
+    /// `kernels::lanes`: Wasm SIMD128 in the plugins, plain loops elsewhere.
+    Lanes,
+    /// `kernels::x86`, on a CPU with AVX2.
+    #[cfg(target_arch = "x86_64")]
+    Avx2(kernels::x86::Avx2),
+}
+
+impl Kernels {
+    /// `horizontal` with what these kernels read of it besides the weights.
+    fn prepared(self, horizontal: AxisWeights) -> AxisWeights {
+        match self {
+            Kernels::Lanes => horizontal,
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx2(_) => AxisWeights {
+                paired: kernels::x86::paired_weights(&horizontal.weights, horizontal.ksize),
+                ..horizontal
+            },
+        }
+    }
+
+    /// One source row resampled horizontally into `out`.
+    fn horizontal_row(
+        self,
+        src: &[u8],
+        axis: &AxisWeights,
+        padded: &mut [lanes::Wide],
+        out: &mut [u8],
+    ) {
+        match self {
+            Kernels::Lanes => horizontal_row(src, axis, padded, out),
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx2(avx2) => {
+                let weights = (axis.starts.as_slice(), axis.paired.as_slice(), axis.ksize);
+                avx2.horizontal_row(src, padded, weights, out)
+            }
+        }
+    }
+
+    /// One output row of the vertical pass: `out` = Σ_j kk[j] · rows[j], bytewise.
+    fn vertical_row(self, rows: &[&[u8]], kk: &[i32], out: &mut [u8]) {
+        match self {
+            Kernels::Lanes => vertical_row(rows, kk, out),
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx2(avx2) => avx2.vertical_row(rows, kk, out),
+        }
+    }
+
+    /// The fastest this CPU runs.
+    fn detect() -> Kernels {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(avx2) = kernels::x86::Avx2::detect() {
+            return Kernels::Avx2(avx2);
+        }
+        Kernels::Lanes
+    }
+}
 
 /// A resampling filter, as Pillow defines it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +118,8 @@ impl Filter {
     }
 }
 
-pub(super) fn bicubic(x: f64) -> f64 {
+/// Keys' cubic with a = -0.5: Pillow's `BICUBIC` kernel (torchvision's too).
+pub fn bicubic(x: f64) -> f64 {
     const A: f64 = -0.5;
     let x = x.abs();
     if x < 1.0 {
@@ -70,6 +139,9 @@ struct AxisWeights {
     /// `ksize` weights per output index (zero-padded past its count).
     weights: Vec<i32>,
     ksize: usize,
+    /// The weights as the AVX2 horizontal pass reads them (built only for it).
+    #[cfg(target_arch = "x86_64")]
+    paired: Vec<[i32; 8]>,
 }
 
 impl AxisWeights {
@@ -121,15 +193,61 @@ fn axis_weights(in_size: usize, out_size: usize, filter: Filter) -> AxisWeights 
         counts,
         weights,
         ksize,
+        #[cfg(target_arch = "x86_64")]
+        paired: Vec::new(),
     }
+}
+
+/// Whether this build runs the passes with SIMD kernels: always in Wasm (SIMD128), natively on a
+/// CPU with AVX2. Natively without them the plain loops are slower than the Wasm build, so a host
+/// should leave resizing to its plugins there.
+pub fn simd_kernels() -> bool {
+    match Kernels::detect() {
+        Kernels::Lanes => cfg!(all(target_arch = "wasm32", target_feature = "simd128")),
+        #[cfg(target_arch = "x86_64")]
+        Kernels::Avx2(_) => true,
+    }
+}
+
+/// Packed RGB rows of an image: all of it, or a band of its rows.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows<'a> {
+    /// `width * 3` bytes a row.
+    pub rgb: &'a [u8],
+    pub width: usize,
+    /// The image row `rgb`'s first row is.
+    pub first_row: usize,
+    /// The whole image's height (the resize's filters are the whole image's).
+    pub image_height: usize,
+}
+
+impl<'a> Rows<'a> {
+    /// All `height` rows of an image.
+    pub fn whole(rgb: &'a [u8], width: usize, height: usize) -> Self {
+        Rows {
+            rgb,
+            width,
+            first_row: 0,
+            image_height: height,
+        }
+    }
+}
+
+/// `src` resized to `width` x `height` (`width * height * 3` bytes), as Pillow's
+/// `Image.resize((width, height), filter)`.
+pub fn resize(src: Rows<'_>, width: usize, height: usize, filter: Filter) -> Vec<u8> {
+    let mut data = Vec::with_capacity(width * height * CHANNELS);
+    let mut rows = Resized::new(src, width, height, filter, 0);
+    while let Some(row) = rows.next_row() {
+        data.extend_from_slice(row);
+    }
+    data
 }
 
 /// The rows of `src` resized to `width` x `height`, one at a time (see the module docs).
 pub struct Resized<'a> {
-    /// The source rows at hand: all of the image, or a band of it (see [`Resized::band`]).
-    src: &'a RgbImage,
-    /// The source image row `src`'s first row is.
-    src_first_row: usize,
+    /// The source rows at hand: all of the image, or a band of it.
+    src: Rows<'a>,
     width: usize,
     height: usize,
     horizontal: Option<AxisWeights>,
@@ -141,9 +259,10 @@ pub struct Resized<'a> {
     /// Source rows below this have been resampled into the ring (or are never needed again).
     resampled_to: usize,
     /// A source row widened to a lane a channel, so a horizontal tap is one 4-lane multiply-add.
-    padded: Vec<kernels::Wide>,
+    padded: Vec<lanes::Wide>,
     /// The output row handed out last.
     row: Vec<u8>,
+    kernels: Kernels,
     next: usize,
 }
 
@@ -168,24 +287,36 @@ pub fn source_rows(
 }
 
 impl<'a> Resized<'a> {
-    pub fn new(src: &'a RgbImage, width: usize, height: usize, filter: Filter) -> Self {
-        Self::band(src, 0, src.height, width, height, filter, 0)
-    }
-
-    /// Output rows from `first_out_row` on of an image `src_height` rows high resized to `width` x
-    /// `height`, made from `src`: only the image's rows from `src_first_row` on, at least those
-    /// [`source_rows`] names for the rows asked for. Each row is the whole resize's, byte for byte
-    /// (the filters are the whole image's; a row reads the same source rows).
-    pub fn band(
-        src: &'a RgbImage,
-        src_first_row: usize,
-        src_height: usize,
+    /// Output rows from `first_out_row` on of the image `src` is rows of, resized to `width` x
+    /// `height`: `src` holds at least the rows [`source_rows`] names for the rows asked for. Each
+    /// row is the whole resize's, byte for byte (the filters are the whole image's; a row reads
+    /// the same source rows).
+    pub fn new(
+        src: Rows<'a>,
         width: usize,
         height: usize,
         filter: Filter,
         first_out_row: usize,
     ) -> Self {
-        let horizontal = (width != src.width).then(|| axis_weights(src.width, width, filter));
+        Self::with_kernels(
+            src,
+            (width, height),
+            filter,
+            first_out_row,
+            Kernels::detect(),
+        )
+    }
+
+    fn with_kernels(
+        src: Rows<'a>,
+        (width, height): (usize, usize),
+        filter: Filter,
+        first_out_row: usize,
+        kernels: Kernels,
+    ) -> Self {
+        let src_height = src.image_height;
+        let horizontal =
+            (width != src.width).then(|| kernels.prepared(axis_weights(src.width, width, filter)));
         let vertical = (height != src_height).then(|| axis_weights(src_height, height, filter));
         let ring_rows = match (&horizontal, &vertical) {
             (Some(_), Some(v)) => v.ksize,
@@ -193,19 +324,20 @@ impl<'a> Resized<'a> {
         };
         Resized {
             src,
-            src_first_row,
             width,
             height,
             ring: vec![0; ring_rows * width * CHANNELS],
             resampled_to: 0,
             // Zero pixels past the row's end: a tap there has weight zero too, so every output
-            // pixel can run the kernel's full size (see `horizontal_row`).
+            // pixel can run the kernel's full size (see `horizontal_row`), rounded up to a
+            // whole pair of taps for the AVX2 kernel.
             padded: match &horizontal {
-                Some(h) => vec![kernels::WIDE_ZERO; src.width + h.ksize],
+                Some(h) => vec![lanes::WIDE_ZERO; src.width + h.ksize + 1],
                 None => Vec::new(),
             },
             row: vec![0; width * CHANNELS],
             next: first_out_row,
+            kernels,
             horizontal,
             vertical,
         }
@@ -220,7 +352,6 @@ impl<'a> Resized<'a> {
         self.next += 1;
         let Resized {
             src,
-            src_first_row,
             width,
             horizontal,
             vertical,
@@ -228,18 +359,19 @@ impl<'a> Resized<'a> {
             resampled_to,
             padded,
             row,
+            kernels,
             ..
         } = self;
         let stride = src.width * CHANNELS;
         let src_row = |r: usize| {
-            let r = r - *src_first_row;
-            &src.data[r * stride..(r + 1) * stride]
+            let r = r - src.first_row;
+            &src.rgb[r * stride..(r + 1) * stride]
         };
         let out_len = *width * CHANNELS;
         let Some(vertical) = vertical else {
             return Some(match horizontal {
                 Some(horizontal) => {
-                    horizontal_row(src_row(y), horizontal, padded, row);
+                    kernels.horizontal_row(src_row(y), horizontal, padded, row);
                     row
                 }
                 None => src_row(y),
@@ -252,7 +384,7 @@ impl<'a> Resized<'a> {
                 for r in window.start.max(*resampled_to)..window.end {
                     let slot = r % vertical.ksize;
                     let dst = &mut ring[slot * out_len..(slot + 1) * out_len];
-                    horizontal_row(src_row(r), horizontal, padded, dst);
+                    kernels.horizontal_row(src_row(r), horizontal, padded, dst);
                 }
                 *resampled_to = (*resampled_to).max(window.end);
                 window
@@ -261,14 +393,14 @@ impl<'a> Resized<'a> {
             }
             None => window.map(src_row).collect(),
         };
-        vertical_row(&rows, kk, row);
+        kernels.vertical_row(&rows, kk, row);
         Some(row)
     }
 }
 
-/// One source row resampled horizontally into `out`.
-fn horizontal_row(src: &[u8], axis: &AxisWeights, padded: &mut [kernels::Wide], out: &mut [u8]) {
-    kernels::widen_rgb(src, padded);
+/// One source row resampled horizontally into `out`, with `kernels::lanes`.
+fn horizontal_row(src: &[u8], axis: &AxisWeights, padded: &mut [lanes::Wide], out: &mut [u8]) {
+    lanes::widen_rgb(src, padded);
     // Every output pixel's taps as one fixed-size kernel (weights past its count are zero, and so
     // are the pixels past the row's end): the loop unrolls for the sizes that occur most
     // (bicubic: 5 when enlarging, 7 and 9 when shrinking by up to 1.5 and 2).
@@ -279,7 +411,7 @@ fn horizontal_row(src: &[u8], axis: &AxisWeights, padded: &mut [kernels::Wide], 
         _ => {
             for (xx, out) in out.chunks_exact_mut(CHANNELS).enumerate() {
                 let (start, kk) = axis.taps(xx);
-                let pixel = kernels::horizontal(&padded[start..], kk);
+                let pixel = lanes::horizontal(&padded[start..], kk);
                 out.copy_from_slice(&pixel[..CHANNELS]);
             }
         }
@@ -287,7 +419,7 @@ fn horizontal_row(src: &[u8], axis: &AxisWeights, padded: &mut [kernels::Wide], 
 }
 
 fn horizontal_row_fixed<const K: usize>(
-    padded: &[kernels::Wide],
+    padded: &[lanes::Wide],
     axis: &AxisWeights,
     out: &mut [u8],
 ) {
@@ -302,19 +434,19 @@ fn horizontal_row_fixed<const K: usize>(
         ) else {
             continue;
         };
-        let pixel = kernels::horizontal_fixed(pixels, weights);
+        let pixel = lanes::horizontal_fixed(pixels, weights);
         out.copy_from_slice(&pixel[..CHANNELS]);
     }
 }
 
-/// One output row of the vertical pass: `out` = Σ_j kk[j] · rows[j], bytewise.
+/// One output row of the vertical pass, with `kernels::lanes`.
 fn vertical_row(rows: &[&[u8]], kk: &[i32], out: &mut [u8]) {
     // Column blocks with their sums in registers: each tap row is read once per block and no
     // accumulator row goes through memory.
-    let x = out.len() - out.len() % kernels::BLOCK;
+    let x = out.len() - out.len() % lanes::BLOCK;
     let (whole, tail) = out.split_at_mut(x);
-    for (block, out) in whole.chunks_exact_mut(kernels::BLOCK).enumerate() {
-        kernels::vertical(rows, block * kernels::BLOCK, kk, out);
+    for (block, out) in whole.chunks_exact_mut(lanes::BLOCK).enumerate() {
+        lanes::vertical(rows, block * lanes::BLOCK, kk, out);
     }
     for (i, o) in tail.iter_mut().enumerate() {
         let mut acc = ROUNDING;
@@ -329,30 +461,42 @@ fn vertical_row(rows: &[&[u8]], kk: &[i32], out: &mut [u8]) {
 mod tests {
     use super::*;
 
+    /// A test image: `width * height * 3` bytes of a pattern with no runs.
+    fn image(width: usize, height: usize) -> Vec<u8> {
+        (0..width * height * CHANNELS)
+            .map(|i| ((i * 7919 + i / 97) % 251) as u8)
+            .collect()
+    }
+
     /// Pillow's order written out plainly: the whole image horizontally, then vertically, each
     /// output byte one scalar sum.
-    fn two_pass(src: &RgbImage, width: usize, height: usize, filter: Filter) -> Vec<u8> {
-        let h = axis_weights(src.width, width, filter);
+    fn two_pass(
+        src: &[u8],
+        (src_width, src_height): (usize, usize),
+        (width, height): (usize, usize),
+        filter: Filter,
+    ) -> Vec<u8> {
+        let h = axis_weights(src_width, width, filter);
         let mut mid = Vec::new();
-        for y in 0..src.height {
+        for y in 0..src_height {
             for x in 0..width {
                 let (start, kk) = h.taps(x);
                 for c in 0..CHANNELS {
                     let acc = kk.iter().enumerate().fold(ROUNDING, |acc, (j, &k)| {
-                        acc + i32::from(src.data[(y * src.width + start + j) * CHANNELS + c]) * k
+                        acc + i32::from(src[(y * src_width + start + j) * CHANNELS + c]) * k
                     });
-                    mid.push(if width == src.width {
-                        src.data[(y * src.width + x) * CHANNELS + c]
+                    mid.push(if width == src_width {
+                        src[(y * src_width + x) * CHANNELS + c]
                     } else {
                         clip8(acc)
                     });
                 }
             }
         }
-        if height == src.height {
+        if height == src_height {
             return mid;
         }
-        let v = axis_weights(src.height, height, filter);
+        let v = axis_weights(src_height, height, filter);
         let row = width * CHANNELS;
         let mut out = Vec::new();
         for y in 0..height {
@@ -367,17 +511,20 @@ mod tests {
         out
     }
 
-    /// Row by row through the ring gives the bytes of the two full passes: up and down, one axis
-    /// or both, steep downscales whose windows are wide, rows narrower than a SIMD block.
+    /// Every backend this CPU runs.
+    fn every_kernels() -> Vec<Kernels> {
+        let mut all = vec![Kernels::Lanes];
+        if Kernels::detect() != Kernels::Lanes {
+            all.push(Kernels::detect());
+        }
+        all
+    }
+
+    /// Row by row through the ring gives the bytes of the two full passes, with every backend
+    /// this CPU runs: up and down, one axis or both, steep downscales whose windows are wide (and
+    /// whose kernel sizes are not unrolled), rows narrower than a SIMD block, odd pixel counts.
     #[test]
     fn streamed_rows_are_the_two_passes() {
-        let image = |width: usize, height: usize| RgbImage {
-            width,
-            height,
-            data: (0..width * height * CHANNELS)
-                .map(|i| ((i * 7919) % 251) as u8)
-                .collect(),
-        };
         for ((w, h), (ow, oh)) in [
             ((40, 30), (56, 28)),
             ((40, 30), (40, 17)),
@@ -386,17 +533,41 @@ mod tests {
             ((5, 200), (3, 11)),
             ((64, 48), (64, 48)),
             ((3, 3), (17, 29)),
+            ((1280, 96), (1288, 95)),
+            ((301, 77), (151, 70)),
+            ((300, 40), (201, 40)),
         ] {
             let src = image(w, h);
             for filter in [Filter::Bicubic, Filter::Bilinear] {
-                let resized = src.resize(ow, oh, filter);
-                assert_eq!((resized.width, resized.height), (ow, oh));
-                assert!(
-                    resized.data == two_pass(&src, ow, oh, filter),
-                    "{w}x{h} -> {ow}x{oh} {filter:?}"
-                );
+                let expected = two_pass(&src, (w, h), (ow, oh), filter);
+                for kernels in every_kernels() {
+                    let mut rows = Resized::with_kernels(
+                        Rows::whole(&src, w, h),
+                        (ow, oh),
+                        filter,
+                        0,
+                        kernels,
+                    );
+                    let mut resized = Vec::new();
+                    while let Some(row) = rows.next_row() {
+                        resized.extend_from_slice(row);
+                    }
+                    assert!(
+                        resized == expected,
+                        "{w}x{h} -> {ow}x{oh} {filter:?} {kernels:?}"
+                    );
+                }
+                assert!(resize(Rows::whole(&src, w, h), ow, oh, filter) == expected);
             }
         }
+    }
+
+    /// A constant image stays that constant, clamped sums and all.
+    #[test]
+    fn constant_image_stays_constant() {
+        let src = [10u8, 200, 77].repeat(50 * 30);
+        let resized = resize(Rows::whole(&src, 50, 30), 17, 61, Filter::Bicubic);
+        assert!(resized.chunks_exact(3).all(|p| p == [10, 200, 77]));
     }
 
     #[test]
