@@ -7,8 +7,8 @@
     for comparing with HF's floats, which are all expanded)
   - smg's `llm-multimodal` 1.14.0 (crates.io), the fastest Rust peer: libjpeg-turbo decode (when the
     library is installed) and its Qwen2-VL processor, built by bench/peer, its thread pool off
-  - the same plugin code built natively (plugin code only: no u8 -> f32 mapping; the resize kernels
-    are the portable loops there, the wasm build has explicit SIMD ones)
+  - the same plugin code built natively (plugin code only: no u8 -> f32 mapping; no host, so the
+    JPEG is decoded by the plugin's own decoder; the resize runs the AVX2 kernels the host runs)
   - HF transformers' PIL-backend ("slow") Qwen2-VL processor: PIL decode + processor
   - HF transformers' torchvision-backend ("fast") Qwen2-VL processor: PIL decode + processor
 

@@ -63,7 +63,7 @@ fn list_shows_builtin_plugins_with_contract_version() {
     let out = mmgate(&["plugin", "list"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
-    assert!(text.contains("host contract version 0.5.0"), "{text}");
+    assert!(text.contains("host contract version 0.5.1"), "{text}");
     let image = text.lines().find(|l| l.starts_with("image ")).expect(&text);
     assert!(
         image.contains("0.1.0") && image.contains("built-in"),
@@ -78,7 +78,7 @@ fn list_shows_builtin_plugins_with_contract_version() {
         .iter()
         .find(|p| p["name"] == "image")
         .unwrap();
-    assert_eq!(image["contract_version"], "0.5.0");
+    assert_eq!(image["contract_version"], "0.5.1");
     assert_eq!(image["modalities"][0], "image");
 }
 
@@ -107,7 +107,7 @@ fn check_accepts_a_good_plugin() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     assert!(text.starts_with("ok: testing 0.1.0"), "{text}");
-    assert!(text.contains("contract:        0.5.0"), "{text}");
+    assert!(text.contains("contract:        0.5.1"), "{text}");
 
     let dir = plugin_dir(&good_manifest());
     let out = mmgate(&[
@@ -199,18 +199,53 @@ fn check_and_list_reject_a_manifest_that_disagrees() {
     }
 }
 
+/// A plugin built against an earlier patch version of the current series (0.5.0, before
+/// `image.decode-jpeg-resized`) loads unchanged: every interface it names is at 0.5.0.
+#[test]
+fn check_accepts_a_plugin_built_for_an_earlier_patch_version() {
+    let bytes = std::fs::read(testing_wasm()).unwrap();
+    let (ours, theirs) = (b"mmgate:modality/".as_slice(), "@0.5.1");
+    let mut patched = bytes.clone();
+    let mut renamed = 0;
+    let mut at = 0;
+    while let Some(found) = patched[at..].windows(ours.len()).position(|w| w == ours) {
+        let start = at + found;
+        // `mmgate:modality/<interface>@0.5.1`: the version follows the interface's name.
+        let name_end = patched[start..]
+            .iter()
+            .position(|&b| b == b'@')
+            .map(|i| start + i)
+            .filter(|&end| end - start < 40);
+        if let Some(end) = name_end
+            && patched[end..].starts_with(theirs.as_bytes())
+        {
+            patched[end..end + theirs.len()].copy_from_slice(b"@0.5.0");
+            renamed += 1;
+        }
+        at = start + ours.len();
+    }
+    assert!(renamed >= 2, "{renamed} interface names rewritten");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v0.5.0.wasm");
+    std::fs::write(&path, patched).unwrap();
+    let out = mmgate(&["plugin", "check", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("contract:        0.5.0 (host 0.5.1)"), "{text}");
+}
+
 #[test]
 fn check_rejects_a_plugin_built_for_another_contract_version() {
     // Rewrite the exported interface's version in a real plugin (same length, so the binary stays
     // valid): the host must refuse it by version, before linking.
     let bytes = std::fs::read(testing_wasm()).unwrap();
-    let ours = b"mmgate:modality/plugin@0.5.0";
+    let ours = b"mmgate:modality/plugin@0.5.1";
     assert!(bytes.windows(ours.len()).any(|w| w == ours));
     let dir = tempfile::tempdir().unwrap();
     for (version, needle) in [
         (
             "0.6.0",
-            "built for contract 0.6.0, but this host implements 0.5.0",
+            "built for contract 0.6.0, but this host implements 0.5.1",
         ),
         ("0.5.9", "built for contract 0.5.9"),
         ("0.4.9", "built for contract 0.4.9"),

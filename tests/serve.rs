@@ -14,7 +14,7 @@ fn serves_health_plugins_and_openai_shaped_errors() {
 
     let (status, body) = request(&server.addr, "GET", "/v1/plugins", None);
     assert_eq!(status, 200);
-    assert_eq!(body["host_contract_version"], "0.5.0");
+    assert_eq!(body["host_contract_version"], "0.5.1");
     assert!(
         body["data"]
             .as_array()

@@ -79,7 +79,7 @@ pub use mmgate::modality::video::{Frame, VideoError, VideoInfo};
 pub const CONTRACT_VERSION: Version = Version {
     major: 0,
     minor: 5,
-    patch: 0,
+    patch: 1,
 };
 
 /// Every contract version this host serves plugins of, newest first: the current one, and 0.4,
@@ -241,9 +241,10 @@ mod tests {
         assert_eq!(v("0.4.0").supported(), Some(v("0.4.1")));
         assert_eq!(v("0.4.1").supported(), Some(v("0.4.1")));
         assert_eq!(v("0.5.0").supported(), Some(CONTRACT_VERSION));
+        assert_eq!(v("0.5.1").supported(), Some(CONTRACT_VERSION));
         assert_eq!(v("0.1.1").supported(), None);
         assert_eq!(v("0.4.2").supported(), None);
-        assert_eq!(v("0.5.1").supported(), None);
+        assert_eq!(v("0.5.2").supported(), None);
         assert_eq!(v("0.6.0").supported(), None);
         assert_eq!(v("0.0.9").supported(), None);
     }

@@ -1,6 +1,6 @@
 //! The `image` host capability (since contract 0.3.1): JPEG decoding with libjpeg-turbo through
-//! `mmgate-image-decode`, within the plugin's limits narrowed by the host's, and not begun once the
-//! call's deadline has passed.
+//! `mmgate-image-decode` (and, since 0.5.1, Pillow's resize of the decoded image), within the
+//! plugin's limits narrowed by the host's, and not begun once the call's deadline has passed.
 //!
 //! The capability works on an `ImageView`: its own share of a call and the call's clock, which the
 //! call's state lends it when the linker calls in (see [`crate::sandbox`]).
@@ -11,7 +11,9 @@ use mmgate_image_decode::{ImageError as DecodeError, Limits};
 use wasmtime::component::HasData;
 
 use crate::call_clock::CallClock;
-use crate::contract::mmgate::modality::image::{Host, ImageError, ImageLimits, RgbImage};
+use crate::contract::mmgate::modality::image::{
+    Host, ImageError, ImageLimits, ResampleFilter, RgbImage,
+};
 
 /// What one plugin call holds of this capability: the host's decoder limits.
 pub(crate) struct CallImages {
@@ -101,6 +103,27 @@ impl Host for ImageView<'_> {
         let rows = first_row..first_row.saturating_add(rows);
         self.clock
             .host_work(|| mmgate_image_decode::decode_jpeg_rows(&data, &limits, rows))
+            .map(contract_image)
+            .map_err(contract_error)
+    }
+
+    fn decode_jpeg_resized(
+        &mut self,
+        data: Vec<u8>,
+        limits: ImageLimits,
+        width: u32,
+        height: u32,
+        filter: ResampleFilter,
+    ) -> Result<RgbImage, ImageError> {
+        let limits = self.decode_limits(limits)?;
+        let filter = match filter {
+            ResampleFilter::Bilinear => mmgate_image_decode::Filter::Bilinear,
+            ResampleFilter::Bicubic => mmgate_image_decode::Filter::Bicubic,
+        };
+        self.clock
+            .host_work(|| {
+                mmgate_image_decode::decode_jpeg_resized(&data, &limits, (width, height), filter)
+            })
             .map(contract_image)
             .map_err(contract_error)
     }

@@ -11,8 +11,13 @@
 //! greyscale (greyscale replicated into the three channels, as `convert("RGB")` does). Others
 //! (CMYK/YCCK, 12-bit, lossless) are [`ImageError::Unsupported`]: a caller with a decoder of its own
 //! for them falls back to it.
+//!
+//! [`decode_jpeg_resized`] also resizes the decoded image as Pillow's `Image.resize` does, byte for
+//! byte, with the plugins' own resampler (`mmgate-resample`) built natively.
 
 mod turbo;
+
+pub use mmgate_resample::Filter;
 
 use serde::{Deserialize, Serialize};
 
@@ -93,7 +98,7 @@ pub struct RgbImage {
 
 /// Decodes the JPEG in `data` into RGB as Pillow would, within `limits`.
 pub fn decode_jpeg(data: &[u8], limits: &Limits) -> Result<RgbImage, ImageError> {
-    decode(data, limits, None)
+    decode(data, limits, None, None)
 }
 
 /// Rows `rows` (top to bottom, `rows.start < rows.end <= height`) of the JPEG in `data`, decoded
@@ -108,15 +113,45 @@ pub fn decode_jpeg_rows(
     limits: &Limits,
     rows: std::ops::Range<u32>,
 ) -> Result<RgbImage, ImageError> {
-    decode(data, limits, Some(rows))
+    decode(data, limits, Some(rows), None)
+}
+
+/// The JPEG in `data` decoded as [`decode_jpeg`] decodes it, resized to `width` x `height` as
+/// Pillow's `Image.resize((width, height), filter)` resizes it (the image as decoded when it is
+/// that size already). `limits` bound the resized image as well as the JPEG. [`ImageError::Unsupported`]
+/// where this CPU runs the resize without SIMD (no AVX2): slower there than a plugin's own Wasm
+/// build of it, so a plugin should resize itself.
+pub fn decode_jpeg_resized(
+    data: &[u8],
+    limits: &Limits,
+    (width, height): (u32, u32),
+    filter: Filter,
+) -> Result<RgbImage, ImageError> {
+    if !mmgate_resample::simd_kernels() {
+        return Err(ImageError::Unsupported(
+            "this host resizes without SIMD (no AVX2): the plugin's own resize is faster".into(),
+        ));
+    }
+    let image = decode(data, limits, None, Some((width, height)))?;
+    if (image.width, image.height) == (width, height) {
+        return Ok(image);
+    }
+    let source =
+        mmgate_resample::Rows::whole(&image.rgb, image.width as usize, image.height as usize);
+    Ok(RgbImage {
+        width,
+        height,
+        rgb: mmgate_resample::resize(source, width as usize, height as usize, filter),
+    })
 }
 
 /// The image's rows `rows`, all when `None`: everything a file controls checked before anything
-/// is decoded.
+/// is decoded, and the size it is to be resized to (if any) as well.
 fn decode(
     data: &[u8],
     limits: &Limits,
     rows: Option<std::ops::Range<u32>>,
+    resized: Option<(u32, u32)>,
 ) -> Result<RgbImage, ImageError> {
     if data.is_empty() {
         return Err(ImageError::InvalidMedia(
@@ -134,6 +169,9 @@ fn decode(
     let mut decoder = turbo::Decoder::new(limits)?;
     let header = decoder.header(data)?;
     header.check(limits)?;
+    if let Some(size) = resized {
+        check_resized(size, limits)?;
+    }
     let rows = rows.unwrap_or(0..header.height);
     if rows.start >= rows.end || rows.end > header.height {
         return Err(ImageError::InvalidMedia(format!(
@@ -147,6 +185,22 @@ fn decode(
         height: rows.end - rows.start,
         rgb,
     })
+}
+
+/// A resize's output within `limits`, as an image's size is.
+fn check_resized((width, height): (u32, u32), limits: &Limits) -> Result<(), ImageError> {
+    let pixels = u64::from(width) * u64::from(height);
+    if pixels == 0
+        || width > limits.max_width
+        || height > limits.max_height
+        || pixels > limits.max_pixels
+    {
+        return Err(ImageError::LimitExceeded(format!(
+            "a resize to {width}x{height} is outside the limits (1x1 to {}x{}, {} pixels)",
+            limits.max_width, limits.max_height, limits.max_pixels
+        )));
+    }
+    Ok(())
 }
 
 /// JPEG decoders fill a truncated scan with grey (libjpeg only warns); Pillow refuses such files

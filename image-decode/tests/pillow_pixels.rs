@@ -273,3 +273,58 @@ fn broken_files_are_refused_not_decoded_to_grey() {
         Err(ImageError::InvalidMedia(_))
     ));
 }
+
+/// A JPEG decoded and resized by the host is the decoded image resized by the plugins' own
+/// resampler (the image parity fixtures hold that to Pillow's), enlarged or shrunk, with either
+/// filter; at its own size it is the decoded image. The resized size is held to the limits too.
+#[test]
+fn resized_jpegs_are_the_decoded_pixels_resized() {
+    use mmgate_image_decode::{Filter, decode_jpeg_resized};
+    if !mmgate_resample::simd_kernels() {
+        let data = std::fs::read(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../tests/fixtures/image/images/photo-640x480.jpg"),
+        )
+        .unwrap();
+        let refused = decode_jpeg_resized(&data, &Limits::default(), (64, 48), Filter::Bicubic);
+        assert!(
+            matches!(refused, Err(ImageError::Unsupported(_))),
+            "{refused:?}"
+        );
+        return;
+    }
+    let (width, height) = (173, 91);
+    let data = Encoder::new(&scene(width, height), width, height, PixelFormat::Rgb)
+        .quality(90)
+        .encode()
+        .unwrap();
+    let decoded = decode_jpeg(&data, &Limits::default()).unwrap();
+    for (size, filter) in [
+        ((260, 140), Filter::Bicubic),
+        ((50, 31), Filter::Bicubic),
+        ((174, 90), Filter::Bilinear),
+        ((173, 91), Filter::Bicubic),
+    ] {
+        let resized = decode_jpeg_resized(&data, &Limits::default(), size, filter).unwrap();
+        let expected = mmgate_resample::resize(
+            mmgate_resample::Rows::whole(&decoded.rgb, width, height),
+            size.0 as usize,
+            size.1 as usize,
+            filter,
+        );
+        assert_eq!((resized.width, resized.height), size);
+        assert!(resized.rgb == expected, "{size:?} {filter:?}");
+    }
+    let small = Limits {
+        max_pixels: 200 * 100,
+        ..Limits::default()
+    };
+    for size in [(0, 10), (201, 100), (300, 70)] {
+        let refused = decode_jpeg_resized(&data, &small, size, Filter::Bicubic)
+            .map(|image| (image.width, image.height));
+        assert!(
+            matches!(&refused, Err(ImageError::LimitExceeded(m)) if m.contains("resize")),
+            "{size:?}: {refused:?}"
+        );
+    }
+}

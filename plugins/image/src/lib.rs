@@ -26,6 +26,7 @@ mod pixtral;
 mod processor;
 
 use mmgate_plugin_sdk::imagedecode as decode;
+use mmgate_plugin_sdk::imageops::RgbImage;
 use mmgate_plugin_sdk::*;
 
 use processor::{Choices, Processor};
@@ -63,7 +64,7 @@ impl Plugin for ImagePlugin {
     ) -> PluginResult<Vec<Tensor>> {
         let processor = Processor::from_config(&config)?;
         let choices: Choices = plan.choices()?;
-        let image = decode::decode_rgb(&media.data)?;
+        let image = decode_for(&processor, &choices, &media.data)?;
         processor.preprocess(image, &choices)
     }
 
@@ -109,9 +110,18 @@ impl Plugin for ImagePlugin {
                 return Ok(ReducedItem::single(media));
             }
         }
-        let image = decode::decode_rgb(&media.data)?;
+        let image = decode_for(&processor, &choices, &media.data)?;
         let resized = processor.reduced_image(image, &choices)?;
         Ok(ReducedItem::single(files::png(&resized)?))
+    }
+}
+
+/// The image as `processor` starts on it for `choices`: already at the size it is first resized
+/// to, if any (a JPEG's resize then runs in the host, natively), else as it came.
+fn decode_for(processor: &Processor, choices: &Choices, data: &[u8]) -> PluginResult<RgbImage> {
+    match processor.whole_resize(choices) {
+        Some((width, height, filter)) => decode::decode_rgb_resized(data, (width, height), filter),
+        None => decode::decode_rgb(data),
     }
 }
 

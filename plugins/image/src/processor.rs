@@ -732,6 +732,24 @@ impl Processor {
         }
     }
 
+    /// The size and filter the whole image is resized to before anything else, by both
+    /// [`Self::preprocess`] and [`Self::reduced_image`], where they begin so: the caller then
+    /// decodes it at that size at once (a JPEG's resize runs in the host) and the resize here
+    /// finds it done. `None` where the first step is something else (crops of the image as it
+    /// came, tiles) or none.
+    pub fn whole_resize(&self, choices: &Choices) -> Option<(usize, usize, Filter)> {
+        let planned = |filter: Filter| Some((choices.width, choices.height, filter));
+        let squashed = |filter: Filter| choices.squashed.map(|[w, h]| (w, h, filter));
+        match self {
+            Processor::Qwen2Vl { filter, .. } | Processor::Fixed { filter, .. } => planned(*filter),
+            Processor::Pixtral(pixtral) => planned(pixtral.filter),
+            Processor::LlavaNext(llava) => planned(llava.filter),
+            Processor::Gemma3(gemma3) => squashed(gemma3.filter),
+            Processor::InternVl(internvl) => squashed(internvl.filter),
+            Processor::Idefics3(_) | Processor::Llama4(_) => None,
+        }
+    }
+
     /// Whether an image its plan keeps at the processor's own size is still sent resized to it:
     /// when that size has at most half its pixels, the model server's processor would decode all
     /// of them and resize, which costs it more than reading the planned image (bench/fronting.py

@@ -11,7 +11,7 @@
 
 use std::io::Cursor;
 
-use crate::imageops::RgbImage;
+use crate::imageops::{Filter, RgbImage};
 use crate::{MediaInfo, PluginError, PluginResult};
 use image::{DynamicImage, ImageFormat, ImageReader, Limits};
 
@@ -147,13 +147,33 @@ pub fn decode_rgb(data: &[u8]) -> PluginResult<RgbImage> {
     let header = probe(data)?;
     if header.format == "jpeg" {
         // The host checks completeness itself; the plugin's own decoder needs the check here.
-        if let Some(image) = decode_jpeg_in_host(data, &header, None)? {
+        if let Some(image) = decode_jpeg_in_host(data, &header, HostDecode::Whole)? {
             return Ok(image);
         }
         check_jpeg_complete(data)?;
         return decode_jpeg(data, &header);
     }
     decode_other(data, &header)
+}
+
+/// [`decode_rgb`]'s image resized to `width` x `height` as [`RgbImage::into_resized`] resizes it
+/// (Pillow's resize, byte for byte). A JPEG the host decodes is resized there too (contract
+/// 0.5.1's `decode-jpeg-resized`: the same resize, natively with SIMD), so only the resized image
+/// crosses into the sandbox; any other image, or a JPEG the host leaves to the plugin (or a host
+/// without a resize faster than the plugin's own), is decoded and resized here.
+pub fn decode_rgb_resized(
+    data: &[u8],
+    (width, height): (usize, usize),
+    filter: Filter,
+) -> PluginResult<RgbImage> {
+    let header = probe(data)?;
+    if header.format == "jpeg"
+        && let Some(image) =
+            decode_jpeg_in_host(data, &header, HostDecode::Resized(width, height, filter))?
+    {
+        return Ok(image);
+    }
+    Ok(decode_rgb(data)?.into_resized(width, height, filter))
 }
 
 /// Rows `rows` of the image (top to bottom, within its height) at full width: exactly those rows
@@ -173,7 +193,7 @@ pub fn decode_rgb_rows(
         )));
     }
     if header.format == "jpeg"
-        && let Some(image) = decode_jpeg_in_host(data, header, Some(rows.clone()))?
+        && let Some(image) = decode_jpeg_in_host(data, header, HostDecode::Rows(rows.clone()))?
     {
         return Ok(image);
     }
@@ -231,41 +251,82 @@ fn decode_memory_cap(header: &Header) -> u64 {
 /// coefficient, so an unbounded count would let a small file burn the CPU.
 const MAX_JPEG_SCANS: usize = 1000;
 
+/// What a plugin asks the host's JPEG decoder for.
+// Natively there is no host to ask (see the stub below).
+#[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+enum HostDecode {
+    /// The whole image (0.3.1's `decode-jpeg`).
+    Whole,
+    /// Only these rows (0.4.1's `decode-jpeg-rows`).
+    Rows(std::ops::Range<usize>),
+    /// The whole image resized to a width and height (0.5.1's `decode-jpeg-resized`).
+    Resized(usize, usize, Filter),
+}
+
 /// Most JPEGs are decoded by the host (contract 0.3.1's `image` capability): libjpeg-turbo itself,
 /// natively with its SIMD kernels, faster than [`decode_jpeg`] compiled to WebAssembly, and the
 /// same pixels. `None` when the host leaves the file to the plugin (CMYK/YCCK, 12-bit,
-/// lossless), or natively (the benchmark's baseline and unit tests), where there is no host.
-/// `rows`: only those rows (0.4.1's `decode-jpeg-rows`); all when `None`.
+/// lossless; a resize on a CPU where the host's is no faster), or natively (the benchmark's
+/// baseline and unit tests), where there is no host.
 #[cfg(target_arch = "wasm32")]
 fn decode_jpeg_in_host(
     data: &[u8],
     header: &Header,
-    rows: Option<std::ops::Range<usize>>,
+    ask: HostDecode,
 ) -> PluginResult<Option<RgbImage>> {
-    use crate::bindings::mmgate::modality::image::{self as host, ImageError, ImageLimits};
+    use crate::bindings::mmgate::modality::image::{
+        self as host, ImageError, ImageLimits, ResampleFilter,
+    };
     let limits = ImageLimits {
         max_width: header.width,
         max_height: header.height,
         max_pixels: MAX_IMAGE_PIXELS,
         max_scans: MAX_JPEG_SCANS as u32,
     };
-    let (decoded, height) = match rows {
+    let (decoded, width, height) = match ask {
+        HostDecode::Whole => (
+            host::decode_jpeg(data, limits),
+            header.width as usize,
+            header.height as usize,
+        ),
         // Within the header's height (checked by the caller), so within u32.
-        Some(rows) => (
+        HostDecode::Rows(rows) => (
             host::decode_jpeg_rows(data, limits, rows.start as u32, rows.len() as u32),
+            header.width as usize,
             rows.len(),
         ),
-        None => (host::decode_jpeg(data, limits), header.height as usize),
+        HostDecode::Resized(width, height, filter) => {
+            let (Ok(w), Ok(h)) = (u32::try_from(width), u32::try_from(height)) else {
+                return Err(PluginError::limit(format!(
+                    "a resize to {width}x{height} is too large"
+                )));
+            };
+            // The resized image may be larger than the source: its own size bounds it.
+            let limits = ImageLimits {
+                max_width: header.width.max(w),
+                max_height: header.height.max(h),
+                ..limits
+            };
+            let filter = match filter {
+                Filter::Bilinear => ResampleFilter::Bilinear,
+                Filter::Bicubic => ResampleFilter::Bicubic,
+            };
+            (
+                host::decode_jpeg_resized(data, limits, w, h, filter),
+                width,
+                height,
+            )
+        }
     };
     match decoded {
         Ok(image)
-            if image.width == header.width
+            if image.width as usize == width
                 && image.height as usize == height
-                && image.rgb.len() == image.width as usize * height * 3 =>
+                && image.rgb.len() == width * height * 3 =>
         {
             Ok(Some(RgbImage {
-                width: image.width as usize,
-                height: image.height as usize,
+                width,
+                height,
                 data: image.rgb,
             }))
         }
@@ -283,7 +344,7 @@ fn decode_jpeg_in_host(
 fn decode_jpeg_in_host(
     _data: &[u8],
     _header: &Header,
-    _rows: Option<std::ops::Range<usize>>,
+    _ask: HostDecode,
 ) -> PluginResult<Option<RgbImage>> {
     Ok(None)
 }

@@ -176,7 +176,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 /// The contract version this SDK was built against (the `mmgate:modality` package version).
-pub const CONTRACT_VERSION: &str = "0.4.1";
+pub const CONTRACT_VERSION: &str = "0.5.1";
 
 /// Result type of the fallible contract functions.
 pub type PluginResult<T> = Result<T, PluginError>;
