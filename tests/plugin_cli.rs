@@ -231,7 +231,10 @@ fn check_accepts_a_plugin_built_for_an_earlier_patch_version() {
     let out = mmgate(&["plugin", "check", path.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
-    assert!(text.contains("contract:        0.5.0 (host 0.5.1)"), "{text}");
+    assert!(
+        text.contains("contract:        0.5.0 (host 0.5.1)"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -12,7 +12,7 @@ use wasmtime::component::HasData;
 
 use crate::call_clock::CallClock;
 use crate::contract::mmgate::modality::image::{
-    Host, ImageError, ImageLimits, ResampleFilter, RgbImage,
+    Host, ImageError, ImageLimits, ResampleFilter, Resize, RgbImage,
 };
 
 /// What one plugin call holds of this capability: the host's decoder limits.
@@ -111,19 +111,20 @@ impl Host for ImageView<'_> {
         &mut self,
         data: Vec<u8>,
         limits: ImageLimits,
-        width: u32,
-        height: u32,
-        filter: ResampleFilter,
+        to: Resize,
     ) -> Result<RgbImage, ImageError> {
         let limits = self.decode_limits(limits)?;
-        let filter = match filter {
-            ResampleFilter::Bilinear => mmgate_image_decode::Filter::Bilinear,
-            ResampleFilter::Bicubic => mmgate_image_decode::Filter::Bicubic,
+        let resize = mmgate_image_decode::Resize {
+            width: to.width,
+            height: to.height,
+            filter: match to.filter {
+                ResampleFilter::Bilinear => mmgate_image_decode::Filter::Bilinear,
+                ResampleFilter::Bicubic => mmgate_image_decode::Filter::Bicubic,
+            },
+            rows: to.first_row..to.first_row.saturating_add(to.rows),
         };
         self.clock
-            .host_work(|| {
-                mmgate_image_decode::decode_jpeg_resized(&data, &limits, (width, height), filter)
-            })
+            .host_work(|| mmgate_image_decode::decode_jpeg_resized(&data, &limits, &resize))
             .map(contract_image)
             .map_err(contract_error)
     }

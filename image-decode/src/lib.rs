@@ -98,7 +98,7 @@ pub struct RgbImage {
 
 /// Decodes the JPEG in `data` into RGB as Pillow would, within `limits`.
 pub fn decode_jpeg(data: &[u8], limits: &Limits) -> Result<RgbImage, ImageError> {
-    decode(data, limits, None, None)
+    decode(data, limits, |header| Ok(0..header.height)).map(|decoded| decoded.image)
 }
 
 /// Rows `rows` (top to bottom, `rows.start < rows.end <= height`) of the JPEG in `data`, decoded
@@ -113,46 +113,112 @@ pub fn decode_jpeg_rows(
     limits: &Limits,
     rows: std::ops::Range<u32>,
 ) -> Result<RgbImage, ImageError> {
-    decode(data, limits, Some(rows), None)
+    decode(data, limits, |_| Ok(rows)).map(|decoded| decoded.image)
 }
 
-/// The JPEG in `data` decoded as [`decode_jpeg`] decodes it, resized to `width` x `height` as
-/// Pillow's `Image.resize((width, height), filter)` resizes it (the image as decoded when it is
-/// that size already). `limits` bound the resized image as well as the JPEG. [`ImageError::Unsupported`]
-/// where this CPU runs the resize without SIMD (no AVX2): slower there than a plugin's own Wasm
-/// build of it, so a plugin should resize itself.
+/// How [`decode_jpeg_resized`] resizes: to `width` x `height` with `filter`, and of the resized
+/// image only rows `rows`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resize {
+    pub width: u32,
+    pub height: u32,
+    pub filter: Filter,
+    pub rows: std::ops::Range<u32>,
+}
+
+/// The JPEG in `data` decoded as [`decode_jpeg`] decodes it, resized as Pillow's
+/// `Image.resize((width, height), filter)` resizes it (the image as decoded when it is that size
+/// already): of the resized image, rows `resize.rows`, each exactly that row of the whole resize.
+/// Only the source rows those rows read are decoded (as [`decode_jpeg_rows`] decodes a band).
+/// `limits` bound the resized image as well as the JPEG. [`ImageError::Unsupported`] where this
+/// CPU runs the resize without SIMD (no AVX2): slower there than a plugin's own Wasm build of it,
+/// so a plugin should resize itself.
 pub fn decode_jpeg_resized(
     data: &[u8],
     limits: &Limits,
-    (width, height): (u32, u32),
-    filter: Filter,
+    resize: &Resize,
 ) -> Result<RgbImage, ImageError> {
     if !mmgate_resample::simd_kernels() {
         return Err(ImageError::Unsupported(
             "this host resizes without SIMD (no AVX2): the plugin's own resize is faster".into(),
         ));
     }
-    let image = decode(data, limits, None, Some((width, height)))?;
-    if (image.width, image.height) == (width, height) {
-        return Ok(image);
-    }
-    let source =
-        mmgate_resample::Rows::whole(&image.rgb, image.width as usize, image.height as usize);
-    Ok(RgbImage {
+    let Resize {
         width,
         height,
-        rgb: mmgate_resample::resize(source, width as usize, height as usize, filter),
+        filter,
+        ref rows,
+    } = *resize;
+    let Decoded {
+        image: source,
+        header,
+        rows: read,
+    } = decode(data, limits, |header| {
+        check_resized((width, height), limits)?;
+        check_rows(rows, height)?;
+        let out_rows = rows.start as usize..rows.end as usize;
+        let read =
+            mmgate_resample::source_rows(header.height as usize, height as usize, filter, out_rows);
+        // Within the source's height, so within u32.
+        Ok(read.start as u32..read.end as u32)
+    })?;
+    if (source.width, header.height) == (width, height) {
+        return Ok(source);
+    }
+    let source_rows = mmgate_resample::Rows {
+        rgb: &source.rgb,
+        width: source.width as usize,
+        first_row: read.start as usize,
+        image_height: header.height as usize,
+    };
+    let mut resized = mmgate_resample::Resized::new(
+        source_rows,
+        width as usize,
+        height as usize,
+        filter,
+        rows.start as usize,
+    );
+    let mut rgb = Vec::with_capacity(width as usize * rows.len() * 3);
+    for _ in rows.clone() {
+        match resized.next_row() {
+            Some(row) => rgb.extend_from_slice(row),
+            None => break,
+        }
+    }
+    Ok(RgbImage {
+        width,
+        height: rows.end - rows.start,
+        rgb,
     })
 }
 
-/// The image's rows `rows`, all when `None`: everything a file controls checked before anything
-/// is decoded, and the size it is to be resized to (if any) as well.
+fn check_rows(rows: &std::ops::Range<u32>, height: u32) -> Result<(), ImageError> {
+    if rows.start >= rows.end || rows.end > height {
+        return Err(ImageError::InvalidMedia(format!(
+            "rows {}..{} are not within the image's {height} rows",
+            rows.start, rows.end
+        )));
+    }
+    Ok(())
+}
+
+/// Rows of a decoded image.
+struct Decoded {
+    /// The rows, at full width.
+    image: RgbImage,
+    /// The whole image's header.
+    header: Header,
+    /// Which rows of the whole image `image` holds.
+    rows: std::ops::Range<u32>,
+}
+
+/// The image's rows that `choose_rows` picks once the header is read: everything a file controls
+/// checked before anything is decoded.
 fn decode(
     data: &[u8],
     limits: &Limits,
-    rows: Option<std::ops::Range<u32>>,
-    resized: Option<(u32, u32)>,
-) -> Result<RgbImage, ImageError> {
+    choose_rows: impl FnOnce(&Header) -> Result<std::ops::Range<u32>, ImageError>,
+) -> Result<Decoded, ImageError> {
     if data.is_empty() {
         return Err(ImageError::InvalidMedia(
             "the image is empty (0 bytes)".into(),
@@ -169,21 +235,17 @@ fn decode(
     let mut decoder = turbo::Decoder::new(limits)?;
     let header = decoder.header(data)?;
     header.check(limits)?;
-    if let Some(size) = resized {
-        check_resized(size, limits)?;
-    }
-    let rows = rows.unwrap_or(0..header.height);
-    if rows.start >= rows.end || rows.end > header.height {
-        return Err(ImageError::InvalidMedia(format!(
-            "rows {}..{} are not within the image's {} rows",
-            rows.start, rows.end, header.height
-        )));
-    }
+    let rows = choose_rows(&header)?;
+    check_rows(&rows, header.height)?;
     let rgb = decoder.decode_rgb_rows(data, &header, rows.clone())?;
-    Ok(RgbImage {
-        width: header.width,
-        height: rows.end - rows.start,
-        rgb,
+    Ok(Decoded {
+        image: RgbImage {
+            width: header.width,
+            height: rows.end - rows.start,
+            rgb,
+        },
+        header,
+        rows,
     })
 }
 

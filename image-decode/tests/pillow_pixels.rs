@@ -276,17 +276,25 @@ fn broken_files_are_refused_not_decoded_to_grey() {
 
 /// A JPEG decoded and resized by the host is the decoded image resized by the plugins' own
 /// resampler (the image parity fixtures hold that to Pillow's), enlarged or shrunk, with either
-/// filter; at its own size it is the decoded image. The resized size is held to the limits too.
+/// filter; at its own size it is the decoded image; a band of its rows is those rows of the whole.
+/// The resized size is held to the limits too.
 #[test]
 fn resized_jpegs_are_the_decoded_pixels_resized() {
-    use mmgate_image_decode::{Filter, decode_jpeg_resized};
+    use mmgate_image_decode::{Filter, Resize, decode_jpeg_resized};
+    let whole = |(width, height): (u32, u32), filter| Resize {
+        width,
+        height,
+        filter,
+        rows: 0..height,
+    };
     if !mmgate_resample::simd_kernels() {
         let data = std::fs::read(
             Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("../tests/fixtures/image/images/photo-640x480.jpg"),
         )
         .unwrap();
-        let refused = decode_jpeg_resized(&data, &Limits::default(), (64, 48), Filter::Bicubic);
+        let refused =
+            decode_jpeg_resized(&data, &Limits::default(), &whole((64, 48), Filter::Bicubic));
         assert!(
             matches!(refused, Err(ImageError::Unsupported(_))),
             "{refused:?}"
@@ -305,7 +313,7 @@ fn resized_jpegs_are_the_decoded_pixels_resized() {
         ((174, 90), Filter::Bilinear),
         ((173, 91), Filter::Bicubic),
     ] {
-        let resized = decode_jpeg_resized(&data, &Limits::default(), size, filter).unwrap();
+        let resized = decode_jpeg_resized(&data, &Limits::default(), &whole(size, filter)).unwrap();
         let expected = mmgate_resample::resize(
             mmgate_resample::Rows::whole(&decoded.rgb, width, height),
             size.0 as usize,
@@ -314,13 +322,43 @@ fn resized_jpegs_are_the_decoded_pixels_resized() {
         );
         assert_eq!((resized.width, resized.height), size);
         assert!(resized.rgb == expected, "{size:?} {filter:?}");
+        // Bands of the resized rows, each decoding only the source rows it reads, are the
+        // whole's rows; rows outside the resized image are refused.
+        let row = size.0 as usize * 3;
+        for band in [
+            0..1,
+            0..size.1 / 3,
+            size.1 / 3..size.1 - 1,
+            size.1 - 1..size.1,
+        ] {
+            let to = Resize {
+                rows: band.clone(),
+                ..whole(size, filter)
+            };
+            let rows = decode_jpeg_resized(&data, &Limits::default(), &to).unwrap();
+            assert_eq!((rows.width, rows.height), (size.0, band.len() as u32));
+            let expected = &expected[band.start as usize * row..band.end as usize * row];
+            assert!(rows.rgb == expected, "{size:?} {filter:?} rows {band:?}");
+        }
+        for band in [0..0, size.1..size.1 + 1] {
+            let to = Resize {
+                rows: band.clone(),
+                ..whole(size, filter)
+            };
+            let refused = decode_jpeg_resized(&data, &Limits::default(), &to)
+                .map(|image| (image.width, image.height));
+            assert!(
+                matches!(refused, Err(ImageError::InvalidMedia(_))),
+                "rows {band:?}: {refused:?}"
+            );
+        }
     }
     let small = Limits {
         max_pixels: 200 * 100,
         ..Limits::default()
     };
     for size in [(0, 10), (201, 100), (300, 70)] {
-        let refused = decode_jpeg_resized(&data, &small, size, Filter::Bicubic)
+        let refused = decode_jpeg_resized(&data, &small, &whole(size, Filter::Bicubic))
             .map(|image| (image.width, image.height));
         assert!(
             matches!(&refused, Err(ImageError::LimitExceeded(m)) if m.contains("resize")),

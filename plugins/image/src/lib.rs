@@ -77,7 +77,8 @@ impl Plugin for ImagePlugin {
     }
 
     /// Band `index`: only its source rows are decoded (a JPEG's by the host, the rows above it
-    /// entropy-decoded only), resized and laid out as that run of the whole's patches.
+    /// entropy-decoded only), resized (a JPEG's by the host too) and laid out as that run of the
+    /// whole's patches.
     fn preprocess_part(
         media: Media,
         plan: TokenPlan,
@@ -91,10 +92,10 @@ impl Plugin for ImagePlugin {
             return Self::preprocess(media, plan, config);
         }
         let header = decode::probe(&media.data)?;
-        let source_height = header.height as usize;
-        let band = processor.band(&choices, source_height, parts, index as usize)?;
-        let rows = decode::decode_rgb_rows(&media.data, &header, band.source_rows.clone())?;
-        processor.preprocess_band(rows, source_height, &choices, &band)
+        let (band, size, filter) = processor.band(&choices, parts, index as usize)?;
+        let rows =
+            decode::decode_rgb_resized_rows(&media.data, &header, size, filter, band.rows.clone())?;
+        processor.preprocess_band(rows, &choices, &band)
     }
 
     /// An image whose plan keeps HF's own size goes as it came (the server's processor resizes it

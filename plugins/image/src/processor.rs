@@ -2,9 +2,9 @@
 
 use std::ops::Range;
 
+use mmgate_plugin_sdk::imagedecode::ImageRows;
 use mmgate_plugin_sdk::imageops::{
     CLIP_MEAN, CLIP_STD, Filter, Normalize, RgbImage, qwen2vl_resized_patch_bytes_reusing,
-    source_rows,
 };
 use mmgate_plugin_sdk::*;
 use serde::Deserialize;
@@ -882,12 +882,10 @@ fn band_rows(block_rows: usize, bands: usize, index: usize) -> Range<usize> {
     boundary(index)..boundary(index + 1)
 }
 
-/// A band of an image's output rows and the source rows it is made from.
+/// A band of an image's output rows: whole merge blocks of `patch * merge` rows of its planned
+/// size.
 pub struct Band {
-    /// Output rows (of the planned size), whole merge blocks of `patch * merge` rows.
     pub rows: Range<usize>,
-    /// The source image's rows the band's resize reads.
-    pub source_rows: Range<usize>,
 }
 
 impl Processor {
@@ -911,15 +909,15 @@ impl Processor {
         }
     }
 
-    /// Band `index` of `parts` of a planned image of `source_height` rows: the merge block rows
-    /// shared out so that each band costs about the same (see [`band_rows`]).
+    /// Band `index` of `parts` of a planned image: the merge block rows shared out so that each
+    /// band costs about the same (see [`band_rows`]), and the size and filter the band's rows
+    /// are resized to.
     pub fn band(
         &self,
         choices: &Choices,
-        source_height: usize,
         parts: usize,
         index: usize,
-    ) -> PluginResult<Band> {
+    ) -> PluginResult<(Band, (usize, usize), Filter)> {
         let Processor::Qwen2Vl {
             patch,
             merge,
@@ -937,17 +935,16 @@ impl Processor {
         let unit = patch * merge;
         let blocks = band_rows(choices.height / unit, parts, index);
         let rows = blocks.start * unit..blocks.end * unit;
-        let source_rows = source_rows(source_height, choices.height, *filter, rows.clone());
-        Ok(Band { rows, source_rows })
+        Ok((Band { rows }, (choices.width, choices.height), *filter))
     }
 
-    /// The tensors of `band`, made from `rows`: the source image's rows `band.source_rows` (of its
-    /// `source_height`). What [`Self::preprocess`] makes of the whole, those patches only, with
-    /// the band's own grid: the bands' tensors in order join into the whole's.
+    /// The tensors of `band`, made from `rows`: the rows of the source image, or of the image
+    /// already resized, that the band's rows read. What [`Self::preprocess`] makes of the whole,
+    /// those patches only, with the band's own grid: the bands' tensors in order join into the
+    /// whole's.
     pub fn preprocess_band(
         &self,
-        rows: RgbImage,
-        source_height: usize,
+        rows: ImageRows,
         choices: &Choices,
         band: &Band,
     ) -> PluginResult<Vec<Tensor>> {
@@ -963,14 +960,9 @@ impl Processor {
             return Err(PluginError::internal("a fixed-size image is made whole"));
         };
         check_planned_size(choices, patch * merge)?;
-        if rows.height != band.source_rows.len() {
-            return Err(PluginError::internal(
-                "the band's source rows were not decoded",
-            ));
-        }
         let samples = qwen2vl_resized_patch_bytes_reusing(
-            rows,
-            (band.source_rows.start, source_height),
+            rows.rows,
+            (rows.first_row, rows.image_height),
             (choices.width, choices.height),
             *filter,
             (*patch, *merge),

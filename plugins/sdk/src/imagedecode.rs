@@ -168,12 +168,64 @@ pub fn decode_rgb_resized(
 ) -> PluginResult<RgbImage> {
     let header = probe(data)?;
     if header.format == "jpeg"
-        && let Some(image) =
-            decode_jpeg_in_host(data, &header, HostDecode::Resized(width, height, filter))?
+        && let Some(image) = decode_jpeg_in_host(
+            data,
+            &header,
+            HostDecode::Resized(width, height, filter, 0..height),
+        )?
     {
         return Ok(image);
     }
     Ok(decode_rgb(data)?.into_resized(width, height, filter))
+}
+
+/// Rows of an image: `rows` holds its rows `first_row..first_row + rows.height`, of its
+/// `image_height`.
+pub struct ImageRows {
+    pub rows: RgbImage,
+    pub first_row: usize,
+    pub image_height: usize,
+}
+
+/// What output rows `out_rows` of the image resized to `width` x `height` are made from, for a
+/// plugin making a large image in bands of rows: a JPEG the host decodes and resizes gives those
+/// resized rows themselves (0.5.1's `decode-jpeg-resized`, decoding only the source rows they
+/// read); otherwise the source rows they read ([`source_rows`](crate::imageops::source_rows),
+/// decoded as [`decode_rgb_rows`] decodes them) for the plugin's own resize, which makes the same
+/// bytes. `header` is what [`probe`] read of `data`.
+pub fn decode_rgb_resized_rows(
+    data: &[u8],
+    header: &Header,
+    (width, height): (usize, usize),
+    filter: Filter,
+    out_rows: std::ops::Range<usize>,
+) -> PluginResult<ImageRows> {
+    if out_rows.start >= out_rows.end || out_rows.end > height {
+        return Err(PluginError::internal(format!(
+            "rows {}..{} are not within the resized image's {height} rows",
+            out_rows.start, out_rows.end
+        )));
+    }
+    if header.format == "jpeg"
+        && let Some(rows) = decode_jpeg_in_host(
+            data,
+            header,
+            HostDecode::Resized(width, height, filter, out_rows.clone()),
+        )?
+    {
+        return Ok(ImageRows {
+            rows,
+            first_row: out_rows.start,
+            image_height: height,
+        });
+    }
+    let source_height = header.height as usize;
+    let read = crate::imageops::source_rows(source_height, height, filter, out_rows);
+    Ok(ImageRows {
+        first_row: read.start,
+        rows: decode_rgb_rows(data, header, read)?,
+        image_height: source_height,
+    })
 }
 
 /// Rows `rows` of the image (top to bottom, within its height) at full width: exactly those rows
@@ -259,8 +311,8 @@ enum HostDecode {
     Whole,
     /// Only these rows (0.4.1's `decode-jpeg-rows`).
     Rows(std::ops::Range<usize>),
-    /// The whole image resized to a width and height (0.5.1's `decode-jpeg-resized`).
-    Resized(usize, usize, Filter),
+    /// Rows of the image resized to a width and height (0.5.1's `decode-jpeg-resized`).
+    Resized(usize, usize, Filter, std::ops::Range<usize>),
 }
 
 /// Most JPEGs are decoded by the host (contract 0.3.1's `image` capability): libjpeg-turbo itself,
@@ -275,7 +327,7 @@ fn decode_jpeg_in_host(
     ask: HostDecode,
 ) -> PluginResult<Option<RgbImage>> {
     use crate::bindings::mmgate::modality::image::{
-        self as host, ImageError, ImageLimits, ResampleFilter,
+        self as host, ImageError, ImageLimits, ResampleFilter, Resize,
     };
     let limits = ImageLimits {
         max_width: header.width,
@@ -295,7 +347,7 @@ fn decode_jpeg_in_host(
             header.width as usize,
             rows.len(),
         ),
-        HostDecode::Resized(width, height, filter) => {
+        HostDecode::Resized(width, height, filter, rows) => {
             let (Ok(w), Ok(h)) = (u32::try_from(width), u32::try_from(height)) else {
                 return Err(PluginError::limit(format!(
                     "a resize to {width}x{height} is too large"
@@ -307,14 +359,21 @@ fn decode_jpeg_in_host(
                 max_height: header.height.max(h),
                 ..limits
             };
-            let filter = match filter {
-                Filter::Bilinear => ResampleFilter::Bilinear,
-                Filter::Bicubic => ResampleFilter::Bicubic,
+            let to = Resize {
+                width: w,
+                height: h,
+                filter: match filter {
+                    Filter::Bilinear => ResampleFilter::Bilinear,
+                    Filter::Bicubic => ResampleFilter::Bicubic,
+                },
+                // Within the resized height (checked by the caller), so within u32.
+                first_row: rows.start as u32,
+                rows: rows.len() as u32,
             };
             (
-                host::decode_jpeg_resized(data, limits, w, h, filter),
+                host::decode_jpeg_resized(data, limits, to),
                 width,
-                height,
+                rows.len(),
             )
         }
     };
