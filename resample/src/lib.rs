@@ -13,190 +13,17 @@
 //! natively for contract 0.5.1's `image.decode-jpeg-resized` with AVX2 where the CPU has it
 //! (see `kernels`). Every backend makes the same bytes.
 
+mod fixed;
 mod kernels;
+mod weights;
 
-use kernels::{PRECISION_BITS, ROUNDING, clip8, lanes};
+use kernels::{Kernels, lanes};
+use weights::{AxisWeights, axis_weights};
+
+pub use weights::{Filter, bicubic};
 
 /// Bytes per RGB pixel.
-const CHANNELS: usize = 3;
-
-/// Which kernels run the passes' rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kernels {
-    /// `kernels::lanes`: Wasm SIMD128 in the plugins, plain loops elsewhere.
-    Lanes,
-    /// `kernels::x86`, on a CPU with AVX2.
-    #[cfg(target_arch = "x86_64")]
-    Avx2(kernels::x86::Avx2),
-}
-
-impl Kernels {
-    /// `horizontal` with what these kernels read of it besides the weights.
-    fn prepared(self, horizontal: AxisWeights) -> AxisWeights {
-        match self {
-            Kernels::Lanes => horizontal,
-            #[cfg(target_arch = "x86_64")]
-            Kernels::Avx2(_) => AxisWeights {
-                paired: kernels::x86::paired_weights(&horizontal.weights, horizontal.ksize),
-                ..horizontal
-            },
-        }
-    }
-
-    /// One source row resampled horizontally into `out`.
-    fn horizontal_row(
-        self,
-        src: &[u8],
-        axis: &AxisWeights,
-        padded: &mut [lanes::Wide],
-        out: &mut [u8],
-    ) {
-        match self {
-            Kernels::Lanes => horizontal_row(src, axis, padded, out),
-            #[cfg(target_arch = "x86_64")]
-            Kernels::Avx2(avx2) => {
-                let weights = (axis.starts.as_slice(), axis.paired.as_slice(), axis.ksize);
-                avx2.horizontal_row(src, padded, weights, out)
-            }
-        }
-    }
-
-    /// One output row of the vertical pass: `out` = Σ_j kk[j] · rows[j], bytewise.
-    fn vertical_row(self, rows: &[&[u8]], kk: &[i32], out: &mut [u8]) {
-        match self {
-            Kernels::Lanes => vertical_row(rows, kk, out),
-            #[cfg(target_arch = "x86_64")]
-            Kernels::Avx2(avx2) => avx2.vertical_row(rows, kk, out),
-        }
-    }
-
-    /// The fastest this CPU runs.
-    fn detect() -> Kernels {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(avx2) = kernels::x86::Avx2::detect() {
-            return Kernels::Avx2(avx2);
-        }
-        Kernels::Lanes
-    }
-}
-
-/// A resampling filter, as Pillow defines it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Filter {
-    /// `Image.BILINEAR` (2): the triangle filter, support 1.
-    Bilinear,
-    /// `Image.BICUBIC` (3): Keys' cubic with a = -0.5, support 2.
-    Bicubic,
-}
-
-impl Filter {
-    /// The filter for a PIL resample code (as HF configs store it), if it is one this crate has.
-    pub fn from_pil_code(code: u32) -> Option<Filter> {
-        match code {
-            2 => Some(Filter::Bilinear),
-            3 => Some(Filter::Bicubic),
-            _ => None,
-        }
-    }
-
-    /// Support radius at scale 1.
-    fn support(self) -> f64 {
-        match self {
-            Filter::Bilinear => 1.0,
-            Filter::Bicubic => 2.0,
-        }
-    }
-
-    fn weight(self, x: f64) -> f64 {
-        match self {
-            Filter::Bilinear => {
-                let x = x.abs();
-                if x < 1.0 { 1.0 - x } else { 0.0 }
-            }
-            Filter::Bicubic => bicubic(x),
-        }
-    }
-}
-
-/// Keys' cubic with a = -0.5: Pillow's `BICUBIC` kernel (torchvision's too).
-pub fn bicubic(x: f64) -> f64 {
-    const A: f64 = -0.5;
-    let x = x.abs();
-    if x < 1.0 {
-        ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
-    } else if x < 2.0 {
-        (((x - 5.0) * x + 8.0) * x - 4.0) * A
-    } else {
-        0.0
-    }
-}
-
-/// For each output index along one axis: the first input index, how many taps it has, and the
-/// fixed-point weights.
-struct AxisWeights {
-    starts: Vec<usize>,
-    counts: Vec<usize>,
-    /// `ksize` weights per output index (zero-padded past its count).
-    weights: Vec<i32>,
-    ksize: usize,
-    /// The weights as the AVX2 horizontal pass reads them (built only for it).
-    #[cfg(target_arch = "x86_64")]
-    paired: Vec<[i32; 8]>,
-}
-
-impl AxisWeights {
-    /// The first input index and the weights of output index `i`.
-    #[inline]
-    fn taps(&self, i: usize) -> (usize, &[i32]) {
-        let row = i * self.ksize;
-        (self.starts[i], &self.weights[row..row + self.counts[i]])
-    }
-}
-
-fn axis_weights(in_size: usize, out_size: usize, filter: Filter) -> AxisWeights {
-    let scale = in_size as f64 / out_size as f64;
-    let filter_scale = scale.max(1.0);
-    let support = filter.support() * filter_scale;
-    // Pillow multiplies by the reciprocal; dividing instead can differ in the last bit.
-    let inverse_scale = 1.0 / filter_scale;
-    let ksize = support.ceil() as usize * 2 + 1;
-    let mut starts = Vec::with_capacity(out_size);
-    let mut counts = Vec::with_capacity(out_size);
-    let mut weights = vec![0i32; out_size * ksize];
-    let mut row = vec![0f64; ksize];
-    for (xx, kk) in weights.chunks_exact_mut(ksize).enumerate() {
-        let center = (xx as f64 + 0.5) * scale;
-        // Pillow truncates towards zero here; both values are >= -0.5 + 0.5 so `as` matches.
-        let xmin = ((center - support + 0.5).max(0.0)) as usize;
-        let xmax = (((center + support + 0.5) as usize).min(in_size))
-            .saturating_sub(xmin)
-            .min(ksize);
-        let mut total = 0.0;
-        for (x, w) in row.iter_mut().enumerate().take(xmax) {
-            *w = filter.weight((x as f64 + xmin as f64 - center + 0.5) * inverse_scale);
-            total += *w;
-        }
-        for (x, k) in kk.iter_mut().enumerate().take(xmax) {
-            let w = if total != 0.0 { row[x] / total } else { 0.0 };
-            let fixed = w * f64::from(1u32 << PRECISION_BITS);
-            *k = if fixed < 0.0 {
-                (fixed - 0.5) as i32
-            } else {
-                (fixed + 0.5) as i32
-            };
-        }
-        starts.push(xmin);
-        counts.push(xmax);
-    }
-    AxisWeights {
-        starts,
-        counts,
-        weights,
-        ksize,
-        #[cfg(target_arch = "x86_64")]
-        paired: Vec::new(),
-    }
-}
+pub(crate) const CHANNELS: usize = 3;
 
 /// Whether this build runs the passes with SIMD kernels: always in Wasm (SIMD128), natively on a
 /// CPU with AVX2. Natively without them the plain loops are slower than the Wasm build, so a host
@@ -398,68 +225,10 @@ impl<'a> Resized<'a> {
     }
 }
 
-/// One source row resampled horizontally into `out`, with `kernels::lanes`.
-fn horizontal_row(src: &[u8], axis: &AxisWeights, padded: &mut [lanes::Wide], out: &mut [u8]) {
-    lanes::widen_rgb(src, padded);
-    // Every output pixel's taps as one fixed-size kernel (weights past its count are zero, and so
-    // are the pixels past the row's end): the loop unrolls for the sizes that occur most
-    // (bicubic: 5 when enlarging, 7 and 9 when shrinking by up to 1.5 and 2).
-    match axis.ksize {
-        5 => horizontal_row_fixed::<5>(padded, axis, out),
-        7 => horizontal_row_fixed::<7>(padded, axis, out),
-        9 => horizontal_row_fixed::<9>(padded, axis, out),
-        _ => {
-            for (xx, out) in out.chunks_exact_mut(CHANNELS).enumerate() {
-                let (start, kk) = axis.taps(xx);
-                let pixel = lanes::horizontal(&padded[start..], kk);
-                out.copy_from_slice(&pixel[..CHANNELS]);
-            }
-        }
-    }
-}
-
-fn horizontal_row_fixed<const K: usize>(
-    padded: &[lanes::Wide],
-    axis: &AxisWeights,
-    out: &mut [u8],
-) {
-    let taps = axis.starts.iter().zip(axis.weights.chunks_exact(K));
-    for (out, (&start, weights)) in out.chunks_exact_mut(CHANNELS).zip(taps) {
-        // `padded` holds K zero pixels past the row, so a window never runs off it.
-        let (Some(pixels), Ok(weights)) = (
-            padded
-                .get(start..start + K)
-                .and_then(|p| <&[_; K]>::try_from(p).ok()),
-            <&[i32; K]>::try_from(weights),
-        ) else {
-            continue;
-        };
-        let pixel = lanes::horizontal_fixed(pixels, weights);
-        out.copy_from_slice(&pixel[..CHANNELS]);
-    }
-}
-
-/// One output row of the vertical pass, with `kernels::lanes`.
-fn vertical_row(rows: &[&[u8]], kk: &[i32], out: &mut [u8]) {
-    // Column blocks with their sums in registers: each tap row is read once per block and no
-    // accumulator row goes through memory.
-    let x = out.len() - out.len() % lanes::BLOCK;
-    let (whole, tail) = out.split_at_mut(x);
-    for (block, out) in whole.chunks_exact_mut(lanes::BLOCK).enumerate() {
-        lanes::vertical(rows, block * lanes::BLOCK, kk, out);
-    }
-    for (i, o) in tail.iter_mut().enumerate() {
-        let mut acc = ROUNDING;
-        for (&k, row) in kk.iter().zip(rows) {
-            acc += i32::from(row[x + i]) * k;
-        }
-        *o = clip8(acc);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fixed::{PRECISION_BITS, ROUNDING, clip8};
 
     /// A test image: `width * height * 3` bytes of a pattern with no runs.
     fn image(width: usize, height: usize) -> Vec<u8> {

@@ -1,6 +1,6 @@
 //! The kernels as plain loops (see the module docs of `kernels`).
 
-use super::{ROUNDING, clip8};
+use crate::fixed::{ROUNDING, clip8};
 
 pub(crate) const BLOCK: usize = 16;
 

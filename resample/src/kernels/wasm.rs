@@ -1,7 +1,7 @@
 //! The kernels in Wasm SIMD128 (see the module docs of `kernels`): each sum runs four lanes
 //! (horizontal: R, G, B and a pad byte) or sixteen (vertical: adjacent bytes of a row) at a time.
 
-use super::{PRECISION_BITS, ROUNDING};
+use crate::fixed::{PRECISION_BITS, ROUNDING};
 use core::arch::wasm32::*;
 
 /// Output bytes one call of [`vertical`] produces.

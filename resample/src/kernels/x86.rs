@@ -7,7 +7,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{PRECISION_BITS, ROUNDING, clip8};
+use crate::fixed::{PRECISION_BITS, ROUNDING, clip8};
 
 /// This CPU has AVX2: the kernels behind it may run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
