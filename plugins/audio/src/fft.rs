@@ -157,10 +157,21 @@ impl PowerSpectrum {
         scratch: &mut Scratch,
         mut power: impl FnMut(usize, Lanes),
     ) {
-        for (n, z) in scratch.a.iter_mut().enumerate() {
-            *z = C4 {
-                re: frames.map(|f| f[2 * n]),
-                im: frames.map(|f| f[2 * n + 1]),
+        // Four samples of each frame at a time (two complex points), transposed so that each
+        // lane holds its frame: whole-vector loads and shuffles instead of a load per lane.
+        for (q, pair) in scratch.a.chunks_exact_mut(2).enumerate() {
+            let [a, b, c, d] = frames.map(|f| {
+                let mut four = [0f32; 4];
+                four.copy_from_slice(&f[4 * q..4 * q + 4]);
+                four
+            });
+            pair[0] = C4 {
+                re: [a[0], b[0], c[0], d[0]],
+                im: [a[1], b[1], c[1], d[1]],
+            };
+            pair[1] = C4 {
+                re: [a[2], b[2], c[2], d[2]],
+                im: [a[3], b[3], c[3], d[3]],
             };
         }
         let (mut x, mut y) = (&mut scratch.a, &mut scratch.b);
@@ -188,42 +199,45 @@ impl PowerSpectrum {
 /// One Stockham stage from `x` into `y` (Govindaraju et al.'s formulation: inputs `HALF / radix`
 /// apart, outputs `span` apart, so no bit reversal is ever needed).
 fn stockham(stage: &Stage, x: &[C4], y: &mut [C4]) {
-    let (radix, span) = (stage.radix, stage.span);
-    let stride = HALF / radix;
-    let mut v = [C4::default(); 5];
+    match stage.radix {
+        2 => stockham_radix::<2>(stage, x, y, dft2),
+        4 => stockham_radix::<4>(stage, x, y, dft4),
+        _ => stockham_radix::<5>(stage, x, y, dft5),
+    }
+}
+
+/// [`stockham`] for a radix known at compile time, so the loops over it unroll.
+#[inline(always)]
+fn stockham_radix<const R: usize>(stage: &Stage, x: &[C4], y: &mut [C4], dft: fn(&mut [C4; R])) {
+    let span = stage.span;
+    let stride = HALF / R;
     for j in 0..stride {
         let k = j % span;
-        let twiddles = &stage.twiddles[k * (radix - 1)..(k + 1) * (radix - 1)];
-        v[0] = x[j];
-        for r in 1..radix {
-            // The first stage's twiddles are all 1.
-            v[r] = if span == 1 {
-                x[j + r * stride]
-            } else {
-                x[j + r * stride].rotate(twiddles[r - 1])
-            };
+        let twiddles = &stage.twiddles[k * (R - 1)..(k + 1) * (R - 1)];
+        let mut v: [C4; R] = std::array::from_fn(|r| x[j + r * stride]);
+        // The first stage's twiddles are all 1.
+        if span > 1 {
+            for (v, &t) in v[1..].iter_mut().zip(twiddles) {
+                *v = v.rotate(t);
+            }
         }
-        match radix {
-            2 => dft2(&mut v),
-            4 => dft4(&mut v),
-            _ => dft5(&mut v),
-        }
-        let base = (j / span) * span * radix + k;
-        for r in 0..radix {
-            y[base + r * span] = v[r];
+        dft(&mut v);
+        let base = (j / span) * span * R + k;
+        for (r, v) in v.into_iter().enumerate() {
+            y[base + r * span] = v;
         }
     }
 }
 
 #[inline(always)]
-fn dft2(v: &mut [C4; 5]) {
+fn dft2(v: &mut [C4; 2]) {
     let (a, b) = (v[0], v[1]);
     v[0] = a.add(b);
     v[1] = a.sub(b);
 }
 
 #[inline(always)]
-fn dft4(v: &mut [C4; 5]) {
+fn dft4(v: &mut [C4; 4]) {
     let (t0, t1) = (v[0].add(v[2]), v[0].sub(v[2]));
     let (t2, t3) = (v[1].add(v[3]), v[1].sub(v[3]).minus_i());
     v[0] = t0.add(t2);

@@ -104,7 +104,13 @@ impl LogMel {
                 }
                 self.spectrum
                     .compute(inputs.each_ref(), &mut scratch, |bin, powers| {
-                        power[bin * BLOCK_FRAMES + k..][..lanes].copy_from_slice(&powers[..lanes]);
+                        let dst = &mut power[bin * BLOCK_FRAMES + k..];
+                        // A whole group is one fixed-size move: a copy whose length is only
+                        // known at run time is a `memory.copy` call out of the sandbox in wasm.
+                        match dst.first_chunk_mut::<4>() {
+                            Some(group) if lanes == 4 => *group = powers,
+                            _ => dst[..lanes].copy_from_slice(&powers[..lanes]),
+                        }
                     });
             }
             for (row, filter) in energies.chunks_exact_mut(BLOCK_FRAMES).zip(&self.filters) {
