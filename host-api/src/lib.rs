@@ -9,10 +9,12 @@
 //! - [`component`]: building a plugin crate into a component (`mmgate plugin build`, the SDK's harness);
 //! - [`pool`]: the bounded thread pool plugin calls run on, away from async reactors;
 //! - [`video`]: the FFmpeg video decoder plugins import (contract 0.2);
-//! - [`image`]: the libjpeg-turbo JPEG decoder plugins import (contract 0.3.1);
+//! - [`image`]: the libjpeg-turbo JPEG decoder plugins import (contract 0.3.1), and Pillow's
+//!   resize of what it decodes (0.5.1);
+//! - [`audio`]: Whisper's log-mel spectrogram, computed natively for plugins (0.5.1);
 //! - [`error`]: what can go wrong, typed.
 //!
-//! A host capability is one module ([`video`], [`image`]): what one call holds of it (its limits,
+//! A host capability is one module ([`video`], [`image`], [`audio`]): what one call holds of it (its limits,
 //! its open resources), which the call's state keeps as one field, and its interface's `Host` impls
 //! on a view of that share and of the parts of the call it uses (the resource table, the call's
 //! clock), as wasmtime-wasi's `WasiView` does. A capability does not know the call's state: the
@@ -28,6 +30,7 @@
 //! This crate knows nothing of HTTP or models: the gateway drives it, the inference core consumes the
 //! tensors it returns.
 
+pub mod audio;
 pub mod builtin;
 mod call_clock;
 pub mod compile_cache;

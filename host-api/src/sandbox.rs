@@ -15,6 +15,7 @@ use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
+use crate::audio::{AudioView, HasAudio};
 use crate::call_clock::CallClock;
 use crate::compile_cache::CompileCache;
 use crate::contract::{LogLevel, mmgate, v0_1, v0_2, v0_3, v0_4};
@@ -195,7 +196,7 @@ impl Sandbox {
 
 /// Links the imports of every contract version this host serves: `types` and `host` on the call's
 /// state itself, each capability's interface on that capability's view of the state, lent by
-/// [`CallState::video_view`] and [`CallState::image_view`]. These are the interfaces each world's
+/// [`CallState::video_view`], [`CallState::image_view`] and [`CallState::audio_view`]. These are the interfaces each world's
 /// generated `add_to_linker` links, taken one by one so that each can be given its own getter: the
 /// capabilities then need not know the call's state.
 fn link_contract(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
@@ -204,6 +205,7 @@ fn link_contract(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
     mmgate::modality::host::add_to_linker::<_, HasSelf<CallState>>(linker, |state| state)?;
     mmgate::modality::video::add_to_linker::<_, HasVideo>(linker, CallState::video_view)?;
     mmgate::modality::image::add_to_linker::<_, HasImage>(linker, CallState::image_view)?;
+    mmgate::modality::audio::add_to_linker::<_, HasAudio>(linker, CallState::audio_view)?;
     // The imports of the earlier contracts, for plugins built against them.
     v0_4::mmgate::modality::host::add_to_linker::<_, HasSelf<CallState>>(linker, |state| state)?;
     v0_4::mmgate::modality::video::add_to_linker::<_, HasVideo>(linker, CallState::video_view)?;
@@ -324,6 +326,13 @@ impl CallState {
     fn image_view(&mut self) -> ImageView<'_> {
         ImageView {
             images: &self.images,
+            clock: &mut self.clock,
+        }
+    }
+
+    /// The audio capability's view of the call: the clock its work is charged to.
+    fn audio_view(&mut self) -> AudioView<'_> {
+        AudioView {
             clock: &mut self.clock,
         }
     }

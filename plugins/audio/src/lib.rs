@@ -7,15 +7,13 @@
 //! encoder's 1500 per chunk, or Qwen2-Audio's count over the frames that hold audio.
 
 mod decode;
-mod fft;
-mod mel;
 mod mp4;
 mod processor;
 mod resample;
 
 use mmgate_plugin_sdk::*;
 
-use mel::SAMPLE_RATE;
+use mmgate_logmel::SAMPLE_RATE;
 use processor::{Choices, Processor};
 
 /// The plugin; public so its code can also run natively (`mmgate_plugin_sdk::run_natively`).
