@@ -92,9 +92,19 @@ impl Plugin for ImagePlugin {
             return Self::preprocess(media, plan, config);
         }
         let header = decode::probe(&media.data)?;
-        let (band, size, filter) = processor.band(&choices, parts, index as usize)?;
-        let rows =
-            decode::decode_rgb_resized_rows(&media.data, &header, size, filter, band.rows.clone())?;
+        let band = processor.band(&choices, parts, index as usize)?;
+        let Some((width, height, filter)) = processor.whole_resize(&choices) else {
+            return Err(PluginError::internal(
+                "an image made in bands has a planned size",
+            ));
+        };
+        let rows = decode::decode_rgb_resized_rows(
+            &media.data,
+            &header,
+            (width, height),
+            filter,
+            band.rows.clone(),
+        )?;
         processor.preprocess_band(rows, &choices, &band)
     }
 

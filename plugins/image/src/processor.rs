@@ -910,21 +910,9 @@ impl Processor {
     }
 
     /// Band `index` of `parts` of a planned image: the merge block rows shared out so that each
-    /// band costs about the same (see [`band_rows`]), and the size and filter the band's rows
-    /// are resized to.
-    pub fn band(
-        &self,
-        choices: &Choices,
-        parts: usize,
-        index: usize,
-    ) -> PluginResult<(Band, (usize, usize), Filter)> {
-        let Processor::Qwen2Vl {
-            patch,
-            merge,
-            filter,
-            ..
-        } = self
-        else {
+    /// band costs about the same (see [`band_rows`]).
+    pub fn band(&self, choices: &Choices, parts: usize, index: usize) -> PluginResult<Band> {
+        let Processor::Qwen2Vl { patch, merge, .. } = self else {
             return Err(PluginError::internal("a fixed-size image is made whole"));
         };
         if index >= parts {
@@ -935,7 +923,7 @@ impl Processor {
         let unit = patch * merge;
         let blocks = band_rows(choices.height / unit, parts, index);
         let rows = blocks.start * unit..blocks.end * unit;
-        Ok((Band { rows }, (choices.width, choices.height), *filter))
+        Ok(Band { rows })
     }
 
     /// The tensors of `band`, made from `rows`: the rows of the source image, or of the image

@@ -144,16 +144,28 @@ pub fn dimensions(info: &MediaInfo) -> PluginResult<(u32, u32)> {
 
 /// Decodes the whole image (the first frame of an animation) into RGB as HF processors see it.
 pub fn decode_rgb(data: &[u8]) -> PluginResult<RgbImage> {
-    let header = probe(data)?;
+    decode_probed(data, &probe(data)?)
+}
+
+/// [`decode_rgb`] of an image whose header [`probe`] has read: a JPEG by the host where it
+/// decodes it, else here.
+fn decode_probed(data: &[u8], header: &Header) -> PluginResult<RgbImage> {
+    if header.format == "jpeg"
+        && let Some(image) = decode_jpeg_in_host(data, header, HostDecode::Whole)?
+    {
+        return Ok(image);
+    }
+    decode_here(data, header)
+}
+
+/// The whole image decoded by the plugin's own decoders.
+fn decode_here(data: &[u8], header: &Header) -> PluginResult<RgbImage> {
     if header.format == "jpeg" {
         // The host checks completeness itself; the plugin's own decoder needs the check here.
-        if let Some(image) = decode_jpeg_in_host(data, &header, HostDecode::Whole)? {
-            return Ok(image);
-        }
         check_jpeg_complete(data)?;
-        return decode_jpeg(data, &header);
+        return decode_jpeg(data, header);
     }
-    decode_other(data, &header)
+    decode_other(data, header)
 }
 
 /// [`decode_rgb`]'s image resized to `width` x `height` as [`RgbImage::into_resized`] resizes it
@@ -176,7 +188,7 @@ pub fn decode_rgb_resized(
     {
         return Ok(image);
     }
-    Ok(decode_rgb(data)?.into_resized(width, height, filter))
+    Ok(decode_probed(data, &header)?.into_resized(width, height, filter))
 }
 
 /// Rows of an image: `rows` holds its rows `first_row..first_row + rows.height`, of its
@@ -249,12 +261,7 @@ pub fn decode_rgb_rows(
     {
         return Ok(image);
     }
-    let whole = if header.format == "jpeg" {
-        check_jpeg_complete(data)?;
-        decode_jpeg(data, header)?
-    } else {
-        decode_other(data, header)?
-    };
+    let whole = decode_here(data, header)?;
     let row = whole.width * 3;
     // The decoder's own height may fall short of the header's (checked for other formats only).
     let band = whole
