@@ -6,7 +6,9 @@
 //!     cargo bench -p mmgate-host --bench plugin_preprocess -- MODALITY FILE CONFIG.json ITERATIONS
 //!
 //! Prints one JSON line: {"file", "wasm_ms_median", "expand_ms_median", "expand_blocks_ms_median",
-//! "tokens"} (expanded whole into fresh memory, and a block at a time as the encoder does). The scripts in
+//! "tokens"} (expanded whole into fresh memory, and a block at a time as the encoder does), and for a
+//! JPEG "jpeg_decode_ms_median": the host's libjpeg-turbo decode of the file alone, as the plugin's
+//! call makes it (the floor under any processor that decodes with libjpeg-turbo). The scripts in
 //! `bench/` run it beside the same code built natively (`plugins/native-bench`) and HF's processors,
 //! and print the ratios.
 
@@ -67,6 +69,13 @@ fn main() {
     };
     let frames = (modality == "video").then(|| frames_decoded(&media.data, &config, plugin));
     let preprocess_ms = median_ms(iterations, run);
+    let jpeg_decode = media.data.starts_with(&[0xFF, 0xD8]).then(|| {
+        let limits = mmgate_image_decode::Limits::default();
+        let decode_ms = median_ms(iterations, || {
+            mmgate_image_decode::decode_jpeg(&media.data, &limits).unwrap()
+        });
+        format!(", \"jpeg_decode_ms_median\": {decode_ms:.3}")
+    });
     let expand_ms = median_ms(iterations, expand);
     let expand_blocks_ms = median_ms(iterations, expand_blocks);
     let frames = frames
@@ -74,8 +83,9 @@ fn main() {
             format!(", \"frames_sampled\": {sampled}, \"frames_decoded\": {decoded}")
         })
         .unwrap_or_default();
+    let jpeg_decode = jpeg_decode.unwrap_or_default();
     println!(
-        "{{\"file\": {file:?}, \"wasm_ms_median\": {:.3}, \"expand_ms_median\": {:.3}, \"expand_blocks_ms_median\": {:.3}, \"tokens\": {tokens}{frames}}}",
+        "{{\"file\": {file:?}, \"wasm_ms_median\": {:.3}, \"expand_ms_median\": {:.3}, \"expand_blocks_ms_median\": {:.3}, \"tokens\": {tokens}{frames}{jpeg_decode}}}",
         preprocess_ms, expand_ms, expand_blocks_ms
     );
 }
