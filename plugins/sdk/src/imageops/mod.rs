@@ -2,6 +2,7 @@
 //! Pillow's resize ([`resample`]), torchvision's ([`resize_like_torchvision`]), Qwen2-VL's patch
 //! layout ([`patches`]), tile grids by aspect ratio ([`tiling`]), cropping and normalisation.
 
+mod float_lanes;
 mod kernels;
 pub mod patches;
 pub mod tiling;
