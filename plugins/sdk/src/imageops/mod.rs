@@ -2,8 +2,8 @@
 //! Pillow's resize ([`resample`]), torchvision's ([`resize_like_torchvision`]), Qwen2-VL's patch
 //! layout ([`patches`]), tile grids by aspect ratio ([`tiling`]), cropping and normalisation.
 
-mod float_lanes;
 mod kernels;
+mod lanes;
 pub mod patches;
 pub mod tiling;
 mod torchvision;
