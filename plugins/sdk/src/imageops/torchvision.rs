@@ -15,7 +15,10 @@ use mmgate_resample::bicubic;
 /// and rounded half to even back to u8. Unlike Pillow's 8-bit path there is no fixed point. Each
 /// value is its taps' products added in order, as torch's kernel adds them.
 pub fn resize_like_torchvision(image: &RgbImage, width: usize, height: usize) -> RgbImage {
-    let taps = |from, to| Taps::<Float>::float(&float_axis_weights(from, to));
+    let taps = |from, to| {
+        let axis = float_axis_weights(from, to);
+        Taps::<Float>::new((axis.starts, axis.lens, axis.ksize), &axis.weights, 0.0, 0)
+    };
     separable(image, (width, height), taps)
 }
 
@@ -27,7 +30,16 @@ pub fn resize_like_torchvision(image: &RgbImage, width: usize, height: usize) ->
 /// i32 and is rounded and clamped back to u8. Up to 8 levels away from the float path
 /// ([`resize_like_torchvision`]) on a 4x downscale.
 pub fn resize_like_torch_uint8(image: &RgbImage, width: usize, height: usize) -> RgbImage {
-    let taps = |from, to| Taps::<Fixed>::fixed(&Int16AxisWeights::new(from, to));
+    let taps = |from, to| {
+        let axis = Int16AxisWeights::new(from, to);
+        let rounding = f64::from((1i32 << axis.precision) >> 1);
+        Taps::<Fixed>::new(
+            (axis.starts, axis.lens, axis.ksize),
+            &axis.weights,
+            rounding,
+            axis.precision,
+        )
+    };
     separable(image, (width, height), taps)
 }
 
@@ -44,43 +56,27 @@ struct Taps<L: Lanes> {
 }
 
 impl<L: Lanes> Taps<L> {
+    /// The taps of an axis whose weights were computed as `weights` (each exact as an f64), with
+    /// sums starting at `empty` and narrowed by `shift` bits.
+    fn new<W: Copy + Into<f64>>(
+        (starts, lens, ksize): (Vec<usize>, Vec<usize>, usize),
+        weights: &[W],
+        empty: f64,
+        shift: u32,
+    ) -> Self {
+        Taps {
+            starts,
+            lens,
+            ksize,
+            weights: weights.iter().map(|&w| L::weight(w.into())).collect(),
+            empty: L::splat(empty),
+            shift,
+        }
+    }
+
     fn of(&self, i: usize) -> (usize, &[L::Weight]) {
         let row = &self.weights[i * self.ksize..i * self.ksize + self.lens[i]];
         (self.starts[i], row)
-    }
-}
-
-impl Taps<Float> {
-    fn float(axis: &FloatAxisWeights) -> Self {
-        Taps {
-            starts: axis.starts.clone(),
-            lens: axis.lens.clone(),
-            ksize: axis.ksize,
-            weights: axis
-                .weights
-                .iter()
-                .map(|&w| Float::weight(f64::from(w)))
-                .collect(),
-            empty: Float::splat(0.0),
-            shift: 0,
-        }
-    }
-}
-
-impl Taps<Fixed> {
-    fn fixed(axis: &Int16AxisWeights) -> Self {
-        Taps {
-            starts: axis.starts.clone(),
-            lens: axis.lens.clone(),
-            ksize: axis.ksize,
-            weights: axis
-                .weights
-                .iter()
-                .map(|&w| Fixed::weight(f64::from(w)))
-                .collect(),
-            empty: Fixed::splat(f64::from((1i32 << axis.precision) >> 1)),
-            shift: axis.precision,
-        }
     }
 }
 
