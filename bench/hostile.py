@@ -2,13 +2,18 @@
 is refused, how long `/health` waits meanwhile (probed every 20 ms from another thread), and how
 much the server's resident memory grows. The goal: refused in under 0.5 s, `/health` answering
 throughout, under +300 MB. A 10 MB prompt that is within the text limit but cannot fit the
-context is measured the same way. Prints the CPU it ran on.
+context is measured the same way. Then requests small on the wire that used to cost gigabytes or
+minutes: a million empty content parts (goal: refused in < 0.5 s, RSS < +100 MB), a 120 MB
+Responses body (`/health` <= 100 ms throughout), 50 stored responses of 3.6 MB (100 000 empty
+parts each, on a server whose parts limit lets them in: RSS < +400 MB), and /v1/preprocess of 60
+and of 32 small images beside a chat (its latency < 1 s). Prints the CPU it ran on.
 
 Run from the repository root after `cargo build --release -p mmgate-gateway` (./dev bench does it).
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
@@ -31,11 +36,27 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def attack(port: int, pid: int, text_bytes: int) -> dict:
-    word = "lorem ipsum dolor "
-    body = json.dumps({"model": "demo", "max_tokens": 4,
-                       "messages": [{"role": "user", "content": word * (text_bytes // len(word))}]})
-    body = body.encode()
+def curl(port: int, path: str, body: bytes) -> tuple[int, str | None, float, dict]:
+    """POSTs `body` with curl (a Python client sharing the interpreter with the probes would time
+    itself): the status, the error code, the seconds it took and the answer."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as file:
+        file.write(body)
+        file.flush()
+        out = subprocess.run(["curl", "-s", "-w", "\n%{http_code} %{time_total}", "-H",
+                              "content-type: application/json", "--data-binary", f"@{file.name}",
+                              f"http://127.0.0.1:{port}{path}"],
+                             capture_output=True, text=True, check=True).stdout
+    answer, status_and_time = out.rsplit("\n", 1)
+    status, took = status_and_time.split()
+    try:
+        parsed = json.loads(answer)
+    except ValueError:
+        parsed = {}
+    return int(status), parsed.get("error", {}).get("code"), float(took), parsed
+
+
+def watched(port: int, pid: int, work) -> dict:
+    """Runs `work()` while `/health` is probed every 20 ms and the server's RSS watched."""
     idle = rss_mb(pid)
     peak, probes, worst_probe, stop = [idle], [0], [0.0], threading.Event()
 
@@ -53,42 +74,117 @@ def attack(port: int, pid: int, text_bytes: int) -> dict:
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    # curl sends the body and times the answer: a Python client sharing its interpreter with the
-    # probes would time itself.
-    with tempfile.NamedTemporaryFile(suffix=".json") as file:
-        file.write(body)
-        file.flush()
-        out = subprocess.run(["curl", "-s", "-w", "\n%{http_code} %{time_total}", "-H",
-                              "content-type: application/json", "--data-binary", f"@{file.name}",
-                              f"http://127.0.0.1:{port}/v1/chat/completions"],
-                             capture_output=True, text=True, check=True).stdout
-    answer, status_and_time = out.rsplit("\n", 1)
-    status, took = status_and_time.split()
+    result = work()
     time.sleep(0.2)
     stop.set()
     watcher.join()
-    return {"status": int(status), "code": json.loads(answer).get("error", {}).get("code"),
-            "refused_s": float(took), "worst_health_ms": worst_probe[0] * 1e3,
-            "probes": probes[0], "rss_growth_mb": peak[0] - idle}
+    result.update(worst_health_ms=worst_probe[0] * 1e3, probes=probes[0],
+                  rss_growth_mb=max(peak[0], rss_mb(pid)) - idle)
+    return result
+
+
+def attack(port: int, pid: int, path: str, body: bytes) -> dict:
+    def work() -> dict:
+        status, code, took, _ = curl(port, path, body)
+        return {"status": status, "code": code, "refused_s": took}
+    return watched(port, pid, work)
+
+
+def row(what: str, r: dict) -> None:
+    print(f"{what:>34} {r['status']:>6} {str(r['code']):>24} {r['refused_s']:>8.2f}s "
+          f"{r['worst_health_ms']:>11.0f} ms {r['rss_growth_mb']:>8.0f} MB")
+
+
+def text_prompt(text_bytes: int) -> bytes:
+    word = "lorem ipsum dolor "
+    return json.dumps({"model": "demo", "max_tokens": 4,
+                       "messages": [{"role": "user", "content": word * (text_bytes // len(word))}]}
+                      ).encode()
+
+
+def empty_parts(count: int, responses: bool) -> bytes:
+    if responses:
+        return json.dumps({"model": "demo", "max_output_tokens": 1, "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": ""}] * count}]}).encode()
+    return json.dumps({"model": "demo", "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": ""}] * count}]}).encode()
+
+
+def stored_responses(port: int, pid: int) -> dict:
+    """50 stored responses of 3.6 MB each (100 000 empty parts)."""
+    body = empty_parts(100_000, responses=True)
+
+    def work() -> dict:
+        started, statuses = time.perf_counter(), set()
+        for _ in range(50):
+            statuses.add(curl(port, "/v1/responses", body)[0])
+        return {"status": ",".join(map(str, sorted(statuses))), "code": f"{len(body) >> 20} MB x 50",
+                "refused_s": time.perf_counter() - started}
+    return watched(port, pid, work)
+
+
+def preprocess_beside_chat(port: int, images: int) -> tuple[int, str | None, float, float]:
+    """/v1/preprocess of `images` small PNGs, twice at once, and a small chat sent meanwhile."""
+    png = (ROOT / "tests/fixtures/image/images/png-rgba.png").read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    body = json.dumps({"media": [url] * images}).encode()
+    results: list = []
+    runs = [threading.Thread(target=lambda: results.append(curl(port, "/v1/preprocess", body)))
+            for _ in range(2)]
+    for run in runs:
+        run.start()
+    time.sleep(0.3)
+    chat = json.dumps({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": url}}]}]})
+    _, _, chat_s, _ = curl(port, "/v1/chat/completions", chat.encode())
+    for run in runs:
+        run.join()
+    status, code, took, _ = results[0]
+    return status, code, took, chat_s
+
+
+def serve(config: str | None = None) -> tuple[subprocess.Popen, int, tempfile.TemporaryDirectory]:
+    port, work = free_port(), tempfile.TemporaryDirectory()
+    args = [str(MMGATE), "serve", "--listen", f"127.0.0.1:{port}"]
+    if config is not None:
+        path = Path(work.name) / "mmgate.toml"
+        path.write_text(config)
+        args += ["--config", str(path)]
+    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_health(port, server)
+    return server, port, work
 
 
 def main() -> None:
     print(f"# {cpu_name()}")
-    port = free_port()
-    server = subprocess.Popen([str(MMGATE), "serve", "--listen", f"127.0.0.1:{port}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server, port, _work = serve()
     try:
-        wait_for_health(port, server)
-        print(f"{'prompt':>8} {'status':>6} {'code':>24} {'refused':>9} {'worst /health':>14} "
+        print(f"{'request':>34} {'status':>6} {'code':>24} {'refused':>9} {'worst /health':>14} "
               f"{'RSS growth':>11}")
         for megabytes in (100, 10, 5):
-            r = attack(port, server.pid, megabytes << 20)
-            print(f"{megabytes:>5} MB {r['status']:>6} {r['code']:>24} {r['refused_s']:>8.2f}s "
-                  f"{r['worst_health_ms']:>11.0f} ms {r['rss_growth_mb']:>8.0f} MB")
+            row(f"{megabytes} MB prompt", attack(port, server.pid, "/v1/chat/completions",
+                                                 text_prompt(megabytes << 20)))
+        row("1 000 000 empty parts (chat)", attack(port, server.pid, "/v1/chat/completions",
+                                                   empty_parts(1_000_000, responses=False)))
+        row("200 000 empty messages (chat)", attack(port, server.pid, "/v1/chat/completions", json.dumps(
+            {"model": "demo", "messages": [{"role": "user", "content": ""}] * 200_000}).encode()))
+        responses = json.dumps({"model": "demo", "input": "lorem ipsum " * (10 << 20)}).encode()
+        row("120 MB Responses input", attack(port, server.pid, "/v1/responses", responses))
+        print(f"{'/v1/preprocess x2 beside a chat':>34} {'status':>6} {'code':>24} {'took':>9} "
+              f"{'the chat took':>14}")
+        for images in (60, 32):
+            status, code, took, chat_s = preprocess_beside_chat(port, images)
+            print(f"{f'{images} small PNGs':>34} {status:>6} {str(code):>24} {took:>8.2f}s "
+                  f"{chat_s:>12.2f} s")
     finally:
         server.terminate()
         server.wait()
-
-
+    # The store's own bound, on the bodies that found it: a parts limit that lets them in.
+    server, port, _work = serve("[limits]\nmax_content_parts = 200000\n")
+    try:
+        row("50 stored responses of 3.6 MB", stored_responses(port, server.pid))
+    finally:
+        server.terminate()
+        server.wait()
 if __name__ == "__main__":
     main()

@@ -423,7 +423,7 @@ allow = []
         (chat("demo", json!([image_part(&data_url("image/jpeg", &truncated))])).to_string(), 400, "invalid_media"),
         (chat("demo", json!([image_part("data:image/png;base64,@@@@")])).to_string(), 400, "invalid_media_url"),
         (chat("demo", json!([image_part(&data_url("text/plain", b"just text, no image"))])).to_string(), 415, "unsupported_media"),
-        (chat("demo-audio", json!([image_part(&data_url("image/png", &fixture("image/images/bmp-palette.bmp")))])).to_string(), 400, "invalid_request"),
+        (chat("demo-audio", json!([image_part(&data_url("image/png", &fixture("image/images/bmp-palette.bmp")))])).to_string(), 415, "unsupported_media"),
         (json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000000}).to_string(), 400, "context_length_exceeded"),
         (json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": 7}).to_string(), 400, "invalid_request"),
     ];

@@ -215,3 +215,232 @@ fn hostile_requests_are_refused_while_a_normal_client_is_served() {
         "a served request's line has its model and tokens: {log}"
     );
 }
+
+/// A request of `method` to `path` with the test key, `body` as JSON when given.
+fn call(
+    server: &Server,
+    method: &str,
+    path: &str,
+    body: Option<Vec<u8>>,
+) -> reqwest::blocking::Response {
+    let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+    let mut request = client()
+        .request(method, format!("http://{}{path}", server.addr))
+        .bearer_auth("sk-a");
+    if let Some(body) = body {
+        request = request
+            .header("content-type", "application/json")
+            .body(body);
+    }
+    request.send().unwrap()
+}
+
+/// Status, error code and message of an answer.
+fn outcome(response: reqwest::blocking::Response) -> (u16, String, String) {
+    let status = response.status().as_u16();
+    let body: Value = response.json().unwrap_or(Value::Null);
+    let text = |field: &str| body["error"][field].as_str().unwrap_or("").to_owned();
+    (status, text("code"), text("message"))
+}
+
+/// Requests small on the wire that would cost the server gigabytes or minutes: each is refused
+/// before the work, by the limit that names it, and charges its key nothing.
+#[test]
+fn small_requests_that_would_cost_gigabytes_or_minutes_are_bounded() {
+    let work = tempfile::tempdir().unwrap();
+    let config = work.path().join("mmgate.toml");
+    std::fs::write(
+        &config,
+        "log_format = \"json\"\napi_keys = [\"sk-a\"]\n\
+         [limits]\nmax_body_bytes = 4194304\nmax_media_items = 2\nmax_image_bytes = 100000\n\
+         max_messages = 6\nmax_content_parts = 1000\n\
+         [key_limits]\ntokens_per_minute = 3000\n",
+    )
+    .unwrap();
+    let log_path = work.path().join("mmgate.log");
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hostile-cache");
+    let server = Server::start_logging_to(
+        &["--config", config.to_str().unwrap()],
+        &[
+            ("XDG_CACHE_HOME", cache.to_str().unwrap()),
+            ("RUST_LOG", "warn,mmgate::access=info"),
+        ],
+        std::fs::File::create(&log_path).unwrap(),
+    );
+    let post = |path: &str, body: &Value| {
+        outcome(call(
+            &server,
+            "POST",
+            path,
+            Some(body.to_string().into_bytes()),
+        ))
+    };
+
+    // Parts and messages past their limits, refused as they are counted.
+    let empty_part = json!({"type": "text", "text": ""});
+    let parts = chat(Value::Array(vec![empty_part.clone(); 100_000]));
+    let (status, code, message) = post("/v1/chat/completions", &parts);
+    assert_eq!(
+        (status, code.as_str()),
+        (400, "too_many_content_parts"),
+        "{message}"
+    );
+    assert!(message.contains("limits.max_content_parts"), "{message}");
+    let messages =
+        json!({"model": "demo", "messages": vec![json!({"role": "user", "content": ""}); 10_000]});
+    assert_eq!(
+        post("/v1/chat/completions", &messages).1,
+        "too_many_messages"
+    );
+    let input = json!({"model": "demo", "input": [{"role": "user", "content":
+        vec![json!({"type": "input_text", "text": ""}); 100_000]}]});
+    assert_eq!(post("/v1/responses", &input).1, "too_many_content_parts");
+
+    // A stored conversation grows one turn per follow-up, and no further than one request may.
+    let mut previous: Option<String> = None;
+    let mut ids = Vec::new();
+    let refused = loop {
+        let mut turn = json!({"model": "demo", "input": "Say hi.", "max_output_tokens": 2});
+        if let Some(id) = &previous {
+            turn["previous_response_id"] = json!(id);
+        }
+        let response = call(
+            &server,
+            "POST",
+            "/v1/responses",
+            Some(turn.to_string().into_bytes()),
+        );
+        if response.status() != 200 {
+            break outcome(response);
+        }
+        let id = response.json::<Value>().unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        ids.push(id.clone());
+        previous = Some(id);
+        assert!(ids.len() < 10, "follow-ups were never refused");
+    };
+    assert_eq!(
+        (refused.0, refused.1.as_str()),
+        (400, "too_many_messages"),
+        "{}",
+        refused.2
+    );
+    // Kept turns: the root's user and assistant messages, then two per follow-up, up to 6.
+    assert_eq!(ids.len(), 3);
+    for id in &ids {
+        let suffix = id.strip_prefix("resp_").unwrap();
+        assert!(
+            suffix.len() == 32 && suffix.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{id}"
+        );
+    }
+    assert_ne!(ids[0][..13], ids[1][..13], "ids share a prefix: {ids:?}");
+    let long_id = "r".repeat(100_000);
+    let (status, _, message) = post(
+        "/v1/responses",
+        &json!({"model": "demo", "input": "hi", "previous_response_id": long_id}),
+    );
+    assert_eq!(status, 404);
+    assert!(
+        message.len() < 300,
+        "the id is echoed whole: {} bytes",
+        message.len()
+    );
+
+    // `/v1/preprocess` under the same limits as chat.
+    let small = data_url("image/png", &fixture("image/images/png-rgba.png"));
+    let photo = data_url("image/jpeg", &fixture("image/images/photo-640x480.jpg"));
+    let qwen2_vl = json!({"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 3136,
+        "max_pixels": 12845056, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2});
+    let preprocess = |media: Value| {
+        post(
+            "/v1/preprocess",
+            &json!({"media": media, "processor_config": qwen2_vl}),
+        )
+    };
+    assert_eq!(preprocess(json!([small, small])).0, 200);
+    assert_eq!(
+        preprocess(json!([small, small, small])).1,
+        "too_many_media_items"
+    );
+    assert_eq!(preprocess(json!(photo)).1, "media_too_large");
+    let body = json!({"media": "x".repeat(5 << 20)});
+    assert_eq!(post("/v1/preprocess", &body).1, "request_too_large");
+    // A client's processor settings out of bounds: the client's error, named, not a plugin trap.
+    let (status, code, message) = post(
+        "/v1/preprocess",
+        &json!({"media": small, "processor_config": {"image_processor_type": "Qwen2VLImageProcessor",
+            "min_pixels": 1e9, "max_pixels": 2e9, "patch_size": 14, "merge_size": 2}}),
+    );
+    assert_eq!(
+        (status, code.as_str()),
+        (400, "invalid_request"),
+        "{message}"
+    );
+    assert!(message.contains("processor_config.min_pixels"), "{message}");
+
+    // Refused requests are charged nothing: after a 413 of a large body the key still has tokens
+    // for a small chat (a charge by the body's size would have used up the minute's 3000).
+    let large = chat(json!([{"type": "image_url", "image_url": {"url": photo}}]));
+    assert_eq!(post("/v1/chat/completions", &large).1, "media_too_large");
+    let (status, code, message) = post("/v1/chat/completions", &chat(json!("Say hi.")));
+    assert_eq!((status, code.as_str()), (200, ""), "{message}");
+
+    // HEAD wherever GET works, OPTIONS says what a path takes, a 405 says it too.
+    for path in [
+        "/console",
+        "/health",
+        "/v1/models",
+        "/metrics",
+        "/console/console.js",
+        "/health?x",
+    ] {
+        let head = call(&server, "HEAD", path, None);
+        assert_eq!(head.status().as_u16(), 200, "HEAD {path}");
+        let length: usize = head.headers()["content-length"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(length > 0, "HEAD {path}: the GET answer's length");
+        assert!(head.bytes().unwrap().is_empty(), "HEAD {path} has a body");
+    }
+    let options = call(&server, "OPTIONS", "/v1/chat/completions", None);
+    assert_eq!(options.status().as_u16(), 204);
+    assert_eq!(options.headers()["allow"], "POST, OPTIONS");
+    let not_allowed = call(&server, "POST", "/health", Some(b"{}".to_vec()));
+    assert_eq!(not_allowed.status().as_u16(), 405);
+    assert_eq!(not_allowed.headers()["allow"], "GET, HEAD, OPTIONS");
+    assert_eq!(
+        call(&server, "OPTIONS", "/nowhere", None).status().as_u16(),
+        404
+    );
+    assert_eq!(
+        call(&server, "GET", "/console", None).status().as_u16(),
+        200
+    );
+
+    // The console's page and the refusals each leave an access line.
+    drop(server);
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    let lines: Vec<Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["target"] == "mmgate::access")
+        .collect();
+    for (path, status) in [
+        ("/console", 200),
+        ("/v1/preprocess", 413),
+        ("/v1/chat/completions", 400),
+        ("/v1/responses", 404),
+    ] {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l["fields"]["path"] == path && l["fields"]["status"] == status),
+            "no access line for {path} {status}: {log}"
+        );
+    }
+}

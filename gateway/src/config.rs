@@ -447,6 +447,21 @@ pub struct RequestLimits {
     /// The text of all messages together (UTF-8 bytes): a request's text is held, templated and
     /// tokenized several times over, so its size bounds what one request costs in memory.
     pub max_text_bytes: usize,
+    /// Chat's messages (the Responses API's input items, earlier turns included).
+    pub max_messages: usize,
+    /// Content parts of all messages together: each costs memory when the request is parsed,
+    /// however small it is on the wire.
+    pub max_content_parts: usize,
+}
+
+impl RequestLimits {
+    /// The counts checked while a body is read, before it is parsed.
+    pub fn shape(&self) -> crate::wire::openai::shape::ShapeLimits {
+        crate::wire::openai::shape::ShapeLimits {
+            max_messages: self.max_messages,
+            max_content_parts: self.max_content_parts,
+        }
+    }
 }
 
 impl Default for RequestLimits {
@@ -459,6 +474,8 @@ impl Default for RequestLimits {
             max_audio_bytes: 25_000_000,
             max_video_bytes: 64_000_000,
             max_text_bytes: 8 << 20,
+            max_messages: 4096,
+            max_content_parts: 16384,
         }
     }
 }

@@ -17,6 +17,8 @@ pub struct ApiError {
     pub param: Option<&'static str>,
     /// Seconds after which a retry may succeed (`Retry-After`), for 429 and 503 answers.
     pub retry_after: Option<u64>,
+    /// The methods the path takes (`Allow`), for 405 answers.
+    pub allow: Option<&'static str>,
 }
 
 impl ApiError {
@@ -33,6 +35,7 @@ impl ApiError {
             message: message.into(),
             param: None,
             retry_after: None,
+            allow: None,
         }
     }
 
@@ -44,12 +47,15 @@ impl ApiError {
         )
     }
 
-    pub fn method_not_allowed(method: &str, path: &str) -> ApiError {
-        ApiError::new(
+    /// `method` on `path`, which takes only the methods `allow` lists (RFC 9110: a 405 says which).
+    pub fn method_not_allowed(method: &str, path: &str, allow: &'static str) -> ApiError {
+        let mut error = ApiError::new(
             StatusCode::METHOD_NOT_ALLOWED,
             "method_not_allowed",
-            format!("{method} is not allowed on {path}"),
-        )
+            format!("{method} is not allowed on {path}; it takes {allow}"),
+        );
+        error.allow = Some(allow);
+        error
     }
 
     pub fn body(&self) -> Vec<u8> {

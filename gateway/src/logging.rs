@@ -50,7 +50,13 @@ fn install(filter: Option<&str>, format: LogFormat, traces: bool) -> anyhow::Res
         Some(f) => EnvFilter::new(f),
         None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
     };
-    let lines = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colour only for a person at a terminal: a log file or a pipe gets plain text (NO_COLOR,
+    // https://no-color.org, turns it off at a terminal too).
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let lines = tracing_subscriber::fmt::layer()
+        .with_ansi(colour)
+        .with_writer(std::io::stderr);
     let lines = match format {
         LogFormat::Text => lines.boxed(),
         LogFormat::Json => lines.json().boxed(),

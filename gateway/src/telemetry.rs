@@ -83,10 +83,45 @@ pub fn continue_trace(span: &tracing::Span, headers: &http::HeaderMap) {
     if PROVIDER.get().is_none() {
         return;
     }
+    // The SDK's parser pads a short trace id with zeros (`00-4bf9-00f0-01` became trace
+    // `000…4bf9`); W3C says a malformed header is ignored and a new trace started.
+    let valid = headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(valid_traceparent);
+    if !valid {
+        return;
+    }
     let context = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
     if context.span().span_context().is_valid() {
         let _ = span.set_parent(context);
     }
+}
+
+/// Whether `value` is a `traceparent` as W3C Trace Context writes it: `version-traceid-parentid-flags`
+/// in lowercase hex of 2, 32, 16 and 2 digits, neither id all zeros, version `ff` never; a later
+/// version may append fields after the flags (`-...`), version 00 may not.
+pub fn valid_traceparent(value: &str) -> bool {
+    let hex = |s: &str, len: usize| {
+        s.len() == len
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let mut fields = value.trim().splitn(5, '-');
+    let (Some(version), Some(trace), Some(parent), Some(flags)) =
+        (fields.next(), fields.next(), fields.next(), fields.next())
+    else {
+        return false;
+    };
+    let rest = fields.next();
+    hex(version, 2)
+        && version != "ff"
+        && (version != "00" || rest.is_none())
+        && hex(trace, 32)
+        && trace.bytes().any(|b| b != b'0')
+        && hex(parent, 16)
+        && parent.bytes().any(|b| b != b'0')
+        && hex(flags, 2)
 }
 
 /// The current span's trace id (32 hex digits), when it is being traced.
@@ -138,5 +173,31 @@ struct HeaderInjector(Vec<(String, String)>);
 impl Injector for HeaderInjector {
     fn set(&mut self, key: &str, value: String) {
         self.0.push((key.to_owned(), value));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::valid_traceparent;
+
+    #[test]
+    fn only_well_formed_traceparents_are_continued() {
+        let good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert!(valid_traceparent(good));
+        assert!(valid_traceparent(
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-x"
+        ));
+        for bad in [
+            "00-4bf9-00f0-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "",
+        ] {
+            assert!(!valid_traceparent(bad), "{bad}");
+        }
     }
 }

@@ -3,7 +3,6 @@
 //! ([`super::media_modes`]).
 
 use std::borrow::Cow;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use http::StatusCode;
@@ -13,7 +12,7 @@ use serde_json::{Value, json};
 
 use super::io::{EventStream, read_body, write_error, write_json};
 use super::media_modes::ModeCall;
-use super::request::{invalid_json, parsed_off_thread};
+use super::request::{checked_shape, invalid_json, parsed_off_thread};
 use super::{Gateway, Route};
 use crate::access::{Access, Tokens};
 use crate::error::ApiError;
@@ -48,6 +47,7 @@ impl Gateway {
     ) {
         let started = Instant::now();
         let outcome = self.chat_inner(session, tally, &mut access).await;
+        refused_if_client_error(&outcome, tally);
         self.request_done(session, "/v1/chat/completions", started, outcome, access)
             .await;
     }
@@ -89,6 +89,9 @@ impl Gateway {
         if let Some(tally) = tally {
             tally.request(body.len());
         }
+        checked_shape(&body, "messages", &self.limits, invalid_json)
+            .await
+            .map_err(|e| ("none", e))?;
         let routing: RoutingFields =
             serde_json::from_slice(&body).map_err(|e| ("none", invalid_json(&e)))?;
         access.model = Some(routing.model.chars().take(MODEL_NAME_LOGGED).collect());
@@ -308,15 +311,19 @@ impl Gateway {
     }
 }
 
-/// `chatcmpl-` + a process-unique suffix.
+/// A request refused with a client error (4xx) ran nothing: `tally` charges it nothing.
+pub(super) fn refused_if_client_error<T>(
+    outcome: &Result<T, (&'static str, ApiError)>,
+    tally: Option<&TokenTally>,
+) {
+    if let (Err((_, error)), Some(tally)) = (outcome, tally)
+        && error.status.is_client_error()
+    {
+        tally.refused();
+    }
+}
+
+/// `chatcmpl-` + a random suffix (an id tells nothing of when it was made or of other requests).
 fn completion_id() -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!(
-        "chatcmpl-{:08x}{:08x}",
-        nanos,
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
+    format!("chatcmpl-{:032x}", rand::random::<u128>())
 }

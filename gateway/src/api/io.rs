@@ -85,6 +85,22 @@ pub async fn write_static(
     write_complete(session, StatusCode::OK, content_type, body, headers).await;
 }
 
+/// `204 No Content` with `headers` (an `OPTIONS` answer's `Allow`).
+pub async fn write_no_content(session: &mut ServerSession, headers: &[(&str, &str)]) {
+    let written = async {
+        let mut header = ResponseHeader::build(StatusCode::NO_CONTENT, Some(headers.len()))?;
+        for (name, value) in headers {
+            header.insert_header(name.to_string(), value.to_string())?;
+        }
+        session.write_response_header(Box::new(header)).await?;
+        session.finish_body().await
+    }
+    .await;
+    if let Err(e) = written {
+        tracing::debug!(error = %e, "writing a response");
+    }
+}
+
 /// A redirect to `location` on this server.
 pub async fn write_redirect(session: &mut ServerSession, location: &str) {
     let headers = [("location", location)];
@@ -114,7 +130,13 @@ async fn write_complete(
         }
         crate::telemetry::with_trace_id(&mut header)?;
         session.write_response_header(Box::new(header)).await?;
-        session.write_response_body(bytes, true).await
+        // A HEAD answer is the GET answer's head alone (its Content-Length included).
+        let body = if session.req_header().method == http::Method::HEAD {
+            Bytes::new()
+        } else {
+            bytes
+        };
+        session.write_response_body(body, true).await
     }
     .await;
     if let Err(e) = written {
@@ -128,6 +150,7 @@ pub async fn write_error(session: &mut ServerSession, error: &ApiError) {
         .as_deref()
         .map(|s| ("retry-after", s))
         .into_iter()
+        .chain(error.allow.map(|methods| ("allow", methods)))
         .collect();
     write_complete(
         session,

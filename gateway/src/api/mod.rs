@@ -115,6 +115,32 @@ impl Gateway {
             .and_then(|a| a.as_inet())
             .map(|a| a.ip());
         let mut access = Access::start(&method, client);
+        if method == "OPTIONS" {
+            // What a path takes, asked before anything of it runs (a CORS preflight carries no key).
+            let (status, code) = match allowed_methods(&path) {
+                Some(allow) => {
+                    io::write_no_content(session, &[("allow", allow)]).await;
+                    (StatusCode::NO_CONTENT, None)
+                }
+                None => {
+                    let error = ApiError::not_found(&path);
+                    write_error(session, &error).await;
+                    (error.status, Some(error.code))
+                }
+            };
+            let label = route_label(&path);
+            self.metrics
+                .request_done(label, "none", status, started.elapsed());
+            access.log(label, "none", status, code);
+            return;
+        }
+        // HEAD is GET without the body (RFC 9110 9.3.2): routed as GET; the writers leave the body
+        // out.
+        let routed = if method == "HEAD" {
+            "GET"
+        } else {
+            method.as_str()
+        };
         let mut _permit = None;
         if path.starts_with("/v1/") {
             let admitted = match self.authenticate(session) {
@@ -140,7 +166,7 @@ impl Gateway {
                 }
             }
         }
-        let result: Result<Value, ApiError> = match (method.as_str(), path.as_str()) {
+        let result: Result<Value, ApiError> = match (routed, path.as_str()) {
             ("POST", "/v1/chat/completions") => {
                 // Writes its own response (it may stream) and records its own metrics.
                 let tally = _permit.as_ref().and_then(Permit::tally);
@@ -153,26 +179,48 @@ impl Gateway {
             ("GET", "/metrics") => {
                 let text = self.metrics.render(self.snapshot());
                 io::write_text(session, "text/plain; version=0.0.4", text).await;
+                self.metrics
+                    .request_done("/metrics", "none", StatusCode::OK, started.elapsed());
                 return;
             }
             ("GET", "/") => {
                 io::write_redirect(session, crate::console::PATH).await;
+                self.metrics
+                    .request_done("/", "none", StatusCode::FOUND, started.elapsed());
+                access.log("/", "none", StatusCode::FOUND, None);
                 return;
             }
             ("GET", p) if crate::console::owns(p) => {
-                let Some(asset) = crate::console::asset(p) else {
-                    write_error(session, &ApiError::not_found(p)).await;
-                    return;
+                let status = match crate::console::asset(p) {
+                    Some(asset) => {
+                        let headers = crate::console::HEADERS;
+                        io::write_static(session, asset.content_type, asset.body, &headers).await;
+                        StatusCode::OK
+                    }
+                    None => {
+                        write_error(session, &ApiError::not_found(p)).await;
+                        StatusCode::NOT_FOUND
+                    }
                 };
-                let headers = crate::console::HEADERS;
-                io::write_static(session, asset.content_type, asset.body, &headers).await;
+                self.metrics
+                    .request_done("/console", "none", status, started.elapsed());
+                access.log("/console", "none", status, None);
                 return;
             }
             ("GET", "/health") => Ok(json!({ "status": "ok" })),
             ("GET", "/ready") => self.readiness().await,
             ("GET", "/v1/models") => Ok(self.models_json()),
             ("GET", "/v1/plugins") => Ok(self.plugins_json()),
-            ("POST", "/v1/preprocess") => self.preprocess(session).await,
+            ("POST", "/v1/preprocess") => {
+                let tally = _permit.as_ref().and_then(Permit::tally);
+                let result = self.preprocess(session, tally).await;
+                if let (Err(error), Some(tally)) = (&result, tally)
+                    && error.status.is_client_error()
+                {
+                    tally.refused();
+                }
+                result
+            }
             ("POST", "/v1/files") => self.upload(session).await,
             ("GET", "/v1/files") => self.list_files(&self.caller(session)).await,
             (m, p) if p.starts_with("/v1/files/") => {
@@ -181,7 +229,7 @@ impl Gateway {
                 match m {
                     "GET" => self.file_json(&caller, id).await,
                     "DELETE" => self.delete_file(&caller, id).await,
-                    _ => Err(ApiError::method_not_allowed(m, p)),
+                    _ => Err(ApiError::method_not_allowed(&method, p, ITEM_METHODS)),
                 }
             }
             (m, p) if p.starts_with("/v1/responses/") => {
@@ -190,22 +238,13 @@ impl Gateway {
                 match m {
                     "GET" => self.response_json(&caller, id).await,
                     "DELETE" => self.delete_response(&caller, id).await,
-                    _ => Err(ApiError::method_not_allowed(m, p)),
+                    _ => Err(ApiError::method_not_allowed(&method, p, ITEM_METHODS)),
                 }
             }
-            (
-                _,
-                "/health"
-                | "/ready"
-                | "/metrics"
-                | "/v1/models"
-                | "/v1/plugins"
-                | "/v1/preprocess"
-                | "/v1/files"
-                | "/v1/chat/completions"
-                | "/v1/responses",
-            ) => Err(ApiError::method_not_allowed(&method, &path)),
-            _ => Err(ApiError::not_found(&path)),
+            (_, p) => match allowed_methods(p) {
+                Some(allow) => Err(ApiError::method_not_allowed(&method, p, allow)),
+                None => Err(ApiError::not_found(p)),
+            },
         };
         let (status, code) = match &result {
             Ok(body) => {
@@ -406,6 +445,22 @@ fn route_label(path: &str) -> &'static str {
         p if p.starts_with("/v1/responses/") => "/v1/responses/{id}",
         _ => "other",
     }
+}
+
+/// What `/v1/files/{id}` and `/v1/responses/{id}` take.
+const ITEM_METHODS: &str = "GET, HEAD, DELETE, OPTIONS";
+
+/// The methods a path takes (its `Allow`), or `None` for a path with no route.
+fn allowed_methods(path: &str) -> Option<&'static str> {
+    const READ: &str = "GET, HEAD, OPTIONS";
+    const WRITE: &str = "POST, OPTIONS";
+    Some(match route_label(path) {
+        "/health" | "/ready" | "/metrics" | "/v1/models" | "/v1/plugins" | "/" | "/console" => READ,
+        "/v1/preprocess" | "/v1/chat/completions" | "/v1/responses" => WRITE,
+        "/v1/files" => "GET, HEAD, POST, OPTIONS",
+        "/v1/files/{id}" | "/v1/responses/{id}" => ITEM_METHODS,
+        _ => return None,
+    })
 }
 
 /// The request's `Authorization` header value, if any.

@@ -13,9 +13,10 @@ use pingora::protocols::http::ServerSession;
 use serde_json::{Value, json};
 
 use super::media_modes::UpstreamMedia;
-use super::request::parsed_off_thread;
+use super::request::{checked_shape, invalid_json, parsed_off_thread};
 use super::{Gateway, Route};
 use crate::error::ApiError;
+use crate::keylimits::TokenTally;
 use crate::media::{account, render};
 use crate::native::chat::{self, PlannedSource};
 
@@ -37,12 +38,14 @@ impl Gateway {
         body: Bytes,
         model: &str,
         pictures: bool,
+        tally: Option<&TokenTally>,
     ) -> Result<Value, ApiError> {
         let PlanningSide {
             prompt,
             accept_image_embeds,
             ..
         } = self.planning_side(model)?;
+        checked_shape(&body, "messages", &self.limits, invalid_json).await?;
         let request = parsed_off_thread(body, &self.limits).await?;
         let max_tokens = request.max_tokens;
         let caller = self.caller(session);
@@ -54,6 +57,9 @@ impl Gateway {
         )
         .await?;
         let media_tokens: usize = planned.accounts.iter().map(|a| a.tokens).sum();
+        if let Some(tally) = tally {
+            tally.used(media_tokens as u64);
+        }
         let mut items = account::render(&planned.accounts);
         if pictures {
             let config = prompt.processor_config.as_str();

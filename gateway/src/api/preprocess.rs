@@ -15,19 +15,36 @@ use serde_json::{Value, json};
 
 use super::Gateway;
 use super::io::read_body;
+use super::request::off_thread_if_large;
 use crate::error::ApiError;
+use crate::keylimits::TokenTally;
 use crate::media::budget::BudgetError;
 use crate::media::pipeline;
+use crate::media::processor_settings;
 use crate::media::sniff::sniff_mime_type;
-use crate::wire::openai::{ByteSource, decode_payload};
-
-/// Largest request body accepted (base64 makes a 48 MiB item 64 MiB).
-const MAX_BODY_BYTES: usize = 64 << 20;
+use crate::native::media::MediaTally;
+use crate::upstream::inline::kind_of;
+use crate::wire::openai::{ByteSource, PayloadError, decode_payload};
 
 impl Gateway {
-    pub(super) async fn preprocess(&self, session: &mut ServerSession) -> Result<Value, ApiError> {
-        let body = read_body(session, MAX_BODY_BYTES.max(self.limits.max_body_bytes)).await?;
-        let form: Form = serde_json::from_slice(&body).unwrap_or_default();
+    /// Media items run under the same limits as a chat request's (the body, the item count, each
+    /// item's bytes by kind, all images' bytes) and through the same pipeline: each item's calls
+    /// are jobs of their own on the plugin pool, so one request's items wait their turn beside
+    /// other requests' instead of holding a worker for all of them. What the plan costs is
+    /// charged to the caller's tokens per minute (`tally`).
+    pub(super) async fn preprocess(
+        &self,
+        session: &mut ServerSession,
+        tally: Option<&TokenTally>,
+    ) -> Result<Value, ApiError> {
+        let body = read_body(session, self.limits.max_body_bytes).await?;
+        if let Some(tally) = tally {
+            tally.request(body.len());
+        }
+        let form: Form = off_thread_if_large(&body, |body| {
+            Ok(serde_json::from_slice(&body).unwrap_or_default())
+        })
+        .await?;
         if form.messages.is_some() {
             let Some(model) = form.model else {
                 return Err(ApiError::new(
@@ -36,17 +53,22 @@ impl Gateway {
                     "a chat request to plan (messages) needs its model",
                 ));
             };
-            return self.plan_chat(session, body, &model, form.pictures).await;
+            return self
+                .plan_chat(session, body, &model, form.pictures, tally)
+                .await;
         }
-        let request: PreprocessRequest = serde_json::from_slice(&body).map_err(|e| {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_json",
-                format!("the request body is not a valid preprocess request: {e}"),
-            )
-        })?;
-        let (media, several) = match &request.media {
-            OneOrMany::One(url) => (vec![media_of(url)?], false),
+        let request: PreprocessRequest = off_thread_if_large(&body, |body| {
+            serde_json::from_slice(&body).map_err(|e| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_json",
+                    format!("the request body is not a valid preprocess request: {e}"),
+                )
+            })
+        })
+        .await?;
+        let (urls, several) = match &request.media {
+            OneOrMany::One(url) => (vec![url.as_str()], false),
             OneOrMany::Many(urls) if urls.is_empty() => {
                 return Err(ApiError::new(
                     StatusCode::BAD_REQUEST,
@@ -54,11 +76,23 @@ impl Gateway {
                     "media is an empty list",
                 ));
             }
-            OneOrMany::Many(urls) => (
-                urls.iter().map(|u| media_of(u)).collect::<Result<_, _>>()?,
-                true,
-            ),
+            OneOrMany::Many(urls) => (urls.iter().map(String::as_str).collect(), true),
         };
+        let (config, produce) = self.processor_of(&request)?;
+        let mut sizes = MediaTally::new(&self.limits, urls.len())?;
+        let mut media = Vec::with_capacity(urls.len());
+        for (index, url) in urls.into_iter().enumerate() {
+            let item = media_of(url, sizes.limit(None)).map_err(|mut e| {
+                if several {
+                    e.message = format!("media item {index}: {}", e.message);
+                }
+                e
+            })?;
+            if let Some(kind) = kind_of(item.mime_type.as_deref()) {
+                sizes.add(index, kind, item.data.len())?;
+            }
+            media.push(Arc::new(item));
+        }
         // The snapshot this request runs on, whatever is reloaded meanwhile.
         let registry = self.plugins.registry();
         let named = match &request.plugin {
@@ -71,28 +105,40 @@ impl Gateway {
             })?),
             None => None,
         };
-        let (config, produce) = self.processor_of(&request)?;
-        let max_tokens = request.max_tokens.unwrap_or(u32::MAX);
-        // Choosing may probe, so it runs on the plugin pool too, in the same job as the items.
-        self.pool
-            .run(move || {
-                let mut items = Vec::with_capacity(media.len());
-                for (index, media) in media.into_iter().enumerate() {
-                    let chosen = named.clone().or_else(|| {
-                        pipeline::choose_plugin(&registry, &media, None, &config).cloned()
-                    });
-                    match chosen {
-                        Some(plugin) => items.push((plugin, media)),
-                        None => return Ok(Err(unsupported(index, several, media.mime_type))),
-                    }
-                }
-                Ok(Ok(run_items(
-                    &items, &config, max_tokens, several, &produce,
-                )))
+        let config: Arc<str> = Arc::from(config);
+        // Choosing may probe: a short call, ahead of the queued preprocessing.
+        let (chosen_config, chosen_media) = (config.clone(), media.clone());
+        let chosen = self
+            .pool
+            .run_ahead(move || {
+                Ok(chosen_media
+                    .iter()
+                    .map(|media| {
+                        named.clone().or_else(|| {
+                            pipeline::choose_plugin(&registry, media, None, &chosen_config).cloned()
+                        })
+                    })
+                    .collect::<Vec<_>>())
             })
             .await
-            .map_err(|e| ApiError::from(&e))?
-            .and_then(|outcome| outcome)
+            .map_err(|e| ApiError::from(&e))?;
+        let mut items = Vec::with_capacity(media.len());
+        for (index, (plugin, media)) in chosen.into_iter().zip(media).enumerate() {
+            match plugin {
+                Some(plugin) => items.push((plugin, media)),
+                None => return Err(unsupported(index, several, media.mime_type.clone())),
+            }
+        }
+        let max_tokens = request.max_tokens.unwrap_or(u32::MAX);
+        let processed =
+            pipeline::process_concurrently(&self.pool, &items, config, max_tokens, produce, None)
+                .await
+                .map_err(|e| budget_error(e, several))?;
+        let report = report_items(&items, &processed, max_tokens, several);
+        if let Some(tally) = tally {
+            tally.used(processed.iter().map(|p| u64::from(p.plan.tokens)).sum());
+        }
+        Ok(report)
     }
 }
 
@@ -113,6 +159,11 @@ impl Gateway {
                 .processor_config
                 .clone()
                 .unwrap_or_else(|| json!({}));
+            processor_settings::check(&config).map_err(|e| {
+                let mut api = invalid(e.to_string());
+                api.param = Some("processor_config");
+                api
+            })?;
             return Ok((config.to_string(), whole));
         };
         if request.processor_config.is_some() {
@@ -130,32 +181,34 @@ impl Gateway {
     }
 }
 
+/// A budget that failed, as the answer says it.
+fn budget_error(error: BudgetError, several: bool) -> ApiError {
+    match error {
+        BudgetError::TooSmall { .. } => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "context_length_exceeded",
+            error.to_string(),
+        ),
+        BudgetError::Plugin { item, error } => {
+            let mut api = ApiError::from(&error);
+            if several {
+                api.message = format!("media item {item}: {}", api.message);
+            }
+            api
+        }
+    }
+}
+
 /// The account of the items as `POST /v1/preprocess` answers it: one item's report, or the list's.
-fn run_items(
-    items: &[(Arc<LoadedPlugin>, Media)],
-    config: &str,
+fn report_items(
+    items: &[(Arc<LoadedPlugin>, Arc<Media>)],
+    processed: &[pipeline::Processed],
     max_tokens: u32,
     several: bool,
-    produce: &pipeline::Produce,
-) -> Result<Value, ApiError> {
-    let processed =
-        pipeline::process_together(items, config, max_tokens, produce).map_err(|e| match e {
-            BudgetError::TooSmall { .. } => ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "context_length_exceeded",
-                e.to_string(),
-            ),
-            BudgetError::Plugin { item, error } => {
-                let mut api = ApiError::from(&error);
-                if several {
-                    api.message = format!("media item {item}: {}", api.message);
-                }
-                api
-            }
-        })?;
+) -> Value {
     let mut reports = items
         .iter()
-        .zip(&processed)
+        .zip(processed)
         .map(|((plugin, _), processed)| {
             let mut report = serde_json::Map::new();
             report.insert("object".into(), json!("preprocess"));
@@ -164,10 +217,10 @@ fn run_items(
         })
         .collect::<Vec<_>>();
     if !several {
-        return Ok(reports.pop().unwrap_or_default());
+        return reports.pop().unwrap_or_default();
     }
     let tokens: u64 = processed.iter().map(|p| u64::from(p.plan.tokens)).sum();
-    Ok(json!({ "object": "list", "tokens": tokens, "max_tokens": max_tokens, "data": reports }))
+    json!({ "object": "list", "tokens": tokens, "max_tokens": max_tokens, "data": reports })
 }
 
 fn unsupported(index: usize, several: bool, mime_type: Option<String>) -> ApiError {
@@ -187,9 +240,10 @@ fn unsupported(index: usize, several: bool, mime_type: Option<String>) -> ApiErr
     )
 }
 
-/// A data URL's media, typed by its bytes when they are recognised, else by the URL's MIME type.
-fn media_of(url: &str) -> Result<Media, ApiError> {
-    let (declared_mime, data) = decode_data_url(url)?;
+/// A data URL's media (at most `limit` bytes), typed by its bytes when they are recognised, else
+/// by the URL's MIME type.
+fn media_of(url: &str, limit: usize) -> Result<Media, ApiError> {
+    let (declared_mime, data) = decode_data_url(url, limit)?;
     let mime_type = sniff_mime_type(&data).map(str::to_owned).or(declared_mime);
     Ok(Media { data, mime_type })
 }
@@ -231,9 +285,9 @@ struct PreprocessRequest {
     max_tokens: Option<u32>,
 }
 
-/// `data:<mime>;base64,<data>` → (mime, bytes), decoded as chat requests decode theirs (the body
-/// limit has already bounded it).
-fn decode_data_url(url: &str) -> Result<(Option<String>, Vec<u8>), ApiError> {
+/// `data:<mime>;base64,<data>` → (mime, bytes), decoded as chat requests decode theirs: one over
+/// `limit` bytes is refused (413) from its encoded length, before it is decoded.
+fn decode_data_url(url: &str, limit: usize) -> Result<(Option<String>, Vec<u8>), ApiError> {
     let invalid =
         |message: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid_media_url", message);
     if !url.starts_with("data:") {
@@ -242,8 +296,13 @@ fn decode_data_url(url: &str) -> Result<(Option<String>, Vec<u8>), ApiError> {
         ));
     }
     match ByteSource::from_url(url) {
-        ByteSource::Base64 { data, mime_type } => match decode_payload(&data, usize::MAX) {
+        ByteSource::Base64 { data, mime_type } => match decode_payload(&data, limit) {
             Ok(bytes) => Ok((mime_type, bytes)),
+            Err(PayloadError::TooLarge(bytes)) => Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "media_too_large",
+                format!("the media is {bytes} bytes; at most {limit} are allowed"),
+            )),
             Err(e) => Err(invalid(format!(
                 "the data URL's base64 does not decode: {e}"
             ))),
@@ -260,7 +319,8 @@ mod tests {
 
     #[test]
     fn data_urls_decode_and_bad_ones_are_client_errors() {
-        let (mime, data) = decode_data_url("data:image/PNG;base64,aGVsbG8=").unwrap_or_default();
+        let (mime, data) =
+            decode_data_url("data:image/PNG;base64,aGVsbG8=", 100).unwrap_or_default();
         assert_eq!(
             (mime.as_deref(), data.as_slice()),
             (Some("image/png"), &b"hello"[..])
@@ -271,7 +331,7 @@ mod tests {
             "data:text/plain,hello",
             "data:image/png;base64,@@@",
         ] {
-            let error = decode_data_url(bad).err();
+            let error = decode_data_url(bad, 100).err();
             assert_eq!(
                 error.map(|e| e.status),
                 Some(StatusCode::BAD_REQUEST),

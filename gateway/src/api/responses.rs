@@ -8,7 +8,6 @@
 //! kept with the conversation when the request asks for `store`.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -16,19 +15,22 @@ use http::StatusCode;
 use pingora::protocols::http::ServerSession;
 use serde_json::{Value, json};
 
-use super::chat::MODEL_NAME_LOGGED;
+use super::chat::{MODEL_NAME_LOGGED, refused_if_client_error};
 use super::io::{EventStream, read_body, write_json_with};
 use super::media_modes::ModeCall;
+use super::request::{checked_shape, off_thread_if_large, shape_error};
 use super::{Gateway, Route};
 use crate::access::{Access, Tokens};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
 use crate::native::errors::invalid;
 use crate::native::generation::{Generation, Step};
+use crate::responses_store::Conversation;
 use crate::store::Caller;
 use crate::upstream::{Exchange, UpstreamPool};
 use crate::wire::openai::ChatCompletionRequest;
 use crate::wire::openai::responses::{ResponseObject, ResponsesRequest, output_text};
+use crate::wire::openai::shape;
 
 const ROUTE: &str = "/v1/responses";
 
@@ -51,6 +53,7 @@ impl Gateway {
                 }
                 (route, error)
             });
+        refused_if_client_error(&outcome, tally);
         self.request_done(session, ROUTE, started, outcome, access)
             .await;
     }
@@ -68,13 +71,15 @@ impl Gateway {
         if let Some(tally) = tally {
             tally.request(body.len());
         }
-        let request: ResponsesRequest = serde_json::from_slice(&body).map_err(|e| {
-            none(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                format!("the request body is not a valid Responses request: {e}"),
-            ))
-        })?;
+        checked_shape(&body, "input", &self.limits, not_a_responses_request)
+            .await
+            .map_err(none)?;
+        // Parsing megabytes holds up the connection's thread: a large body is parsed off it.
+        let request: ResponsesRequest = off_thread_if_large(&body, |body| {
+            serde_json::from_slice(&body).map_err(|e| not_a_responses_request(&e))
+        })
+        .await
+        .map_err(none)?;
         access.model = Some(request.model.chars().take(MODEL_NAME_LOGGED).collect());
         let caller = self.caller(session);
         let Some(route) = self.models.get(&request.model) else {
@@ -96,7 +101,10 @@ impl Gateway {
                     let mut error = ApiError::new(
                         StatusCode::NOT_FOUND,
                         "previous_response_not_found",
-                        format!("no stored response {id:?} (never stored, expired or deleted)"),
+                        format!(
+                            "no stored response {} (never stored, expired or deleted)",
+                            shown_id(id)
+                        ),
                     );
                     error.param = Some("previous_response_id");
                     return Err(none(error));
@@ -104,11 +112,16 @@ impl Gateway {
                 kept.conversation
             }
         };
+        let earlier = history.len();
         let conversation = request
             .conversation(history)
             .map_err(|e| none(invalid(e.param, e.message)))?;
+        // Kept turns count too: a follow-up may not grow a conversation past what one request may
+        // hold.
+        shape::check_values(&conversation, "input", self.limits.shape())
+            .map_err(|e| none(shape_error(e, "input", not_a_responses_request)))?;
         let chat = request.chat_body(&conversation);
-        let turn = Turn::new(&request);
+        let turn = Turn::new(&request, earlier);
         let (label, steps, headers) = match route {
             Route::Native(model) => {
                 let label = "native";
@@ -376,8 +389,13 @@ impl Gateway {
         }
         let mut messages = conversation;
         messages.push(json!({"role": "assistant", "content": text}));
+        let conversation = Conversation {
+            previous: turn.request.previous_response_id.as_deref(),
+            earlier: turn.earlier,
+            messages,
+        };
         self.responses
-            .put(caller, response.clone(), messages)
+            .put(caller, response.clone(), conversation)
             .await
             .map_err(ApiError::from)
     }
@@ -408,7 +426,26 @@ fn response_not_found(id: &str) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         "response_not_found",
-        format!("no stored response {id:?}"),
+        format!("no stored response {}", shown_id(id)),
+    )
+}
+
+/// Characters of a client's response id an error quotes (an id is any string a client sends).
+const ID_SHOWN: usize = 64;
+
+/// A response id as errors quote it: at most [`ID_SHOWN`] characters of it.
+fn shown_id(id: &str) -> String {
+    match id.char_indices().nth(ID_SHOWN) {
+        Some((end, _)) => format!("{:?}... ({} bytes)", &id[..end], id.len()),
+        None => format!("{id:?}"),
+    }
+}
+
+fn not_a_responses_request(error: &serde_json::Error) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+        format!("the request body is not a valid Responses request: {error}"),
     )
 }
 
@@ -422,25 +459,24 @@ fn failed_event(object: &ResponseObject<'_>, error: &ApiError) -> (&'static str,
 /// One request's ids and time.
 struct Turn<'r> {
     request: &'r ResponsesRequest,
+    /// Messages of the conversation that came from the response it follows.
+    earlier: usize,
     id: String,
     message_id: String,
     created_at: u64,
 }
 
 impl<'r> Turn<'r> {
-    fn new(request: &'r ResponsesRequest) -> Turn<'r> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
+    fn new(request: &'r ResponsesRequest, earlier: usize) -> Turn<'r> {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
-        let suffix = format!(
-            "{:08x}{:08x}{:08x}",
-            now.as_secs() as u32,
-            now.subsec_nanos(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        );
+        // Random: an id says nothing of when it was made or how many came before, and cannot be
+        // guessed from another.
+        let suffix = format!("{:032x}", rand::random::<u128>());
         Turn {
             request,
+            earlier,
             id: format!("resp_{suffix}"),
             message_id: format!("msg_{suffix}"),
             created_at: now.as_secs(),

@@ -21,6 +21,8 @@ pub struct TokenTally(Mutex<Tally>);
 
 #[derive(Default)]
 struct Tally {
+    /// Refused with a client error: nothing ran, nothing is charged.
+    refused: bool,
     request_bytes: u64,
     reported: Option<u64>,
     scan: AnswerScan,
@@ -38,6 +40,12 @@ impl TokenTally {
         self.lock().request_bytes = bytes as u64;
     }
 
+    /// The request was refused (a client error answered before anything ran): it is charged
+    /// nothing unless a model reported tokens it used.
+    pub fn refused(&self) {
+        self.lock().refused = true;
+    }
+
     /// The request used `total` tokens, as the model that served it counted them.
     pub fn used(&self, total: u64) {
         self.lock().reported = Some(total);
@@ -53,6 +61,9 @@ impl TokenTally {
         let tally = self.lock();
         if let Some(total) = tally.reported.or(tally.scan.total) {
             return total;
+        }
+        if tally.refused {
+            return 0;
         }
         let answer = if tally.scan.events > 0 {
             tally.scan.events
@@ -129,6 +140,17 @@ mod tests {
             tally.answer(piece);
         }
         tally
+    }
+
+    #[test]
+    fn a_refused_request_is_charged_nothing_but_what_a_model_reported() {
+        let tally = TokenTally::default();
+        tally.request(12_000);
+        assert_eq!(tally.tokens(), 3_000);
+        tally.refused();
+        assert_eq!(tally.tokens(), 0);
+        tally.used(7);
+        assert_eq!(tally.tokens(), 7);
     }
 
     #[test]

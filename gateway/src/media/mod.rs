@@ -9,5 +9,6 @@ pub mod fetch;
 pub mod files;
 pub mod pipeline;
 pub mod plugins;
+pub mod processor_settings;
 pub mod render;
 pub mod sniff;

@@ -61,9 +61,10 @@ pub(crate) async fn resolve_media(
     let mut items = Vec::with_capacity(sources.len());
     for (index, (kind, source)) in sources.into_iter().enumerate() {
         if let Some(kind) = kind {
+            // A kind the model does not take is media it cannot use (415), as the README's table says.
             runtime
                 .placeholder(kind)
-                .map_err(|e| invalid("messages", format!("media item {index}: {e}")))?;
+                .map_err(|e| unsupported_media(format!("media item {index}: {e}")))?;
         }
         let limit = tally.limit(kind);
         let (data, declared) = match source {

@@ -101,7 +101,8 @@ pub async fn inline_media(
     Ok(changed)
 }
 
-fn kind_of(mime: Option<&str>) -> Option<MediaKind> {
+/// The kind of media a MIME type names (`None` for other types).
+pub(crate) fn kind_of(mime: Option<&str>) -> Option<MediaKind> {
     let (family, _) = mime?.split_once('/')?;
     match family {
         "image" => Some(MediaKind::Image),

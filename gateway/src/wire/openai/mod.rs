@@ -8,6 +8,7 @@ use mmgate_inference::families::MediaKind;
 
 pub mod parts;
 pub mod responses;
+pub mod shape;
 
 /// The fields the native core uses (`model` and `user` are read when routing).
 #[derive(Debug, Deserialize)]
