@@ -129,7 +129,7 @@ fn responses_are_each_keys_own_and_bad_input_gets_a_clear_4xx() {
         ),
         (
             json!({"model": "demo-audio", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}),
-            400,
+            415,
             "does not take image",
         ),
         (
