@@ -56,6 +56,32 @@ fn send(server: &Server, body: &[u8]) -> (u16, String) {
     (status, body["error"]["code"].as_str().unwrap_or("").into())
 }
 
+/// `mmgate serve` with `config` (TOML) after `log_format = "json"`, its log written to
+/// `mmgate.log` in the directory returned (kept as long as it is).
+fn serve_logging(config: &str) -> (Server, tempfile::TempDir) {
+    let work = tempfile::tempdir().unwrap();
+    let path = work.path().join("mmgate.toml");
+    std::fs::write(&path, format!("log_format = \"json\"\n{config}")).unwrap();
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hostile-cache");
+    let server = Server::start_logging_to(
+        &["--config", path.to_str().unwrap()],
+        &[
+            ("XDG_CACHE_HOME", cache.to_str().unwrap()),
+            ("RUST_LOG", "warn,mmgate::access=info"),
+        ],
+        std::fs::File::create(work.path().join("mmgate.log")).unwrap(),
+    );
+    (server, work)
+}
+
+/// The access log's lines of a JSON log.
+fn access_lines(log: &str) -> Vec<Value> {
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["target"] == "mmgate::access")
+        .collect()
+}
+
 /// The most requests the normal client sends, however long the hostile ones take.
 const MAX_NORMAL_REQUESTS: usize = 20_000;
 
@@ -64,19 +90,8 @@ const SECRET_TEXT: &str = "zebra-quartz-prompt ";
 
 #[test]
 fn hostile_requests_are_refused_while_a_normal_client_is_served() {
-    let work = tempfile::tempdir().unwrap();
-    let config = work.path().join("mmgate.toml");
-    std::fs::write(&config, "log_format = \"json\"\n").unwrap();
+    let (server, work) = serve_logging("");
     let log_path = work.path().join("mmgate.log");
-    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hostile-cache");
-    let server = Server::start_logging_to(
-        &["--config", config.to_str().unwrap()],
-        &[
-            ("XDG_CACHE_HOME", cache.to_str().unwrap()),
-            ("RUST_LOG", "warn,mmgate::access=info"),
-        ],
-        std::fs::File::create(&log_path).unwrap(),
-    );
 
     let photo = fixture("image/images/photo-640x480.jpg");
     let wav = fixture("audio/clips/speech-16k-s16.wav");
@@ -189,11 +204,7 @@ fn hostile_requests_are_refused_while_a_normal_client_is_served() {
         !log.contains(SECRET_TEXT.trim()),
         "the prompt reached the log"
     );
-    let lines: Vec<Value> = log
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|l| l["target"] == "mmgate::access")
-        .collect();
+    let lines = access_lines(&log);
     let chats = lines
         .iter()
         .filter(|l| l["fields"]["path"] == "/v1/chat/completions")
@@ -247,26 +258,13 @@ fn outcome(response: reqwest::blocking::Response) -> (u16, String, String) {
 /// before the work, by the limit that names it, and charges its key nothing.
 #[test]
 fn small_requests_that_would_cost_gigabytes_or_minutes_are_bounded() {
-    let work = tempfile::tempdir().unwrap();
-    let config = work.path().join("mmgate.toml");
-    std::fs::write(
-        &config,
-        "log_format = \"json\"\napi_keys = [\"sk-a\"]\n\
+    let (server, work) = serve_logging(
+        "api_keys = [\"sk-a\"]\n\
          [limits]\nmax_body_bytes = 4194304\nmax_media_items = 2\nmax_image_bytes = 100000\n\
          max_messages = 6\nmax_content_parts = 1000\n\
          [key_limits]\ntokens_per_minute = 3000\n",
-    )
-    .unwrap();
-    let log_path = work.path().join("mmgate.log");
-    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hostile-cache");
-    let server = Server::start_logging_to(
-        &["--config", config.to_str().unwrap()],
-        &[
-            ("XDG_CACHE_HOME", cache.to_str().unwrap()),
-            ("RUST_LOG", "warn,mmgate::access=info"),
-        ],
-        std::fs::File::create(&log_path).unwrap(),
     );
+    let log_path = work.path().join("mmgate.log");
     let post = |path: &str, body: &Value| {
         outcome(call(
             &server,
@@ -366,8 +364,25 @@ fn small_requests_that_would_cost_gigabytes_or_minutes_are_bounded() {
         "too_many_media_items"
     );
     assert_eq!(preprocess(json!(photo)).1, "media_too_large");
-    let body = json!({"media": "x".repeat(5 << 20)});
-    assert_eq!(post("/v1/preprocess", &body).1, "request_too_large");
+    // A body over the limit is refused from its Content-Length, before it is sent: a client still
+    // writing it would see the connection close, so the head alone goes, as a raw request.
+    let mut stream = TcpStream::connect(&server.addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let head = format!(
+        "POST /v1/preprocess HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-a\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        5 << 20
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 413") && answer.contains("request_too_large"),
+        "{answer}"
+    );
     // A client's processor settings out of bounds: the client's error, named, not a plugin trap.
     let (status, code, message) = post(
         "/v1/preprocess",
@@ -425,11 +440,7 @@ fn small_requests_that_would_cost_gigabytes_or_minutes_are_bounded() {
     // The console's page and the refusals each leave an access line.
     drop(server);
     let log = std::fs::read_to_string(&log_path).unwrap();
-    let lines: Vec<Value> = log
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|l| l["target"] == "mmgate::access")
-        .collect();
+    let lines = access_lines(&log);
     for (path, status) in [
         ("/console", 200),
         ("/v1/preprocess", 413),

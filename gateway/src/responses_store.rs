@@ -160,17 +160,17 @@ impl ResponseStore {
                 let mut memory = memory.lock().unwrap_or_else(|e| e.into_inner());
                 // The earlier turns are shared when the response followed is still here (and the
                 // caller's); else the whole conversation is this turn.
-                let earlier = conversation
+                let shared = conversation
                     .previous
+                    .filter(|_| conversation.earlier > 0)
                     .and_then(|previous| memory.entries.get(previous))
                     .filter(|entry| entry.owner == owner.as_str())
-                    .map(|entry| entry.turns.clone());
-                let new = match earlier {
-                    Some(_) => conversation.messages.get(conversation.earlier..),
-                    None => None,
-                }
-                .unwrap_or(&conversation.messages);
-                let earlier = earlier.filter(|_| new.len() < conversation.messages.len());
+                    .map(|entry| entry.turns.clone())
+                    .zip(conversation.messages.get(conversation.earlier..));
+                let (earlier, new) = match shared {
+                    Some((turns, new)) => (Some(turns), new),
+                    None => (None, conversation.messages.as_slice()),
+                };
                 let messages = serde_json::to_vec(new).map_err(encoding_error)?;
                 let turns = Arc::new(Turns::new(messages.into(), earlier, &memory.held));
                 let entry = Entry {

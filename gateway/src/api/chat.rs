@@ -47,7 +47,7 @@ impl Gateway {
     ) {
         let started = Instant::now();
         let outcome = self.chat_inner(session, tally, &mut access).await;
-        refused_if_client_error(&outcome, tally);
+        refused_if_client_error(outcome.as_ref().err().map(|(_, e)| e), tally);
         self.request_done(session, "/v1/chat/completions", started, outcome, access)
             .await;
     }
@@ -311,12 +311,9 @@ impl Gateway {
     }
 }
 
-/// A request refused with a client error (4xx) ran nothing: `tally` charges it nothing.
-pub(super) fn refused_if_client_error<T>(
-    outcome: &Result<T, (&'static str, ApiError)>,
-    tally: Option<&TokenTally>,
-) {
-    if let (Err((_, error)), Some(tally)) = (outcome, tally)
+/// A request refused with a client error (4xx: `error`) ran nothing: `tally` charges it nothing.
+pub(super) fn refused_if_client_error(error: Option<&ApiError>, tally: Option<&TokenTally>) {
+    if let (Some(error), Some(tally)) = (error, tally)
         && error.status.is_client_error()
     {
         tally.refused();

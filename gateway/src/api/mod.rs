@@ -214,11 +214,7 @@ impl Gateway {
             ("POST", "/v1/preprocess") => {
                 let tally = _permit.as_ref().and_then(Permit::tally);
                 let result = self.preprocess(session, tally).await;
-                if let (Err(error), Some(tally)) = (&result, tally)
-                    && error.status.is_client_error()
-                {
-                    tally.refused();
-                }
+                chat::refused_if_client_error(result.as_ref().err(), tally);
                 result
             }
             ("POST", "/v1/files") => self.upload(session).await,

@@ -134,11 +134,13 @@ impl Gateway {
             pipeline::process_concurrently(&self.pool, &items, config, max_tokens, produce, None)
                 .await
                 .map_err(|e| budget_error(e, several))?;
-        let report = report_items(&items, &processed, max_tokens, several);
+        let tokens: u64 = processed.iter().map(|p| u64::from(p.plan.tokens)).sum();
         if let Some(tally) = tally {
-            tally.used(processed.iter().map(|p| u64::from(p.plan.tokens)).sum());
+            tally.used(tokens);
         }
-        Ok(report)
+        Ok(report_items(
+            &items, &processed, tokens, max_tokens, several,
+        ))
     }
 }
 
@@ -203,6 +205,7 @@ fn budget_error(error: BudgetError, several: bool) -> ApiError {
 fn report_items(
     items: &[(Arc<LoadedPlugin>, Arc<Media>)],
     processed: &[pipeline::Processed],
+    tokens: u64,
     max_tokens: u32,
     several: bool,
 ) -> Value {
@@ -219,7 +222,6 @@ fn report_items(
     if !several {
         return reports.pop().unwrap_or_default();
     }
-    let tokens: u64 = processed.iter().map(|p| u64::from(p.plan.tokens)).sum();
     json!({ "object": "list", "tokens": tokens, "max_tokens": max_tokens, "data": reports })
 }
 

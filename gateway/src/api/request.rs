@@ -14,7 +14,7 @@ pub fn chat_request(body: &[u8]) -> Result<ChatCompletionRequest, ApiError> {
     serde_json::from_slice(body).map_err(|e| invalid_json(&e))
 }
 
-/// Bodies from which size [`parsed_off_thread`] parses on a blocking thread.
+/// Bodies from which size [`off_thread_if_large`] works on a blocking thread.
 const BODY_WORTH_A_THREAD: usize = 1 << 20;
 
 /// [`chat_request`], on a blocking thread for a large body: parsing megabytes holds up every
@@ -25,11 +25,8 @@ pub async fn parsed_off_thread(
     body: Bytes,
     limits: &RequestLimits,
 ) -> Result<ChatCompletionRequest, ApiError> {
-    if body.len() < BODY_WORTH_A_THREAD {
-        return chat_request(&body);
-    }
     let max_text_bytes = limits.max_text_bytes;
-    tokio::task::spawn_blocking(move || {
+    off_thread_if_large(&body, move |body| {
         if body.len() > max_text_bytes {
             let bytes = openai::text_bytes(&body).map_err(|e| invalid_json(&e))?;
             if bytes > max_text_bytes {
@@ -39,13 +36,6 @@ pub async fn parsed_off_thread(
         chat_request(&body)
     })
     .await
-    .map_err(|e| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal_error",
-            e.to_string(),
-        )
-    })?
 }
 
 /// Runs `work` on a blocking thread when `body` is large enough that it would hold up the other

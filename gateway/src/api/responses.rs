@@ -53,7 +53,7 @@ impl Gateway {
                 }
                 (route, error)
             });
-        refused_if_client_error(&outcome, tally);
+        refused_if_client_error(outcome.as_ref().err().map(|(_, e)| e), tally);
         self.request_done(session, ROUTE, started, outcome, access)
             .await;
     }
