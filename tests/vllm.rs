@@ -11,6 +11,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+#[path = "vllm/ec.rs"]
+mod ec;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -172,8 +172,19 @@ pub struct ModelConfig {
     /// `path`): as they came, URLs and uploads inlined as data URLs. `preprocess`: planned here
     /// under the request-wide budget and sent as planned (images at their planned size, a video's
     /// chosen frames, audio cut and resampled). `embed` (the default with a `path`): images encoded
-    /// here and sent as `image_embeds`.
+    /// here and sent as `image_embeds`. `ec`: encoded here and written to `ec_storage`, which vLLM
+    /// reads through its EC connector; the request carries only each item's grid and identifier.
     pub media: Option<MediaMode>,
+    /// With `media = "ec"`: the directory vLLM's `ECExampleConnector` reads (its
+    /// `shared_storage_path`), on a memory-backed volume both processes see.
+    pub ec_storage: Option<PathBuf>,
+    /// With `media = "ec"`: the most bytes of encoder outputs kept in `ec_storage`; items of
+    /// requests in flight stay, the rest go least recently used first.
+    #[serde(default = "default_ec_storage_bytes")]
+    pub ec_storage_bytes: u64,
+    /// With `media = "ec"`: the dtype vLLM runs the model in (its `--dtype`), which the files are
+    /// written in; the checkpoint's `torch_dtype` when left out.
+    pub ec_dtype: Option<EcDtype>,
     /// OpenAI-compatible servers (vLLM, SGLang, another mmgate) serving this model:
     /// `host:port` or `http://host:port` (plain HTTP), `https://host[:port]` (TLS, the host name
     /// checked against the server's certificate). Host names are resolved at start.
@@ -249,6 +260,22 @@ pub struct ModelConfig {
 
 fn default_media_parts() -> bool {
     true
+}
+
+fn default_ec_storage_bytes() -> u64 {
+    8 << 30
+}
+
+/// The dtype of the encoder outputs written for vLLM's EC connector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EcDtype {
+    #[serde(alias = "bf16")]
+    Bfloat16,
+    #[serde(alias = "fp16", alias = "half")]
+    Float16,
+    #[serde(alias = "fp32", alias = "float")]
+    Float32,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -371,6 +398,7 @@ pub enum MediaMode {
     Forward,
     Preprocess,
     Embed,
+    Ec,
 }
 
 impl MediaMode {
@@ -379,6 +407,7 @@ impl MediaMode {
             Self::Forward => "forward",
             Self::Preprocess => "preprocess",
             Self::Embed => "embed",
+            Self::Ec => "ec",
         }
     }
 }
@@ -584,6 +613,9 @@ impl ModelConfig {
             on_encode_error: EncodeErrorPolicy::default(),
             accept_image_embeds: false,
             media_parts: true,
+            ec_storage: None,
+            ec_storage_bytes: default_ec_storage_bytes(),
+            ec_dtype: None,
         }
     }
 
@@ -600,11 +632,15 @@ impl ModelConfig {
                 "model {name:?}: media = {:?} is for a model served by upstreams; this one is served here",
                 mode.name()
             ),
-            (Some(mode @ (MediaMode::Preprocess | MediaMode::Embed)), false, false) => bail!(
+            (
+                Some(mode @ (MediaMode::Preprocess | MediaMode::Embed | MediaMode::Ec)),
+                false,
+                false,
+            ) => bail!(
                 "model {name:?}: media = {:?} needs a path: a model directory with the tokenizer, \
                  chat template and processor config{}",
                 mode.name(),
-                if mode == MediaMode::Embed {
+                if mode != MediaMode::Preprocess {
                     " and the encoder's weights"
                 } else {
                     " (no weights needed)"
@@ -612,6 +648,16 @@ impl ModelConfig {
             ),
             (Some(MediaMode::Forward), false, true) => {
                 bail!("model {name:?}: media = \"forward\" uses no model directory: drop the path")
+            }
+            _ => {}
+        }
+        match (self.media_mode() == Some(MediaMode::Ec), &self.ec_storage) {
+            (true, None) => bail!(
+                "model {name:?}: media = \"ec\" needs ec_storage: the directory vLLM's EC \
+                 connector reads (its shared_storage_path)"
+            ),
+            (false, Some(_)) => {
+                bail!("model {name:?}: ec_storage is for media = \"ec\"")
             }
             _ => {}
         }

@@ -9,6 +9,7 @@ mod config;
 mod console;
 mod deadline;
 mod draining;
+mod ec_store;
 mod error;
 pub mod fuzzing;
 mod keylimits;

@@ -15,9 +15,10 @@ use pingora::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
 use pingora::services::ServiceWithDependents;
 use pingora::services::listening::Service as ListeningService;
 
-use crate::api::{App, Gateway, Route, UpstreamMedia};
+use crate::api::{App, EcMedia, Gateway, Route, UpstreamMedia};
 use crate::config::{Config, MediaMode, ModelConfig};
 use crate::draining::Draining;
+use crate::ec_store::EcStore;
 use crate::keylimits::KeyLimits;
 use crate::media::feature_cache::RedisFeatures;
 use crate::media::fetch::Fetcher;
@@ -27,6 +28,7 @@ use crate::metrics::Metrics;
 use crate::native::chat::NativeModel;
 use crate::native::model::{
     Devices, ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir,
+    weights_fingerprint,
 };
 use crate::responses_store::ResponseStore;
 use crate::store::{Redis, StoreKind};
@@ -158,6 +160,30 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
                         model: load_model(model, path, &metrics, shared_features.clone(), true)?,
                         planned: planned(path)?,
                     },
+                    (Some(MediaMode::Ec), Some(path)) => {
+                        // Whole items: vLLM takes one item per video, not its runs of frames.
+                        let mut whole = model.clone();
+                        whole.media_parts = false;
+                        let native =
+                            load_model(&whole, path, &metrics, shared_features.clone(), true)?;
+                        let dir = resolve_model_dir(path, &default_cache_dir())?;
+                        let storage = model.ec_storage.as_deref().unwrap_or(Path::new("."));
+                        let store = EcStore::open(storage, model.ec_storage_bytes)
+                            .with_context(|| format!("model {}: ec_storage", model.name))?;
+                        UpstreamMedia::Ec {
+                            ec: EcMedia::new(
+                                native,
+                                store,
+                                model.ec_dtype,
+                                &dir,
+                                weights_fingerprint(&dir)?,
+                            )
+                            .with_context(|| {
+                                format!("model {}: reading {}", model.name, dir.display())
+                            })?,
+                            planned: planned(path)?,
+                        }
+                    }
                     (Some(MediaMode::Preprocess), Some(path)) => {
                         UpstreamMedia::Preprocess(planned(path)?)
                     }

@@ -39,7 +39,7 @@ use crate::store::{Caller, Redis};
 use crate::upstream::{ClientHop, UpstreamPool};
 pub use connection::App;
 use io::{write_error, write_json};
-pub use media_modes::UpstreamMedia;
+pub use media_modes::{EcMedia, UpstreamMedia};
 
 /// How a model is served.
 pub enum Route {
@@ -370,11 +370,7 @@ impl Gateway {
         for (name, route) in &self.models {
             let encoders = match route {
                 Route::Native(model) => Some(model),
-                Route::Upstream {
-                    media: UpstreamMedia::Embed { model, .. },
-                    ..
-                } => Some(model),
-                Route::Upstream { .. } => None,
+                Route::Upstream { media, .. } => media.encoders(),
             };
             if let Some(model) = encoders {
                 let loads = model.runtime.encoders.loads();

@@ -95,15 +95,21 @@ impl Gateway {
                 "model_not_found",
                 format!("the model {model:?} does not exist"),
             )),
-            Some(Route::Native(native))
-            | Some(Route::Upstream {
-                media: UpstreamMedia::Embed { model: native, .. },
-                ..
-            }) => Ok(side(
+            Some(Route::Native(native)) => Ok(side(
                 &native.runtime.prompt,
                 native.accept_image_embeds,
                 false,
             )),
+            Some(Route::Upstream { media, .. }) if media.encoders().is_some() => {
+                let native = media.encoders().ok_or_else(|| {
+                    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "no encoders")
+                })?;
+                Ok(side(
+                    &native.runtime.prompt,
+                    native.accept_image_embeds,
+                    false,
+                ))
+            }
             Some(Route::Upstream {
                 media: UpstreamMedia::Preprocess(prompt),
                 pool,

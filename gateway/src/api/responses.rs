@@ -165,6 +165,7 @@ impl Gateway {
                     finish: None,
                     done: None,
                     usage_media: additions.usage_media,
+                    _held: additions.held,
                     pool,
                 }));
                 (label, steps, headers)
@@ -522,6 +523,8 @@ struct UpstreamSteps<'p> {
     /// The last step, once read (given after the texts before it).
     done: Option<Step>,
     usage_media: Option<Value>,
+    /// The request's items in the EC store, held while the answer streams.
+    _held: Vec<crate::ec_store::Pin>,
     pool: &'p UpstreamPool,
 }
 

@@ -92,7 +92,7 @@ impl Default for RuntimeOptions {
 /// per safetensors file its name, size and first and last MiB (the header, with every tensor's
 /// shape and offset, and samples of the values). Replicas sharing encoder outputs must run the
 /// same weights; a checkpoint retrained in place under the same name gets a new fingerprint.
-fn weights_fingerprint(dir: &Path) -> anyhow::Result<String> {
+pub fn weights_fingerprint(dir: &Path) -> anyhow::Result<String> {
     use sha2::Digest;
     use std::io::{Read, Seek, SeekFrom};
     const SAMPLE: u64 = 1 << 20;

@@ -217,6 +217,9 @@ pub struct ReplyAdditions {
     pub headers: Vec<(&'static str, http::HeaderValue)>,
     /// Set as `usage.media` of a non-streamed JSON answer (the per-item media accounts).
     pub usage_media: Option<Value>,
+    /// The request's items in the EC store: held until its answer is over, so that no item the
+    /// upstream was promised leaves the store before it read it.
+    pub held: Vec<crate::ec_store::Pin>,
 }
 
 /// The most bytes of a JSON answer read whole to add `usage.media`; a larger one passes through

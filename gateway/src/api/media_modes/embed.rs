@@ -106,6 +106,7 @@ pub async fn prepare(
     let additions = ReplyAdditions {
         headers,
         usage_media: None,
+        held: Vec::new(),
     };
     Ok((value, additions))
 }

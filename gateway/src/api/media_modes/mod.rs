@@ -1,8 +1,10 @@
 //! What an upstream model's servers get of a request's media: the model's `media` setting, chosen
 //! when the model is loaded, one module per dialect — [`forward`] (the media as they came, URLs and
 //! uploads inlined), [`preprocess`] (each item as planned here, the token count a promise the
-//! server keeps) and [`embed`] (images encoded here and sent as embeddings).
+//! server keeps), [`embed`] (images encoded here and sent as embeddings) and [`ec`] (encoded here
+//! and handed to vLLM through its EC connector).
 
+mod ec;
 mod embed;
 mod forward;
 mod preprocess;
@@ -48,7 +50,12 @@ pub enum UpstreamMedia {
         model: NativeModel,
         planned: PromptModel,
     },
+    /// Media encoded here and written where vLLM's EC connector reads them; a request with an
+    /// item its consumer cannot place from metadata is planned as `Preprocess` plans it.
+    Ec { ec: EcMedia, planned: PromptModel },
 }
+
+pub use ec::EcMedia;
 
 /// What a mode works with for one request.
 pub struct ModeCall<'a> {
@@ -63,6 +70,16 @@ impl UpstreamMedia {
             Self::Forward => "forward",
             Self::Preprocess(_) => "preprocess",
             Self::Embed { .. } => "embed",
+            Self::Ec { .. } => "ec",
+        }
+    }
+
+    /// The model whose encoders run here for this mode, if any.
+    pub fn encoders(&self) -> Option<&NativeModel> {
+        match self {
+            Self::Embed { model, .. } => Some(model),
+            Self::Ec { ec, .. } => Some(&ec.model),
+            Self::Forward | Self::Preprocess(_) => None,
         }
     }
 
@@ -85,12 +102,26 @@ impl UpstreamMedia {
             return Ok((body, ReplyAdditions::default()));
         }
         let value: Value = serde_json::from_slice(&body).map_err(|e| invalid_json(&e))?;
-        let (mut value, additions, changed) = match self {
+        let value = match self {
+            Self::Ec { ec, .. } if preprocess::has_media(&value) => {
+                match ec::prepare(ec, call, value, body.clone()).await? {
+                    ec::Outcome::Carried(value, additions) => {
+                        return upstream_body(call, value, additions);
+                    }
+                    ec::Outcome::NotCarried(value) => value,
+                }
+            }
+            _ => value,
+        };
+        let (value, additions, changed) = match self {
             Self::Embed { model, .. } if embed::encodes_here(&value) => {
                 let (value, additions) = embed::prepare(model, call, value, body.clone()).await?;
                 (value, additions, true)
             }
             Self::Embed {
+                planned: prompt, ..
+            }
+            | Self::Ec {
                 planned: prompt, ..
             }
             | Self::Preprocess(prompt)
@@ -105,17 +136,10 @@ impl UpstreamMedia {
                 (value, ReplyAdditions::default(), inlined)
             }
         };
-        let renamed = call.pool.upstream_model.as_deref();
-        if !changed && renamed.is_none() {
+        if !changed && call.pool.upstream_model.is_none() {
             return Ok((body, ReplyAdditions::default()));
         }
-        if let Some(name) = renamed {
-            value["model"] = Value::String(name.to_owned());
-        }
-        let body = serde_json::to_vec(&value)
-            .map(Bytes::from)
-            .map_err(|e| encode_failed(&e.to_string()))?;
-        Ok((body, additions))
+        upstream_body(call, value, additions)
     }
 
     /// What `GET /v1/models` says of the model's media beside its upstreams.
@@ -125,6 +149,12 @@ impl UpstreamMedia {
             Self::Embed { model: m, .. } => {
                 model["images_encoded_here"] = json!(true);
                 model["context_length"] = json!(m.runtime.prompt.context_length);
+            }
+            Self::Ec { ec, .. } => {
+                model["context_length"] = json!(ec.model.runtime.prompt.context_length);
+                let (held, pinned) = ec.store.held_bytes();
+                model["ec_storage"] =
+                    json!({"dir": ec.store.dir(), "held_bytes": held, "pinned_bytes": pinned});
             }
             Self::Preprocess(prompt) => {
                 model["context_length"] = json!(prompt.context_length);
@@ -139,6 +169,21 @@ impl UpstreamMedia {
             Self::Forward => {}
         }
     }
+}
+
+/// The request as it goes upstream: under the upstream's name for the model, serialized.
+fn upstream_body(
+    call: &ModeCall<'_>,
+    mut value: Value,
+    additions: ReplyAdditions,
+) -> Result<(Bytes, ReplyAdditions), ApiError> {
+    if let Some(name) = call.pool.upstream_model.as_deref() {
+        value["model"] = Value::String(name.to_owned());
+    }
+    let body = serde_json::to_vec(&value)
+        .map(Bytes::from)
+        .map_err(|e| encode_failed(&e.to_string()))?;
+    Ok((body, additions))
 }
 
 /// The accounts as a header value. A header carries visible ASCII only: accounts that hold

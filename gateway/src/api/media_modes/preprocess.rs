@@ -59,6 +59,7 @@ pub async fn prepare(
     let mut additions = ReplyAdditions {
         headers: vec![prompt_tokens_header(planned.prompt_tokens)],
         usage_media: Some(Value::Array(account::render(&planned.accounts))),
+        held: Vec::new(),
     };
     additions.headers.extend(accounts_header(&planned.accounts));
     Ok((value, additions))

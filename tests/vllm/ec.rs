@@ -1,0 +1,281 @@
+//! mmgate as the encode tier of an unmodified vLLM (its CPU build, started as an EC consumer with
+//! `ECExampleConnector`): media encoded here reach vLLM as files in the shared store, and the
+//! request carries only each item's grid and identifier. The greedy answer and prompt tokens are
+//! vLLM's own for the same planned media, the grids are what transformers' processor computes for
+//! them, the body vLLM gets stays small, and a store that lost a file or is full never costs vLLM
+//! its engine.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+
+use super::*;
+
+/// The body limit the issue set for what vLLM gets of any request in `ec` mode.
+const MAX_UPSTREAM_BODY: usize = 64 << 10;
+
+/// A stand-in upstream that keeps every request body it gets and answers each with a minimal
+/// completion: what the gateway sends, seen whole.
+fn recording_upstream() -> (String, Arc<Mutex<Vec<Vec<u8>>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { continue };
+            let log = log.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut stream = stream;
+                loop {
+                    let mut length = 0;
+                    let mut line = String::new();
+                    loop {
+                        line.clear();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let lower = line.to_ascii_lowercase();
+                        if let Some(v) = lower.strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap();
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    reader.read_exact(&mut body).unwrap();
+                    if length > 0 {
+                        log.lock().unwrap().push(body);
+                    }
+                    let answer = json!({"id": "x", "object": "chat.completion", "created": 0,
+                        "model": "m", "choices": [{"index": 0, "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": "ok"}}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+                    .to_string();
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                        answer.len()
+                    );
+                    if stream.write_all(head.as_bytes()).is_err()
+                        || stream.write_all(answer.as_bytes()).is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// The grids transformers' image processor (the checkpoint's) computes for `images`.
+fn transformers_grids(venv: &Path, model: &Path, images: &[&str]) -> Vec<Value> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm/images");
+    let script = "import json, sys\nfrom PIL import Image\nfrom transformers import AutoImageProcessor\n\
+                  p = AutoImageProcessor.from_pretrained(sys.argv[1])\n\
+                  for f in sys.argv[2:]:\n    \
+                  print(json.dumps(p(images=[Image.open(f).convert('RGB')])['image_grid_thw'][0].tolist()))\n";
+    let output = common::run_ok(
+        Command::new(venv.join("bin/python"))
+            .args(["-c", script])
+            .arg(model)
+            .args(images.iter().map(|i| root.join(i))),
+    );
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn chat(model: &str, content: Value) -> Value {
+    json!({"model": model, "max_tokens": 8, "temperature": 0,
+           "messages": [{"role": "user", "content": content}]})
+}
+
+/// The item folders in the store that hold a file.
+fn stored_items(store: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(store)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("encoder_cache.safetensors").is_file())
+        .collect()
+}
+
+/// The demo Qwen2-VL behind vLLM as an EC consumer of the store mmgate writes.
+#[test]
+fn qwen2_vl_encoded_here_reaches_vllm_through_its_ec_connector() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let model = common::engine::demo_checkpoint(
+        &scratch.path().join("cache"),
+        scratch.path(),
+        "demo",
+        "qwen2-vl",
+    );
+    let store = scratch.path().join("ec");
+    let transfer = json!({"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"shared_storage_path": store}})
+    .to_string();
+    let vllm = Vllm::start(&venv, &model, 4096, &["--ec-transfer-config", &transfer]);
+    let (recorder, seen) = recording_upstream();
+    // `ec-small` holds one item of a small photo, not two.
+    let models = [
+        (
+            "ec",
+            vllm.addr.as_str(),
+            format!(
+                "media = \"ec\"\npath = {model:?}\nec_storage = {store:?}\nec_dtype = \"float32\""
+            ),
+        ),
+        (
+            "ec-small",
+            vllm.addr.as_str(),
+            format!(
+                "media = \"ec\"\npath = {model:?}\nec_storage = {store:?}\nec_dtype = \"float32\"\nec_storage_bytes = 100000"
+            ),
+        ),
+        (
+            "planned",
+            vllm.addr.as_str(),
+            format!("media = \"preprocess\"\npath = {model:?}"),
+        ),
+        ("forward", vllm.addr.as_str(), String::new()),
+        (
+            "recorded",
+            recorder.as_str(),
+            format!(
+                "media = \"ec\"\npath = {model:?}\nec_storage = {store:?}\nec_dtype = \"float32\""
+            ),
+        ),
+    ];
+    let mut config = String::new();
+    for (name, upstream, lines) in &models {
+        config.push_str(&format!(
+            "[[models]]\nname = {name:?}\nupstream_model = {model:?}\nupstreams = [{upstream:?}]\n{lines}\n\n"
+        ));
+    }
+    let config_file = scratch.path().join("gateway.toml");
+    std::fs::write(&config_file, config).unwrap();
+    let cache = scratch.path().join("cache");
+    let gateway = Server::start_with_env(
+        &["--config", config_file.to_str().unwrap()],
+        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
+    );
+
+    // Images of several sizes, alone and several in one message, and videos: the answer and the
+    // prompt tokens are vLLM's own for the same media (forwarded images; videos as planned here,
+    // whose frames mmgate chooses as qwen-vl-utils does).
+    let same = |content: Value, reference: &str| {
+        let (status, promised, through_ec) = post(&gateway, &chat("ec", content.clone()));
+        assert!(status.is_success(), "{status}: {through_ec}");
+        let (status, _, itself) = post(&gateway, &chat(reference, content));
+        assert!(status.is_success(), "{status}: {itself}");
+        assert_eq!(promised, through_ec["usage"]["prompt_tokens"].as_u64());
+        assert_eq!(
+            through_ec["usage"]["prompt_tokens"],
+            itself["usage"]["prompt_tokens"]
+        );
+        assert_eq!(
+            through_ec["choices"][0]["message"]["content"],
+            itself["choices"][0]["message"]["content"]
+        );
+    };
+    let images = [
+        "scene-640x480.jpg",
+        "scene-300x1000.jpg",
+        "scene-1200x300.jpg",
+        "png-rgb-wide.png",
+    ];
+    for image in images {
+        same(
+            json!([image_part(image), {"type": "text", "text": "What is this?"}]),
+            "forward",
+        );
+    }
+    same(
+        json!([image_part("scene-640x480.jpg"), image_part("scene-900x300.jpg"),
+               {"type": "text", "text": "and"}, image_part("scene-640x480.jpg")]),
+        "forward",
+    );
+    for clip in ["h264.mp4", "portrait.mp4"] {
+        same(
+            json!([video_part(clip), {"type": "text", "text": "What happens?"}]),
+            "planned",
+        );
+    }
+    same(
+        json!([video_part("h264.mp4"), image_part("scene-256x256.jpg"), {"type": "text", "text": "?"}]),
+        "planned",
+    );
+
+    // What vLLM gets: metadata and identifiers, a few hundred bytes whatever the media; the grids
+    // transformers' processor computes for the same images; a portrait video's grid is taller
+    // than wide.
+    let grids = transformers_grids(&venv, &model, &images[..3]);
+    for (image, grid) in images.iter().zip(&grids) {
+        seen.lock().unwrap().clear();
+        let (status, _, _) = post(
+            &gateway,
+            &chat(
+                "recorded",
+                json!([image_part(image), {"type": "text", "text": "?"}]),
+            ),
+        );
+        assert!(status.is_success());
+        let body = seen.lock().unwrap().pop().unwrap();
+        assert!(body.len() < MAX_UPSTREAM_BODY, "{} bytes", body.len());
+        let sent: Value = serde_json::from_slice(&body).unwrap();
+        let part = &sent["messages"][0]["content"][0];
+        assert_eq!(part["type"], "image_embeds", "{sent}");
+        assert_eq!(&part["image_embeds"]["image_grid_thw"], grid, "{image}");
+        assert!(
+            store
+                .join(part["uuid"].as_str().unwrap())
+                .join("encoder_cache.safetensors")
+                .is_file()
+        );
+    }
+    seen.lock().unwrap().clear();
+    let content = json!([image_part("scene-1280x960.jpg"), video_part("portrait.mp4"), {"type": "text", "text": "?"}]);
+    assert!(post(&gateway, &chat("recorded", content)).0.is_success());
+    let body = seen.lock().unwrap().pop().unwrap();
+    assert!(body.len() < MAX_UPSTREAM_BODY, "{} bytes", body.len());
+    let sent: Value = serde_json::from_slice(&body).unwrap();
+    let grid = &sent["messages"][0]["content"][1]["video_embeds"]["video_grid_thw"];
+    assert!(
+        grid[1].as_u64() > grid[2].as_u64(),
+        "portrait video grid {grid}"
+    );
+
+    // An item removed from the store by hand is encoded and written again: vLLM is never
+    // promised a file that is not there (it would lose its engine).
+    let photo = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What is this?"}]);
+    let (_, _, before) = post(&gateway, &chat("ec", photo.clone()));
+    for item in stored_items(&store) {
+        std::fs::remove_dir_all(item).unwrap();
+    }
+    let (status, _, after) = post(&gateway, &chat("ec", photo.clone()));
+    assert!(status.is_success(), "{status}: {after}");
+    assert_eq!(before["choices"], after["choices"]);
+    assert_eq!(stored_items(&store).len(), 1);
+
+    // A store too small for a request's items: 503 with a clear error, nothing sent to vLLM.
+    let two = json!([image_part("scene-600x280.jpg"), image_part("scene-1024x200.jpg"), {"type": "text", "text": "?"}]);
+    let (status, _, full) = post(&gateway, &chat("ec-small", two));
+    assert_eq!(status, 503, "{full}");
+    assert_eq!(full["error"]["code"], "ec_store_full", "{full}");
+    assert!(
+        full["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("ec_storage_bytes")
+    );
+    let (status, _, again) = post(&gateway, &chat("ec", photo));
+    assert!(status.is_success(), "vLLM still serves: {again}");
+
+    // OpenAI's SDK through the Responses API.
+    let lines = common::responses_sdk(&venv, &gateway.addr, "ec", &["image"]);
+    assert_eq!(lines[0]["media"][0]["kind"], "image", "{lines:?}");
+}
