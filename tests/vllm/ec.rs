@@ -89,6 +89,101 @@ fn transformers_grids(venv: &Path, model: &Path, images: &[&str]) -> Vec<Value> 
         .collect()
 }
 
+/// `content` through `model` (in `ec` mode) and through `reference` (vLLM encoding the media
+/// itself): the same prompt tokens, kept as promised, and the same greedy answer.
+fn answers_alike(gateway: &Server, model: &str, reference: &str, content: Value) {
+    let what: Vec<String> = content
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["type"].to_string())
+        .collect();
+    let (status, promised, through_ec) = post(gateway, &chat(model, content.clone()));
+    assert!(status.is_success(), "{status}: {through_ec}");
+    let (status, _, itself) = post(gateway, &chat(reference, content));
+    assert!(status.is_success(), "{status}: {itself}");
+    assert_eq!(
+        promised,
+        through_ec["usage"]["prompt_tokens"].as_u64(),
+        "{what:?}: {}",
+        through_ec["usage"]
+    );
+    assert_eq!(
+        through_ec["usage"]["prompt_tokens"], itself["usage"]["prompt_tokens"],
+        "{what:?}"
+    );
+    assert_eq!(
+        through_ec["choices"][0]["message"]["content"], itself["choices"][0]["message"]["content"],
+        "{model}: the greedy answer"
+    );
+}
+
+/// vLLM serving `model` as an EC consumer of `store`, and a gateway in front of it with the model
+/// in `ec` mode (`ec`) and planned here (`planned`, vLLM encoding the planned media itself).
+fn ec_fronted(venv: &Path, model: &Path, store: &Path) -> (Vllm, Server) {
+    let transfer = json!({"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"shared_storage_path": store}})
+    .to_string();
+    let vllm = Vllm::start(venv, model, 4096, &["--ec-transfer-config", &transfer]);
+    let ec =
+        format!("media = \"ec\"\npath = {model:?}\nec_storage = {store:?}\nec_dtype = \"float32\"");
+    let planned = format!("media = \"preprocess\"\npath = {model:?}");
+    let mut config = String::new();
+    for (name, lines) in [("ec", ec), ("planned", planned)] {
+        config.push_str(&format!(
+            "[[models]]\nname = {name:?}\nupstream_model = {model:?}\nupstreams = [{:?}]\n{lines}\n\n",
+            vllm.addr
+        ));
+    }
+    let scratch = model.parent().unwrap();
+    let file = scratch.join("ec-gateway.toml");
+    std::fs::write(&file, config).unwrap();
+    let cache = scratch.join("cache");
+    let gateway = Server::start_with_env(
+        &["--config", file.to_str().unwrap()],
+        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
+    );
+    (vllm, gateway)
+}
+
+/// Qwen2.5-VL (images; videos at one second per temporal patch, as vLLM assumes) and Qwen3-VL
+/// (images with their deepstack features) through vLLM's EC connector answer as vLLM encoding the
+/// same media itself.
+#[test]
+fn qwen2_5_vl_and_qwen3_vl_encoded_here_answer_as_vllm_itself() {
+    let Some(venv) = vllm_venv() else { return };
+    for (spec, family) in [
+        ("demo-qwen2.5-vl", "qwen2.5-vl"),
+        ("demo-qwen3-vl", "qwen3-vl"),
+    ] {
+        let scratch = tempfile::tempdir().unwrap();
+        let cache = scratch.path().join("cache");
+        let model = common::engine::demo_checkpoint(&cache, scratch.path(), spec, family);
+        let store = scratch.path().join("ec");
+        let (_vllm, gateway) = ec_fronted(&venv, &model, &store);
+        for image in [
+            "scene-640x480.jpg",
+            "scene-300x1000.jpg",
+            "png-rgb-wide.png",
+        ] {
+            let content = json!([image_part(image), {"type": "text", "text": "What is this?"}]);
+            answers_alike(&gateway, "ec", "planned", content);
+        }
+        let two = json!([image_part("scene-1200x300.jpg"), {"type": "text", "text": "and"},
+                         image_part("scene-256x256.jpg")]);
+        answers_alike(&gateway, "ec", "planned", two);
+        // Qwen3-VL's videos go as planned (vLLM takes their timestamps only with the frames).
+        if family == "qwen2.5-vl" {
+            let clip = json!([video_part("h264.mp4"), {"type": "text", "text": "What happens?"}]);
+            answers_alike(&gateway, "ec", "planned", clip);
+        }
+        assert!(
+            !stored_items(&store).is_empty(),
+            "{family}: nothing went through the store"
+        );
+    }
+}
+
 fn chat(model: &str, content: Value) -> Value {
     json!({"model": model, "max_tokens": 8, "temperature": 0,
            "messages": [{"role": "user", "content": content}]})
@@ -167,21 +262,7 @@ fn qwen2_vl_encoded_here_reaches_vllm_through_its_ec_connector() {
     // Images of several sizes, alone and several in one message, and videos: the answer and the
     // prompt tokens are vLLM's own for the same media (forwarded images; videos as planned here,
     // whose frames mmgate chooses as qwen-vl-utils does).
-    let same = |content: Value, reference: &str| {
-        let (status, promised, through_ec) = post(&gateway, &chat("ec", content.clone()));
-        assert!(status.is_success(), "{status}: {through_ec}");
-        let (status, _, itself) = post(&gateway, &chat(reference, content));
-        assert!(status.is_success(), "{status}: {itself}");
-        assert_eq!(promised, through_ec["usage"]["prompt_tokens"].as_u64());
-        assert_eq!(
-            through_ec["usage"]["prompt_tokens"],
-            itself["usage"]["prompt_tokens"]
-        );
-        assert_eq!(
-            through_ec["choices"][0]["message"]["content"],
-            itself["choices"][0]["message"]["content"]
-        );
-    };
+    let same = |content: Value, reference: &str| answers_alike(&gateway, "ec", reference, content);
     let images = [
         "scene-640x480.jpg",
         "scene-300x1000.jpg",
