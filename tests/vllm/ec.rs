@@ -360,3 +360,33 @@ fn qwen2_vl_encoded_here_reaches_vllm_through_its_ec_connector() {
     let lines = common::responses_sdk(&venv, &gateway.addr, "ec", &["image"]);
     assert_eq!(lines[0]["media"][0]["kind"], "image", "{lines:?}");
 }
+
+/// The demo Qwen2-Audio: audio encoded here reaches vLLM as `audio_embeds` with its token count,
+/// and vLLM answers as it does encoding the same planned audio itself.
+#[test]
+fn qwen2_audio_encoded_here_answers_as_vllm_itself() {
+    use base64::Engine as _;
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let cache = scratch.path().join("cache");
+    let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo-audio", "audio");
+    // vLLM loads Qwen2-Audio only under the Hub's weight names (the demo has transformers 5's).
+    common::run_ok(checkpoints_py(&venv).arg("--hub-names").arg(&model));
+    let store = scratch.path().join("ec");
+    let (_vllm, gateway) = ec_fronted(&venv, &model, &store);
+    let clips = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/audio/clips");
+    // Clips under 30 s: of a longer one vLLM's processor keeps the first 30 s, while the encoders
+    // here take all of it (the count promised is then the longer one's, which vLLM keeps).
+    for name in ["speech-16k-s16.wav", "speech-44k1-stereo-s16.wav", "speech-16k.mp3"] {
+        let data = base64::engine::general_purpose::STANDARD
+            .encode(std::fs::read(clips.join(name)).unwrap());
+        let format = name.rsplit('.').next().unwrap();
+        let content = json!([{"type": "input_audio", "input_audio": {"data": data, "format": format}},
+                             {"type": "text", "text": "What is said?"}]);
+        answers_alike(&gateway, "ec", "planned", content);
+    }
+    assert!(
+        !stored_items(&store).is_empty(),
+        "nothing went through the store"
+    );
+}
