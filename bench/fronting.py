@@ -1,10 +1,13 @@
 """P12, what fronting vLLM buys: the same multimodal workload sent to vLLM alone and through mmgate
-in each `media` mode (`forward`, `preprocess`, `embed`), in one run.
+in each `media` mode (`forward`, `preprocess`, `embed`, `ec`), in one run.
 
 The engine is vLLM's CPU build (the engine venv `./dev test` installs) serving mmgate's demo
 Qwen2-VL checkpoint with a common deployment's image limit (max_pixels = 1280 * 28 * 28), started
-with `--enable-mm-embeds` so that one server takes all four, and with its processor cache and prefix
-caching off (the workload repeats its items, a real one would not). A byte-counting relay sits in front of
+with `--enable-mm-embeds` and as an EC consumer of mmgate's `ec_storage` (`ECExampleConnector`) so
+that one server takes all five, and with its processor cache and prefix caching off (the workload
+repeats its items, a real one would not; vLLM keeps the `uuid`s `ec` sends all the same). From the
+second pass on, `embed`'s feature cache and `ec`'s store hit on the repeated items as vLLM's caches
+cannot: their mmgate CPU is a floor, not what new media cost. A byte-counting relay sits in front of
 it: the clients of "vLLM alone" and mmgate both reach it through the relay. The workload cycles
 through JPEG photos from 720p to 12 MP and two short H.264 clips, made here with ffmpeg.
 
@@ -17,7 +20,9 @@ CPUs whoever sends to it, and a gateway in front of it has CPUs of its own. Per 
 - open loop: requests started at a fixed RATE whatever the answers (streamed, max_tokens 2): time
   to the first token, p50 and p99.
 Every ratio is against vLLM alone, measured in the same run. Goals (issue 62): throughput through
-mmgate >= vLLM alone; vLLM frontend CPU per request <= 0.5x with `preprocess` and `embed`.
+mmgate >= vLLM alone; vLLM frontend CPU per request <= 0.5x with `preprocess` and `embed`;
+(issue 80) `ec` throughput >= `embed`'s and vLLM alone's, its vLLM frontend CPU per request
+<= 0.15x, its bytes to vLLM per request <= 64 KiB.
 
 Run from the repository root after `cargo build --release -p mmgate-gateway` (./dev bench does it).
 """
@@ -209,12 +214,16 @@ def run(scratch: Path) -> None:
     items = make_media(scratch)
     engine_dir, weightless = model_dirs(scratch, scratch / "cache", MAX_PIXELS)
     vllm_port = free_port()
+    store = scratch / "ec"
+    transfer = json.dumps({"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+                           "ec_connector_extra_config": {"shared_storage_path": str(store)}})
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
            "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, ENGINE_CPUS))}
     pin = ["taskset", "-c", ",".join(map(str, ENGINE_CPUS))]
     vllm = subprocess.Popen(pin + [str(VENV / "bin/python"), "-m", "vllm.entrypoints.openai.api_server",
                              "--model", str(engine_dir), "--dtype", "float32", "--max-model-len",
                              str(MAX_MODEL_LEN), "--enable-mm-embeds",
+                             "--ec-transfer-config", transfer,
                              # The workload repeats its items; a real one does not: no request
                              # may be served from an earlier one's processing or prefill.
                              "--mm-processor-cache-gb", "0", "--no-enable-prefix-caching",
@@ -233,7 +242,9 @@ def run(scratch: Path) -> None:
             f'[[models]]\nname = "preprocess"\n{upstream}media = "preprocess"\npath = "{weightless}"\n'
             f'max_model_len = {MAX_MODEL_LEN}\n\n'
             f'[[models]]\nname = "embed"\n{upstream}media = "embed"\npath = "{engine_dir}"\n'
-            f'max_model_len = {MAX_MODEL_LEN}\n')
+            f'max_model_len = {MAX_MODEL_LEN}\n\n'
+            f'[[models]]\nname = "ec"\n{upstream}media = "ec"\npath = "{engine_dir}"\n'
+            f'ec_storage = "{store}"\nec_dtype = "float32"\nmax_model_len = {MAX_MODEL_LEN}\n')
         port = free_port()
         gateway = subprocess.Popen(["taskset", "-c", ",".join(map(str, GATEWAY_CPUS)),
                                     str(MMGATE), "serve", "--config", str(config), "--listen",
@@ -243,7 +254,7 @@ def run(scratch: Path) -> None:
         processes = {"vLLM frontend": [vllm.pid], "vLLM engine": descendants(vllm.pid),
                      "mmgate": [gateway.pid]}
         targets = [Target("vLLM alone", relay.port, str(engine_dir))] + \
-            [Target(f"mmgate {mode}", port, mode) for mode in ("forward", "preprocess", "embed")]
+            [Target(f"mmgate {mode}", port, mode) for mode in ("forward", "preprocess", "embed", "ec")]
         for target in targets:  # warm-up: every path compiled, cached, loaded
             for _, kind, path in items:
                 send(target.port, request_body(target.model, kind, path, False))
