@@ -834,18 +834,29 @@ mod tests {
         Ok(config)
     }
 
-    #[test]
-    fn the_kubernetes_config_map_holds_a_valid_replica_config_and_kustomize_lists_every_manifest() {
-        let manifest = include_str!("../../deploy/kubernetes/configmap.yaml");
+    /// The `mmgate.toml` a Kubernetes manifest's config map holds, parsed and checked.
+    fn config_map(manifest: &str) -> Config {
         let (_, embedded) = manifest
             .split_once("mmgate.toml: |\n")
-            .unwrap_or_else(|| panic!("configmap.yaml has no mmgate.toml"));
+            .unwrap_or_else(|| panic!("the manifest has no mmgate.toml"));
         let toml: String = embedded
             .lines()
+            .take_while(|l| *l != "---")
             .map(|l| l.strip_prefix("    ").unwrap_or(l))
             .map(|l| format!("{l}\n"))
             .collect();
-        let config = parse(&toml).unwrap_or_else(|e| panic!("{e:#}"));
+        parse(&toml).unwrap_or_else(|e| panic!("{e:#}"))
+    }
+
+    #[test]
+    fn the_epd_manifest_holds_a_valid_ec_config() {
+        let config = config_map(include_str!("../../deploy/epd/epd.yaml"));
+        assert_eq!(config.models[0].media_mode(), Some(MediaMode::Ec));
+    }
+
+    #[test]
+    fn the_kubernetes_config_map_holds_a_valid_replica_config_and_kustomize_lists_every_manifest() {
+        let config = config_map(include_str!("../../deploy/kubernetes/configmap.yaml"));
         assert_eq!(config.store.kind, crate::store::StoreKind::Redis);
         assert!(config.drain_seconds > 0);
 
@@ -927,6 +938,18 @@ mod tests {
             (
                 "[[models]]\nname = \"m\"\nupstreams = [\"h:1\"]\nupstream_api_key = \"a b\"\n",
                 "upstream_api_key",
+            ),
+            (
+                "[[models]]\nname = \"m\"\nupstreams = [\"h:1\"]\npath = \"demo\"\nmedia = \"ec\"\n",
+                "needs ec_storage",
+            ),
+            (
+                "[[models]]\nname = \"m\"\nupstreams = [\"h:1\"]\npath = \"demo\"\nec_storage = \"/ec\"\n",
+                "ec_storage is for media = \"ec\"",
+            ),
+            (
+                "[[models]]\nname = \"m\"\nupstreams = [\"h:1\"]\nmedia = \"ec\"\nec_storage = \"/ec\"\n",
+                "needs a path",
             ),
             (
                 "[tls]\ncert = \"/nonexistent/cert.pem\"\nkey = \"/nonexistent/key.pem\"\n",

@@ -377,7 +377,11 @@ fn qwen2_audio_encoded_here_answers_as_vllm_itself() {
     let clips = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/audio/clips");
     // Clips under 30 s: of a longer one vLLM's processor keeps the first 30 s, while the encoders
     // here take all of it (the count promised is then the longer one's, which vLLM keeps).
-    for name in ["speech-16k-s16.wav", "speech-44k1-stereo-s16.wav", "speech-16k.mp3"] {
+    for name in [
+        "speech-16k-s16.wav",
+        "speech-44k1-stereo-s16.wav",
+        "speech-16k.mp3",
+    ] {
         let data = base64::engine::general_purpose::STANDARD
             .encode(std::fs::read(clips.join(name)).unwrap());
         let format = name.rsplit('.').next().unwrap();
