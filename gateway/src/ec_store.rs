@@ -10,12 +10,13 @@
 //! file, and eviction takes an exclusive one without waiting: a file another process pinned (a
 //! replica sharing the directory) is never removed under it.
 
+use std::collections::HashSet;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, TryLockError};
 use std::io::{self, ErrorKind, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// The file vLLM's `ECExampleConnector` reads in an item's folder.
 pub const FILE_NAME: &str = "encoder_cache.safetensors";
@@ -59,6 +60,8 @@ pub struct EcStore {
     dir: PathBuf,
     bound: u64,
     index: Mutex<Index>,
+    /// Signalled whenever a write ends: a write of an item another one is writing waits for it.
+    write_ended: Condvar,
 }
 
 /// What this process knows of the directory: the items it wrote, used or found at start.
@@ -69,6 +72,8 @@ struct Index {
     idle: BTreeMap<u64, String>,
     clock: u64,
     bytes: u64,
+    /// Items this process is writing now.
+    writing: HashSet<String>,
 }
 
 struct Item {
@@ -188,6 +193,7 @@ impl EcStore {
             dir: dir.to_owned(),
             bound,
             index: Mutex::new(Index::default()),
+            write_ended: Condvar::new(),
         });
         {
             let mut index = store.lock();
@@ -226,7 +232,11 @@ impl EcStore {
         let path = self.file(id);
         let file = File::open(&path).ok();
         let Some(file) = file.filter(|f| f.lock_shared().is_ok() && still_at(f, &path)) else {
-            self.lock().forget(id);
+            let mut index = self.lock();
+            // Not there yet while it is written: that write's reservation stays.
+            if !index.writing.contains(id) {
+                index.forget(id);
+            }
             return None;
         };
         let bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
@@ -241,12 +251,17 @@ impl EcStore {
     /// Writes `bytes` as item `id` and pins it, after evicting what the bound needs. The file
     /// appears whole (renamed into place) or not at all. Blocking: call off the async threads.
     pub fn write(self: &Arc<Self>, id: &str, bytes: &[u8]) -> Result<Pin, EcStoreError> {
-        if let Some(pin) = self.pin_existing(id) {
-            return Ok(pin);
-        }
         let size = bytes.len() as u64;
-        {
+        loop {
+            if let Some(pin) = self.pin_existing(id) {
+                return Ok(pin);
+            }
             let mut index = self.lock();
+            // The same item for another request: its file is there once that write ends.
+            if index.writing.contains(id) {
+                drop(self.write_ended.wait(index));
+                continue;
+            }
             self.evict(&mut index, size);
             let pinned = index.pinned_bytes();
             if index.bytes + size > self.bound {
@@ -258,8 +273,13 @@ impl EcStore {
             }
             // Counted (and pinned) from now, so concurrent writes cannot overrun the bound.
             index.pin(id, size);
+            index.writing.insert(id.to_owned());
+            break;
         }
-        match self.write_file(id, bytes) {
+        let written = self.write_file(id, bytes);
+        self.lock().writing.remove(id);
+        self.write_ended.notify_all();
+        match written {
             Ok(file) => Ok(Pin {
                 store: self.clone(),
                 id: id.to_owned(),
@@ -394,6 +414,23 @@ mod tests {
         assert_eq!(store.held_bytes(), (3, 0));
         assert!(store.pin_existing(&id(1)).is_some());
         // Nothing but the file is left in the folder.
+        let left: Vec<_> = fs::read_dir(dir.path().join(id(1))).unwrap().collect();
+        assert_eq!(left.len(), 1);
+    }
+
+    #[test]
+    fn one_item_written_for_several_requests_at_once_is_written_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = EcStore::open(dir.path(), 1 << 20).unwrap();
+        let pins: Vec<Pin> = std::thread::scope(|scope| {
+            let writers: Vec<_> = (0..8)
+                .map(|_| scope.spawn(|| store.write(&id(1), &[7; 1000]).unwrap()))
+                .collect();
+            writers.into_iter().map(|w| w.join().unwrap()).collect()
+        });
+        assert_eq!(store.held_bytes(), (1000, 1000));
+        drop(pins);
+        assert_eq!(store.held_bytes(), (1000, 0));
         let left: Vec<_> = fs::read_dir(dir.path().join(id(1))).unwrap().collect();
         assert_eq!(left.len(), 1);
     }

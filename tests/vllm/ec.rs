@@ -356,6 +356,44 @@ fn qwen2_vl_encoded_here_reaches_vllm_through_its_ec_connector() {
     let (status, _, again) = post(&gateway, &chat("ec", photo));
     assert!(status.is_success(), "vLLM still serves: {again}");
 
+    // What the console's Try page does: the model listed with its media, a request planned (and
+    // drawn) by `/v1/preprocess`, then sent as a streamed chat completion.
+    let models: Value = client()
+        .get(format!("http://{}/v1/models", gateway.addr))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    let listed = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == "ec")
+        .unwrap();
+    assert_eq!(listed["media"], "ec", "{listed}");
+    assert_eq!(listed["modalities"], json!(["image", "video"]), "{listed}");
+    let content = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What?"}]);
+    let plan: Value = client()
+        .post(format!("http://{}/v1/preprocess", gateway.addr))
+        .json(&json!({"model": "ec", "pictures": true,
+                      "messages": [{"role": "user", "content": content.clone()}]}))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(plan["media"][0]["kind"], "image", "{plan}");
+    let mut streamed = chat("ec", content);
+    streamed["stream"] = json!(true);
+    let response = client()
+        .post(format!("http://{}/v1/chat/completions", gateway.addr))
+        .json(&streamed)
+        .send()
+        .unwrap();
+    assert!(response.status().is_success());
+    assert!(response.headers().contains_key("x-mmgate-media"));
+    let events = response.text().unwrap();
+    assert!(events.trim_end().ends_with("data: [DONE]"), "{events}");
+
     // OpenAI's SDK through the Responses API.
     let lines = common::responses_sdk(&venv, &gateway.addr, "ec", &["image"]);
     assert_eq!(lines[0]["media"][0]["kind"], "image", "{lines:?}");

@@ -78,18 +78,15 @@ impl EcMedia {
         })
     }
 
-    /// The identifier item `item` is written and sent under.
-    fn identifier(&self, item: &MediaItem) -> String {
+    /// What every identifier of this model's items starts from: the weights and the dtype.
+    fn identifier_seed(&self) -> blake3::Hasher {
         let mut h = blake3::Hasher::new();
         h.update(b"mmgate-ec-1\0");
         h.update(self.weights.as_bytes());
         h.update(&[0]);
-        h.update(item.processor_config.as_bytes());
-        h.update(&[0]);
         h.update(dtype_name(self.dtype).as_bytes());
         h.update(&[0]);
-        item.input.hash_into(&mut h);
-        h.finalize().to_hex().to_string()
+        h
     }
 
     /// What vLLM's consumer needs to place `item` beside its identifier; `None` for an item it
@@ -175,15 +172,16 @@ pub async fn prepare(
 
     // Hashing the inputs and looking for their files is blocking work.
     let looked = {
-        let (store, ids): (Arc<EcStore>, Vec<String>) = (
-            ec.store.clone(),
-            kept.iter()
-                .map(|(_, item, _)| ec.identifier(item))
-                .collect(),
-        );
+        let (store, seed) = (ec.store.clone(), ec.identifier_seed());
+        let inputs: Vec<(Arc<EncodeInput>, String)> = kept
+            .iter()
+            .map(|(_, item, _)| (item.input.clone(), item.processor_config.clone()))
+            .collect();
         tokio::task::spawn_blocking(move || {
-            ids.into_iter()
-                .map(|id| {
+            inputs
+                .into_iter()
+                .map(|(input, processor_config)| {
+                    let id = identifier(&seed, &input, &processor_config);
                     let pin = store.pin_existing(&id);
                     (id, pin)
                 })
@@ -306,6 +304,16 @@ enum WriteFailure {
     Encode(String),
     Store(EcStoreError),
     Same,
+}
+
+/// The identifier an item is written and sent under: a content address of what its encoder output
+/// is made from (`seed`: the model's [`EcMedia::identifier_seed`]).
+fn identifier(seed: &blake3::Hasher, input: &EncodeInput, processor_config: &str) -> String {
+    let mut h = seed.clone();
+    h.update(processor_config.as_bytes());
+    h.update(&[0]);
+    input.hash_into(&mut h);
+    h.finalize().to_hex().to_string()
 }
 
 /// Encodes `item` and writes its output as `id`.

@@ -151,7 +151,15 @@ impl UpstreamMedia {
                 model["context_length"] = json!(m.runtime.prompt.context_length);
             }
             Self::Ec { ec, .. } => {
-                model["context_length"] = json!(ec.model.runtime.prompt.context_length);
+                let prompt = &ec.model.runtime.prompt;
+                model["context_length"] = json!(prompt.context_length);
+                model["modalities"] = json!(
+                    prompt
+                        .media_kinds()
+                        .iter()
+                        .map(|k| k.name())
+                        .collect::<Vec<_>>()
+                );
                 let (held, pinned) = ec.store.held_bytes();
                 model["ec_storage"] =
                     json!({"dir": ec.store.dir(), "held_bytes": held, "pinned_bytes": pinned});
