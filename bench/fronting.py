@@ -5,9 +5,10 @@ The engine is vLLM's CPU build (the engine venv `./dev test` installs) serving m
 Qwen2-VL checkpoint with a common deployment's image limit (max_pixels = 1280 * 28 * 28), started
 with `--enable-mm-embeds` and as an EC consumer of mmgate's `ec_storage` (`ECExampleConnector`) so
 that one server takes all five, and with its processor cache and prefix caching off (the workload
-repeats its items, a real one would not; vLLM keeps the `uuid`s `ec` sends all the same). From the
-second pass on, `embed`'s feature cache and `ec`'s store hit on the repeated items as vLLM's caches
-cannot: their mmgate CPU is a floor, not what new media cost. A byte-counting relay sits in front of
+repeats its items, a real one would not; vLLM keeps the `uuid`s `ec` sends all the same). Each pass,
+the open loop and the warm-up send their own variant of every item (the noise seeded per variant),
+so no target ever sees an item twice outside the warm-up: no cache of vLLM's or mmgate's (`embed`'s
+feature cache, `ec`'s store) hits. A byte-counting relay sits in front of
 it: the clients of "vLLM alone" and mmgate both reach it through the relay. The workload cycles
 through JPEG photos from 720p to 12 MP and two short H.264 clips, made here with ffmpeg.
 
@@ -57,18 +58,20 @@ ENGINE_CPUS = CPUS[: max(1, len(CPUS) // 2)]
 GATEWAY_CPUS = CPUS[len(ENGINE_CPUS):] or CPUS
 
 
-def make_media(scratch: Path) -> list[tuple[str, str, Path]]:
-    """(label, kind, file) of the workload."""
+def make_media(scratch: Path, variant: int) -> list[tuple[str, str, Path]]:
+    """(label, kind, file) of the workload; each `variant` is new media (its own noise)."""
     ffmpeg = ["ffmpeg", "-hide_banner", "-loglevel", "error", "-y", "-f", "lavfi", "-i"]
     items = []
     for w, h in ((1280, 720), (1920, 1080), (2560, 1440), (4032, 3024)):
-        path = scratch / f"photo-{w}x{h}.jpg"
-        subprocess.run(ffmpeg + [f"testsrc2=size={w}x{h}:rate=1", "-vf", "noise=alls=12:allf=t",
+        path = scratch / f"photo-{w}x{h}-{variant}.jpg"
+        subprocess.run(ffmpeg + [f"testsrc2=size={w}x{h}:rate=1", "-vf",
+                                 f"noise=alls=12:allf=t:all_seed={variant + 1}",
                                  "-frames:v", "1", "-q:v", "3", str(path)], check=True)
         items.append((f"photo {w}x{h}", "image", path))
     for w, h, seconds in ((640, 360, 3), (854, 480, 5)):
-        path = scratch / f"clip-{w}x{h}-{seconds}s.mp4"
-        subprocess.run(ffmpeg + [f"testsrc2=size={w}x{h}:rate=30", "-t", str(seconds), "-c:v",
+        path = scratch / f"clip-{w}x{h}-{seconds}s-{variant}.mp4"
+        subprocess.run(ffmpeg + [f"testsrc2=size={w}x{h}:rate=30", "-t", str(seconds), "-vf",
+                                 f"noise=alls=6:allf=t:all_seed={variant + 1}", "-c:v",
                                  "libx264", "-preset", "veryfast", "-crf", "28", "-pix_fmt",
                                  "yuv420p", str(path)], check=True)
         items.append((f"clip {w}x{h} {seconds} s", "video", path))
@@ -211,7 +214,9 @@ def main() -> None:
 
 
 def run(scratch: Path) -> None:
-    items = make_media(scratch)
+    # The warm-up's media, each pass's, and the open loop's (two variants: it sends 12 requests).
+    variants = [make_media(scratch, v) for v in range(PASSES + 3)]
+    items = variants[0]
     engine_dir, weightless = model_dirs(scratch, scratch / "cache", MAX_PIXELS)
     vllm_port = free_port()
     store = scratch / "ec"
@@ -259,10 +264,12 @@ def run(scratch: Path) -> None:
             for _, kind, path in items:
                 send(target.port, request_body(target.model, kind, path, False))
         passes = {target.label: [] for target in targets}
-        for _ in range(PASSES):  # interleaved: a drift in the machine touches every target alike
+        for n in range(PASSES):  # interleaved: a drift in the machine touches every target alike
             for target in targets:
-                passes[target.label].append(closed_loop(target, items, relay, processes))
-        rows = [(target.label, summed(passes[target.label]), open_loop(target, items))
+                passes[target.label].append(
+                    closed_loop(target, variants[1 + n], relay, processes))
+        opened = variants[PASSES + 1] + variants[PASSES + 2]
+        rows = [(target.label, summed(passes[target.label]), open_loop(target, opened))
                 for target in targets]
     finally:
         for child in (gateway, vllm):
