@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::io::{EventStream, read_body, write_error, write_json};
-use super::media_modes::ModeCall;
+use super::media_modes::{ModeCall, modalities};
 use super::request::{checked_shape, invalid_json, parsed_off_thread};
 use super::{Gateway, Route};
 use crate::access::{Access, Tokens};
@@ -287,14 +287,7 @@ impl Gateway {
                         model["served_by"] = json!("native");
                         model["responses"] = json!("native");
                         model["context_length"] = json!(m.runtime.prompt.context_length);
-                        model["modalities"] = json!(
-                            m.runtime
-                                .prompt
-                                .media_kinds()
-                                .iter()
-                                .map(|k| k.name())
-                                .collect::<Vec<_>>()
-                        );
+                        model["modalities"] = modalities(&m.runtime.prompt);
                     }
                     Route::Upstream { pool, media } => {
                         model["served_by"] = json!("upstream");

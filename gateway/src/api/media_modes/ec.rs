@@ -21,8 +21,8 @@ use mmgate_inference::families::MediaKind;
 use mmgate_inference::rope::Grid;
 use serde_json::{Value, json};
 
-use super::{ModeCall, accounts_header, encode_failed, prompt_tokens_header};
-use crate::api::request::chat_request;
+use super::{ModeCall, encode_failed, encoded_headers};
+use crate::api::request::parsed_off_thread;
 use crate::config::{EcDtype, EncodeErrorPolicy};
 use crate::ec_store::{EcStore, EcStoreError, Pin};
 use crate::error::ApiError;
@@ -152,7 +152,7 @@ pub async fn prepare(
     mut value: Value,
     body: Bytes,
 ) -> Result<Outcome, ApiError> {
-    let request = chat_request(&body)?;
+    let request = parsed_off_thread(body, call.services.limits).await?;
     let prepared = chat::prepare(&ec.model, request, &call.services).await?;
     call.metrics.media_prepared(&prepared.media);
     let prompt_tokens = prepared.prompt_tokens();
@@ -229,21 +229,23 @@ pub async fn prepare(
         let Some(placed) = placed.next() else {
             return Err(encode_failed("a media item was not encoded"));
         };
+        let part = Rewrite::Replace(placed.placement.part(&placed.id));
         let outcome = match placed.slot {
             Slot::Stored(pin) => Ok(pin),
             Slot::Written(n) => outcomes[n]
                 .take()
                 .unwrap_or_else(|| Err(WriteFailure::Encode("written twice".into()))),
-            Slot::SameAs => Err(WriteFailure::Same),
+            // Its file is pinned by the item it repeats (if that one was dropped, so is this:
+            // see below).
+            Slot::SameAs => {
+                rewrites.push(part);
+                continue;
+            }
         };
         match outcome {
             Ok(pin) => {
                 pins.push(pin);
-                rewrites.push(Rewrite::Replace(placed.placement.part(&placed.id)));
-            }
-            // Its file is pinned by the item it repeats, if that one was written.
-            Err(WriteFailure::Same) => {
-                rewrites.push(Rewrite::Replace(placed.placement.part(&placed.id)));
+                rewrites.push(part);
             }
             Err(WriteFailure::Store(e)) => return Err(store_error(&e)),
             Err(WriteFailure::Encode(failure)) => {
@@ -271,13 +273,8 @@ pub async fn prepare(
         }
     }
     parts::rewrite(&mut value, rewrites);
-    let mut headers: Vec<_> = accounts_header(&accounts).into_iter().collect();
-    // An item dropped after its encoding failed leaves text only the upstream counts: no promise.
-    if !dropped_here {
-        headers.push(prompt_tokens_header(prompt_tokens));
-    }
     let additions = ReplyAdditions {
-        headers,
+        headers: encoded_headers(&accounts, prompt_tokens, dropped_here),
         usage_media: Some(Value::Array(account::render(&accounts))),
         held: pins,
     };
@@ -303,7 +300,6 @@ struct Placed {
 enum WriteFailure {
     Encode(String),
     Store(EcStoreError),
-    Same,
 }
 
 /// The identifier an item is written and sent under: a content address of what its encoder output

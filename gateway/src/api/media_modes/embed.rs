@@ -9,7 +9,7 @@ use mmgate_inference::engine::EncodeInput;
 use mmgate_inference::families::MediaKind;
 use serde_json::Value;
 
-use super::{ModeCall, accounts_header, encode_failed, prompt_tokens_header};
+use super::{ModeCall, encode_failed, encoded_headers};
 use crate::api::request::chat_request;
 use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
@@ -97,14 +97,8 @@ pub async fn prepare(
         }
     }
     parts::rewrite(&mut value, rewrites);
-    let mut headers: Vec<_> = accounts_header(&accounts).into_iter().collect();
-    // An item dropped after its encoding failed leaves the prompt with its chat template's text
-    // around it, which only the upstream counts: then no promise is made.
-    if !dropped_here {
-        headers.push(prompt_tokens_header(prompt_tokens));
-    }
     let additions = ReplyAdditions {
-        headers,
+        headers: encoded_headers(&accounts, prompt_tokens, dropped_here),
         usage_media: None,
         held: Vec::new(),
     };

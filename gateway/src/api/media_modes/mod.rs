@@ -35,6 +35,32 @@ fn prompt_tokens_header(tokens: usize) -> (&'static str, HeaderValue) {
     (PROMPT_TOKENS_HEADER, HeaderValue::from(tokens))
 }
 
+/// The headers of a request whose media were encoded here: the accounts, and the promise unless
+/// an item was dropped after its encoding failed (its chat template's text around it is then
+/// counted only upstream).
+fn encoded_headers(
+    accounts: &[MediaAccount],
+    prompt_tokens: usize,
+    dropped_here: bool,
+) -> Vec<(&'static str, HeaderValue)> {
+    let mut headers: Vec<_> = accounts_header(accounts).into_iter().collect();
+    if !dropped_here {
+        headers.push(prompt_tokens_header(prompt_tokens));
+    }
+    headers
+}
+
+/// The media kinds a model's prompts take, by name (`modalities` of `GET /v1/models`).
+pub fn modalities(prompt: &PromptModel) -> Value {
+    json!(
+        prompt
+            .media_kinds()
+            .iter()
+            .map(|k| k.name())
+            .collect::<Vec<_>>()
+    )
+}
+
 /// What an upstream model's servers get of a request's media (the config's `media`).
 // One per served model, made at start and never moved after: boxing would only add a pointer hop.
 #[allow(clippy::large_enum_variant)]
@@ -153,26 +179,14 @@ impl UpstreamMedia {
             Self::Ec { ec, .. } => {
                 let prompt = &ec.model.runtime.prompt;
                 model["context_length"] = json!(prompt.context_length);
-                model["modalities"] = json!(
-                    prompt
-                        .media_kinds()
-                        .iter()
-                        .map(|k| k.name())
-                        .collect::<Vec<_>>()
-                );
+                model["modalities"] = modalities(prompt);
                 let (held, pinned) = ec.store.held_bytes();
                 model["ec_storage"] =
                     json!({"dir": ec.store.dir(), "held_bytes": held, "pinned_bytes": pinned});
             }
             Self::Preprocess(prompt) => {
                 model["context_length"] = json!(prompt.context_length);
-                model["modalities"] = json!(
-                    prompt
-                        .media_kinds()
-                        .iter()
-                        .map(|k| k.name())
-                        .collect::<Vec<_>>()
-                );
+                model["modalities"] = modalities(prompt);
             }
             Self::Forward => {}
         }
