@@ -34,9 +34,6 @@ use super::replay::Replay;
 /// A head the lane has not recognised within this many bytes goes to pingora (which allows more).
 const MAX_LANE_HEAD: usize = 16 * 1024;
 
-/// A request head larger than this is refused with 431.
-const MAX_HEAD: usize = 64 * 1024;
-
 /// The most bytes read ahead that are handed to pingora as a pipelined prefix (its limit is 1 MiB).
 const MAX_PIPELINED_PREFIX: usize = 256 * 1024;
 
@@ -294,16 +291,6 @@ impl Gateway {
                     code,
                     message,
                 } => return self.refuse(stream, status, code, message).await,
-                RequestCheck::Partial if buf.len() > MAX_HEAD => {
-                    return self
-                        .refuse(
-                            stream,
-                            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-                            "headers_too_large",
-                            "the request head is too large",
-                        )
-                        .await;
-                }
                 RequestCheck::Partial => {}
             }
             if let Some(lane) = self.read_head(stream, buf, clock).await {

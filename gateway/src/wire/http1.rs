@@ -175,6 +175,10 @@ pub fn parse_request(buf: &[u8], max_body: usize) -> Request {
 /// Headers parsed per request head that the lane leaves to pingora: pingora's own limit.
 const MAX_CHECKED_HEADERS: usize = 256;
 
+/// A request head larger than this is refused with 431, whether it is still arriving or whole:
+/// pingora would close the connection on it without an answer.
+pub const MAX_REQUEST_HEAD: usize = 64 * 1024;
+
 /// What the framing rules make of a request the lane leaves to pingora, checked on the bytes before
 /// pingora reads them (pingora is lenient in places where a proxy must not be: a chunk line ending
 /// in a bare LF, say). The rules, RFC 9112 and 9110:
@@ -246,8 +250,17 @@ pub fn check_request(buf: &[u8]) -> RequestCheck {
     let mut headers = [httparse::EMPTY_HEADER; MAX_CHECKED_HEADERS];
     let mut request = httparse::Request::new(&mut headers);
     let head_len = match request.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => return RequestCheck::Partial,
+        Ok(httparse::Status::Complete(n)) if n <= MAX_REQUEST_HEAD => n,
+        Ok(httparse::Status::Partial) if buf.len() <= MAX_REQUEST_HEAD => {
+            return RequestCheck::Partial;
+        }
+        Ok(_) => {
+            return RequestCheck::refuse(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "headers_too_large",
+                "the request head is too large",
+            );
+        }
         Err(httparse::Error::TooManyHeaders) => {
             return RequestCheck::refuse(
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -1123,6 +1136,18 @@ mod tests {
         }
         let many = "X-A: 1\r\n".repeat(300);
         assert_eq!(refused(&post(&many)), (431, "headers_too_large"));
+        // A whole head past the limit (a long request line) and one still arriving past it.
+        let long_line = format!(
+            "GET /health?{} HTTP/1.1\r\nHost: gw\r\n\r\n",
+            "a".repeat(70_000)
+        );
+        assert_eq!(refused(&long_line), (431, "headers_too_large"));
+        assert_eq!(refused(&long_line[..66_000]), (431, "headers_too_large"));
+        let at_limit = format!("X-A: {}\r\n", "a".repeat(60_000));
+        assert!(matches!(
+            check_request(post(&at_limit).as_bytes()),
+            RequestCheck::Pass(_)
+        ));
 
         let pass = |raw: &str| match check_request(raw.as_bytes()) {
             RequestCheck::Pass(head) => (head.chunked, head.expects_continue, head.content_length),
