@@ -461,3 +461,115 @@ fn small_requests_that_would_cost_gigabytes_or_minutes_are_bounded() {
     }
 }
 
+/// An upstream that answers every chat completion with a stream of events that never ends, until
+/// the gateway stops reading it.
+fn endless_stream_upstream() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            std::thread::spawn(move || {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap_or(0) == 1 {
+                    head.push(byte[0]);
+                }
+                let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                let mut body = vec![0u8; length];
+                let _ = stream.read_exact(&mut body);
+                let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                    transfer-encoding: chunked\r\n\r\n"
+                    .to_vec();
+                loop {
+                    let event = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":0,\
+                        \"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"},\
+                        \"finish_reason\":null}]}\n\n";
+                    out.extend_from_slice(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes());
+                    if stream.write_all(&out).is_err() {
+                        return;
+                    }
+                    out.clear();
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A client that leaves a stream mid-answer is logged as having closed it (499, `client_closed`),
+/// not as served: on the relayed chat and on the Responses API's own stream.
+#[test]
+fn a_stream_the_client_leaves_is_logged_as_closed() {
+    let upstream = endless_stream_upstream();
+    let (server, work) = serve_logging(&format!(
+        "models = [{{ name = \"far\", upstreams = [\"{upstream}\"], \
+         health_check = {{ path = \"\", interval_ms = 3600000 }} }}]\n"
+    ));
+    let requests = [
+        (
+            "/v1/chat/completions",
+            json!({"model": "far", "stream": true, "messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "far", "stream": true, "input": "hi"}),
+        ),
+    ];
+    for (path, body) in &requests {
+        let body = serde_json::to_vec(body).unwrap();
+        let mut stream = TcpStream::connect(&server.addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        write!(
+            stream,
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .unwrap();
+        stream.write_all(&body).unwrap();
+        // The answer's head and its first events, then the client is gone.
+        let mut first = [0u8; 512];
+        let read = stream.read(&mut first).unwrap();
+        assert!(
+            String::from_utf8_lossy(&first[..read]).starts_with("HTTP/1.1 200"),
+            "{path}: {}",
+            String::from_utf8_lossy(&first[..read])
+        );
+        drop(stream);
+    }
+    // The gateway notices at its next writes; each request then has its line.
+    let log_path = work.path().join("mmgate.log");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let closed = |log: &str| {
+        requests.iter().all(|(path, _)| {
+            access_lines(log).iter().any(|l| {
+                l["fields"]["path"] == *path
+                    && l["fields"]["status"] == 499
+                    && l["fields"]["code"] == "client_closed"
+            })
+        })
+    };
+    let mut log = String::new();
+    while std::time::Instant::now() < deadline {
+        log = std::fs::read_to_string(&log_path).unwrap();
+        if closed(&log) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(closed(&log), "each left stream logged as closed: {log}");
+    assert!(
+        !access_lines(&log)
+            .iter()
+            .any(|l| l["fields"]["status"] == 200),
+        "a left stream logged as served: {log}"
+    );
+}

@@ -15,6 +15,13 @@ use crate::error::ApiError;
 /// Target of the access log's records.
 pub const TARGET: &str = "mmgate::access";
 
+/// The status logged (and counted) for a request whose client left before its answer was whole:
+/// nginx's 499, which no client ever receives. Its line's code is `client_closed`.
+pub const CLIENT_CLOSED: StatusCode = match StatusCode::from_u16(499) {
+    Ok(status) => status,
+    Err(_) => StatusCode::BAD_REQUEST,
+};
+
 /// Tokens a request's answer reported.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Tokens {
@@ -76,6 +83,7 @@ impl Access {
     /// Writes the request's line: `path` and `route` as the metrics label them (never the
     /// client's own path, which may hold anything), and the error's code when it failed.
     pub fn log(&self, path: &str, route: &str, status: StatusCode, code: Option<&str>) {
+        let code = code.or((status == CLIENT_CLOSED).then_some("client_closed"));
         let latency_ms = (self.started.elapsed().as_secs_f64() * 1e4).round() / 10.0;
         let tokens = self.tokens.unwrap_or_default();
         let client = self.client.map(|ip| ip.to_string());

@@ -14,7 +14,7 @@ use super::io::{EventStream, read_body, write_error, write_json};
 use super::media_modes::{ModeCall, modalities};
 use super::request::{checked_shape, invalid_json, parsed_off_thread};
 use super::{Gateway, Route};
-use crate::access::{Access, Tokens};
+use crate::access::{Access, CLIENT_CLOSED, Tokens};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
 use crate::native::chat::{self, NativeModel, Prepared};
@@ -131,7 +131,7 @@ impl Gateway {
                     .map_err(|e| ("native", e))?;
                 self.native(session, &caller, model, request, tally, access)
                     .await
-                    .map(|()| ("native", StatusCode::OK))
+                    .map(|status| ("native", status))
                     .map_err(|e| ("native", e))
             }
         }
@@ -182,7 +182,7 @@ impl Gateway {
         request: ChatCompletionRequest,
         tally: Option<&TokenTally>,
         access: &mut Access,
-    ) -> Result<(), ApiError> {
+    ) -> Result<StatusCode, ApiError> {
         let prepared = self.prepare(caller, model, request).await?;
         let mut used = |usage: &Value| {
             access.tokens = Some(Tokens::of_usage(usage));
@@ -208,7 +208,7 @@ impl Gateway {
                         let reply =
                             openai::completion_json(&id, created, name, &text, finish, usage);
                         write_json(session, StatusCode::OK, &reply).await;
-                        return Ok(());
+                        return Ok(StatusCode::OK);
                     }
                 }
             }
@@ -217,7 +217,7 @@ impl Gateway {
         // The first step decides the status: a failure before any token is still a proper error.
         let first = generation.next().await?;
         let Ok(mut events) = EventStream::start(session).await else {
-            return Ok(()); // the client is gone; dropping the generation cancels it
+            return Ok(CLIENT_CLOSED); // dropping the generation cancels it
         };
         let role = openai::chunk_json(
             &id,
@@ -227,7 +227,7 @@ impl Gateway {
             None,
         );
         if events.send(&role).await.is_err() {
-            return Ok(());
+            return Ok(CLIENT_CLOSED);
         }
         let mut step: Result<Step, ApiError> = Ok(first);
         loop {
@@ -248,10 +248,11 @@ impl Gateway {
                     if sent.is_ok() {
                         sent = events.send_raw("[DONE]").await;
                     }
-                    if sent.is_ok() {
-                        let _ = events.finish().await;
+                    if sent.is_err() {
+                        return Ok(CLIENT_CLOSED);
                     }
-                    return Ok(());
+                    let _ = events.finish().await;
+                    return Ok(StatusCode::OK);
                 }
                 Err(error) => {
                     // Mid-stream the status is sent: the error goes as an event, then the stream ends.
@@ -259,12 +260,12 @@ impl Gateway {
                     if events.send(&body).await.is_ok() {
                         let _ = events.finish().await;
                     }
-                    return Ok(());
+                    return Ok(StatusCode::OK);
                 }
             };
             if sent.is_err() {
                 // The client left: dropping the generation cancels it in the engine.
-                return Ok(());
+                return Ok(CLIENT_CLOSED);
             }
             step = generation.next().await;
         }

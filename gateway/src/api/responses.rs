@@ -20,7 +20,7 @@ use super::io::{EventStream, read_body, write_json_with};
 use super::media_modes::ModeCall;
 use super::request::{checked_shape, off_thread_if_large, shape_error};
 use super::{Gateway, Route};
-use crate::access::{Access, Tokens};
+use crate::access::{Access, CLIENT_CLOSED, Tokens};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
 use crate::native::errors::invalid;
@@ -182,7 +182,7 @@ impl Gateway {
             access,
         )
         .await
-        .map(|()| (label, StatusCode::OK))
+        .map(|status| (label, status))
         .map_err(|e| (label, e))
     }
 
@@ -236,7 +236,7 @@ impl Gateway {
         headers: &[(&str, String)],
         tally: Option<&TokenTally>,
         access: &mut Access,
-    ) -> Result<(), ApiError> {
+    ) -> Result<StatusCode, ApiError> {
         let object = turn.object();
         let mut used = |usage: &Value| {
             access.tokens = Some(Tokens::of_usage(usage));
@@ -256,7 +256,7 @@ impl Gateway {
                         self.keep(caller, turn, conversation, &response, &text)
                             .await?;
                         write_json_with(session, StatusCode::OK, &response, &headers).await;
-                        return Ok(());
+                        return Ok(StatusCode::OK);
                     }
                 }
             }
@@ -265,7 +265,7 @@ impl Gateway {
         // The first step decides the status: a failure before any text is still a proper error.
         let first = steps.next().await?;
         let Ok(mut events) = EventStream::start_with(session, &headers).await else {
-            return Ok(());
+            return Ok(CLIENT_CLOSED);
         };
         let mut sequence = 0u64;
         let mut send = async |events: &mut EventStream<'_>, kind: &str, mut event: Value| {
@@ -299,7 +299,7 @@ impl Gateway {
         ];
         for (kind, event) in opening {
             if send(&mut events, kind, event).await.is_err() {
-                return Ok(()); // the client is gone; dropping the steps cancels the generation
+                return Ok(CLIENT_CLOSED); // dropping the steps cancels the generation
             }
         }
         let mut text = String::new();
@@ -343,17 +343,18 @@ impl Gateway {
                     ];
                     for (kind, event) in closing {
                         if send(&mut events, kind, event).await.is_err() {
-                            return Ok(());
+                            return Ok(CLIENT_CLOSED);
                         }
                     }
                     let last = match kept {
                         Ok(()) => ("response.completed", json!({"response": response})),
                         Err(error) => failed_event(&object, &error),
                     };
-                    if send(&mut events, last.0, last.1).await.is_ok() {
-                        let _ = events.finish().await;
+                    if send(&mut events, last.0, last.1).await.is_err() {
+                        return Ok(CLIENT_CLOSED);
                     }
-                    return Ok(());
+                    let _ = events.finish().await;
+                    return Ok(StatusCode::OK);
                 }
                 Err(error) => {
                     // Mid-stream the status is sent: the failure goes as events, then the stream ends.
@@ -365,11 +366,11 @@ impl Gateway {
                     {
                         let _ = events.finish().await;
                     }
-                    return Ok(());
+                    return Ok(StatusCode::OK);
                 }
             };
             if sent.is_err() {
-                return Ok(());
+                return Ok(CLIENT_CLOSED);
             }
             step = steps.next().await;
         }

@@ -49,6 +49,7 @@ use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 use tracing::Instrument as _;
 
+use crate::access::CLIENT_CLOSED;
 use crate::config::{Balance, ModelConfig, UpstreamAddr};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
@@ -228,8 +229,8 @@ const MAX_EDITED_ANSWER_BYTES: usize = 16 << 20;
 
 /// The outcome of forwarding.
 pub enum Forwarded {
-    /// The upstream's answer, with this status, went to the client (completely, or until one side
-    /// failed).
+    /// The upstream's answer, with this status, went to the client (completely, or until the
+    /// upstream failed), or [`CLIENT_CLOSED`] when the client left first.
     Answered(StatusCode),
     /// Nothing was sent to the client yet: answer with this error.
     Failed(ApiError),
@@ -385,7 +386,7 @@ impl UpstreamPool {
         let event_stream = has_content_type(&response, "text/event-stream");
         if let Err(e) = downstream.write_response_header(Box::new(response)).await {
             tracing::debug!(error = %e, "client went away before the answer");
-            return Forwarded::Answered(status);
+            return Forwarded::Answered(CLIENT_CLOSED);
         }
         loop {
             let read =
@@ -405,7 +406,7 @@ impl UpstreamPool {
                     if let Err(e) = downstream.write_response_body(chunk, false).await {
                         // The client left: the upstream connection is dropped, not reused.
                         tracing::debug!(error = %e, "client went away mid-answer");
-                        return Forwarded::Answered(status);
+                        return Forwarded::Answered(CLIENT_CLOSED);
                     }
                 }
                 Ok(None) => break,
@@ -543,11 +544,11 @@ impl UpstreamPool {
         let _ = response.insert_header(http::header::CONTENT_LENGTH, body.len());
         if let Err(e) = downstream.write_response_header(Box::new(response)).await {
             tracing::debug!(error = %e, "client went away before the answer");
-            return Forwarded::Answered(status);
+            return Forwarded::Answered(CLIENT_CLOSED);
         }
         if let Err(e) = downstream.write_response_body(body.into(), true).await {
             tracing::debug!(error = %e, "client went away mid-answer");
-            return Forwarded::Answered(status);
+            return Forwarded::Answered(CLIENT_CLOSED);
         }
         if let Err(e) = downstream.finish_body().await {
             tracing::debug!(error = %e, "finishing the answer to the client");

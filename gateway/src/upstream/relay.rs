@@ -10,6 +10,7 @@ use pingora::protocols::Stream;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{Attempts, Connection, Target, UpstreamAuth, UpstreamPool, idle};
+use crate::access::CLIENT_CLOSED;
 use crate::deadline::{Deadline, within};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
@@ -342,9 +343,9 @@ pub(crate) async fn send_within(
 
 /// The client left: the upstream connection is dropped with its unread answer, not reused.
 fn client_gone(status: StatusCode, error: &std::io::Error) -> Relayed {
-    tracing::debug!(error = %error, "client went away mid-answer");
+    tracing::debug!(error = %error, %status, "client went away mid-answer");
     Relayed::Answered {
-        status,
+        status: CLIENT_CLOSED,
         keep_alive: false,
     }
 }
