@@ -6,7 +6,9 @@ use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt as _;
 use futures_util::future::join_all;
+use futures_util::stream::FuturesUnordered;
 use mmgate_host::{
     Budget, CallError, Descriptor, LoadedPlugin, Media, MediaInfo, PartPlan, PluginPool,
     PluginRegistry, ReducedItem, Started, Tensor, TokenPlan,
@@ -295,6 +297,38 @@ fn plan_items(
     (plans, plan_times.into_inner())
 }
 
+/// Runs `calls` (each a request's plugin calls for one item), at most `fair_share` of them at
+/// once, and hands back their results in order, or the first error. The pool's queue is first
+/// come, first served: a request holding no more than a worker's worth of its items in it at a
+/// time lets another request's items in between, so a small chat beside a request of sixty images
+/// waits behind a few items, not all sixty. A lone request keeps every worker busy all the same.
+async fn at_most_at_once<T, E>(
+    fair_share: usize,
+    calls: impl Iterator<Item = impl Future<Output = Result<T, E>>>,
+) -> Result<Vec<T>, E> {
+    let mut calls = calls.enumerate();
+    let mut running = FuturesUnordered::new();
+    for (index, call) in calls.by_ref().take(fair_share.max(1)) {
+        running.push(numbered(index, call));
+    }
+    let mut done = Vec::new();
+    while let Some(result) = running.next().await {
+        done.push(result?);
+        if let Some((index, call)) = calls.next() {
+            running.push(numbered(index, call));
+        }
+    }
+    done.sort_unstable_by_key(|(index, _)| *index);
+    Ok(done.into_iter().map(|(_, out)| out).collect())
+}
+
+async fn numbered<T, E>(
+    index: usize,
+    call: impl Future<Output = Result<T, E>>,
+) -> Result<(usize, T), E> {
+    call.await.map(|out| (index, out))
+}
+
 /// [`process_together`] on the plugin pool, the items' probes in parallel and then their last
 /// calls (`preprocess`, or `reduce`: `produce` says) in parallel (planning, which shares the
 /// budget, is one job in between): a request's items take as long as the slowest, not the sum.
@@ -325,10 +359,9 @@ pub async fn process_concurrently(
         }
         .instrument(span)
     });
-    let (infos, probe_times): (Vec<MediaInfo>, Vec<Duration>) = join_all(probes)
-        .await
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()?
+    let fair_share = pool.threads();
+    let (infos, probe_times): (Vec<MediaInfo>, Vec<Duration>) = at_most_at_once(fair_share, probes)
+        .await?
         .into_iter()
         .unzip();
 
@@ -409,10 +442,7 @@ pub async fn process_concurrently(
             }
             .instrument(span)
         });
-    let outputs = join_all(jobs)
-        .await
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()?;
+    let outputs = at_most_at_once(fair_share, jobs).await?;
     let infos = Arc::try_unwrap(infos).unwrap_or_else(|shared| (*shared).clone());
     Ok(infos
         .into_iter()
@@ -680,5 +710,30 @@ mod tests {
             &descriptor(&["Qwen3VLVideoProcessor"]),
             &qwen3
         ));
+    }
+
+    /// A request's items are queued a worker's worth at a time: another request's item, queued
+    /// just after the first of six, runs second on a one-worker pool, not seventh; results come in
+    /// order and the first error ends the request.
+    #[tokio::test]
+    async fn a_request_holds_at_most_its_fair_share_of_the_queue() {
+        let pool = PluginPool::new(1, 64, 0).unwrap();
+        let ran = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let call = |name: String| {
+            let ran = ran.clone();
+            pool.run(move || {
+                ran.lock().unwrap().push(name.clone());
+                Ok(name)
+            })
+        };
+        let large = at_most_at_once(pool.threads(), (0..6).map(|i| call(format!("a{i}"))));
+        let small = at_most_at_once(pool.threads(), std::iter::once(call("b".into())));
+        let (large, small) = tokio::join!(large, small);
+        assert_eq!(large.unwrap(), ["a0", "a1", "a2", "a3", "a4", "a5"]);
+        assert_eq!(small.unwrap(), ["b"]);
+        assert_eq!(ran.lock().unwrap()[..2], ["a0", "b"]);
+
+        let failing = (0..4).map(|i| async move { if i == 2 { Err(i) } else { Ok(i) } });
+        assert_eq!(at_most_at_once(2, failing).await, Err(2));
     }
 }
