@@ -75,7 +75,7 @@ impl Gateway {
             .await
             .map_err(none)?;
         // Parsing megabytes holds up the connection's thread: a large body is parsed off it.
-        let request: ResponsesRequest = off_thread_if_large(&body, |body| {
+        let mut request: ResponsesRequest = off_thread_if_large(&body, |body| {
             serde_json::from_slice(&body).map_err(|e| not_a_responses_request(&e))
         })
         .await

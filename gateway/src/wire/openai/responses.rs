@@ -58,13 +58,16 @@ impl ResponsesRequest {
     /// The conversation this request continues: `history` (an earlier turn's messages), then
     /// its input as chat messages, each content part the chat part that means the same; the
     /// Responses parameter at fault otherwise. What a stored response keeps (with its answer).
-    pub fn conversation(&self, history: Vec<Value>) -> Result<Vec<Value>, Invalid> {
+    ///
+    /// The input is taken, not copied: each item is dropped once it is a message, so a large
+    /// input is held once rather than twice.
+    pub fn conversation(&mut self, history: Vec<Value>) -> Result<Vec<Value>, Invalid> {
         let mut messages = history;
-        match &self.input {
+        match std::mem::replace(&mut self.input, Input::Text(String::new())) {
             Input::Text(text) => messages.push(json!({"role": "user", "content": text})),
             Input::Items(items) => {
-                for (index, item) in items.iter().enumerate() {
-                    messages.push(message(index, item)?);
+                for (index, item) in items.into_iter().enumerate() {
+                    messages.push(message(index, &item)?);
                 }
             }
         }
@@ -342,7 +345,7 @@ mod tests {
 
     #[test]
     fn a_string_input_is_one_user_message_after_the_instructions() {
-        let r = request(json!({"model": "m", "input": "hi", "instructions": "be brief"}));
+        let mut r = request(json!({"model": "m", "input": "hi", "instructions": "be brief"}));
         let conversation = r.conversation(Vec::new()).unwrap();
         assert_eq!(conversation, vec![json!({"role": "user", "content": "hi"})]);
         assert_eq!(
@@ -354,7 +357,7 @@ mod tests {
     #[test]
     fn media_parts_become_the_chat_parts_that_mean_the_same() {
         let png = base64::engine::general_purpose::STANDARD.encode(b"\x89PNG\r\n\x1a\n0000IHDR");
-        let r = request(json!({"model": "m", "input": [{"role": "user", "content": [
+        let mut r = request(json!({"model": "m", "input": [{"role": "user", "content": [
             {"type": "input_text", "text": "look"},
             {"type": "input_image", "image_url": "https://example.com/a.jpg"},
             {"type": "input_image", "file_id": "file-1"},
@@ -409,7 +412,7 @@ mod tests {
                 "not base64",
             ),
         ] {
-            let r = request(json!({"model": "m", "input": input}));
+            let mut r = request(json!({"model": "m", "input": input}));
             let error = r.conversation(Vec::new()).unwrap_err();
             assert_eq!(error.param, "input");
             assert!(error.message.contains(said), "{}", error.message);
@@ -418,7 +421,7 @@ mod tests {
 
     #[test]
     fn the_chat_body_carries_the_history_and_the_sampling() {
-        let r = request(
+        let mut r = request(
             json!({"model": "m", "input": "again", "max_output_tokens": 5,
                    "instructions": "be brief", "temperature": 0.5, "stream": true}),
         );
