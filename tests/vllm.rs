@@ -425,14 +425,25 @@ fn qwen2_5_vl_images_and_videos_planned_here_keep_their_promise_in_vllm() {
     assert_eq!(lines[0]["media"][0]["kind"], "video", "{lines:?}");
 }
 
-/// The demo Qwen3-VL: images planned here (16 px patches, transformers' pixel bounds) keep their
-/// promise.
+/// The demo Qwen3-VL: images planned here (16 px patches, transformers' pixel bounds) and videos
+/// (each temporal patch after its timestamp, as vLLM writes it for frames sent as a list) keep
+/// their promise.
 #[test]
-fn qwen3_vl_images_planned_here_keep_their_promise_in_vllm() {
+fn qwen3_vl_images_and_videos_planned_here_keep_their_promise_in_vllm() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
     let (_vllm, gateway) = demo_fronted(&venv, scratch.path(), "demo-qwen3-vl", "qwen3-vl", 200);
     promises_hold(&gateway, "qwen3-vl", "qwen3-vl-forward", &json!({}));
+    // 12 s: times of two digits, as vLLM numbers the frames (not as the source times them).
+    for clip in ["h264.mp4", "portrait.mp4", "vp9.webm", "12s.mp4"] {
+        let content = json!([video_part(clip), {"type": "text", "text": "What happens?"}]);
+        let (promised, counted, media) = planned(&gateway, "qwen3-vl", &content, &json!({}));
+        assert_eq!(promised, counted, "{clip}: {media}");
+    }
+    let two = json!([video_part("h264.mp4"), {"type": "text", "text": "and"},
+                     video_part("vp9.webm")]);
+    let (promised, counted, media) = planned(&gateway, "qwen3-vl", &two, &json!({}));
+    assert_eq!(promised, counted, "two videos: {media}");
     tight_holds(
         &gateway,
         "qwen3-vl",
@@ -578,12 +589,15 @@ fn llava_onevision_in_front_of_vllm_keeps_its_promise_on_pooled_tiles_and_videos
     tight_holds(&gateway, model, video_part("vp9.webm"), 80, &json!({}));
 }
 
-/// A clip of tests/fixtures/video/clips as a `video_url` data URL.
+/// A clip of tests/fixtures/video/clips (or long/) as a `video_url` data URL.
 fn video_part(name: &str) -> Value {
     use base64::Engine as _;
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/video/clips")
-        .join(name);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/video");
+    let path = ["clips", "long"]
+        .into_iter()
+        .map(|folder| root.join(folder).join(name))
+        .find(|path| path.is_file())
+        .unwrap_or_else(|| panic!("no clip {name}"));
     let data = base64::engine::general_purpose::STANDARD.encode(std::fs::read(path).unwrap());
     let mime = if name.ends_with(".webm") {
         "video/webm"

@@ -19,6 +19,7 @@ use crate::error::ApiError;
 use crate::keylimits::TokenTally;
 use crate::media::{account, render};
 use crate::native::chat::{self, PlannedSource};
+use crate::upstream::planned;
 
 /// The prompt side that plans a served model's media.
 pub(super) struct PlanningSide<'a> {
@@ -54,6 +55,7 @@ impl Gateway {
             accept_image_embeds,
             request,
             &self.services(&caller),
+            planned::choices_as_read,
         )
         .await?;
         let media_tokens: usize = planned.accounts.iter().map(|a| a.tokens).sum();

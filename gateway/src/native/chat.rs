@@ -474,6 +474,7 @@ pub async fn plan_for_upstream(
     accept_image_embeds: bool,
     mut request: ChatCompletionRequest,
     services: &ChatServices<'_>,
+    as_read: AsRead,
 ) -> Result<PlannedUpstream, ApiError> {
     let mut gathered = gather(prompt, accept_image_embeds, &mut request, services).await?;
     // The budget the plugins share leaves out the text a family may set each item off with (its
@@ -481,7 +482,7 @@ pub async fn plan_for_upstream(
     // with the overflow taken off the budget.
     let completion = gathered.max_tokens.unwrap_or(1);
     for _ in 0..PLAN_ATTEMPTS {
-        let planned = plan_upstream_once(prompt, &gathered, services).await?;
+        let planned = plan_upstream_once(prompt, &gathered, services, as_read).await?;
         let needed = planned.prompt_tokens + completion;
         if needed <= prompt.context_length {
             return Ok(planned);
@@ -499,6 +500,10 @@ pub async fn plan_for_upstream(
     )))
 }
 
+/// An item's plan as the server reads it back from what it is sent of the item (the server's
+/// reading of a video's frame times, say): what its prompt is counted with.
+pub type AsRead = fn(MediaKind, serde_json::Value) -> serde_json::Value;
+
 /// Plans made again at most this often when the items' text overflows the context (each attempt
 /// takes the overflow off the budget; one is enough unless the text grows as plans shrink).
 const PLAN_ATTEMPTS: usize = 3;
@@ -508,6 +513,7 @@ async fn plan_upstream_once(
     prompt: &PromptModel,
     gathered: &Gathered,
     services: &ChatServices<'_>,
+    as_read: AsRead,
 ) -> Result<PlannedUpstream, ApiError> {
     let mut processed = gathered
         .process(prompt, services, pipeline::Produce::Files, None)
@@ -533,7 +539,10 @@ async fn plan_upstream_once(
                 planned_items.push(PlannedItem {
                     kind: item.kind,
                     tokens: done.plan.tokens as usize,
-                    choices: serde_json::from_str(&done.plan.choices).unwrap_or_default(),
+                    choices: as_read(
+                        item.kind,
+                        serde_json::from_str(&done.plan.choices).unwrap_or_default(),
+                    ),
                 });
                 accounts.push(MediaAccount::plugin(index, item.kind, plugin, &done));
                 sources.push(Some(PlannedSource {

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use mmgate_host::{Dtype, PartPlan, Tensor};
 use mmgate_inference::engine::{EncodeInput, InputPart, PixelValues};
 use mmgate_inference::families::MediaKind;
-use mmgate_inference::prompt::PlacedItem;
+use mmgate_inference::families::PlannedItem;
+use mmgate_inference::prompt::{PlacedItem, expand_placeholders};
+use mmgate_inference::text::{ChatMessage, ContentPart};
 
 use super::model::{Devices, ModelRuntime, RuntimeOptions, resolve_model_dir};
 use super::plugin_output::{item_tensors, part_layouts, place_parts};
@@ -131,6 +133,36 @@ fn qwen3_vl_videos_are_a_block_per_temporal_patch_after_its_timestamp() {
     // Without the frame rate there are no timestamps to write.
     let err = media_item(&model, MediaKind::Video, 8, &video[..3]).unwrap_err();
     assert!(err.to_string().contains("video_fps_f64_bits"), "{err}");
+
+    // Planned for an engine that runs the processor, the same frames and frame rate (from the
+    // plan's choices) count the same prompt as placed here.
+    let messages = [ChatMessage {
+        role: "user".into(),
+        content: vec![
+            ContentPart::Video,
+            ContentPart::Text("What happens?".into()),
+        ],
+    }];
+    let ids = super::prompt_text::prompt_ids(&model.prompt, &messages).unwrap();
+    let planned = |choices: serde_json::Value| PlannedItem {
+        kind: MediaKind::Video,
+        tokens: 8,
+        choices,
+    };
+    let choices = serde_json::json!({"frame_indices": [0, 15, 30, 45],
+                                     "source_fps_bits": 30f64.to_bits()});
+    let counted = model
+        .prompt
+        .planned_prompt_tokens(&messages, &ids, &[planned(choices)])
+        .unwrap();
+    let expanded = expand_placeholders(&ids, &[placed]).unwrap();
+    assert_eq!(counted, expanded.len());
+    // A plan that does not say when its frames are is refused, not counted without timestamps.
+    let err = model
+        .prompt
+        .planned_prompt_tokens(&messages, &ids, &[planned(serde_json::Value::Null)])
+        .unwrap_err();
+    assert!(err.to_string().contains("frame_indices"), "{err}");
 }
 
 /// A built-in plugin's output for an item.

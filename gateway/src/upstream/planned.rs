@@ -39,6 +39,23 @@ pub fn part(kind: MediaKind, item: &ReducedItem) -> Option<Value> {
     })
 }
 
+/// `choices`, a `kind` item's plan, as the server reads it back from [`part`]: vLLM takes a video
+/// sent as its frames as frames 0, 1, 2, … at one a second (its default when it is not told the
+/// source's rate; telling it per request needs `--trust-request-mm-kwargs`), and a family that
+/// writes each temporal patch's time into the prompt (Qwen3-VL) writes those. The count follows
+/// what the server will write; `media = "ec"` sends the true times.
+pub fn choices_as_read(kind: MediaKind, mut choices: Value) -> Value {
+    if kind != MediaKind::Video {
+        return choices;
+    }
+    if let Some(frames) = choices.get("frame_indices").and_then(Value::as_array) {
+        let numbered: Vec<Value> = (0..frames.len() as u64).map(Value::from).collect();
+        choices["frame_indices"] = numbered.into();
+        choices["source_fps_bits"] = 1f64.to_bits().into();
+    }
+    choices
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -72,6 +89,14 @@ mod tests {
             video["video_url"]["url"],
             "data:video/jpeg;base64,YQ==,Yg=="
         );
+        // A video's frames are read as numbered at one a second, whatever the source's rate.
+        let choices = json!({"frame_indices": [0, 15, 30, 45], "source_fps_bits": 30f64.to_bits(),
+                             "width": 64});
+        assert_eq!(
+            choices_as_read(MediaKind::Video, choices.clone()),
+            json!({"frame_indices": [0, 1, 2, 3], "source_fps_bits": 1f64.to_bits(), "width": 64})
+        );
+        assert_eq!(choices_as_read(MediaKind::Image, choices.clone()), choices);
         // An image or an audio clip is one file: two are not sent as anything.
         assert!(part(MediaKind::Image, &frames).is_none());
         assert!(part(MediaKind::Audio, &frames).is_none());

@@ -8,9 +8,11 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use serde::Deserialize as _;
+
 use super::{
     Family, FamilyModel, ItemTensors, LoadedModel, Loader, MediaKind, NativeFamily, Placement,
-    PlannedInput, PromptRun, RowBands, load_on_devices, vision,
+    PlannedInput, PlannedItem, PromptPiece, PromptRun, RowBands, load_on_devices, vision,
 };
 use crate::backend::Backend;
 use crate::devices::OpenDevice;
@@ -46,49 +48,67 @@ const VISION_END: &str = "<|vision_end|>";
 
 impl Qwen3VlModel {
     /// A video's blocks, one per temporal patch after its timestamp; none for an image.
-    ///
-    /// The timestamp of a temporal patch is the mean of its first and last frame's time
-    /// (`frame_indices` over the source's frame rate, `video_fps_f64_bits`), written with one
-    /// decimal, as transformers' `Qwen3VLProcessor` computes it in double precision.
     fn runs(&self, kind: MediaKind, grid: Grid, tensors: &ItemTensors) -> Result<Vec<PromptRun>> {
         if kind != MediaKind::Video {
             return Ok(Vec::new());
         }
-        let per_patch = self.config.vision.temporal_patch_size;
         let indices = tensors.ints("frame_indices")?;
-        if indices.len() != grid.t * per_patch || indices.iter().any(|&i| i < 0) {
-            return Err(Error::Input(format!(
-                "frame_indices holds {} frames, not the {} of {} temporal patches",
-                indices.len(),
-                grid.t * per_patch,
-                grid.t
-            )));
+        if indices.iter().any(|&i| i < 0) {
+            return Err(Error::Input("frame_indices holds a negative index".into()));
         }
+        let indices: Vec<u64> = indices.iter().map(|&i| i as u64).collect();
         let fps = match tensors.ints("video_fps_f64_bits")?[..] {
             [bits] => f64::from_bits(bits as u64),
             _ => return Err(Error::Input("video_fps_f64_bits is not one value".into())),
         };
+        let seconds = self.patch_seconds(&indices, fps, grid.t)?;
+        let frame = Grid { t: 1, ..grid };
+        Ok(seconds
+            .into_iter()
+            .map(|at| PromptRun {
+                before: timestamp(at),
+                tokens: frame.tokens(self.config.vision.merge),
+                grid: frame,
+                after: VISION_END.to_owned(),
+            })
+            .collect())
+    }
+
+    /// The time of each of a video's `patches` temporal patches: the mean of its first and last
+    /// frame's time (`indices` over the source's frame rate `fps`), as transformers'
+    /// `Qwen3VLProcessor` and vLLM compute it in double precision.
+    fn patch_seconds(&self, indices: &[u64], fps: f64, patches: usize) -> Result<Vec<f64>> {
+        let per_patch = self.config.vision.temporal_patch_size;
+        if patches == 0 || indices.len() != patches * per_patch {
+            return Err(Error::Input(format!(
+                "frame_indices holds {} frames, not the {} of {patches} temporal patches",
+                indices.len(),
+                patches * per_patch,
+            )));
+        }
         if !(fps.is_finite() && fps > 0.0) {
             return Err(Error::Input(format!(
                 "the video's frame rate {fps} is not positive"
             )));
         }
-        let merge = self.config.vision.merge;
-        let frame = Grid { t: 1, ..grid };
         Ok(indices
             .chunks_exact(per_patch)
-            .map(|patch| {
-                let first = patch[0] as f64 / fps;
-                let last = patch[per_patch - 1] as f64 / fps;
-                PromptRun {
-                    before: format!("<{:.1} seconds>{VISION_START}", (first + last) / 2.0),
-                    tokens: frame.tokens(merge),
-                    grid: frame,
-                    after: VISION_END.to_owned(),
-                }
-            })
+            .map(|patch| (patch[0] as f64 / fps + patch[per_patch - 1] as f64 / fps) / 2.0)
             .collect())
     }
+}
+
+/// What the processor writes before a temporal patch's tokens: its time, with one decimal.
+fn timestamp(seconds: f64) -> String {
+    format!("<{seconds:.1} seconds>{VISION_START}")
+}
+
+/// What a plan of the built-in video plugin says of the frames it chose.
+#[derive(serde::Deserialize)]
+struct VideoChoices {
+    frame_indices: Vec<u64>,
+    /// The frame rate the indices count in, as its f64 bits.
+    source_fps_bits: u64,
 }
 
 impl FamilyModel for Qwen3VlModel {
@@ -106,6 +126,41 @@ impl FamilyModel for Qwen3VlModel {
             MediaKind::Video => Some(self.config.video_token_id),
             MediaKind::Audio => None,
         }
+    }
+
+    /// A video as its blocks, each temporal patch's tokens after its timestamp, from the frames
+    /// and frame rate its plan names (an engine given the frames numbers them as it is told).
+    fn item_prompt(&self, item: &PlannedItem) -> Result<Option<Vec<PromptPiece>>> {
+        if item.kind != MediaKind::Video {
+            return Ok(None);
+        }
+        let choices = VideoChoices::deserialize(&item.choices).map_err(|e| {
+            Error::Input(format!(
+                "a Qwen3-VL video's plan must name its frame_indices and source_fps_bits: {e}"
+            ))
+        })?;
+        let patches = choices.frame_indices.len() / self.config.vision.temporal_patch_size;
+        let seconds = self.patch_seconds(
+            &choices.frame_indices,
+            f64::from_bits(choices.source_fps_bits),
+            patches,
+        )?;
+        if !item.tokens.is_multiple_of(patches) {
+            return Err(Error::Input(format!(
+                "a video of {} tokens is not {patches} equal temporal patches",
+                item.tokens
+            )));
+        }
+        let mut pieces = Vec::with_capacity(3 * patches);
+        for at in seconds {
+            pieces.push(PromptPiece::Text(timestamp(at)));
+            pieces.push(PromptPiece::Tokens {
+                id: self.config.video_token_id,
+                count: item.tokens / patches,
+            });
+            pieces.push(PromptPiece::Text(VISION_END.to_owned()));
+        }
+        Ok(Some(pieces))
     }
 
     fn native(&self) -> Option<&dyn NativeFamily> {

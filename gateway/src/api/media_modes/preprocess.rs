@@ -35,6 +35,7 @@ pub async fn prepare(
         call.pool.accept_image_embeds,
         request,
         &call.services,
+        planned::choices_as_read,
     )
     .await?;
     call.metrics.media_prepared(&planned.accounts);
