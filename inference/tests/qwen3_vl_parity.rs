@@ -292,6 +292,7 @@ fn the_served_model_generates_transformers_tokens() {
                 let part = InputPart {
                     first_token,
                     grid: run.grid,
+                    at: run.at,
                 };
                 media.push(item(run.tokens, Some(part)));
                 first_token += run.tokens;

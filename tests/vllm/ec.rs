@@ -92,6 +92,17 @@ fn transformers_grids(venv: &Path, model: &Path, images: &[&str]) -> Vec<Value> 
 /// `content` through `model` (in `ec` mode) and through `reference` (vLLM encoding the media
 /// itself): the same prompt tokens, kept as promised, and the same greedy answer.
 fn answers_alike(gateway: &Server, model: &str, reference: &str, content: Value) {
+    answers_alike_told(gateway, model, reference, content, &json!({}));
+}
+
+/// [`answers_alike`], the reference request with `told` added (what vLLM is told of the media).
+fn answers_alike_told(
+    gateway: &Server,
+    model: &str,
+    reference: &str,
+    content: Value,
+    told: &Value,
+) {
     let what: Vec<String> = content
         .as_array()
         .unwrap()
@@ -100,7 +111,11 @@ fn answers_alike(gateway: &Server, model: &str, reference: &str, content: Value)
         .collect();
     let (status, promised, through_ec) = post(gateway, &chat(model, content.clone()));
     assert!(status.is_success(), "{status}: {through_ec}");
-    let (status, _, itself) = post(gateway, &chat(reference, content));
+    let mut reference = chat(reference, content);
+    for (key, value) in told.as_object().unwrap() {
+        reference[key] = value.clone();
+    }
+    let (status, _, itself) = post(gateway, &reference);
     assert!(status.is_success(), "{status}: {itself}");
     assert_eq!(
         promised,
@@ -124,7 +139,13 @@ fn ec_fronted(venv: &Path, model: &Path, store: &Path) -> (Vllm, Server) {
     let transfer = json!({"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
         "ec_connector_extra_config": {"shared_storage_path": store}})
     .to_string();
-    let vllm = Vllm::start(venv, model, 4096, &["--ec-transfer-config", &transfer]);
+    // Trusting request kwargs lets a reference request tell vLLM a frame list's times.
+    let args = [
+        "--ec-transfer-config",
+        &transfer,
+        "--trust-request-mm-kwargs",
+    ];
+    let vllm = Vllm::start(venv, model, 4096, &args);
     let ec =
         format!("media = \"ec\"\npath = {model:?}\nec_storage = {store:?}\nec_dtype = \"float32\"");
     let planned = format!("media = \"preprocess\"\npath = {model:?}");
@@ -147,8 +168,8 @@ fn ec_fronted(venv: &Path, model: &Path, store: &Path) -> (Vllm, Server) {
 }
 
 /// Qwen2.5-VL (images; videos at one second per temporal patch, as vLLM assumes) and Qwen3-VL
-/// (images with their deepstack features) through vLLM's EC connector answer as vLLM encoding the
-/// same media itself.
+/// (images with their deepstack features; videos with their temporal patches' timestamps)
+/// through vLLM's EC connector answer as vLLM encoding the same media itself.
 #[test]
 fn qwen2_5_vl_and_qwen3_vl_encoded_here_answer_as_vllm_itself() {
     let Some(venv) = vllm_venv() else { return };
@@ -172,16 +193,39 @@ fn qwen2_5_vl_and_qwen3_vl_encoded_here_answer_as_vllm_itself() {
         let two = json!([image_part("scene-1200x300.jpg"), {"type": "text", "text": "and"},
                          image_part("scene-256x256.jpg")]);
         answers_alike(&gateway, "ec", "planned", two);
-        // Qwen3-VL's videos go as planned (vLLM takes their timestamps only with the frames).
         if family == "qwen2.5-vl" {
             let clip = json!([video_part("h264.mp4"), {"type": "text", "text": "What happens?"}]);
             answers_alike(&gateway, "ec", "planned", clip);
+        } else {
+            // The reference is told the frames' source rate and indices, so that it writes the
+            // same times as the timestamps sent beside the grid (12 s: times of two digits).
+            for (clip, told) in [
+                ("h264.mp4", qwen3_vl_frames(90, 30.0)),
+                ("12s.mp4", qwen3_vl_frames(48, 4.0)),
+            ] {
+                let content = json!([video_part(clip), {"type": "text", "text": "What happens?"}]);
+                answers_alike_told(&gateway, "ec", "planned", content, &told);
+            }
         }
         assert!(
             !stored_items(&store).is_empty(),
             "{family}: nothing went through the store"
         );
     }
+}
+
+/// vLLM's `media_io_kwargs` naming the frames Qwen3-VL's processor samples (2 a second, at least
+/// 4, `linspace(0, n - 1, k).round()`) from a clip of `frames` at `fps`: what the plan chose.
+fn qwen3_vl_frames(frames: u64, fps: f64) -> Value {
+    let wanted = ((frames as f64 / fps * 2.0) as u64)
+        .clamp(4, 768)
+        .min(frames);
+    let step = (frames - 1) as f64 / (wanted - 1) as f64;
+    let indices: Vec<u64> = (0..wanted)
+        .map(|k| (k as f64 * step).round() as u64)
+        .collect();
+    json!({"media_io_kwargs": {"video": {"fps": fps, "frames_indices": indices,
+                                         "total_num_frames": frames}}})
 }
 
 fn chat(model: &str, content: Value) -> Value {

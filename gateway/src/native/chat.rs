@@ -68,6 +68,14 @@ pub struct Prepared {
     pub(super) feeds: Vec<(Started<Vec<Tensor>>, PieceMaker)>,
 }
 
+/// One media item of a prepared request, whole.
+pub struct KeptItem {
+    pub item: MediaItem,
+    /// Each of its runs' time in its video where the family writes one (a Qwen3-VL video's
+    /// temporal patches), in prompt order; empty otherwise.
+    pub times: Vec<f64>,
+}
+
 /// A request's conversation and media, resolved and checked against a model's prompt side, with
 /// the tokens its plugin items may share: what a natively served model and an upstream one whose
 /// media are planned here (`media = "preprocess"`) have in common.
@@ -587,17 +595,24 @@ impl Prepared {
     }
 
     /// The media as the engine takes them (dropped items left out), and every item's account.
-    pub fn into_media(self) -> (Vec<MediaItem>, Vec<MediaAccount>) {
+    pub fn into_media(self) -> (Vec<KeptItem>, Vec<MediaAccount>) {
         // One per item: the parts of an input split over several runs share it, and of an item
         // made in pieces the first stands for it.
-        let mut media: Vec<MediaItem> = Vec::with_capacity(self.media.len());
+        let mut media: Vec<KeptItem> = Vec::with_capacity(self.media.len());
         for item in self.request.media {
-            let same_piece = |kept: &MediaItem| {
-                item.piece.is_some() && kept.piece.map(|p| p.item) == item.piece.map(|p| p.item)
+            if let Some(part) = item.part.filter(|p| p.first_token > 0) {
+                if let Some(kept) = media.last_mut() {
+                    kept.times.extend(part.at);
+                }
+                continue;
+            }
+            let same_piece = |kept: &KeptItem| {
+                item.piece.is_some()
+                    && kept.item.piece.map(|p| p.item) == item.piece.map(|p| p.item)
             };
-            if item.part.is_none_or(|p| p.first_token == 0) && !media.last().is_some_and(same_piece)
-            {
-                media.push(item);
+            if !media.last().is_some_and(same_piece) {
+                let times = item.part.and_then(|p| p.at).into_iter().collect();
+                media.push(KeptItem { item, times });
             }
         }
         (media, self.media)

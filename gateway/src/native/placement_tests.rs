@@ -109,14 +109,16 @@ fn qwen3_vl_videos_are_a_block_per_temporal_patch_after_its_timestamp() {
                 4,
                 Some(InputPart {
                     first_token: 0,
-                    grid: frame
+                    grid: frame,
+                    at: Some(0.25),
                 })
             ),
             (
                 4,
                 Some(InputPart {
                     first_token: 4,
-                    grid: frame
+                    grid: frame,
+                    at: Some(1.25),
                 })
             ),
         ]

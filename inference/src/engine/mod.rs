@@ -137,6 +137,9 @@ pub struct InputPart {
     pub first_token: usize,
     /// The grid that places the run's tokens (M-RoPE).
     pub grid: Grid,
+    /// Its time in its video (see [`crate::families::PromptRun::at`]); the engine does not read
+    /// it.
+    pub at: Option<f64>,
 }
 
 #[derive(Debug, Clone)]

@@ -89,6 +89,10 @@ pub struct PromptRun {
     pub grid: Grid,
     /// Text after the run.
     pub after: String,
+    /// Where the run is in its video, in seconds, when the family writes that into the prompt
+    /// (a Qwen3-VL temporal patch's timestamp): what an engine given the run's embeddings out
+    /// of band is told, to write the same text.
+    pub at: Option<f64>,
 }
 
 /// Where an item's embeddings go in the prompt when they were made elsewhere.

@@ -70,6 +70,7 @@ impl Qwen3VlModel {
                 tokens: frame.tokens(self.config.vision.merge),
                 grid: frame,
                 after: VISION_END.to_owned(),
+                at: Some(at),
             })
             .collect())
     }

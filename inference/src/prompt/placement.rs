@@ -318,6 +318,7 @@ impl PromptModel {
             let part = InputPart {
                 first_token,
                 grid: run.grid,
+                at: run.at,
             };
             placed
                 .items

@@ -6,10 +6,11 @@
 //! config, the preprocessed input, the dtype): a repeated item is encoded and written once, and
 //! vLLM's own encoder and prefix caches hit on it too.
 //!
-//! What vLLM 0.32's consumer cannot place from metadata alone goes as `preprocess` sends it: a
-//! Qwen3-VL video (its frame groups' timestamps are not among the fields it takes out of band) and
-//! a Qwen2.5-VL video whose temporal patches are not one second apart (its `second_per_grid_ts`
-//! is not either: vLLM would assume one second).
+//! A Qwen3-VL video goes with its temporal patches' timestamps beside its grid (vLLM writes each
+//! into the prompt before the patch's tokens). What vLLM 0.32's consumer cannot place from
+//! metadata alone goes as `preprocess` sends it: a Qwen2.5-VL video whose temporal patches are
+//! not one second apart (its `second_per_grid_ts` is not among the fields it takes out of band:
+//! vLLM would assume one second).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -89,9 +90,10 @@ impl EcMedia {
         h
     }
 
-    /// What vLLM's consumer needs to place `item` beside its identifier; `None` for an item it
-    /// cannot place from that alone (see the module's note).
-    fn placement(&self, kind: MediaKind, item: &MediaItem) -> Option<Placement> {
+    /// What vLLM's consumer needs to place `item` (whose runs are at `times` in its video, if
+    /// the family writes them) beside its identifier; `None` for an item it cannot place from
+    /// that alone (see the module's note).
+    fn placement(&self, kind: MediaKind, item: &MediaItem, times: &[f64]) -> Option<Placement> {
         let grid = match item.input.as_ref() {
             EncodeInput::Vision { grid, .. }
             | EncodeInput::Embeddings {
@@ -101,11 +103,17 @@ impl EcMedia {
         };
         match (kind, grid) {
             (MediaKind::Image, Some(grid)) => Some(Placement::Image(grid)),
+            // A video in one run, or (Qwen3-VL) one run per temporal patch, each at its time.
             (MediaKind::Video, Some(grid))
-                if item.part.is_none()
-                    && (item.time_interval - self.unscaled_video_interval).abs() < 1e-6 =>
+                if (item.time_interval - self.unscaled_video_interval).abs() < 1e-6 =>
             {
-                Some(Placement::Video(grid))
+                match item.part {
+                    None => Some(Placement::Video(grid, None)),
+                    Some(_) if times.len() == grid.t => {
+                        Some(Placement::Video(grid, Some(times.to_vec())))
+                    }
+                    Some(_) => None,
+                }
             }
             (MediaKind::Audio, None) if matches!(*item.input, EncodeInput::Audio { .. }) => {
                 Some(Placement::Audio(item.tokens))
@@ -116,20 +124,25 @@ impl EcMedia {
 }
 
 /// An item's placeholder metadata, as vLLM's parser takes it for the modality.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum Placement {
     Image(Grid),
-    Video(Grid),
+    /// A video's grid, and its temporal patches' timestamps where the family writes them.
+    Video(Grid, Option<Vec<f64>>),
     Audio(usize),
 }
 
 impl Placement {
     /// The part vLLM gets in place of the media: the metadata and the identifier, no tensor.
-    fn part(self, id: &str) -> Value {
-        let thw = |g: Grid| json!([g.t, g.h, g.w]);
+    fn part(&self, id: &str) -> Value {
+        let thw = |g: &Grid| json!([g.t, g.h, g.w]);
         let (kind, metadata) = match self {
             Self::Image(grid) => ("image_embeds", json!({"image_grid_thw": thw(grid)})),
-            Self::Video(grid) => ("video_embeds", json!({"video_grid_thw": thw(grid)})),
+            Self::Video(grid, None) => ("video_embeds", json!({"video_grid_thw": thw(grid)})),
+            Self::Video(grid, Some(times)) => (
+                "video_embeds",
+                json!({"video_grid_thw": thw(grid), "timestamps": times}),
+            ),
             Self::Audio(tokens) => ("audio_embeds", json!({"audio_num_tokens": [tokens]})),
         };
         json!({"type": kind, kind: metadata, "uuid": id})
@@ -161,10 +174,10 @@ pub async fn prepare(
     let mut kept = Vec::with_capacity(items.len());
     let mut items = items.into_iter();
     for account in accounts.iter().filter(|a| a.dropped.is_none()) {
-        let Some(item) = items.next() else {
+        let Some(chat::KeptItem { item, times }) = items.next() else {
             return Err(encode_failed("a media item was not prepared"));
         };
-        let Some(placement) = ec.placement(account.kind, &item) else {
+        let Some(placement) = ec.placement(account.kind, &item, &times) else {
             return Ok(Outcome::NotCarried(value));
         };
         kept.push((account.index, item, placement));
@@ -429,8 +442,15 @@ mod tests {
             json!({"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 6]}, "uuid": "ab"})
         );
         assert_eq!(
-            Placement::Video(Grid { t: 2, ..grid }).part("cd")["video_embeds"],
+            Placement::Video(Grid { t: 2, ..grid }, None).part("cd")["video_embeds"],
             json!({"video_grid_thw": [2, 4, 6]})
+        );
+        // Qwen3-VL's: each temporal patch's time, as floats (vLLM reads a float array).
+        assert_eq!(
+            Placement::Video(Grid { t: 2, ..grid }, Some(vec![0.25, 1.0])).part("cd")
+                ["video_embeds"]
+                .to_string(),
+            r#"{"video_grid_thw":[2,4,6],"timestamps":[0.25,1.0]}"#
         );
         assert_eq!(
             Placement::Audio(25).part("ef")["audio_embeds"],

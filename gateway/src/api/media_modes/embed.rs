@@ -40,7 +40,7 @@ pub async fn prepare(
 
     // Every item goes to the encoder devices at once; they batch what they can.
     let mut encoding = Vec::with_capacity(items.len());
-    for item in items {
+    for chat::KeptItem { item, .. } in items {
         let (done, result) = tokio::sync::oneshot::channel();
         model
             .runtime
