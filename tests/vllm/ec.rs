@@ -89,6 +89,24 @@ fn transformers_grids(venv: &Path, model: &Path, images: &[&str]) -> Vec<Value> 
         .collect()
 }
 
+/// The grid transformers' video processor (the checkpoint's) computes for a video of `frames`,
+/// taken as they are (as vLLM's processor takes a frame list).
+fn transformers_video_grid(venv: &Path, model: &Path, frames: &[PathBuf]) -> Value {
+    let script = "import json, sys\nimport numpy as np\nfrom PIL import Image\n\
+                  from transformers import AutoVideoProcessor\n\
+                  p = AutoVideoProcessor.from_pretrained(sys.argv[1])\n\
+                  video = np.stack([np.asarray(Image.open(f).convert('RGB')) for f in sys.argv[2:]])\n\
+                  out = p(videos=[video], do_sample_frames=False, return_tensors='pt')\n\
+                  print(json.dumps(out['video_grid_thw'][0].tolist()))\n";
+    let output = common::run_ok(
+        Command::new(venv.join("bin/python"))
+            .args(["-c", script])
+            .arg(model)
+            .args(frames),
+    );
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
 /// `content` through `model` (in `ec` mode) and through `reference` (vLLM encoding the media
 /// itself): the same prompt tokens, kept as promised, and the same greedy answer.
 fn answers_alike(gateway: &Server, model: &str, reference: &str, content: Value) {
@@ -288,6 +306,11 @@ fn qwen2_vl_encoded_here_reaches_vllm_through_its_ec_connector() {
                 "media = \"ec\"\npath = {model:?}\nec_storage = {store:?}\nec_dtype = \"float32\""
             ),
         ),
+        (
+            "recorded-planned",
+            recorder.as_str(),
+            format!("media = \"preprocess\"\npath = {model:?}"),
+        ),
     ];
     let mut config = String::new();
     for (name, upstream, lines) in &models {
@@ -336,8 +359,7 @@ fn qwen2_vl_encoded_here_reaches_vllm_through_its_ec_connector() {
     );
 
     // What vLLM gets: metadata and identifiers, a few hundred bytes whatever the media; the grids
-    // transformers' processor computes for the same images; a portrait video's grid is taller
-    // than wide.
+    // transformers' processor computes for the same images and the same planned frames.
     let grids = transformers_grids(&venv, &model, &images[..3]);
     for (image, grid) in images.iter().zip(&grids) {
         seen.lock().unwrap().clear();
@@ -362,18 +384,42 @@ fn qwen2_vl_encoded_here_reaches_vllm_through_its_ec_connector() {
                 .is_file()
         );
     }
-    seen.lock().unwrap().clear();
-    let content = json!([image_part("scene-1280x960.jpg"), video_part("portrait.mp4"), {"type": "text", "text": "?"}]);
-    assert!(post(&gateway, &chat("recorded", content)).0.is_success());
-    let body = seen.lock().unwrap().pop().unwrap();
-    assert!(body.len() < MAX_UPSTREAM_BODY, "{} bytes", body.len());
-    let sent: Value = serde_json::from_slice(&body).unwrap();
-    let grid = &sent["messages"][0]["content"][1]["video_embeds"]["video_grid_thw"];
-    assert!(
-        grid[1].as_u64() > grid[2].as_u64(),
-        "portrait video grid {grid}"
-    );
-
+    // The body `model` sent upstream for `content`, and its size.
+    let recorded = |model: &str, content: &Value| -> (Value, usize) {
+        seen.lock().unwrap().clear();
+        let (status, _, reply) = post(&gateway, &chat(model, content.clone()));
+        assert!(status.is_success(), "{status}: {reply}");
+        let body = seen.lock().unwrap().pop().unwrap();
+        (serde_json::from_slice(&body).unwrap(), body.len())
+    };
+    for clip in ["h264.mp4", "portrait.mp4"] {
+        let content = json!([image_part("scene-1280x960.jpg"), video_part(clip), {"type": "text", "text": "?"}]);
+        // The frames planned here, as `preprocess` sends them, through the video processor.
+        let (planned, _) = recorded("recorded-planned", &content);
+        let url = planned["messages"][0]["content"][1]["video_url"]["url"]
+            .as_str()
+            .unwrap();
+        let frames = url.strip_prefix("data:video/jpeg;base64,").unwrap();
+        let frames: Vec<PathBuf> = frames
+            .split(',')
+            .enumerate()
+            .map(|(n, frame)| {
+                use base64::Engine as _;
+                let path = scratch.path().join(format!("{clip}-{n}.png"));
+                let data = base64::engine::general_purpose::STANDARD.decode(frame);
+                std::fs::write(&path, data.unwrap()).unwrap();
+                path
+            })
+            .collect();
+        let (sent, bytes) = recorded("recorded", &content);
+        assert!(bytes < MAX_UPSTREAM_BODY, "{bytes} bytes");
+        let grid = &sent["messages"][0]["content"][1]["video_embeds"]["video_grid_thw"];
+        assert_eq!(
+            grid,
+            &transformers_video_grid(&venv, &model, &frames),
+            "{clip}"
+        );
+    }
     // An item removed from the store by hand is encoded and written again: vLLM is never
     // promised a file that is not there (it would lose its engine).
     let photo = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What is this?"}]);
