@@ -145,6 +145,9 @@ impl Vllm {
             .env("VLLM_CPU_KVCACHE_SPACE", "1")
             .env("HF_HUB_OFFLINE", "1")
             .env("VLLM_NO_USAGE_STATS", "1")
+            // The engine core in the server's own process: otherwise a second Python process
+            // imports torch and vLLM again, a quarter of every start here.
+            .env("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
