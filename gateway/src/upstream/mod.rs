@@ -12,7 +12,9 @@
 //! and body in one write (pingora's client session flushes the header on its own, a second send per
 //! request), and pingora's HTTP/1 client session reads the answer.
 
+mod balance;
 pub mod embeds;
+mod exchange;
 pub mod forwarded;
 mod health;
 mod idle;
@@ -20,170 +22,40 @@ pub mod inline;
 pub mod planned;
 mod relay;
 
+use balance::Balancer;
+pub use balance::{Target, Targets};
+pub use exchange::Exchange;
+use exchange::{Attempts, Connection, final_response};
 pub use forwarded::ClientHop;
 pub(crate) use relay::send_within;
 pub use relay::{ClientSide, Relayed};
 
 use std::borrow::Cow;
-use std::collections::BTreeSet;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use bytes::Bytes;
 use http::StatusCode;
 use pingora::connectors::{ConnectorOptions, TransportConnector};
 use pingora::http::{RequestHeader, ResponseHeader};
-use pingora::lb::discovery::Static;
-use pingora::lb::selection::{BackendIter, BackendSelection, Consistent, RoundRobin};
-use pingora::lb::{Backend, Backends, LoadBalancer};
+use pingora::lb::LoadBalancer;
+use pingora::lb::selection::{Consistent, RoundRobin};
 use pingora::protocols::Stream;
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::http::v1::client::HttpSession as UpstreamSession;
 use pingora::services::ServiceWithDependents;
 use pingora::services::background::background_service;
-use pingora::upstreams::peer::HttpPeer;
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 use tracing::Instrument as _;
 
 use crate::access::CLIENT_CLOSED;
-use crate::config::{Balance, ModelConfig, UpstreamAddr};
+use crate::config::{Balance, ModelConfig};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
 use crate::wire::http1::HopByHop;
-
-/// How long connecting to an upstream server (TLS handshake included) may take before the next
-/// one is tried.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// One configured upstream server, as its connections are made.
-pub struct Target {
-    /// Tells its idle connections apart from those made for another configured server at the same
-    /// address (another TLS server name, another CA): those are never handed to it.
-    id: usize,
-    addr: UpstreamAddr,
-    /// The `Host` header its requests carry.
-    authority: String,
-}
-
-impl Target {
-    fn new(addr: UpstreamAddr) -> Target {
-        static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
-        Target {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            authority: addr.authority(),
-            addr,
-        }
-    }
-
-    /// A connection to this server at `socket` (one of the addresses its host resolved to). For
-    /// TLS the host is the server name sent and checked against the certificate (an IP address
-    /// too: pingora skips verification when no name is given).
-    fn peer(&self, socket: SocketAddr) -> HttpPeer {
-        let sni = if self.addr.tls {
-            self.addr.host.clone()
-        } else {
-            String::new()
-        };
-        let mut peer = HttpPeer::new(socket, self.addr.tls, sni);
-        peer.options.connection_timeout = Some(CONNECT_TIMEOUT);
-        peer
-    }
-}
-
-/// The resolved addresses of a pool's servers, each with the server it belongs to. Few per pool:
-/// a list is the cheapest map.
-pub struct Targets(Vec<(SocketAddr, Arc<Target>)>);
-
-impl Targets {
-    /// Resolves each configured server; an address two of them share is refused (the balancer
-    /// could not tell them apart).
-    fn resolve(model: &ModelConfig) -> anyhow::Result<Targets> {
-        let mut resolved: Vec<(SocketAddr, Arc<Target>)> = Vec::new();
-        for addr in &model.upstreams {
-            let sockets: Vec<SocketAddr> = (addr.host.as_str(), addr.port)
-                .to_socket_addrs()
-                .with_context(|| format!("resolving {addr}"))?
-                .collect();
-            if sockets.is_empty() {
-                bail!("{addr} resolves to no address");
-            }
-            let target = Arc::new(Target::new(addr.clone()));
-            for socket in sockets {
-                if let Some((_, other)) = resolved.iter().find(|(s, _)| *s == socket) {
-                    bail!(
-                        "{addr} and {} both resolve to {socket}: list the server once",
-                        other.addr
-                    );
-                }
-                resolved.push((socket, target.clone()));
-            }
-        }
-        Ok(Targets(resolved))
-    }
-
-    fn get(&self, socket: &SocketAddr) -> Option<&Arc<Target>> {
-        self.0.iter().find(|(s, _)| s == socket).map(|(_, t)| t)
-    }
-
-    fn backends(&self) -> Backends {
-        let set: BTreeSet<Backend> = self
-            .0
-            .iter()
-            .map(|&(socket, _)| Backend {
-                addr: pingora::protocols::l4::socket::SocketAddr::Inet(socket),
-                weight: 1,
-                ext: http::Extensions::new(),
-            })
-            .collect();
-        Backends::new(Static::new(set))
-    }
-}
-
-enum Balancer {
-    RoundRobin(Arc<LoadBalancer<RoundRobin>>),
-    Consistent(Arc<LoadBalancer<Consistent>>),
-}
-
-impl Balancer {
-    /// The first server the selection offers that is healthy and not yet tried.
-    fn select(&self, key: &[u8], tried: &[SocketAddr]) -> Option<Backend> {
-        fn pick<S>(lb: &LoadBalancer<S>, key: &[u8], tried: &[SocketAddr]) -> Option<Backend>
-        where
-            S: BackendSelection + 'static,
-            S::Iter: BackendIter,
-        {
-            lb.select_with(key, 256, |b, healthy| {
-                healthy && b.addr.as_inet().is_some_and(|a| !tried.contains(a))
-            })
-        }
-        match self {
-            Self::RoundRobin(lb) => pick(lb, key, tried),
-            Self::Consistent(lb) => pick(lb, key, tried),
-        }
-    }
-
-    fn servers(&self) -> Vec<(SocketAddr, bool)> {
-        fn list<S>(lb: &LoadBalancer<S>) -> Vec<(SocketAddr, bool)>
-        where
-            S: BackendSelection + 'static,
-            S::Iter: BackendIter,
-        {
-            lb.backends()
-                .get_backend()
-                .iter()
-                .filter_map(|b| Some((*b.addr.as_inet()?, lb.backends().ready(b))))
-                .collect()
-        }
-        match self {
-            Self::RoundRobin(lb) => list(lb),
-            Self::Consistent(lb) => list(lb),
-        }
-    }
-}
 
 /// What the upstreams get as `Authorization`.
 #[derive(Clone)]
@@ -587,165 +459,6 @@ impl UpstreamPool {
     }
 }
 
-/// Reads the upstream's response head, past any interim (1xx) ones: the client's request was
-/// answered `100 Continue` here if it asked, and an upstream's interim answers are not relayed.
-async fn final_response(upstream: &mut UpstreamSession) -> Result<(), String> {
-    loop {
-        upstream.read_response().await.map_err(|e| e.to_string())?;
-        let interim = upstream.resp_header().is_some_and(|h| {
-            h.status.is_informational() && h.status != StatusCode::SWITCHING_PROTOCOLS
-        });
-        if !interim {
-            return Ok(());
-        }
-    }
-}
-
-/// A connection to one of a pool's servers, for one request.
-/// A request sent and its answer's head read ([`UpstreamPool::exchange`]).
-pub struct Exchange {
-    /// The server that answers, and its target: where the connection goes back when it is done.
-    idle_key: idle::Key,
-    pub upstream: UpstreamSession,
-}
-
-impl Exchange {
-    /// The rest of the answer, read whole (at most [`MAX_EDITED_ANSWER_BYTES`], each read within
-    /// `timeout`), or why not.
-    pub async fn read_whole(&mut self, timeout: Duration) -> Result<Vec<u8>, String> {
-        let mut body = Vec::new();
-        loop {
-            match tokio::time::timeout(timeout, self.upstream.read_body_bytes()).await {
-                Ok(Ok(Some(chunk))) if body.len() + chunk.len() <= MAX_EDITED_ANSWER_BYTES => {
-                    body.extend_from_slice(&chunk);
-                }
-                Ok(Ok(Some(_))) => {
-                    return Err(format!(
-                        "the answer is over {MAX_EDITED_ANSWER_BYTES} bytes"
-                    ));
-                }
-                Ok(Ok(None)) => return Ok(body),
-                Ok(Err(e)) => return Err(e.to_string()),
-                Err(_) => return Err("no more of the answer within upstream_timeout_ms".into()),
-            }
-        }
-    }
-
-    /// Puts the connection back for the next request to the same server, if the answer was read
-    /// whole and the server keeps it alive.
-    pub async fn done(mut self) {
-        if self.upstream.is_body_done() {
-            self.upstream.respect_keepalive();
-            if let Some(stream) = self.upstream.reuse().await {
-                idle::put(self.idle_key, stream);
-            }
-        }
-    }
-}
-
-struct Connection {
-    server: SocketAddr,
-    target: Arc<Target>,
-    stream: Stream,
-    /// Whether it was kept alive from an earlier request (the server may have closed it since).
-    reused: bool,
-}
-
-/// One request's way through a pool's servers, shared by [`UpstreamPool::forward`] and
-/// [`UpstreamPool::relay`]: a server that cannot be reached is skipped for the next, as is a
-/// kept-alive connection the server had closed before the request could be written to it; once
-/// the request is written, it is not sent again (RFC 9110 9.2.2: a POST is not idempotent).
-struct Attempts<'p> {
-    pool: &'p UpstreamPool,
-    /// What consistent hashing picks a server by.
-    key: &'p [u8],
-    /// Few servers per pool: a list is the cheapest set.
-    tried: Vec<SocketAddr>,
-    /// Each server once, and once more after a kept-alive connection it had closed.
-    left: usize,
-    last_error: String,
-}
-
-impl<'p> Attempts<'p> {
-    fn new(pool: &'p UpstreamPool, key: &'p [u8]) -> Attempts<'p> {
-        Attempts {
-            pool,
-            key,
-            tried: Vec::new(),
-            left: pool.targets.0.len() * 2,
-            last_error: String::from("no server is healthy"),
-        }
-    }
-
-    /// A connection to the next healthy server that takes one; `None` when none is left.
-    async fn connect(&mut self) -> Option<Connection> {
-        while self.left > 0 {
-            self.left -= 1;
-            let backend = self.pool.balancer.select(self.key, &self.tried)?;
-            // Every backend is one of the pool's resolved addresses.
-            let Some(server) = backend.addr.as_inet().copied() else {
-                continue;
-            };
-            let Some(target) = self.pool.targets.get(&server).cloned() else {
-                continue;
-            };
-            match self.pool.connect(server, &target).await {
-                Ok((stream, reused)) => {
-                    return Some(Connection {
-                        server,
-                        target,
-                        stream,
-                        reused,
-                    });
-                }
-                Err(e) => {
-                    tracing::warn!(model = %self.pool.model, upstream = %server, error = %e, "upstream unreachable; trying the next");
-                    self.last_error = format!("{server}: {e}");
-                    self.tried.push(server);
-                }
-            }
-        }
-        None
-    }
-
-    /// The request could not be written to `server`: `None` to try again when the connection was
-    /// a kept-alive one the server had closed (`reused`: the request never reached it), else the
-    /// error to answer with.
-    fn unsent(
-        &mut self,
-        server: SocketAddr,
-        error: &dyn std::fmt::Display,
-        reused: bool,
-    ) -> Option<ApiError> {
-        if !reused {
-            return Some(self.failed(server, error));
-        }
-        self.last_error = format!("{server}: {error}");
-        tracing::debug!(upstream = %server, error = %error, "stale upstream connection; retrying");
-        None
-    }
-
-    /// `server` took the request and failed before answering: the error to answer with (the
-    /// request is not sent again).
-    fn failed(&mut self, server: SocketAddr, error: &dyn std::fmt::Display) -> ApiError {
-        self.last_error = format!("{server}: {error}");
-        tracing::warn!(model = %self.pool.model, upstream = %server, error = %error, "upstream failed");
-        bad_gateway(&self.pool.model, &self.last_error)
-    }
-
-    /// The error once no server could take the request.
-    fn exhausted(self) -> ApiError {
-        ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "upstream_unavailable",
-            format!(
-                "no upstream of model {} could take the request ({})",
-                self.pool.model, self.last_error
-            ),
-        )
-    }
-}
-
 impl UpstreamAuth {
     /// The `Authorization` value this gateway sends of its own, if any.
     fn key(&self) -> Option<http::HeaderValue> {
@@ -932,8 +645,6 @@ fn bad_gateway(model: &str, detail: &str) -> ApiError {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use pingora::upstreams::peer::Peer;
-
     use super::*;
 
     fn client_request() -> RequestHeader {
@@ -1067,24 +778,5 @@ mod tests {
         for bad in [&b"/a b"[..], b"/a\r\nx: y", b"/a\n", b"/a\0"] {
             assert!(!valid_target(bad), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn a_tls_peer_always_names_its_server_so_the_certificate_is_checked() {
-        let socket: SocketAddr = "127.0.0.1:8443".parse().unwrap();
-        let named =
-            Target::new(UpstreamAddr::try_from("https://localhost:8443".to_owned()).unwrap());
-        let peer = named.peer(socket);
-        assert!(peer.is_tls());
-        assert_eq!(peer.sni(), "localhost");
-        let by_ip =
-            Target::new(UpstreamAddr::try_from("https://127.0.0.1:8443".to_owned()).unwrap());
-        assert_eq!(by_ip.peer(socket).sni(), "127.0.0.1");
-        let plain = Target::new(UpstreamAddr::try_from("127.0.0.1:8000".to_owned()).unwrap());
-        assert!(!plain.peer(socket).is_tls());
-        assert_ne!(
-            named.id, by_ip.id,
-            "two configured servers never share idle connections"
-        );
     }
 }
