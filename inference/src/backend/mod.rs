@@ -12,17 +12,10 @@
 //! shapes travel with [`crate::Tensor`], and each operation receives the dimensions it needs and
 //! checks them against the buffer lengths.
 
-mod activation_kernels;
-mod amx;
-mod attention_bf16;
-mod attention_kernels;
-mod bf16_gemm;
 pub mod cpu;
-mod cpu_features;
 pub mod cuda;
-mod gemm;
 
-pub use bf16_gemm::Bf16Panels;
+pub use cpu::Bf16Panels;
 
 use crate::error::{Error, Result};
 

@@ -8,7 +8,7 @@
 //! **Precision.** A product of two bf16 values is exact in f32, so what differs from the f32 GEMM
 //! over the same weights is the input's rounding (8 bits of mantissa, relative 2⁻⁹ per value):
 //! the CUDA backend's bf16 linears, not the CPU's f32 ones. A CPU device uses this only when asked
-//! ([`super::cpu::CpuBackend::with_bf16_inputs`]), for every matrix of a bf16 checkpoint.
+//! ([`super::CpuBackend::with_bf16_inputs`]), for every matrix of a bf16 checkpoint.
 //!
 //! **Layout.** A weight is packed once, when it is uploaded ([`Bf16Panels`]): panels of [`NR`]
 //! weight rows (output columns), each stored so that one 64-byte load holds, for each of 16 lanes'
