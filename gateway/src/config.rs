@@ -5,13 +5,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use mmgate_host::{CompileCache, SandboxLimits};
+use mmgate_host::SandboxLimits;
 use mmgate_inference::devices::DeviceName;
 use serde::Deserialize;
 
 use crate::keylimits::KeyLimitsConfig;
 use crate::media::fetch::FetchConfig;
 use crate::media::files::FilesConfig;
+pub use crate::media::plugins::{PluginsConfig, cores};
 use crate::store::StoreConfig;
 
 /// Default listen address: local only, so a first `mmgate serve` exposes nothing.
@@ -69,92 +70,6 @@ pub struct Config {
     /// Where state shared by replicas lives (uploads, per-key limits): this process (the default)
     /// or Redis.
     pub store: StoreConfig,
-}
-
-/// The cores this process may use: the default thread count of HTTP and of plugin calls.
-pub fn cores() -> usize {
-    std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get)
-}
-
-/// The plugin threads' default `nice` value: where they share the cores, the encoders and the
-/// LLM (or, on GPUs, the host threads that drive them) go first. A video made in pieces then has
-/// its first piece encoded sooner, and its first token a little sooner on average (measured by
-/// `bench/pieces.py`). Under a load that keeps every core busy encoding and decoding, a new item's
-/// plugin calls get about a tenth of the cores.
-const DEFAULT_PLUGIN_NICE: u8 = 10;
-
-/// How plugin calls are run, and where compiled plugins are kept between runs.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PluginsConfig {
-    /// Threads running plugin calls (default: one per core). Each call in flight holds one of the
-    /// sandbox's `max_instances`, so there can be no more threads than that.
-    pub threads: Option<usize>,
-    /// The plugin threads' CPU priority as a Linux `nice` value, 0–19 (default 10): below the
-    /// encoders' and the LLM's, which a media request needs after its plugin calls, so where they
-    /// share the cores the work nearest a first token goes first (0: the same priority).
-    pub nice: Option<u8>,
-    /// Plugin calls that may wait for a thread (default: 16 per thread); past that a request's media
-    /// are refused at once with 503 instead of queueing without bound.
-    pub queue: Option<usize>,
-    /// Where compiled plugins are kept so that a restart does not compile them again (default:
-    /// `$XDG_CACHE_HOME/mmgate/compiled-plugins` or `~/.cache/mmgate/compiled-plugins`).
-    pub compile_cache_dir: Option<PathBuf>,
-    /// Compile every plugin at start instead (default false).
-    pub no_compile_cache: bool,
-}
-
-impl PluginsConfig {
-    /// Plugin threads: configured, or one per core.
-    pub fn threads(&self) -> usize {
-        self.threads.unwrap_or_else(cores)
-    }
-
-    /// The plugin threads' `nice` value: configured, or 10.
-    pub fn nice(&self) -> u8 {
-        self.nice.unwrap_or(DEFAULT_PLUGIN_NICE)
-    }
-
-    /// Calls that may wait for a thread: configured, or 16 per thread.
-    pub fn queue(&self) -> usize {
-        self.queue.unwrap_or(self.threads() * 16)
-    }
-
-    /// The compile cache, if it is on and usable. One that cannot be used costs compile time only,
-    /// so it is a warning, not an error.
-    pub fn compile_cache(&self) -> Option<CompileCache> {
-        if self.no_compile_cache {
-            return None;
-        }
-        let dir = self
-            .compile_cache_dir
-            .clone()
-            .or_else(CompileCache::default_dir)?;
-        CompileCache::open(dir)
-            .inspect_err(|e| tracing::warn!("{e}; plugins are compiled at every start"))
-            .ok()
-    }
-
-    fn validate(&self, sandbox: &SandboxLimits) -> anyhow::Result<()> {
-        if self.threads == Some(0) {
-            bail!("plugins.threads must be positive");
-        }
-        if self.queue == Some(0) {
-            bail!("plugins.queue must be positive");
-        }
-        if self.nice() > 19 {
-            bail!("plugins.nice must be 0 to 19");
-        }
-        let threads = self.threads();
-        if threads > sandbox.max_instances as usize {
-            bail!(
-                "plugins.threads ({threads}) is more than sandbox.max_instances ({}): every thread \
-                 needs an instance slot",
-                sandbox.max_instances
-            );
-        }
-        Ok(())
-    }
 }
 
 /// One served model: run natively from a model directory, or by a pool of upstream servers, whose

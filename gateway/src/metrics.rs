@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use crate::media::account::MediaAccount;
+use crate::media::feature_cache::LookupCounters;
 use http::StatusCode;
 use mmgate_inference::engine::{BatchObserver, BatchReport};
 use prometheus_client::encoding::EncodeLabelSet;
@@ -38,21 +39,6 @@ struct EncodeLabels {
     model: String,
     device: String,
     encoder: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OutcomeLabels {
-    outcome: &'static str,
-}
-
-/// Lookups in the shared feature cache, by outcome.
-#[derive(Clone, Default)]
-pub struct LookupCounters(Family<OutcomeLabels, Counter>);
-
-impl LookupCounters {
-    pub fn count(&self, outcome: &'static str) {
-        self.0.get_or_create(&OutcomeLabels { outcome }).inc();
-    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -287,7 +273,7 @@ impl Metrics {
         registry.register(
             "shared_feature_cache_lookups",
             "Lookups in the feature cache replicas share, by outcome (hit, miss, error)",
-            shared_features.0.clone(),
+            shared_features.family(),
         );
         let mut families = families.into_iter();
         let mut next = || families.next().unwrap_or_default();

@@ -12,10 +12,32 @@ use std::sync::Arc;
 use base64::Engine as _;
 use mmgate_host::{Dtype, Tensor, TokenPlan, companion_of};
 use mmgate_inference::engine::SharedFeatures;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use serde_json::{Value, json};
 
-use crate::metrics::LookupCounters;
 use crate::store::{Redis, Unavailable};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+/// Lookups in the shared feature cache, by outcome (exported in `/metrics`).
+#[derive(Clone, Default)]
+pub struct LookupCounters(Family<OutcomeLabels, Counter>);
+
+impl LookupCounters {
+    /// The counters as a metric family, to register.
+    pub fn family(&self) -> Family<OutcomeLabels, Counter> {
+        self.0.clone()
+    }
+
+    pub fn count(&self, outcome: &'static str) {
+        self.0.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+}
 
 /// A shared cache as one model uses it.
 #[derive(Clone)]
