@@ -113,14 +113,22 @@ impl Gateway {
             }
         };
         let earlier = history.len();
-        let conversation = request
-            .conversation(history)
-            .map_err(|e| none(invalid(e.param, e.message)))?;
-        // Kept turns count too: a follow-up may not grow a conversation past what one request may
-        // hold.
-        shape::check_values(&conversation, "input", self.limits.shape())
-            .map_err(|e| none(shape_error(e, "input", not_a_responses_request)))?;
-        let chat = request.chat_body(&conversation);
+        // Converting a large input to chat messages holds up the connection's thread as parsing
+        // it would: it goes off it too.
+        let limits = self.limits.shape();
+        let (request, conversation, chat) = off_thread_if_large(&body, move |_| {
+            let conversation = request
+                .conversation(history)
+                .map_err(|e| invalid(e.param, e.message))?;
+            // Kept turns count too: a follow-up may not grow a conversation past what one request
+            // may hold.
+            shape::check_values(&conversation, "input", limits)
+                .map_err(|e| shape_error(e, "input", not_a_responses_request))?;
+            let chat = request.chat_body(&conversation);
+            Ok((request, conversation, chat))
+        })
+        .await
+        .map_err(none)?;
         let turn = Turn::new(&request, earlier);
         let (label, steps, headers) = match route {
             Route::Native(model) => {
