@@ -466,6 +466,12 @@ fn small_requests_that_would_cost_gigabytes_or_minutes_are_bounded() {
 /// An upstream that answers every chat completion with a stream of events that never ends, until
 /// the gateway stops reading it.
 fn endless_stream_upstream() -> String {
+    stream_upstream(None)
+}
+
+/// A scripted upstream answering every request with a stream of chat chunks: endless, or
+/// `Some(n)` chunks and then the connection closed mid-body (an upstream that broke down).
+fn stream_upstream(events: Option<usize>) -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
@@ -487,7 +493,7 @@ fn endless_stream_upstream() -> String {
                 let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
                     transfer-encoding: chunked\r\n\r\n"
                     .to_vec();
-                loop {
+                for _ in 0..events.unwrap_or(usize::MAX) {
                     let event = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":0,\
                         \"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"},\
                         \"finish_reason\":null}]}\n\n";
@@ -498,6 +504,7 @@ fn endless_stream_upstream() -> String {
                     out.clear();
                     std::thread::sleep(Duration::from_millis(20));
                 }
+                // The connection closes without the last chunk: the answer broke off.
             });
         }
     });
@@ -574,4 +581,80 @@ fn a_stream_the_client_leaves_is_logged_as_closed() {
             .any(|l| l["fields"]["status"] == 200),
         "a left stream logged as served: {log}"
     );
+}
+
+/// An answer whose upstream breaks down mid-stream is logged with the status that went out and
+/// the reason it broke off, not as served: on the relayed chat, a chat the gateway forwards
+/// (its body chunked, so read by the gateway first) and the Responses API's stream.
+#[test]
+fn a_stream_whose_upstream_breaks_off_is_logged_so() {
+    let upstream = stream_upstream(Some(2));
+    let (server, work) = serve_logging(&format!(
+        "models = [{{ name = \"far\", upstreams = [\"{upstream}\"], \
+         health_check = {{ path = \"\", interval_ms = 3600000 }} }}]\n"
+    ));
+    let chat = serde_json::to_vec(
+        &json!({"model": "far", "stream": true, "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .unwrap();
+    let responses =
+        serde_json::to_vec(&json!({"model": "far", "stream": true, "input": "hi"})).unwrap();
+    let framed = |path: &str, body: &[u8], chunked: bool| {
+        let mut request = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        );
+        if chunked {
+            request += &format!("Transfer-Encoding: chunked\r\n\r\n{:x}\r\n", body.len());
+        } else {
+            request += &format!("Content-Length: {}\r\n\r\n", body.len());
+        }
+        let mut request = request.into_bytes();
+        request.extend_from_slice(body);
+        if chunked {
+            request.extend_from_slice(b"\r\n0\r\n\r\n");
+        }
+        request
+    };
+    let cases = [
+        (
+            "/v1/chat/completions",
+            framed("/v1/chat/completions", &chat, false),
+            "upstream_failed_mid_answer",
+        ),
+        (
+            "/v1/chat/completions",
+            framed("/v1/chat/completions", &chat, true),
+            "upstream_failed_mid_answer",
+        ),
+        (
+            "/v1/responses",
+            framed("/v1/responses", &responses, false),
+            "upstream_error",
+        ),
+    ];
+    for (path, request, _) in &cases {
+        let mut stream = TcpStream::connect(&server.addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        stream.write_all(request).unwrap();
+        // Asked to close, the gateway ends the connection once the answer has ended.
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{path}: {answer}");
+        assert!(answer.contains("error"), "{path}: no error event: {answer}");
+    }
+    drop(server);
+    let log = std::fs::read_to_string(work.path().join("mmgate.log")).unwrap();
+    let lines = access_lines(&log);
+    for (path, _, code) in &cases {
+        let logged = lines
+            .iter()
+            .filter(|l| l["fields"]["path"] == *path && l["fields"]["status"] == 200)
+            .filter(|l| l["fields"]["code"] == *code)
+            .count();
+        let expected = cases.iter().filter(|(p, _, _)| p == path).count();
+        assert_eq!(logged, expected, "{path} logged {code}: {log}");
+    }
 }

@@ -22,6 +22,10 @@ pub const CLIENT_CLOSED: StatusCode = match StatusCode::from_u16(499) {
     Err(_) => StatusCode::BAD_REQUEST,
 };
 
+/// The code logged for an answer that began and then broke off because its upstream failed: its
+/// status (logged as sent) was already on its way.
+pub const UPSTREAM_FAILED_MID_ANSWER: &str = "upstream_failed_mid_answer";
+
 /// Tokens a request's answer reported.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Tokens {
@@ -58,6 +62,8 @@ pub struct Access {
     /// What a server-side failure was (which plugin call ran past its deadline, how long, ...):
     /// ours to say, where a client error's message may repeat what the client sent.
     detail: Option<String>,
+    /// Why an answer that began broke off, when it did.
+    broke_off: Option<&'static str>,
 }
 
 impl Access {
@@ -70,7 +76,13 @@ impl Access {
             model: None,
             tokens: None,
             detail: None,
+            broke_off: None,
         }
+    }
+
+    /// The answer began with its status and then broke off (`code`: why): the line says so.
+    pub fn broke_off(&mut self, code: &'static str) {
+        self.broke_off = Some(code);
     }
 
     /// Keeps a 5xx error's message for the line.
@@ -83,7 +95,9 @@ impl Access {
     /// Writes the request's line: `path` and `route` as the metrics label them (never the
     /// client's own path, which may hold anything), and the error's code when it failed.
     pub fn log(&self, path: &str, route: &str, status: StatusCode, code: Option<&str>) {
-        let code = code.or((status == CLIENT_CLOSED).then_some("client_closed"));
+        let code = code
+            .or(self.broke_off)
+            .or((status == CLIENT_CLOSED).then_some("client_closed"));
         let latency_ms = (self.started.elapsed().as_secs_f64() * 1e4).round() / 10.0;
         let tokens = self.tokens.unwrap_or_default();
         let client = self.client.map(|ip| ip.to_string());

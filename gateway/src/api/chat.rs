@@ -14,7 +14,7 @@ use super::io::{EventStream, read_body, write_error, write_json};
 use super::media_modes::{ModeCall, modalities};
 use super::request::{checked_shape, invalid_json, parsed_off_thread};
 use super::{Gateway, Route};
-use crate::access::{Access, CLIENT_CLOSED, Tokens};
+use crate::access::{Access, CLIENT_CLOSED, Tokens, UPSTREAM_FAILED_MID_ANSWER};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
 use crate::native::chat::{self, NativeModel, Prepared};
@@ -122,6 +122,10 @@ impl Gateway {
                     .await
                 {
                     Forwarded::Answered(status) => Ok(("upstream", status)),
+                    Forwarded::BrokeOff(status) => {
+                        access.broke_off(UPSTREAM_FAILED_MID_ANSWER);
+                        Ok(("upstream", status))
+                    }
                     Forwarded::Failed(error) => Err(("upstream", error)),
                 }
             }

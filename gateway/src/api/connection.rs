@@ -22,7 +22,7 @@ use pingora::server::ShutdownWatch;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::Gateway;
-use crate::access::Access;
+use crate::access::{Access, UPSTREAM_FAILED_MID_ANSWER};
 use crate::config::ConnectionsConfig;
 use crate::deadline::Deadline;
 use crate::error::ApiError;
@@ -253,6 +253,7 @@ impl Gateway {
         let relayed = pool.relay(stream, &request, &passable, &key, side).await;
         let (status, code, keep_alive) = match relayed {
             Relayed::Answered { status, keep_alive } => (status, None, keep_alive),
+            Relayed::BrokeOff(status) => (status, Some(UPSTREAM_FAILED_MID_ANSWER), false),
             Relayed::Failed(error) => {
                 let written = send_within(
                     stream,

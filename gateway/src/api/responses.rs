@@ -365,7 +365,9 @@ impl Gateway {
                     return Ok(StatusCode::OK);
                 }
                 Err(error) => {
-                    // Mid-stream the status is sent: the failure goes as events, then the stream ends.
+                    // Mid-stream the status is sent: the failure goes as events, then the stream
+                    // ends, and the access line says why.
+                    access.broke_off(error.code);
                     let error_event =
                         json!({"code": error.code, "message": error.message, "param": error.param});
                     let (kind, failed) = failed_event(&object, &error);

@@ -104,6 +104,9 @@ pub enum Forwarded {
     /// The upstream's answer, with this status, went to the client (completely, or until the
     /// upstream failed), or [`CLIENT_CLOSED`] when the client left first.
     Answered(StatusCode),
+    /// The answer began with this status and the upstream failed before its end (a stream
+    /// of events then ends with an error event).
+    BrokeOff(StatusCode),
     /// Nothing was sent to the client yet: answer with this error.
     Failed(ApiError),
 }
@@ -296,7 +299,7 @@ impl UpstreamPool {
                             let _ = downstream.finish_body().await;
                         }
                     }
-                    return Forwarded::Answered(status);
+                    return Forwarded::BrokeOff(status);
                 }
             }
         }

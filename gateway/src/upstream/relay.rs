@@ -30,6 +30,9 @@ pub enum Relayed {
         status: StatusCode,
         keep_alive: bool,
     },
+    /// The answer began with this status and the upstream failed before its end; the client
+    /// connection is done.
+    BrokeOff(StatusCode),
     /// Nothing was sent to the client yet: answer with this error.
     Failed(ApiError),
 }
@@ -318,10 +321,7 @@ impl Cut<'_> {
                 tracing::debug!(error = %e, "client went away before the error event");
             }
         }
-        Relayed::Answered {
-            status: self.status,
-            keep_alive: false,
-        }
+        Relayed::BrokeOff(self.status)
     }
 }
 
