@@ -253,7 +253,10 @@ impl Gateway {
         let relayed = pool.relay(stream, &request, &passable, &key, side).await;
         let (status, code, keep_alive) = match relayed {
             Relayed::Answered { status, keep_alive } => (status, None, keep_alive),
-            Relayed::BrokeOff(status) => (status, Some(UPSTREAM_FAILED_MID_ANSWER), false),
+            Relayed::BrokeOff(status) => {
+                access.broke_off(UPSTREAM_FAILED_MID_ANSWER);
+                (status, None, false)
+            }
             Relayed::Failed(error) => {
                 let written = send_within(
                     stream,
