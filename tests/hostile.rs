@@ -82,6 +82,20 @@ fn access_lines(log: &str) -> Vec<Value> {
         .collect()
 }
 
+/// The log at `path` once `complete` holds for it, or as it is after a minute. A request's line is
+/// written once its answer has gone out, so a client can hold its answer before the line is there:
+/// a test reads the log only through this, before it stops the server.
+fn log_once(path: &Path, complete: impl Fn(&str) -> bool) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let log = std::fs::read_to_string(path).unwrap();
+        if complete(&log) || std::time::Instant::now() >= deadline {
+            return log;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// The most requests the normal client sends, however long the hostile ones take.
 const MAX_NORMAL_REQUESTS: usize = 20_000;
 
@@ -203,17 +217,20 @@ fn hostile_requests_are_refused_while_a_normal_client_is_served() {
     assert!(served > 0 && probes > 0);
 
     // One access line per chat request, each with its status and code; no prompt text.
+    let chat_lines = |log: &str| {
+        access_lines(log)
+            .iter()
+            .filter(|l| l["fields"]["path"] == "/v1/chat/completions")
+            .count()
+    };
+    let log = log_once(&log_path, |log| chat_lines(log) >= cases.len() + served);
     drop(server);
-    let log = std::fs::read_to_string(&log_path).unwrap();
     assert!(
         !log.contains(SECRET_TEXT.trim()),
         "the prompt reached the log"
     );
     let lines = access_lines(&log);
-    let chats = lines
-        .iter()
-        .filter(|l| l["fields"]["path"] == "/v1/chat/completions")
-        .count();
+    let chats = chat_lines(&log);
     assert!(chats >= cases.len() + served, "{chats} chat lines: {log}");
     for (what, _, status, code) in &cases {
         let found = lines.iter().any(|l| {
@@ -445,19 +462,22 @@ fn small_requests_that_would_cost_gigabytes_or_minutes_are_bounded() {
     );
 
     // The console's page and the refusals each leave an access line.
-    drop(server);
-    let log = std::fs::read_to_string(&log_path).unwrap();
-    let lines = access_lines(&log);
-    for (path, status) in [
+    let expected = [
         ("/console", 200),
         ("/v1/preprocess", 413),
         ("/v1/chat/completions", 400),
         ("/v1/responses", 404),
-    ] {
+    ];
+    let logged = |log: &str, (path, status): (&str, u16)| {
+        access_lines(log)
+            .iter()
+            .any(|l| l["fields"]["path"] == path && l["fields"]["status"] == status)
+    };
+    let log = log_once(&log_path, |log| expected.iter().all(|e| logged(log, *e)));
+    drop(server);
+    for (path, status) in expected {
         assert!(
-            lines
-                .iter()
-                .any(|l| l["fields"]["path"] == path && l["fields"]["status"] == status),
+            logged(&log, (path, status)),
             "no access line for {path} {status}: {log}"
         );
     }
@@ -556,7 +576,6 @@ fn a_stream_the_client_leaves_is_logged_as_closed() {
     }
     // The gateway notices at its next writes; each request then has its line.
     let log_path = work.path().join("mmgate.log");
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let closed = |log: &str| {
         requests.iter().all(|(path, _)| {
             access_lines(log).iter().any(|l| {
@@ -566,14 +585,7 @@ fn a_stream_the_client_leaves_is_logged_as_closed() {
             })
         })
     };
-    let mut log = String::new();
-    while std::time::Instant::now() < deadline {
-        log = std::fs::read_to_string(&log_path).unwrap();
-        if closed(&log) {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let log = log_once(&log_path, closed);
     assert!(closed(&log), "each left stream logged as closed: {log}");
     assert!(
         !access_lines(&log)
@@ -645,16 +657,25 @@ fn a_stream_whose_upstream_breaks_off_is_logged_so() {
         assert!(answer.starts_with("HTTP/1.1 200"), "{path}: {answer}");
         assert!(answer.contains("error"), "{path}: no error event: {answer}");
     }
-    drop(server);
-    let log = std::fs::read_to_string(work.path().join("mmgate.log")).unwrap();
-    let lines = access_lines(&log);
-    for (path, _, code) in &cases {
-        let logged = lines
+    let logged = |log: &str, path: &str, code: &str| {
+        access_lines(log)
             .iter()
-            .filter(|l| l["fields"]["path"] == *path && l["fields"]["status"] == 200)
-            .filter(|l| l["fields"]["code"] == *code)
-            .count();
-        let expected = cases.iter().filter(|(p, _, _)| p == path).count();
-        assert_eq!(logged, expected, "{path} logged {code}: {log}");
+            .filter(|l| l["fields"]["path"] == path && l["fields"]["status"] == 200)
+            .filter(|l| l["fields"]["code"] == code)
+            .count()
+    };
+    let expected = |path: &str| cases.iter().filter(|(p, _, _)| *p == path).count();
+    let log = log_once(&work.path().join("mmgate.log"), |log| {
+        cases
+            .iter()
+            .all(|(path, _, code)| logged(log, path, code) >= expected(path))
+    });
+    drop(server);
+    for (path, _, code) in &cases {
+        assert_eq!(
+            logged(&log, path, code),
+            expected(path),
+            "{path} logged {code}: {log}"
+        );
     }
 }
