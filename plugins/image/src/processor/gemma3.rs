@@ -10,8 +10,29 @@
 
 use mmgate_plugin_sdk::imageops::{Filter, Normalize, RgbImage};
 use mmgate_plugin_sdk::*;
+use serde::Deserialize;
+use serde_json::Value;
 
+use super::config::{BaseConfig, SizeConfig, SizeField, positive, read};
+use super::{ImageProcessor, boxed};
 use crate::choices::{Choices, tokens_u32};
+
+pub fn make(config: &Value) -> PluginResult<Box<dyn ImageProcessor>> {
+    boxed(Gemma3::from_config(config))
+}
+
+#[derive(Debug, Deserialize)]
+struct Config {
+    #[serde(flatten)]
+    base: BaseConfig,
+    size: Option<SizeField>,
+    /// Tokens per view, and pan-and-scan (null in checkpoints: the processor's defaults).
+    image_seq_length: Option<usize>,
+    do_pan_and_scan: Option<bool>,
+    pan_and_scan_min_crop_size: Option<usize>,
+    pan_and_scan_max_num_crops: Option<usize>,
+    pan_and_scan_min_ratio_to_activate: Option<f64>,
+}
 
 /// transformers' `Gemma3Processor` defaults for what `preprocessor_config.json` leaves null.
 const DEFAULT_MIN_CROP: usize = 256;
@@ -70,6 +91,45 @@ pub struct Gemma3 {
 }
 
 impl Gemma3 {
+    fn from_config(config: &Value) -> PluginResult<Self> {
+        let config: Config = read(config)?;
+        let size = match config.size {
+            Some(SizeField::Dict(SizeConfig {
+                height: Some(h),
+                width: Some(w),
+                ..
+            })) => (positive("size.width", w)?, positive("size.height", h)?),
+            None => (896, 896),
+            _ => {
+                return Err(PluginError::unsupported(
+                    "processor config: Gemma 3's size needs height and width",
+                ));
+            }
+        };
+        let pan_and_scan = config.do_pan_and_scan.unwrap_or(false).then(|| {
+            PanAndScan::new(
+                config.pan_and_scan_min_crop_size,
+                config.pan_and_scan_max_num_crops,
+                config.pan_and_scan_min_ratio_to_activate,
+            )
+        });
+        if let Some(p) = &pan_and_scan {
+            positive("pan_and_scan_min_crop_size", p.min_crop)?;
+            positive("pan_and_scan_max_num_crops", p.max_crops)?;
+        }
+        let tokens_per_view = config
+            .image_seq_length
+            .map(|t| positive("image_seq_length", t))
+            .transpose()?;
+        Ok(Gemma3::new(
+            size,
+            tokens_per_view,
+            pan_and_scan,
+            config.base.filter(Filter::Bilinear)?,
+            config.base.normalize([0.5; 3], [0.5; 3]),
+        ))
+    }
+
     pub fn new(
         size: (usize, usize),
         tokens_per_view: Option<usize>,
@@ -86,8 +146,16 @@ impl Gemma3 {
             normalize,
         }
     }
+}
 
-    pub fn plan(&self, width: usize, height: usize, budget: u32) -> PluginResult<TokenPlan> {
+impl ImageProcessor for Gemma3 {
+    fn plan(
+        &self,
+        width: usize,
+        height: usize,
+        _jpeg: bool,
+        budget: u32,
+    ) -> PluginResult<TokenPlan> {
         let native = self
             .pan_and_scan
             .as_ref()
@@ -152,15 +220,19 @@ impl Gemma3 {
         TokenPlan::new(tokens_u32(planned)?, reduced, reason, &choices)
     }
 
+    fn whole_resize(&self, choices: &Choices) -> Option<(usize, usize, Filter)> {
+        choices.squashed.map(|[w, h]| (w, h, self.filter))
+    }
+
     /// The image the model's server is sent for a reduced plan: squashed so that its
     /// pan-and-scan makes the planned crops.
-    pub fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
+    fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
         choices.squash(image, self.filter)
     }
 
     /// `pixel_values` [views, 3, H, W]: the whole image, then its crops left to right, top to
     /// bottom (of the squashed image when the plan was reduced, as the server sees it).
-    pub fn preprocess(&self, image: RgbImage, choices: &Choices) -> PluginResult<Vec<Tensor>> {
+    fn preprocess(&self, image: RgbImage, choices: &Choices) -> PluginResult<Vec<Tensor>> {
         let image = match choices.squashed {
             Some([w, h]) => image.into_resized(w, h, self.filter),
             None => image,
@@ -261,7 +333,7 @@ mod tests {
     #[test]
     fn a_budget_keeps_fewer_crops_of_a_squashed_image() {
         let gemma = processor(Some(pan_and_scan()));
-        let plan = gemma.plan(1200, 300, 1000).unwrap();
+        let plan = gemma.plan(1200, 300, false, 1000).unwrap();
         assert_eq!((plan.tokens, plan.reduced), (80, false));
         for (budget, tokens, squashed) in [
             (79, 64, Some([900, 300])),
@@ -269,7 +341,7 @@ mod tests {
             (47, 16, Some([224, 224])),
             (16, 16, Some([224, 224])),
         ] {
-            let plan = gemma.plan(1200, 300, budget).unwrap();
+            let plan = gemma.plan(1200, 300, false, budget).unwrap();
             let choices: Choices = plan.choices().unwrap();
             assert_eq!(
                 (plan.tokens, choices.squashed),
@@ -284,12 +356,12 @@ mod tests {
                 "{w}x{h} makes the planned crops"
             );
         }
-        let portrait = gemma.plan(300, 1000, 50).unwrap();
+        let portrait = gemma.plan(300, 1000, false, 50).unwrap();
         let choices: Choices = portrait.choices().unwrap();
         assert_eq!(choices.squashed, Some([300, 600]));
-        assert!(gemma.plan(1200, 300, 15).is_err());
+        assert!(gemma.plan(1200, 300, false, 15).is_err());
         // Without pan-and-scan every image is one view.
-        let plain = processor(None).plan(1200, 300, 1000).unwrap();
+        let plain = processor(None).plan(1200, 300, false, 1000).unwrap();
         assert_eq!((plain.tokens, plain.reduced), (16, false));
     }
 
@@ -302,7 +374,7 @@ mod tests {
             height: 300,
             data: (0..900 * 300 * 3).map(|i| (i % 251) as u8).collect(),
         };
-        let plan = gemma.plan(900, 300, 1000).unwrap();
+        let plan = gemma.plan(900, 300, false, 1000).unwrap();
         let tensors = gemma.preprocess(image, &plan.choices().unwrap()).unwrap();
         assert_eq!(tensors[0].shape, [4u64, 3, 224, 224]);
         assert_eq!(tensors[1].name, "num_crops");
@@ -313,7 +385,7 @@ mod tests {
     #[test]
     fn crops_past_the_edge_are_refused() {
         let gemma = processor(Some(PanAndScan::new(Some(1), Some(4), Some(1.2))));
-        let plan = gemma.plan(5, 1, 1000).unwrap();
+        let plan = gemma.plan(5, 1, false, 1000).unwrap();
         let image = RgbImage {
             width: 5,
             height: 1,

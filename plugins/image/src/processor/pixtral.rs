@@ -8,10 +8,27 @@
 //! Under a budget the plan lowers the longest edge until the tokens fit; the image then goes to the
 //! model's server at the planned size, which its processor keeps.
 
-use mmgate_plugin_sdk::imageops::{Filter, Normalize, RgbImage};
+use mmgate_plugin_sdk::imageops::{CLIP_MEAN, CLIP_STD, Filter, Normalize, RgbImage};
 use mmgate_plugin_sdk::*;
+use serde::Deserialize;
+use serde_json::Value;
 
+use super::config::{BaseConfig, SizeConfig, SizeField, positive, read};
+use super::{ImageProcessor, boxed};
 use crate::choices::{Choices, tokens_u32};
+
+pub fn make(config: &Value) -> PluginResult<Box<dyn ImageProcessor>> {
+    boxed(Pixtral::from_config(config))
+}
+
+#[derive(Debug, Deserialize)]
+struct Config {
+    #[serde(flatten)]
+    base: BaseConfig,
+    size: Option<SizeField>,
+    /// Patches merged into a token a side (the model's; its family adds it).
+    spatial_merge_size: Option<usize>,
+}
 
 pub struct Pixtral {
     pub longest_edge: usize,
@@ -22,6 +39,30 @@ pub struct Pixtral {
 }
 
 impl Pixtral {
+    fn from_config(config: &Value) -> PluginResult<Self> {
+        let config: Config = read(config)?;
+        let longest_edge = match config.size {
+            Some(SizeField::Dict(SizeConfig {
+                longest_edge: Some(edge),
+                ..
+            })) => positive("size.longest_edge", edge)?,
+            None => 1024,
+            _ => {
+                return Err(PluginError::unsupported(
+                    "processor config: Pixtral's size needs longest_edge",
+                ));
+            }
+        };
+        let patch = config.base.patch_edge(16)?;
+        let merge = positive("spatial_merge_size", config.spatial_merge_size.unwrap_or(1))?;
+        Ok(Pixtral {
+            longest_edge,
+            token_edge: patch * merge,
+            filter: config.base.filter(Filter::Bicubic)?,
+            normalize: config.base.normalize(CLIP_MEAN, CLIP_STD),
+        })
+    }
+
     /// transformers' `get_resize_output_image_size` with the longest edge `limit`: the image
     /// shrunk (floored) to fit, then each side up to whole tokens. Returns (width, height).
     fn resized(&self, width: usize, height: usize, limit: usize) -> (usize, usize) {
@@ -39,7 +80,30 @@ impl Pixtral {
         (h / self.token_edge) * (w / self.token_edge + 1)
     }
 
-    pub fn plan(&self, width: usize, height: usize, budget: u32) -> PluginResult<TokenPlan> {
+    fn checked(&self, choices: &Choices) -> PluginResult<()> {
+        let edge = self.token_edge;
+        if choices.width == 0
+            || choices.height == 0
+            || !choices.width.is_multiple_of(edge)
+            || !choices.height.is_multiple_of(edge)
+        {
+            return Err(PluginError::internal(format!(
+                "planned size {}x{} is not whole tokens of {edge} px",
+                choices.width, choices.height
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl ImageProcessor for Pixtral {
+    fn plan(
+        &self,
+        width: usize,
+        height: usize,
+        _jpeg: bool,
+        budget: u32,
+    ) -> PluginResult<TokenPlan> {
         let native = self.resized(width, height, self.longest_edge);
         let native_tokens = self.tokens(native);
         let budget_tokens = budget as usize;
@@ -78,29 +142,18 @@ impl Pixtral {
         TokenPlan::new(tokens_u32(tokens)?, reduced, reason, &choices)
     }
 
-    fn checked(&self, choices: &Choices) -> PluginResult<()> {
-        let edge = self.token_edge;
-        if choices.width == 0
-            || choices.height == 0
-            || !choices.width.is_multiple_of(edge)
-            || !choices.height.is_multiple_of(edge)
-        {
-            return Err(PluginError::internal(format!(
-                "planned size {}x{} is not whole tokens of {edge} px",
-                choices.width, choices.height
-            )));
-        }
-        Ok(())
+    fn whole_resize(&self, choices: &Choices) -> Option<(usize, usize, Filter)> {
+        Some((choices.width, choices.height, self.filter))
     }
 
     /// The image at its planned size, which the server's processor keeps as it is.
-    pub fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
+    fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
         self.checked(choices)?;
         Ok(image.into_resized(choices.width, choices.height, self.filter))
     }
 
     /// `pixel_values` [1, 3, H, W] and `image_sizes` [1, 2] (height, width).
-    pub fn preprocess(&self, image: RgbImage, choices: &Choices) -> PluginResult<Vec<Tensor>> {
+    fn preprocess(&self, image: RgbImage, choices: &Choices) -> PluginResult<Vec<Tensor>> {
         let resized = self.reduced_image(image, choices)?;
         let (w, h) = (resized.width, resized.height);
         Ok(vec![
@@ -150,15 +203,15 @@ mod tests {
     #[test]
     fn a_budget_lowers_the_longest_edge() {
         let p = pixtral(336, 28);
-        let plan = p.plan(640, 480, 1000).unwrap();
+        let plan = p.plan(640, 480, false, 1000).unwrap();
         assert_eq!((plan.tokens, plan.reduced), (117, false));
-        let plan = p.plan(640, 480, 60).unwrap();
+        let plan = p.plan(640, 480, false, 60).unwrap();
         assert!(plan.reduced && plan.tokens <= 60, "{}", plan.tokens);
         let choices: Choices = plan.choices().unwrap();
         // What the server's processor makes of the planned size: the same size, the same tokens.
         let again = p.resized(choices.width, choices.height, 336);
         assert_eq!(again, (choices.width, choices.height));
         assert_eq!(p.tokens(again) as u32, plan.tokens);
-        assert!(p.plan(640, 480, 1).is_err());
+        assert!(p.plan(640, 480, false, 1).is_err());
     }
 }

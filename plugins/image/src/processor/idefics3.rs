@@ -12,8 +12,28 @@
 
 use mmgate_plugin_sdk::imageops::{Filter, RgbImage};
 use mmgate_plugin_sdk::*;
+use serde::Deserialize;
+use serde_json::Value;
 
+use super::config::{SizeConfig, SizeField, positive, read};
+use super::{ImageProcessor, boxed};
 use crate::choices::{Choices, tokens_u32};
+
+/// Idefics3's and SmolVLM's processor (the defaults are Idefics3-8B's). The resampling is the
+/// engine's: only the tokens are planned here.
+pub fn make(config: &Value) -> PluginResult<Box<dyn ImageProcessor>> {
+    boxed(Idefics3::from_config(config))
+}
+
+#[derive(Debug, Deserialize)]
+struct Config {
+    do_image_splitting: Option<bool>,
+    size: Option<SizeField>,
+    /// A tile's side, as `longest_edge`.
+    max_image_size: Option<SizeField>,
+    /// Tokens of a tile (the processor's, which the family adds).
+    image_seq_len: Option<usize>,
+}
 
 /// transformers' bound on the scaled image's sides (`MAX_IMAGE_SIZE`).
 const MAX_IMAGE_SIDE: usize = 4096;
@@ -28,6 +48,26 @@ pub struct Idefics3 {
 }
 
 impl Idefics3 {
+    fn from_config(config: &Value) -> PluginResult<Self> {
+        let config: Config = read(config)?;
+        let longest = |field: &Option<SizeField>, name: &str, default: usize| match field {
+            None => Ok(default),
+            Some(SizeField::Dict(SizeConfig {
+                longest_edge: Some(edge),
+                ..
+            })) => positive(name, *edge),
+            Some(_) => Err(PluginError::unsupported(format!(
+                "processor config: {name} needs longest_edge"
+            ))),
+        };
+        Ok(Idefics3 {
+            splitting: config.do_image_splitting.unwrap_or(true),
+            longest_edge: longest(&config.size, "size", 4 * 364)?,
+            tile: longest(&config.max_image_size, "max_image_size", 364)?,
+            tokens_per_tile: positive("image_seq_len", config.image_seq_len.unwrap_or(169))?,
+        })
+    }
+
     /// transformers' `get_number_of_image_patches`: the grid as `(rows, columns)`, `None` when
     /// the image is not split.
     fn grid(&self, width: usize, height: usize) -> Option<(usize, usize)> {
@@ -42,50 +82,6 @@ impl Idefics3 {
 
     fn tokens(&self, grid: Option<(usize, usize)>) -> usize {
         grid.map_or(1, |(rows, columns)| rows * columns + 1) * self.tokens_per_tile
-    }
-
-    pub fn plan(&self, width: usize, height: usize, budget: u32) -> PluginResult<TokenPlan> {
-        let native = self.grid(width, height);
-        let budget_tokens = budget as usize;
-        let (grid, squashed) = match native {
-            Some(grid) if self.tokens(Some(grid)) > budget_tokens => {
-                self.fewer_rows(width, height, grid, budget)?
-            }
-            _ if self.tokens(native) > budget_tokens => {
-                return Err(PluginError::over_budget(
-                    tokens_u32(self.tokens(native))?,
-                    budget,
-                    format!(
-                        "this model's images cost at least {} tokens",
-                        self.tokens(native)
-                    ),
-                ));
-            }
-            _ => (native, None),
-        };
-        let tokens = self.tokens(grid);
-        let layout = match grid {
-            Some((rows, columns)) => format!(
-                "{rows}x{columns} tiles (rows x columns) of {0}x{0} and a global view",
-                self.tile
-            ),
-            None => "one global view".to_owned(),
-        };
-        let reason = match squashed {
-            Some([w, h]) => format!(
-                "{width}x{height} squashed to {w}x{h}: {layout}, {tokens} tokens, to fit the \
-                 budget of {budget}; as it came it would cost {}",
-                self.tokens(native)
-            ),
-            None => format!("{width}x{height}: {layout}, {tokens} tokens"),
-        };
-        let choices = Choices {
-            crops: Some(grid.map_or(0, |(rows, columns)| rows * columns)),
-            squashed,
-            tile_grid: grid.map(|(rows, columns)| [rows, columns]),
-            ..Choices::sized(width, height)
-        };
-        TokenPlan::new(tokens_u32(tokens)?, squashed.is_some(), reason, &choices)
     }
 
     /// The most rows of tiles along the short side (down to one) that fit the budget, and the
@@ -142,10 +138,66 @@ impl Idefics3 {
             ),
         ))
     }
+}
+
+impl ImageProcessor for Idefics3 {
+    fn plan(
+        &self,
+        width: usize,
+        height: usize,
+        _jpeg: bool,
+        budget: u32,
+    ) -> PluginResult<TokenPlan> {
+        let native = self.grid(width, height);
+        let budget_tokens = budget as usize;
+        let (grid, squashed) = match native {
+            Some(grid) if self.tokens(Some(grid)) > budget_tokens => {
+                self.fewer_rows(width, height, grid, budget)?
+            }
+            _ if self.tokens(native) > budget_tokens => {
+                return Err(PluginError::over_budget(
+                    tokens_u32(self.tokens(native))?,
+                    budget,
+                    format!(
+                        "this model's images cost at least {} tokens",
+                        self.tokens(native)
+                    ),
+                ));
+            }
+            _ => (native, None),
+        };
+        let tokens = self.tokens(grid);
+        let layout = match grid {
+            Some((rows, columns)) => format!(
+                "{rows}x{columns} tiles (rows x columns) of {0}x{0} and a global view",
+                self.tile
+            ),
+            None => "one global view".to_owned(),
+        };
+        let reason = match squashed {
+            Some([w, h]) => format!(
+                "{width}x{height} squashed to {w}x{h}: {layout}, {tokens} tokens, to fit the \
+                 budget of {budget}; as it came it would cost {}",
+                self.tokens(native)
+            ),
+            None => format!("{width}x{height}: {layout}, {tokens} tokens"),
+        };
+        let choices = Choices {
+            crops: Some(grid.map_or(0, |(rows, columns)| rows * columns)),
+            squashed,
+            tile_grid: grid.map(|(rows, columns)| [rows, columns]),
+            ..Choices::sized(width, height)
+        };
+        TokenPlan::new(tokens_u32(tokens)?, squashed.is_some(), reason, &choices)
+    }
+
+    fn whole_resize(&self, _choices: &Choices) -> Option<(usize, usize, Filter)> {
+        None
+    }
 
     /// The image the model's server is sent for a reduced plan: squashed to the planned grid's
     /// aspect ratio (the server scales it again, so the filter is only this step's).
-    pub fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
+    fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
         choices.squash(image, Filter::Bicubic)
     }
 }
@@ -206,26 +258,26 @@ mod tests {
             ..idefics3()
         };
         assert_eq!(whole.grid(640, 480), None);
-        assert_eq!(whole.plan(640, 480, 1000).unwrap().tokens, 169);
+        assert_eq!(whole.plan(640, 480, false, 1000).unwrap().tokens, 169);
     }
 
     #[test]
     fn a_budget_squashes_the_image_to_fewer_rows() {
         let p = idefics3();
-        let plan = p.plan(640, 480, 10_000).unwrap();
+        let plan = p.plan(640, 480, false, 10_000).unwrap();
         assert_eq!(plan.tokens, 13 * 169);
         // 9 tiles (2 rows of 4 and the global view) fit 1600 tokens.
-        let plan = p.plan(640, 480, 1600).unwrap();
+        let plan = p.plan(640, 480, false, 1600).unwrap();
         assert!(plan.reduced);
         assert_eq!(plan.tokens, 9 * 169);
         let choices: Choices = plan.choices().unwrap();
         let [w, h] = choices.squashed.unwrap();
         assert_eq!(p.grid(w, h), Some((2, 4)));
         assert_eq!(choices.tile_grid, Some([2, 4]));
-        let plan = p.plan(300, 1000, 900).unwrap();
+        let plan = p.plan(300, 1000, false, 900).unwrap();
         let choices: Choices = plan.choices().unwrap();
         assert_eq!(choices.tile_grid, Some([4, 1]));
         // One row is the least.
-        assert!(p.plan(640, 480, 800).is_err());
+        assert!(p.plan(640, 480, false, 800).is_err());
     }
 }

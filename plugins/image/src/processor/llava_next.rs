@@ -12,8 +12,38 @@
 
 use mmgate_plugin_sdk::imageops::{Filter, RgbImage};
 use mmgate_plugin_sdk::*;
+use serde::Deserialize;
+use serde_json::Value;
 
+use super::config::{BaseConfig, SizeConfig, SizeField, positive, read};
+use super::{ImageProcessor, boxed};
 use crate::choices::{Choices, tokens_u32};
+
+pub fn llava_next(config: &Value) -> PluginResult<Box<dyn ImageProcessor>> {
+    boxed(LlavaNext::from_config(config, false))
+}
+
+pub fn llava_onevision(config: &Value) -> PluginResult<Box<dyn ImageProcessor>> {
+    boxed(LlavaNext::from_config(config, true))
+}
+
+#[derive(Debug, Deserialize)]
+struct Config {
+    #[serde(flatten)]
+    base: BaseConfig,
+    size: Option<SizeField>,
+    crop_size: Option<SizeField>,
+    /// The resolutions an image is fitted into, `[height, width]` each.
+    image_grid_pinpoints: Option<Vec<[usize; 2]>>,
+    /// Whether the base view keeps the class token ("full") or not ("default"); the model's,
+    /// which its family adds.
+    vision_feature_select_strategy: Option<String>,
+    /// The base view's tokens beyond its patches (a class token: 1 for CLIP, 0 for SigLIP); the
+    /// model's, which its family adds.
+    num_additional_image_tokens: Option<usize>,
+    /// OneVision's "anyres_max_N": the tiles' features pooled to about N views' worth.
+    vision_aspect_ratio: Option<String>,
+}
 
 pub struct LlavaNext {
     /// `(height, width)` of each resolution the image may be fitted into.
@@ -32,6 +62,87 @@ pub struct LlavaNext {
 }
 
 impl LlavaNext {
+    /// `onevision`: LLaVA-OneVision's processor (SigLIP's tower of 384 px, no class token, the
+    /// base view kept whole, the tiles pooled).
+    fn from_config(config: &Value, onevision: bool) -> PluginResult<Self> {
+        let config: Config = read(config)?;
+        let tile = match (&config.crop_size, &config.size) {
+            (
+                Some(SizeField::Dict(SizeConfig {
+                    height: Some(h), ..
+                })),
+                _,
+            ) => *h,
+            (Some(SizeField::Edge(edge)), _) => *edge,
+            (
+                None,
+                Some(SizeField::Dict(SizeConfig {
+                    shortest_edge: Some(edge),
+                    ..
+                })),
+            ) => *edge,
+            (
+                None,
+                Some(SizeField::Dict(SizeConfig {
+                    height: Some(h), ..
+                })),
+            ) => *h,
+            _ if onevision => 384,
+            _ => 336,
+        };
+        let tile = positive("crop_size", tile)?;
+        let pinpoints: Vec<(usize, usize)> = config
+            .image_grid_pinpoints
+            .unwrap_or_default()
+            .into_iter()
+            .map(|[h, w]| (h, w))
+            .collect();
+        if pinpoints.is_empty() || pinpoints.iter().any(|&(h, w)| h < tile || w < tile) {
+            return Err(PluginError::unsupported(
+                "processor config: anyres needs image_grid_pinpoints of at least a tile each",
+            ));
+        }
+        let strategy = config.vision_feature_select_strategy.as_deref();
+        let drops_one = match strategy.unwrap_or(if onevision { "full" } else { "default" }) {
+            "default" => true,
+            "full" => false,
+            other => {
+                return Err(PluginError::unsupported(format!(
+                    "processor config: vision_feature_select_strategy {other:?} (default, full)"
+                )));
+            }
+        };
+        let patch = config.base.patch_edge(14)?;
+        // CLIP's class token (LLaVA-NeXT's towers); SigLIP (OneVision's) has none.
+        let additional = config
+            .num_additional_image_tokens
+            .unwrap_or(usize::from(!onevision));
+        let side = tile / patch;
+        let max_views = match (onevision, config.vision_aspect_ratio.as_deref()) {
+            (false, _) => None,
+            (true, None) => Some(9),
+            (true, Some(aspect)) => Some(
+                aspect
+                    .strip_prefix("anyres_max_")
+                    .and_then(|n| n.parse().ok())
+                    .filter(|&n: &usize| n > 0)
+                    .ok_or_else(|| {
+                        PluginError::unsupported(format!(
+                            "processor config: vision_aspect_ratio {aspect:?} (anyres_max_N)"
+                        ))
+                    })?,
+            ),
+        };
+        Ok(LlavaNext {
+            pinpoints,
+            tile,
+            patch,
+            base_tokens: (side * side + additional).saturating_sub(usize::from(drops_one)),
+            max_views,
+            filter: config.base.filter(Filter::Bicubic)?,
+        })
+    }
+
     /// transformers' `select_best_resolution`: the most of the image's pixels kept, then the least
     /// space wasted; the first such pinpoint on a tie.
     fn best_resolution(&self, height: usize, width: usize) -> (usize, usize) {
@@ -73,8 +184,16 @@ impl LlavaNext {
         }
         self.base_tokens + rows * columns + rows
     }
+}
 
-    pub fn plan(&self, width: usize, height: usize, budget: u32) -> PluginResult<TokenPlan> {
+impl ImageProcessor for LlavaNext {
+    fn plan(
+        &self,
+        width: usize,
+        height: usize,
+        _jpeg: bool,
+        budget: u32,
+    ) -> PluginResult<TokenPlan> {
         let native = self.tokens(width, height);
         let budget_tokens = budget as usize;
         let (w, h) = if native <= budget_tokens {
@@ -126,8 +245,12 @@ impl LlavaNext {
         TokenPlan::new(tokens_u32(tokens)?, reduced, reason, &choices)
     }
 
+    fn whole_resize(&self, choices: &Choices) -> Option<(usize, usize, Filter)> {
+        Some((choices.width, choices.height, self.filter))
+    }
+
     /// The image at its planned size: the server's processor counts what the plan counted.
-    pub fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
+    fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
         Ok(image.into_resized(choices.width, choices.height, self.filter))
     }
 }
@@ -192,12 +315,12 @@ mod tests {
     #[test]
     fn a_budget_shrinks_the_image() {
         let p = llava_v16();
-        let plan = p.plan(640, 480, 10_000).unwrap();
+        let plan = p.plan(640, 480, false, 10_000).unwrap();
         assert!(!plan.reduced);
-        let plan = p.plan(640, 480, 2000).unwrap();
+        let plan = p.plan(640, 480, false, 2000).unwrap();
         assert!(plan.reduced && plan.tokens <= 2000, "{}", plan.tokens);
         let choices: Choices = plan.choices().unwrap();
         assert_eq!(p.tokens(choices.width, choices.height) as u32, plan.tokens);
-        assert!(p.plan(640, 480, 100).is_err());
+        assert!(p.plan(640, 480, false, 100).is_err());
     }
 }

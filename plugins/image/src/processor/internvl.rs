@@ -12,8 +12,28 @@
 use mmgate_plugin_sdk::imageops::tiling::{Grid, candidate_grids, optimal_grid};
 use mmgate_plugin_sdk::imageops::{Filter, Normalize, RgbImage};
 use mmgate_plugin_sdk::*;
+use serde::Deserialize;
+use serde_json::Value;
 
+use super::config::{BaseConfig, SizeField, positive, read};
+use super::{ImageProcessor, boxed};
 use crate::choices::{Choices, tokens_u32};
+
+pub fn make(config: &Value) -> PluginResult<Box<dyn ImageProcessor>> {
+    boxed(InternVl::from_config(config))
+}
+
+#[derive(Debug, Deserialize)]
+struct Config {
+    #[serde(flatten)]
+    base: BaseConfig,
+    size: Option<SizeField>,
+    /// Tiling, and the tiles it may make.
+    crop_to_patches: Option<bool>,
+    min_patches: Option<usize>,
+    max_patches: Option<usize>,
+    image_seq_length: Option<usize>,
+}
 
 pub struct InternVl {
     /// Whether the image is tiled at all (else one resized tile).
@@ -28,6 +48,40 @@ pub struct InternVl {
 }
 
 impl InternVl {
+    fn from_config(config: &Value) -> PluginResult<Self> {
+        let config: Config = read(config)?;
+        let tile = match &config.size {
+            None => 448,
+            Some(size) => positive(
+                "size.height",
+                size.square().ok_or_else(|| {
+                    PluginError::unsupported(
+                        "processor config: InternVL's tiles need a square size {height, width}",
+                    )
+                })?,
+            )?,
+        };
+        let min_patches = positive("min_patches", config.min_patches.unwrap_or(1))?;
+        let max_patches = positive("max_patches", config.max_patches.unwrap_or(12))?;
+        if min_patches > max_patches || max_patches > 64 {
+            return Err(PluginError::unsupported(format!(
+                "processor config: need min_patches <= max_patches <= 64 (min {min_patches}, \
+                 max {max_patches})"
+            )));
+        }
+        Ok(InternVl {
+            crop_to_patches: config.crop_to_patches.unwrap_or(true),
+            min_patches,
+            max_patches,
+            tile,
+            tokens_per_tile: positive("image_seq_length", config.image_seq_length.unwrap_or(256))?,
+            filter: config.base.filter(Filter::Bicubic)?,
+            normalize: config
+                .base
+                .normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        })
+    }
+
     /// transformers' `get_number_of_image_patches`: the grid, `None` when the image is one tile.
     fn grid(&self, width: usize, height: usize) -> Option<Grid> {
         if !self.crop_to_patches || self.max_patches <= 1 {
@@ -46,45 +100,6 @@ impl InternVl {
     /// Tiles made of an image tiled as `grid`: its tiles and the thumbnail, or one.
     fn tiles(grid: Option<Grid>) -> usize {
         grid.map_or(1, |g| g.tiles() as usize + 1)
-    }
-
-    pub fn plan(&self, width: usize, height: usize, budget: u32) -> PluginResult<TokenPlan> {
-        let native = self.grid(width, height);
-        let cost = |grid: Option<Grid>| Self::tiles(grid) * self.tokens_per_tile;
-        let budget_tokens = budget as usize;
-        let (grid, reduced) = if cost(native) <= budget_tokens {
-            (native, false)
-        } else {
-            (self.fewer_tiles(width, height, budget)?, true)
-        };
-        let tokens = cost(grid);
-        let (columns, rows) = grid.map_or((1, 1), |g| (g.columns as usize, g.rows as usize));
-        let canvas = (columns * self.tile, rows * self.tile);
-        let tiles = Self::tiles(grid);
-        let layout = match grid {
-            Some(_) => format!(
-                "{columns}x{rows} tiles of {0}x{0} and a thumbnail",
-                self.tile
-            ),
-            None => format!("one {0}x{0} tile", self.tile),
-        };
-        let reason = if reduced {
-            format!(
-                "{width}x{height} squashed to {}x{}: {layout} ({tokens} tokens) to fit the \
-                 budget of {budget}; as it came it would cost {}",
-                canvas.0,
-                canvas.1,
-                cost(native)
-            )
-        } else {
-            format!("{width}x{height}: {layout}, {tokens} tokens")
-        };
-        let choices = Choices {
-            crops: Some(tiles),
-            squashed: reduced.then_some([canvas.0, canvas.1]),
-            ..Choices::sized(width, height)
-        };
-        TokenPlan::new(tokens_u32(tokens)?, reduced, reason, &choices)
     }
 
     /// The grid of fewest tiles' worth of tokens within the budget whose aspect ratio is closest to
@@ -126,15 +141,66 @@ impl InternVl {
             ),
         ))
     }
+}
+
+impl ImageProcessor for InternVl {
+    fn plan(
+        &self,
+        width: usize,
+        height: usize,
+        _jpeg: bool,
+        budget: u32,
+    ) -> PluginResult<TokenPlan> {
+        let native = self.grid(width, height);
+        let cost = |grid: Option<Grid>| Self::tiles(grid) * self.tokens_per_tile;
+        let budget_tokens = budget as usize;
+        let (grid, reduced) = if cost(native) <= budget_tokens {
+            (native, false)
+        } else {
+            (self.fewer_tiles(width, height, budget)?, true)
+        };
+        let tokens = cost(grid);
+        let (columns, rows) = grid.map_or((1, 1), |g| (g.columns as usize, g.rows as usize));
+        let canvas = (columns * self.tile, rows * self.tile);
+        let tiles = Self::tiles(grid);
+        let layout = match grid {
+            Some(_) => format!(
+                "{columns}x{rows} tiles of {0}x{0} and a thumbnail",
+                self.tile
+            ),
+            None => format!("one {0}x{0} tile", self.tile),
+        };
+        let reason = if reduced {
+            format!(
+                "{width}x{height} squashed to {}x{}: {layout} ({tokens} tokens) to fit the \
+                 budget of {budget}; as it came it would cost {}",
+                canvas.0,
+                canvas.1,
+                cost(native)
+            )
+        } else {
+            format!("{width}x{height}: {layout}, {tokens} tokens")
+        };
+        let choices = Choices {
+            crops: Some(tiles),
+            squashed: reduced.then_some([canvas.0, canvas.1]),
+            ..Choices::sized(width, height)
+        };
+        TokenPlan::new(tokens_u32(tokens)?, reduced, reason, &choices)
+    }
+
+    fn whole_resize(&self, choices: &Choices) -> Option<(usize, usize, Filter)> {
+        choices.squashed.map(|[w, h]| (w, h, self.filter))
+    }
 
     /// The image the model's server is sent for a reduced plan: squashed to its grid's canvas.
-    pub fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
+    fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
         choices.squash(image, self.filter)
     }
 
     /// `pixel_values` [tiles, 3, T, T]: the grid's tiles left to right, top to bottom, then the
     /// thumbnail (of the squashed image when the plan was reduced, as the server sees it).
-    pub fn preprocess(&self, image: RgbImage, choices: &Choices) -> PluginResult<Vec<Tensor>> {
+    fn preprocess(&self, image: RgbImage, choices: &Choices) -> PluginResult<Vec<Tensor>> {
         let image = match choices.squashed {
             Some([w, h]) => image.into_resized(w, h, self.filter),
             None => image,
@@ -199,11 +265,11 @@ mod tests {
     fn tiles_follow_the_closest_aspect_ratio() {
         let p = internvl3();
         // 4:3 is closest to 4x3 tiles, and the thumbnail.
-        let plan = p.plan(640, 480, 1000).unwrap();
+        let plan = p.plan(640, 480, false, 1000).unwrap();
         assert_eq!(plan.tokens, (12 + 1) * 4);
         assert!(!plan.reduced);
         // A square image smaller than a tile's half-area stays one tile.
-        assert_eq!(p.plan(256, 256, 1000).unwrap().tokens, 4);
+        assert_eq!(p.plan(256, 256, false, 1000).unwrap().tokens, 4);
     }
 
     /// Under a budget: the grid of fewer tiles closest in aspect ratio, and the image squashed to
@@ -212,15 +278,15 @@ mod tests {
     fn a_budget_squashes_the_image_to_a_smaller_grid() {
         let p = internvl3();
         for (width, height, budget) in [(640, 480, 40), (1200, 300, 16), (300, 1000, 12)] {
-            let plan = p.plan(width, height, budget).unwrap();
+            let plan = p.plan(width, height, false, budget).unwrap();
             assert!(plan.reduced && plan.tokens <= budget, "{}", plan.reason);
             let choices: Choices = plan.choices().unwrap();
             let [w, h] = choices.squashed.unwrap();
             assert_eq!(InternVl::tiles(p.grid(w, h)) * 4, plan.tokens as usize);
         }
         // 640x480 under 8 tokens: one tile (two tiles and a thumbnail would be 12).
-        let plan = p.plan(640, 480, 8).unwrap();
+        let plan = p.plan(640, 480, false, 8).unwrap();
         assert_eq!(plan.tokens, 4);
-        assert!(p.plan(640, 480, 3).is_err());
+        assert!(p.plan(640, 480, false, 3).is_err());
     }
 }

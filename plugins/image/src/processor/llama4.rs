@@ -11,8 +11,29 @@
 
 use mmgate_plugin_sdk::imageops::{Filter, RgbImage};
 use mmgate_plugin_sdk::*;
+use serde::Deserialize;
+use serde_json::Value;
 
+use super::config::{BaseConfig, SizeField, positive, read};
+use super::{ImageProcessor, boxed};
 use crate::choices::{Choices, tokens_u32};
+
+/// Llama 4's processor (the defaults are Llama 4 Scout's). The resampling is the engine's: only
+/// the tokens are planned here.
+pub fn make(config: &Value) -> PluginResult<Box<dyn ImageProcessor>> {
+    boxed(Llama4::from_config(config))
+}
+
+#[derive(Debug, Deserialize)]
+struct Config {
+    #[serde(flatten)]
+    base: BaseConfig,
+    size: Option<SizeField>,
+    max_patches: Option<usize>,
+    resize_to_max_canvas: Option<bool>,
+    /// The tower's pixel shuffle (the model's, which its family adds with the tower's patch size).
+    pixel_shuffle_ratio: Option<f64>,
+}
 
 pub struct Llama4 {
     /// A tile's side.
@@ -24,6 +45,36 @@ pub struct Llama4 {
 }
 
 impl Llama4 {
+    fn from_config(config: &Value) -> PluginResult<Self> {
+        let config: Config = read(config)?;
+        let tile = match &config.size {
+            None => 336,
+            Some(size) => positive(
+                "size.height",
+                size.square().ok_or_else(|| {
+                    PluginError::unsupported(
+                        "processor config: Llama 4's tiles need a square size {height, width}",
+                    )
+                })?,
+            )?,
+        };
+        let patch = config.base.patch_edge(14)?;
+        let ratio = config.pixel_shuffle_ratio.unwrap_or(0.5);
+        if !(ratio > 0.0 && ratio <= 1.0) || tile < patch {
+            return Err(PluginError::unsupported(format!(
+                "processor config: tiles of {tile} px in patches of {patch} px, shuffled by {ratio}"
+            )));
+        }
+        // transformers' and vLLM's `(tile // patch)² // round(1 / ratio²)`.
+        let shuffle = (1.0 / (ratio * ratio)).round() as usize;
+        Ok(Llama4 {
+            tile,
+            max_tiles: positive("max_patches", config.max_patches.unwrap_or(16))?,
+            resize_to_max_canvas: config.resize_to_max_canvas.unwrap_or(false),
+            tokens_per_tile: positive("tokens per tile", (tile / patch).pow(2) / shuffle.max(1))?,
+        })
+    }
+
     /// transformers' `find_supported_resolutions`, in its order, as `(rows, columns)` of tiles:
     /// grouped by aspect ratio in the order each ratio is first seen, from the most tiles down.
     fn canvases(&self) -> Vec<(usize, usize)> {
@@ -79,8 +130,16 @@ impl Llama4 {
         let tiles = rows * columns;
         (if tiles > 1 { tiles + 1 } else { 1 }) * self.tokens_per_tile
     }
+}
 
-    pub fn plan(&self, width: usize, height: usize, budget: u32) -> PluginResult<TokenPlan> {
+impl ImageProcessor for Llama4 {
+    fn plan(
+        &self,
+        width: usize,
+        height: usize,
+        _jpeg: bool,
+        budget: u32,
+    ) -> PluginResult<TokenPlan> {
         let native = self.best_fit(width, height);
         let budget_tokens = budget as usize;
         let (grid, squashed) = if self.tokens(native) <= budget_tokens {
@@ -140,9 +199,13 @@ impl Llama4 {
         TokenPlan::new(tokens_u32(tokens)?, squashed.is_some(), reason, &choices)
     }
 
+    fn whole_resize(&self, _choices: &Choices) -> Option<(usize, usize, Filter)> {
+        None
+    }
+
     /// The image the model's server is sent for a reduced plan: squashed to its canvas (the
     /// server resizes it again, so the filter is only this step's).
-    pub fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
+    fn reduced_image(&self, image: RgbImage, choices: &Choices) -> PluginResult<RgbImage> {
         choices.squash(image, Filter::Bilinear)
     }
 }
@@ -189,16 +252,16 @@ mod tests {
     #[test]
     fn a_budget_squashes_the_image_to_a_canvas_of_fewer_tiles() {
         let p = llama4(16);
-        let native = p.plan(1600, 1200, 10_000).unwrap();
+        let native = p.plan(1600, 1200, false, 10_000).unwrap();
         assert!(!native.reduced);
         for budget in [40, 20, 12] {
-            let plan = p.plan(1600, 1200, budget).unwrap();
+            let plan = p.plan(1600, 1200, false, budget).unwrap();
             assert!(plan.reduced && plan.tokens <= budget, "{}", plan.reason);
             let choices: Choices = plan.choices().unwrap();
             let [w, h] = choices.squashed.unwrap();
             let [rows, columns] = choices.tile_grid.unwrap();
             assert_eq!(p.best_fit(w, h), (rows, columns));
         }
-        assert!(p.plan(1600, 1200, 3).is_err());
+        assert!(p.plan(1600, 1200, false, 3).is_err());
     }
 }
