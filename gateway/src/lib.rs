@@ -15,6 +15,7 @@ pub mod fuzzing;
 mod keylimits;
 pub mod logging;
 mod metrics;
+mod model;
 mod responses_store;
 mod server;
 mod store;
@@ -25,4 +26,5 @@ mod upstream;
 // native serving on this machine's devices.
 mod media;
 mod native;
+mod prepare;
 mod wire;

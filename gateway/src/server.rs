@@ -25,8 +25,8 @@ use crate::media::fetch::Fetcher;
 use crate::media::files::FileStore;
 use crate::media::plugins::LivePlugins;
 use crate::metrics::Metrics;
-use crate::native::chat::NativeModel;
-use crate::native::model::{
+use crate::model::LocalModel;
+use crate::model::{
     Devices, ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir,
     weights_fingerprint,
 };
@@ -45,7 +45,7 @@ fn load_model(
     metrics: &Metrics,
     shared_features: Option<Arc<dyn SharedFeatures>>,
     encoders_only: bool,
-) -> anyhow::Result<NativeModel> {
+) -> anyhow::Result<LocalModel> {
     let dir = resolve_model_dir(spec, &default_cache_dir())?;
     let mut devices = Devices::for_this_machine();
     match (model.llm_device, model.llm_threads) {
@@ -77,7 +77,7 @@ fn load_model(
     };
     let runtime = load(&model.name, &dir, &options, Some(observer))
         .with_context(|| format!("model {}: loading {}", model.name, dir.display()))?;
-    Ok(NativeModel {
+    Ok(LocalModel {
         runtime,
         on_encode_error: model.on_encode_error,
         accept_image_embeds: model.accept_image_embeds,

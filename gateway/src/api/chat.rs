@@ -17,9 +17,10 @@ use super::{Gateway, Route};
 use crate::access::{Access, CLIENT_CLOSED, Tokens, UPSTREAM_FAILED_MID_ANSWER};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
-use crate::native::chat::{self, NativeModel, Prepared};
+use crate::model::LocalModel;
+use crate::native::chat::{self, Prepared};
 use crate::native::generation::{Generation, Step};
-use crate::native::media::ChatServices;
+use crate::prepare::media::ChatServices;
 use crate::store::Caller;
 use crate::upstream::{Forwarded, UpstreamPool};
 use crate::wire::openai::{self, ChatCompletionRequest};
@@ -170,7 +171,7 @@ impl Gateway {
     pub(super) async fn prepare(
         &self,
         caller: &Caller,
-        model: &NativeModel,
+        model: &LocalModel,
         request: ChatCompletionRequest,
     ) -> Result<Prepared, ApiError> {
         let prepared = chat::prepare(model, request, &self.services(caller)).await?;
@@ -182,7 +183,7 @@ impl Gateway {
         &self,
         session: &mut ServerSession,
         caller: &Caller,
-        model: &NativeModel,
+        model: &LocalModel,
         request: ChatCompletionRequest,
         tally: Option<&TokenTally>,
         access: &mut Access,

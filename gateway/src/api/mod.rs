@@ -33,7 +33,7 @@ use crate::media::fetch::Fetcher;
 use crate::media::files::FileStore;
 use crate::media::plugins::{LivePlugins, ReloadGuard};
 use crate::metrics::{Metrics, ModelGauges, Snapshot};
-use crate::native::chat::NativeModel;
+use crate::model::LocalModel;
 use crate::responses_store::ResponseStore;
 use crate::store::{Caller, Redis};
 use crate::upstream::{ClientHop, UpstreamPool};
@@ -43,7 +43,7 @@ pub use media_modes::{EcMedia, UpstreamMedia};
 
 /// How a model is served.
 pub enum Route {
-    Native(NativeModel),
+    Native(LocalModel),
     /// A pool of upstream servers runs the LLM; `media` says what they get of a request's media.
     Upstream {
         pool: Arc<UpstreamPool>,

@@ -13,12 +13,13 @@ use pingora::protocols::http::ServerSession;
 use serde_json::{Value, json};
 
 use super::media_modes::UpstreamMedia;
+use super::media_modes::preprocess::{PlannedSource, plan_for_upstream};
 use super::request::{checked_shape, invalid_json, parsed_off_thread};
 use super::{Gateway, Route};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
 use crate::media::{account, render};
-use crate::native::chat::{self, PlannedSource};
+
 use crate::upstream::planned;
 
 /// The prompt side that plans a served model's media.
@@ -50,7 +51,7 @@ impl Gateway {
         let request = parsed_off_thread(body, &self.limits).await?;
         let max_tokens = request.max_tokens;
         let caller = self.caller(session);
-        let planned = chat::plan_for_upstream(
+        let planned = plan_for_upstream(
             prompt,
             accept_image_embeds,
             request,

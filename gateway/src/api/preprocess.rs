@@ -22,7 +22,7 @@ use crate::media::budget::BudgetError;
 use crate::media::pipeline;
 use crate::media::processor_settings;
 use crate::media::sniff::sniff_mime_type;
-use crate::native::media::MediaTally;
+use crate::prepare::media::MediaTally;
 use crate::upstream::inline::kind_of;
 use crate::wire::openai::{ByteSource, PayloadError, decode_payload};
 

@@ -5,7 +5,7 @@ use http::StatusCode;
 
 use crate::config::RequestLimits;
 use crate::error::ApiError;
-use crate::native::prompt_text::text_too_large;
+use crate::prepare::prompt_text::text_too_large;
 use crate::wire::openai::shape::{self, ShapeError};
 use crate::wire::openai::{self, ChatCompletionRequest};
 

@@ -16,10 +16,11 @@ use crate::config::{EncodeErrorPolicy, PluginsConfig, RequestLimits};
 use crate::media::fetch::{FetchConfig, Fetcher};
 use crate::media::files::{FileStore, FilesConfig};
 use crate::media::sniff::sniff_mime_type;
-use crate::native::chat::{self, NativeModel};
+use crate::model::LocalModel;
+use crate::model::{ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir};
+use crate::native::chat;
 use crate::native::generation::{Generation, Step};
-use crate::native::media::ChatServices;
-use crate::native::model::{ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir};
+use crate::prepare::media::ChatServices;
 use crate::store::Caller;
 use crate::wire::openai::ChatCompletionRequest;
 use crate::wire::openai::parts::url_part;
@@ -96,7 +97,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         .map_or("model".into(), |n| n.to_string_lossy().into_owned());
     let runtime = ModelRuntime::load(&name, &dir, &RuntimeOptions::default(), None)
         .with_context(|| format!("loading the model in {}", dir.display()))?;
-    let model = NativeModel {
+    let model = LocalModel {
         runtime,
         on_encode_error: EncodeErrorPolicy::Error,
         accept_image_embeds: false,

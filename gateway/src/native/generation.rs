@@ -9,20 +9,21 @@ use mmgate_inference::sampling::SamplingParams;
 use mmgate_inference::text::ChatMessage;
 use serde_json::Value;
 
-use super::chat::{NativeModel, Prepared};
-use super::errors::internal;
-use super::plugin_output::item_tensors;
-use super::prompt_text::{prompt_ids, without_media};
+use super::chat::Prepared;
 use crate::access::as_attribute;
 use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
 use crate::media::account::{self, MediaAccount};
+use crate::model::LocalModel;
+use crate::prepare::errors::internal;
+use crate::prepare::plugin_output::item_tensors;
+use crate::prepare::prompt_text::{prompt_ids, without_media};
 
 /// A running generation. Its steps are text deltas, then the end; an encode failure is retried
 /// without the media when the model's policy says so (before any token was produced: a request's
 /// first token needs all its media).
 pub struct Generation<'m> {
-    model: &'m NativeModel,
+    model: &'m LocalModel,
     handle: RequestHandle,
     messages: Vec<ChatMessage>,
     max_tokens: usize,
@@ -54,7 +55,7 @@ pub enum Step {
 }
 
 impl<'m> Generation<'m> {
-    pub fn start(model: &'m NativeModel, prepared: Prepared) -> Result<Self, ApiError> {
+    pub fn start(model: &'m LocalModel, prepared: Prepared) -> Result<Self, ApiError> {
         let Prepared {
             request,
             messages,

@@ -1,15 +1,8 @@
-//! Native serving: a model on this machine's devices (its family, encoders and engine) and the
-//! chat route's preparation of a request for it, shared by `mmgate generate`: the request's media
-//! resolved within the limits ([`media`]), its text checked and templated ([`prompt_text`]), its
-//! items planned and placed ([`chat`]), and the engine's events turned into text ([`generation`]).
+//! Native serving: a request prepared for the engine of a model on this machine's devices (its
+//! items made into tensors and placed in the prompt: [`chat`], which `mmgate generate` shares), and
+//! the engine's events turned into text ([`generation`]).
 
-mod bands;
 pub mod chat;
-pub mod errors;
 pub mod generation;
-pub mod media;
-pub mod model;
 #[cfg(test)]
 mod placement_tests;
-mod plugin_output;
-pub mod prompt_text;

@@ -12,8 +12,8 @@ use mmgate_inference::families::PlannedItem;
 use mmgate_inference::prompt::{PlacedItem, expand_placeholders};
 use mmgate_inference::text::{ChatMessage, ContentPart};
 
-use super::model::{Devices, ModelRuntime, RuntimeOptions, resolve_model_dir};
-use super::plugin_output::{item_tensors, part_layouts, place_parts};
+use crate::model::{Devices, ModelRuntime, RuntimeOptions, resolve_model_dir};
+use crate::prepare::plugin_output::{item_tensors, part_layouts, place_parts};
 
 /// `tensors` placed as a plugin's output for one whole item.
 fn media_item(
@@ -145,7 +145,7 @@ fn qwen3_vl_videos_are_a_block_per_temporal_patch_after_its_timestamp() {
             ContentPart::Text("What happens?".into()),
         ],
     }];
-    let ids = super::prompt_text::prompt_ids(&model.prompt, &messages).unwrap();
+    let ids = crate::prepare::prompt_text::prompt_ids(&model.prompt, &messages).unwrap();
     let planned = |choices: serde_json::Value| PlannedItem {
         kind: MediaKind::Video,
         tokens: 8,

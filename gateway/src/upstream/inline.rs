@@ -13,8 +13,8 @@ use serde_json::Value;
 use super::UpstreamPool;
 use crate::error::ApiError;
 use crate::media::sniff::sniff_mime_type;
-use crate::native::errors::embeds_refused;
-use crate::native::media::{ChatServices, MediaTally, source_bytes};
+use crate::prepare::errors::embeds_refused;
+use crate::prepare::media::{ChatServices, MediaTally, source_bytes};
 use crate::wire::openai::parts::{Carried, carried, url_part, url_part_type};
 use mmgate_inference::families::MediaKind;
 

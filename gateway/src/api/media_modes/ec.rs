@@ -28,13 +28,14 @@ use crate::config::{EcDtype, EncodeErrorPolicy};
 use crate::ec_store::{EcStore, EcStoreError, Pin};
 use crate::error::ApiError;
 use crate::media::account;
-use crate::native::chat::{self, NativeModel};
+use crate::model::LocalModel;
+use crate::native::chat;
 use crate::upstream::ReplyAdditions;
 use crate::wire::openai::parts::{self, Rewrite};
 
 /// A model whose encoder outputs reach vLLM through its EC connector.
 pub struct EcMedia {
-    pub model: NativeModel,
+    pub model: LocalModel,
     pub store: Arc<EcStore>,
     dtype: EcDtype,
     /// What sets this model's outputs apart: its weights' fingerprint.
@@ -47,7 +48,7 @@ pub struct EcMedia {
 impl EcMedia {
     /// `dtype`: the config's `ec_dtype`, else the checkpoint's (in `dir`).
     pub fn new(
-        model: NativeModel,
+        model: LocalModel,
         store: Arc<EcStore>,
         dtype: Option<EcDtype>,
         dir: &Path,

@@ -13,7 +13,8 @@ use super::{ModeCall, encode_failed, encoded_headers};
 use crate::api::request::chat_request;
 use crate::config::EncodeErrorPolicy;
 use crate::error::ApiError;
-use crate::native::chat::{self, NativeModel};
+use crate::model::LocalModel;
+use crate::native::chat;
 use crate::upstream::{ReplyAdditions, embeds};
 use crate::wire::openai::parts::{self, Rewrite};
 
@@ -24,7 +25,7 @@ pub fn encodes_here(value: &Value) -> bool {
 
 /// The request (`value`, parsed from `body`) with its images as embeddings.
 pub async fn prepare(
-    model: &NativeModel,
+    model: &LocalModel,
     call: &ModeCall<'_>,
     mut value: Value,
     body: Bytes,

@@ -7,7 +7,7 @@
 mod ec;
 mod embed;
 mod forward;
-mod preprocess;
+pub(super) mod preprocess;
 
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode};
@@ -17,8 +17,8 @@ use super::request::invalid_json;
 use crate::error::ApiError;
 use crate::media::account::{self, MediaAccount};
 use crate::metrics::Metrics;
-use crate::native::chat::NativeModel;
-use crate::native::media::ChatServices;
+use crate::model::LocalModel;
+use crate::prepare::media::ChatServices;
 use crate::upstream::{ReplyAdditions, UpstreamPool, inline};
 use mmgate_inference::prompt::PromptModel;
 
@@ -73,7 +73,7 @@ pub enum UpstreamMedia {
     /// media that have no embeddings form (video, audio) is planned here as `Preprocess` plans it,
     /// with `planned`, the prompt side of the model's server.
     Embed {
-        model: NativeModel,
+        model: LocalModel,
         planned: PromptModel,
     },
     /// Media encoded here and written where vLLM's EC connector reads them; a request with an
@@ -101,7 +101,7 @@ impl UpstreamMedia {
     }
 
     /// The model whose encoders run here for this mode, if any.
-    pub fn encoders(&self) -> Option<&NativeModel> {
+    pub fn encoders(&self) -> Option<&LocalModel> {
         match self {
             Self::Embed { model, .. } => Some(model),
             Self::Ec { ec, .. } => Some(&ec.model),

@@ -1,5 +1,5 @@
 //! The OpenAI chat completions wire format: what a request may hold, and the JSON of replies and
-//! stream chunks. Parsing only; what a request means is decided in [`crate::native::chat`].
+//! stream chunks. Parsing only; what a request means is decided in [`crate::prepare::gather`].
 
 use serde::Deserialize;
 use serde_json::{Value, json};

@@ -1,6 +1,6 @@
-//! A served model on this machine: its directory (a real HF checkpoint or a generated demo), its
-//! prompts (read by the inference core's [`PromptModel`]), and the native inference core running
-//! it (encoder devices, engine).
+//! A model whose files this gateway holds ([`LocalModel`]): its directory (a real HF checkpoint or
+//! a generated demo), its prompts (read by the inference core's [`PromptModel`]), and the native
+//! inference core running it where it does (encoder devices, engine).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,7 +14,34 @@ use mmgate_inference::engine::{
 use mmgate_inference::families::{self, LoadedModel};
 use mmgate_inference::prompt::PromptModel;
 
+use crate::config::EncodeErrorPolicy;
 use crate::media::feature_cache::SharedCache;
+use crate::media::pipeline;
+
+/// A model whose files this gateway holds, and how it serves it: its prompt side always (what
+/// plans its requests), its encoders and LLM where it runs them (native serving, or `media =
+/// "embed"` / `"ec"` in front of an engine).
+pub struct LocalModel {
+    pub runtime: ModelRuntime,
+    pub on_encode_error: EncodeErrorPolicy,
+    /// Whether clients may send `image_embeds` parts.
+    pub accept_image_embeds: bool,
+    /// Whether items are made in their plugin's parts (see the config's `media_parts`).
+    pub media_parts: bool,
+}
+
+impl LocalModel {
+    /// How this model's items are made: in parts handed to the engine as each is made when the
+    /// LLM runs here and parts are on; all parts first for an encoder-only model (the request
+    /// goes upstream once every item is encoded anyway).
+    pub fn parts(&self) -> pipeline::Parts {
+        match (self.media_parts, self.runtime.engine().is_ok()) {
+            (false, _) => pipeline::Parts::Whole,
+            (true, true) => pipeline::Parts::Coming,
+            (true, false) => pipeline::Parts::Made,
+        }
+    }
+}
 
 /// Where each part of a model runs: the LLM, and each encoder device.
 #[derive(Debug, Clone)]

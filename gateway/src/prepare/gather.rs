@@ -1,0 +1,185 @@
+//! A chat request checked against a model's prompt side, its media resolved within the limits
+//! and its text templated, with the tokens its plugin items may share; then those items run
+//! through their plugins under that budget. What a natively served model and an upstream one whose
+//! media are planned here have in common.
+
+use std::sync::Arc;
+
+use mmgate_host::{LoadedPlugin, Media};
+use mmgate_inference::prompt::PromptModel;
+use mmgate_inference::text::{ChatMessage, ContentPart};
+
+use super::errors::{context_exceeded, embeds_refused, invalid, plugin_failed};
+use super::media::{ChatServices, Item, ItemInput, resolve_media};
+use super::prompt_text::{checked_text, prompt_ids_off_thread};
+use crate::error::ApiError;
+use crate::media::budget::BudgetError;
+use crate::media::pipeline;
+use crate::wire::openai::{self, ChatCompletionRequest, Content, Part};
+
+/// Most stop strings a request may give (OpenAI allows 4).
+const MAX_STOP_STRINGS: usize = 16;
+
+/// A request's conversation and media, resolved and checked against a model's prompt side, with
+/// the tokens its plugin items may share: what a natively served model and an upstream one whose
+/// media are planned here (`media = "preprocess"`) have in common.
+pub(crate) struct Gathered {
+    /// The conversation as the chat template sees it, each media part its kind's placeholder.
+    pub messages: Vec<ChatMessage>,
+    /// The media parts in prompt order.
+    pub items: Vec<Item>,
+    /// The templated prompt, one placeholder per item.
+    pub ids: Vec<u32>,
+    /// What the context leaves the plugins' items: less the text, the completion and embeddings.
+    pub budget: usize,
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+}
+
+impl Gathered {
+    /// The plugins' items with their bytes, for [`pipeline::process_concurrently`].
+    fn plugin_jobs(&self) -> Vec<(Arc<LoadedPlugin>, Arc<Media>)> {
+        self.items
+            .iter()
+            .filter_map(|i| match &i.input {
+                ItemInput::Plugin { plugin, media } => Some((plugin.clone(), media.clone())),
+                ItemInput::Embeddings(_) => None,
+            })
+            .collect()
+    }
+
+    /// Runs every plugin item through probe, the shared budget's plans, and `produce`.
+    pub async fn process(
+        &self,
+        prompt: &PromptModel,
+        services: &ChatServices<'_>,
+        produce: pipeline::Produce,
+        lookup: Option<pipeline::Lookup>,
+    ) -> Result<Vec<pipeline::Processed>, ApiError> {
+        pipeline::process_concurrently(
+            services.pool,
+            &self.plugin_jobs(),
+            Arc::from(prompt.processor_config.as_str()),
+            u32::try_from(self.budget).unwrap_or(u32::MAX),
+            produce,
+            lookup,
+        )
+        .await
+        .map_err(|e| match e {
+            BudgetError::TooSmall { .. } => context_exceeded(e.to_string()),
+            BudgetError::Plugin { item, error } => plugin_failed(item, &error),
+        })
+    }
+}
+
+/// Checks `request` against `prompt` (and whether the model takes `image_embeds`), resolves its
+/// media within the limits, templates it, and works out the tokens its media may share.
+pub(crate) async fn gather(
+    prompt: &PromptModel,
+    accept_image_embeds: bool,
+    request: &mut ChatCompletionRequest,
+    services: &ChatServices<'_>,
+) -> Result<Gathered, ApiError> {
+    if request.n.is_some_and(|n| n != 1) {
+        return Err(invalid("n", "only n = 1 is supported"));
+    }
+    request
+        .check()
+        .map_err(|openai::Invalid { param, message }| invalid(param, message))?;
+    if request.messages.is_empty() {
+        return Err(invalid("messages", "messages is empty"));
+    }
+    let stop = request
+        .stop
+        .take()
+        .map(|s| s.into_vec())
+        .unwrap_or_default();
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(invalid(
+            "stop",
+            format!("at most {MAX_STOP_STRINGS} stop strings"),
+        ));
+    }
+
+    // The conversation as the chat template sees it, and the media parts in prompt order.
+    checked_text(prompt, &request.messages, services.limits).await?;
+    let mut messages = Vec::with_capacity(request.messages.len());
+    let mut sources = Vec::new();
+    for message in std::mem::take(&mut request.messages) {
+        let mut content = Vec::new();
+        match message.content {
+            None => {}
+            Some(Content::Text(text)) => content.push(ContentPart::Text(text)),
+            Some(Content::Parts(parts)) => {
+                for part in parts {
+                    if matches!(part, Part::ImageEmbeds { .. }) && !accept_image_embeds {
+                        return Err(embeds_refused(&prompt.name));
+                    }
+                    match (part.media(), part) {
+                        (Some((kind, source)), _) => {
+                            sources.push((kind, source));
+                            // The kind of a `file` part is settled below; the slot is fixed then.
+                            content.push(ContentPart::Image);
+                        }
+                        (None, Part::Text { text }) => content.push(ContentPart::Text(text)),
+                        (None, _) => {}
+                    }
+                }
+            }
+        }
+        messages.push(ChatMessage {
+            role: message.role,
+            content,
+        });
+    }
+    let items = resolve_media(prompt, sources, services).await?;
+    let mut next_item = items.iter();
+    for part in messages.iter_mut().flat_map(|m| m.content.iter_mut()) {
+        if !matches!(part, ContentPart::Text(_))
+            && let Some(item) = next_item.next()
+        {
+            *part = item.kind.content_part();
+        }
+    }
+
+    let (messages, ids) = prompt_ids_off_thread(prompt, messages).await?;
+    let text_tokens = prompt.text_tokens(&ids);
+    let context = prompt.context_length;
+    let max_tokens = match request.max_tokens {
+        Some(0) => return Err(invalid("max_tokens", "max_tokens must be at least 1")),
+        Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    // Media share what the context leaves after the text and the completion; without max_tokens
+    // the completion gets whatever the media leave (at least one token).
+    let budget = context
+        .checked_sub(text_tokens)
+        .and_then(|left| left.checked_sub(max_tokens.unwrap_or(1)))
+        .ok_or_else(|| {
+            context_exceeded(format!(
+                "the messages are {text_tokens} tokens and max_tokens is {}; this model's context is {context} tokens",
+                max_tokens.unwrap_or(1)
+            ))
+        })?;
+    // Embeddings cost what they hold; the plugins' items share the rest.
+    let fixed: usize = items
+        .iter()
+        .map(|i| match &i.input {
+            ItemInput::Embeddings(item) => item.tokens,
+            ItemInput::Plugin { .. } => 0,
+        })
+        .sum();
+    let budget = budget.checked_sub(fixed).ok_or_else(|| {
+        context_exceeded(format!(
+            "the request's image_embeds are {fixed} tokens; {budget} are left for media in this model's context of {context} tokens"
+        ))
+    })?;
+    Ok(Gathered {
+        messages,
+        items,
+        ids,
+        budget,
+        max_tokens,
+        stop,
+    })
+}
