@@ -358,16 +358,6 @@ fn over_budget(needed: usize, budget: u32, width: usize, height: usize) -> Plugi
     )
 }
 
-/// Python's `round`: halves go to the even neighbour.
-fn round_half_even(x: f64) -> f64 {
-    let r = x.round();
-    if (x - x.trunc()).abs() == 0.5 {
-        2.0 * (x / 2.0).round()
-    } else {
-        r
-    }
-}
-
 /// Qwen2-VL's `smart_resize`: both sides multiples of `factor`, pixel count (times `frames`, which
 /// GLM-4.1V counts) within [`min_pixels`, `max_pixels`], aspect ratio kept as closely as possible.
 /// Returns (height, width).
@@ -387,8 +377,8 @@ pub fn smart_resize(
             height.max(width) as f64 / height.min(width).max(1) as f64
         )));
     }
-    let mut h_bar = (round_half_even(hf / ff) * ff) as usize;
-    let mut w_bar = (round_half_even(wf / ff) * ff) as usize;
+    let mut h_bar = ((hf / ff).round_ties_even() * ff) as usize;
+    let mut w_bar = ((wf / ff).round_ties_even() * ff) as usize;
     if frames * h_bar * w_bar > max_pixels {
         let beta = ((counted * hf * wf) / max_pixels as f64).sqrt();
         h_bar = factor.max(((hf / beta / ff).floor() * ff) as usize);
