@@ -491,6 +491,26 @@ fn qwen2_audio_planned_here_keeps_its_promise_in_vllm() {
 }
 
 #[test]
+fn llava_in_front_of_vllm_keeps_its_promise_on_its_one_view() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "llava", 32);
+    let plans = promises_hold(&gateway, "llava", "llava-forward", &json!({}));
+    // One CLIP view of 4x4 patches, whatever the image: 16 tokens each.
+    assert_eq!(units(&plans, 1), [16].into(), "{plans:?}");
+    // A context whose text leaves less than that one view: nothing can be cut, so the request
+    // is refused here with the view's cost, before vLLM sees it.
+    let content = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What?"}]);
+    let body = json!({"model": "llava-tight", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": content}]});
+    let (status, promised, reply) = post(&gateway, &body);
+    assert_eq!((status.as_u16(), promised), (400, None), "{reply}");
+    assert_eq!(reply["error"]["code"], "context_length_exceeded", "{reply}");
+    let message = reply["error"]["message"].as_str().unwrap();
+    assert!(message.contains("16 tokens"), "{message}");
+}
+
+#[test]
 fn llava_next_in_front_of_vllm_keeps_its_promise_on_anyres_tiles() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();

@@ -15,7 +15,7 @@ mod glm4v;
 mod idefics3;
 mod internvl;
 mod llama4;
-mod llava_next;
+mod llava;
 mod mistral3;
 mod qwen2_audio;
 mod qwen2_vl;
@@ -412,7 +412,7 @@ pub fn registry() -> &'static [&'static dyn Family] {
         &qwen3_vl::Qwen3VlFamily,
         &gemma3::Gemma3Family,
         &mistral3::Mistral3Family,
-        &llava_next::LlavaNextFamily,
+        &llava::LlavaFamily,
         &internvl::InternVlFamily,
         &glm4v::Glm4vFamily,
         &idefics3::Idefics3Family,
@@ -536,10 +536,14 @@ mod tests {
     #[test]
     fn an_unknown_model_type_names_the_supported_ones() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("config.json"), r#"{"model_type": "llava"}"#).unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"model_type": "no_such_family"}"#,
+        )
+        .unwrap();
         let err = read(dir.path()).err().unwrap().to_string();
         for part in [
-            "\"llava\"",
+            "\"no_such_family\"",
             "is not supported",
             "qwen2_vl",
             "qwen2_5_vl",
@@ -548,5 +552,27 @@ mod tests {
         ] {
             assert!(err.contains(part), "{err}");
         }
+    }
+    /// docs/families.md's table names every model type the registry knows, and no other: it
+    /// cannot drift from the code.
+    #[test]
+    fn the_family_table_in_the_docs_names_the_registry() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/families.md");
+        let doc = std::fs::read_to_string(path).unwrap();
+        let table = doc
+            .lines()
+            .skip_while(|line| !line.starts_with("| family (`model_type`)"))
+            .skip(2)
+            .take_while(|line| line.starts_with('|'));
+        let mut documented = std::collections::BTreeSet::new();
+        for row in table {
+            let family = row.split('|').nth(1).unwrap();
+            documented.extend(family.split('`').skip(1).step_by(2));
+        }
+        let registered: std::collections::BTreeSet<&str> = registry()
+            .iter()
+            .flat_map(|family| family.model_types().iter().copied())
+            .collect();
+        assert_eq!(documented, registered);
     }
 }

@@ -1,7 +1,9 @@
 //! The fixed-size processors of CLIP (`CLIPImageProcessor`, and `CLIPFeatureExtractor` of older
 //! checkpoints) and SigLIP (`SiglipImageProcessor`): resize (the shortest edge, or an exact size),
 //! an optional centre crop, normalise → `pixel_values` [1, 3, H, W] f32. Every image costs the
-//! same tokens: the patches of the size it ends at.
+//! same tokens: the patches of the size it ends at, and for LLaVA-1.5 (whose family adds its
+//! tower's settings, as transformers' `LlavaProcessor` passes them) the class token where
+//! `vision_feature_select_strategy` keeps it ("full"; "default" drops it).
 
 use mmgate_plugin_sdk::imageops::{CLIP_MEAN, CLIP_STD, Filter, Normalize, RgbImage};
 use mmgate_plugin_sdk::*;
@@ -27,6 +29,10 @@ struct Config {
     size: Option<SizeField>,
     do_center_crop: Option<bool>,
     crop_size: Option<SizeField>,
+    /// LLaVA-1.5: the tower's tokens beyond its patches (CLIP's class token) and whether the
+    /// features keep it; the model's, which its family adds.
+    num_additional_image_tokens: Option<usize>,
+    vision_feature_select_strategy: Option<String>,
 }
 
 enum FixedResize {
@@ -39,6 +45,8 @@ struct Fixed {
     /// `(width, height)` of the centre crop after the resize.
     crop: Option<(usize, usize)>,
     patch: usize,
+    /// Tokens beside the patches' (LLaVA-1.5's class token, where its features keep it).
+    extra_tokens: usize,
     filter: Filter,
     normalize: Normalize,
 }
@@ -91,6 +99,16 @@ impl Fixed {
                 ));
             }
         };
+        let additional = config.num_additional_image_tokens.unwrap_or(0);
+        let extra_tokens = match config.vision_feature_select_strategy.as_deref() {
+            None | Some("full") => additional,
+            Some("default") => additional.saturating_sub(1),
+            Some(other) => {
+                return Err(PluginError::unsupported(format!(
+                    "processor config: vision_feature_select_strategy {other:?} (default, full)"
+                )));
+            }
+        };
         let (mean, std) = if siglip {
             ([0.5; 3], [0.5; 3])
         } else {
@@ -100,6 +118,7 @@ impl Fixed {
             resize,
             crop,
             patch: config.base.patch_edge(14)?,
+            extra_tokens,
             filter: config.base.filter(Filter::Bicubic)?,
             normalize: config.base.normalize(mean, std),
         })
@@ -119,7 +138,7 @@ impl ImageProcessor for Fixed {
             FixedResize::Exact { width, height } => (width, height),
         };
         let (fw, fh) = self.crop.unwrap_or((rw, rh));
-        let tokens = (fh / self.patch) * (fw / self.patch);
+        let tokens = (fh / self.patch) * (fw / self.patch) + self.extra_tokens;
         if tokens > budget as usize {
             return Err(PluginError::over_budget(
                 tokens_u32(tokens)?,
@@ -176,5 +195,31 @@ fn shortest_edge_size(width: usize, height: usize, edge: usize) -> (usize, usize
         (edge, new_long)
     } else {
         (new_long, edge)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::processor::for_config;
+
+    /// LLaVA-1.5's CLIP at 336 px: 576 patches; the class token counted only where the features
+    /// keep it.
+    #[test]
+    fn llava_counts_the_class_token_only_where_kept() {
+        let tokens = |extra: &str| {
+            let config = format!(
+                r#"{{"image_processor_type": "CLIPImageProcessor", "size": {{"shortest_edge": 336}},
+                    "crop_size": {{"height": 336, "width": 336}}{extra}}}"#
+            );
+            let processor = for_config(&config).unwrap();
+            processor.plan(640, 480, true, u32::MAX).unwrap().tokens
+        };
+        assert_eq!(tokens(""), 576);
+        let llava = r#", "num_additional_image_tokens": 1, "vision_feature_select_strategy""#;
+        assert_eq!(tokens(&format!(r#"{llava}: "default""#)), 576);
+        assert_eq!(tokens(&format!(r#"{llava}: "full""#)), 577);
+        let config = r#"{"image_processor_type": "CLIPImageProcessor", "size": 336,
+            "crop_size": 336, "vision_feature_select_strategy": "cls"}"#;
+        assert!(for_config(config).is_err());
     }
 }

@@ -1,4 +1,6 @@
-//! LLaVA-NeXT and LLaVA-OneVision (served in front of an engine that runs them): an image fitted
+//! LLaVA-1.5, LLaVA-NeXT and LLaVA-OneVision (served in front of an engine that runs them), which
+//! share their tower's settings and their `<image>` run. LLaVA-1.5's image is one CLIP view, its
+//! tokens the tower's patches (`CLIPImageProcessor`: a fixed count). LLaVA-NeXT's is fitted
 //! into the best of the model's `image_grid_pinpoints` and tiled, its tokens one run of `<image>`
 //! (the base view, the tiles without their padding, a newline token per row; OneVision pools the
 //! tiles down to about nine views' worth); the image plugin plans and counts them ("anyres"), with
@@ -13,16 +15,16 @@ use super::{Family, FamilyModel, UpstreamImageModel};
 use crate::error::Result;
 use crate::models::config::ConfigFile;
 
-pub(super) struct LlavaNextFamily;
+pub(super) struct LlavaFamily;
 
-impl Family for LlavaNextFamily {
+impl Family for LlavaFamily {
     fn model_types(&self) -> &'static [&'static str] {
-        &["llava_next", "llava_onevision"]
+        &["llava", "llava_next", "llava_onevision"]
     }
 
     /// The tower's patch size, whether it has a class token (CLIP does, SigLIP not) and whether
-    /// the base view keeps it, with which `LlavaNextProcessor` and `LlavaOnevisionProcessor`
-    /// count, go into the processor config.
+    /// the features keep it, with which `LlavaProcessor`, `LlavaNextProcessor` and
+    /// `LlavaOnevisionProcessor` count, go into the processor config.
     fn read(&self, dir: &Path) -> Result<Arc<dyn FamilyModel>> {
         let file = ConfigFile::read_of_types(dir, self.model_types())?;
         let onevision = file.model_type() == Some("llava_onevision");
@@ -105,5 +107,25 @@ mod tests {
         assert_eq!(model.placeholder(MediaKind::Image), Some(5));
         assert_eq!(model.placeholder(MediaKind::Video), Some(151_647));
         assert_eq!(model.media_kinds(), [MediaKind::Image, MediaKind::Video]);
+    }
+
+    /// LLaVA-1.5 (`llava`): a CLIP tower whose class token the default strategy drops, Vicuna's
+    /// context and `<image>` at 32000 unless the config says otherwise.
+    #[test]
+    fn llava_1_5_is_read_as_its_hub_checkpoints_say() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = r#"{"model_type": "llava", "image_token_index": 32000,
+            "vision_feature_select_strategy": "default",
+            "vision_config": {"model_type": "clip_vision_model", "patch_size": 14},
+            "text_config": {"model_type": "llama"}}"#;
+        std::fs::write(dir.path().join("config.json"), config).unwrap();
+        let model = super::super::read(dir.path()).unwrap();
+        assert_eq!(model.placeholder(MediaKind::Image), Some(32_000));
+        assert_eq!(model.context_length(), 4096);
+        let settings = model.processor_settings();
+        assert_eq!(settings["patch_size"], 14);
+        assert_eq!(settings["vision_feature_select_strategy"], "default");
+        assert_eq!(settings["num_additional_image_tokens"], 1);
+        assert_eq!(model.media_kinds(), [MediaKind::Image]);
     }
 }
