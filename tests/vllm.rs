@@ -453,6 +453,36 @@ fn qwen3_vl_images_and_videos_planned_here_keep_their_promise_in_vllm() {
     );
 }
 
+/// A tiny Qwen3.5 (Qwen3-VL's tower, processor and prompts before a hybrid LLM of linear and full
+/// attention, which vLLM's CPU build runs in bf16): images and videos planned here as Qwen3-VL's
+/// keep their promise, and a tight context shrinks an image.
+#[test]
+fn qwen3_5_images_and_videos_planned_here_keep_their_promise_in_vllm() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let model = checkpoint(&venv, "qwen3_5", scratch.path());
+    let (_vllm, gateway) = fronted(
+        &venv,
+        &model,
+        &["--dtype", "bfloat16"],
+        ("qwen3_5", 200, ""),
+        &[],
+    );
+    promises_hold(&gateway, "qwen3_5", "qwen3_5-forward", &json!({}));
+    for clip in ["h264.mp4", "12s.mp4"] {
+        let content = json!([video_part(clip), {"type": "text", "text": "What happens?"}]);
+        let (promised, counted, media) = planned(&gateway, "qwen3_5", &content, &json!({}));
+        assert_eq!(promised, counted, "{clip}: {media}");
+    }
+    tight_holds(
+        &gateway,
+        "qwen3_5",
+        image_part("scene-640x480.jpg"),
+        200,
+        &json!({}),
+    );
+}
+
 /// The demo Qwen2-Audio: audio of several encodings, rates and lengths (61 s: three 30 s chunks)
 /// planned here and sent as 16 kHz WAV keeps its promise.
 #[test]

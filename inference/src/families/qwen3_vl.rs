@@ -4,6 +4,10 @@
 //! features after its embedding. A video sits in the prompt as one block per temporal patch, each
 //! after its timestamp (`<1.5 seconds><|vision_start|>…<|vision_end|>`, as the model's processor
 //! writes it), and each block is placed by M-RoPE as a one-frame grid.
+//!
+//! Qwen3.5 (`qwen3_5`, `qwen3_5_moe`) has Qwen3-VL's tower, processor and prompts before a hybrid
+//! LLM of linear and full attention layers that mmgate does not run: it is served in front of an
+//! engine, its items planned here as Qwen3-VL's.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -19,7 +23,7 @@ use crate::devices::OpenDevice;
 use crate::engine::{Encoder, PositionScheme};
 use crate::error::{Error, Result};
 use crate::models::Qwen2;
-use crate::models::config::TextConfig;
+use crate::models::config::{ConfigFile, TextConfig};
 use crate::models::qwen3_vl::{MODEL_TYPES, Qwen3VisionTower, Qwen3VlConfig};
 use crate::rope::Grid;
 use crate::weights::Weights;
@@ -27,19 +31,24 @@ use crate::weights::Weights;
 pub(super) struct Qwen3VlFamily;
 
 impl Family for Qwen3VlFamily {
+    /// Qwen3-VL's (run here, [`MODEL_TYPES`]) and Qwen3.5's (planned for an engine).
     fn model_types(&self) -> &'static [&'static str] {
-        &MODEL_TYPES
+        &["qwen3_vl", "qwen3_5", "qwen3_5_moe"]
     }
 
     fn read(&self, dir: &Path) -> Result<Arc<dyn FamilyModel>> {
-        Ok(Arc::new(Qwen3VlModel {
-            config: Qwen3VlConfig::read(dir)?,
-        }))
+        let config = Qwen3VlConfig::read_of_types(dir, self.model_types())?;
+        let native = ConfigFile::read(dir)?
+            .model_type()
+            .is_some_and(|t| MODEL_TYPES.contains(&t));
+        Ok(Arc::new(Qwen3VlModel { config, native }))
     }
 }
 
 struct Qwen3VlModel {
     config: Qwen3VlConfig,
+    /// Whether mmgate runs this checkpoint's LLM (Qwen3-VL's), else it plans for an engine.
+    native: bool,
 }
 
 /// The processor's text around each temporal patch of a video.
@@ -165,7 +174,7 @@ impl FamilyModel for Qwen3VlModel {
     }
 
     fn native(&self) -> Option<&dyn NativeFamily> {
-        Some(self)
+        self.native.then_some(self as &dyn NativeFamily)
     }
 }
 
@@ -262,5 +271,41 @@ impl Loader for Qwen3VlLoader<'_> {
             &mut weights,
             device,
         )?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::MediaKind;
+
+    /// A Qwen3.5 checkpoint (the Hub's key set, a tiny size) is planned as Qwen3-VL's: its
+    /// placeholders and context from its config, no native LLM.
+    #[test]
+    fn qwen3_5_is_planned_as_qwen3_vl_for_an_engine() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = r#"{"architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5", "image_token_id": 248056, "video_token_id": 248057,
+            "vision_start_token_id": 248053, "vision_end_token_id": 248054,
+            "text_config": {"model_type": "qwen3_5_text", "hidden_size": 64, "head_dim": 256,
+                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "vocab_size": 248320, "max_position_embeddings": 262144,
+                "layer_types": ["linear_attention", "full_attention"], "rms_norm_eps": 1e-06,
+                "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                "rope_parameters": {"mrope_interleaved": true, "mrope_section": [11, 11, 10],
+                    "partial_rotary_factor": 0.25, "rope_theta": 10000000.0,
+                    "rope_type": "default"}},
+            "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 64,
+                "num_heads": 2, "intermediate_size": 128, "out_hidden_size": 64,
+                "num_position_embeddings": 256, "patch_size": 16, "spatial_merge_size": 2,
+                "temporal_patch_size": 2, "hidden_act": "gelu_pytorch_tanh"}}"#;
+        std::fs::write(dir.path().join("config.json"), config).unwrap();
+        let model = crate::families::read(dir.path()).unwrap();
+        assert_eq!(model.media_kinds(), [MediaKind::Image, MediaKind::Video]);
+        assert_eq!(model.placeholder(MediaKind::Image), Some(248_056));
+        assert_eq!(model.placeholder(MediaKind::Video), Some(248_057));
+        assert_eq!(model.context_length(), 262_144);
+        assert!(model.native().is_none());
     }
 }

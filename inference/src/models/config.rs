@@ -197,6 +197,9 @@ pub struct TextConfig {
     /// M-RoPE's split of the rotary frequencies among (temporal, height, width); `None` for plain
     /// 1-D RoPE.
     pub mrope_section: Option<Vec<usize>>,
+    /// Dimensions of each head the rotary embedding turns (`head_dim` unless the config's
+    /// `partial_rotary_factor` says less, as Qwen3.5's does).
+    pub rotary_dim: usize,
     /// Qwen3-VL's interleaved assignment of the M-RoPE frequencies (see
     /// [`crate::rope::frequency_components`]).
     pub mrope_interleaved: bool,
@@ -245,6 +248,20 @@ impl TextConfig {
             Some(r) => r.f32_or("rope_theta", 0.0)?,
             None => text.f32_or("rope_theta", root.f32_or("rope_theta", 10000.0)?)?,
         };
+        let rotary_fraction = match rope.as_ref() {
+            Some(r) => r.f32_or(
+                "partial_rotary_factor",
+                text.f32_or("partial_rotary_factor", 1.0)?,
+            )?,
+            None => text.f32_or("partial_rotary_factor", 1.0)?,
+        };
+        let rotary_dim = (head_dim as f32 * rotary_fraction).round() as usize;
+        if !(rotary_fraction > 0.0 && rotary_fraction <= 1.0) || !rotary_dim.is_multiple_of(2) {
+            return Err(err(format!(
+                "partial_rotary_factor {rotary_fraction} of head_dim {head_dim} is not an even \
+                 number of dimensions"
+            )));
+        }
         let mrope_section = match rope.as_ref().and_then(|r| r.get("mrope_section")) {
             Some(v) => {
                 let parts: Option<Vec<usize>> = v.as_array().map(|a| {
@@ -254,10 +271,11 @@ impl TextConfig {
                 });
                 let parts =
                     parts.ok_or_else(|| err("mrope_section must be a list of integers".into()))?;
-                if parts.iter().sum::<usize>() != head_dim / 2 || parts.len() != 3 {
+                if parts.iter().sum::<usize>() != rotary_dim / 2 || parts.len() != 3 {
                     return Err(err(format!(
-                        "mrope_section {parts:?} must be 3 parts summing to head_dim/2 = {}",
-                        head_dim / 2
+                        "mrope_section {parts:?} must be 3 parts summing to half the rotary \
+                         dimensions = {}",
+                        rotary_dim / 2
                     )));
                 }
                 Some(parts)
@@ -282,6 +300,7 @@ impl TextConfig {
                 .as_ref()
                 .map_or(Ok(false), |r| r.bool_or("mrope_interleaved", false))?,
             mrope_section,
+            rotary_dim,
             activation: text.activation("hidden_act", "silu")?,
             tie_word_embeddings: root.bool_or(
                 "tie_word_embeddings",

@@ -85,6 +85,14 @@ impl<B: Backend> Qwen2<B> {
         device: &B,
     ) -> Result<Self> {
         let c = &config;
+        // Every head is turned whole here; a checkpoint that turns part of each (Qwen3.5's LLM)
+        // is planned for an engine, never run.
+        if c.rotary_dim != c.head_dim {
+            return Err(Error::Weights(format!(
+                "a rotary embedding over {} of each head's {} dimensions is not supported",
+                c.rotary_dim, c.head_dim
+            )));
+        }
         let (h, q_out, kv_out) = (c.hidden_size, c.heads * c.head_dim, c.kv_heads * c.head_dim);
         // Matrices keep the checkpoint's precision; norms and biases are f32.
         let take = |weights: &mut Weights, name: &str, shape: &[usize]| {

@@ -149,7 +149,13 @@ pub struct Qwen3VlConfig {
 
 impl Qwen3VlConfig {
     pub fn read(dir: &Path) -> Result<Self> {
-        let file = ConfigFile::read_of_types(dir, &MODEL_TYPES)?;
+        Self::read_of_types(dir, &MODEL_TYPES)
+    }
+
+    /// The config of a checkpoint of one of `model_types` laid out as Qwen3-VL's (its tower and
+    /// placeholders; its LLM may be another, as Qwen3.5's is).
+    pub fn read_of_types(dir: &Path, model_types: &[&str]) -> Result<Self> {
+        let file = ConfigFile::read_of_types(dir, model_types)?;
         let text = file.text_config()?;
         let vision = Qwen3VisionConfig::read(dir)?;
         if vision.out_dim != text.hidden_size {
