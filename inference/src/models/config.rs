@@ -256,7 +256,8 @@ impl TextConfig {
             None => text.f32_or("partial_rotary_factor", 1.0)?,
         };
         let rotary_dim = (head_dim as f32 * rotary_fraction).round() as usize;
-        if !(rotary_fraction > 0.0 && rotary_fraction <= 1.0) || !rotary_dim.is_multiple_of(2) {
+        let fits = rotary_fraction > 0.0 && rotary_fraction <= 1.0;
+        if !(fits && rotary_dim.is_multiple_of(2)) {
             return Err(err(format!(
                 "partial_rotary_factor {rotary_fraction} of head_dim {head_dim} is not an even \
                  number of dimensions"
