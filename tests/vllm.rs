@@ -520,6 +520,28 @@ fn qwen2_audio_planned_here_keeps_its_promise_in_vllm() {
     assert_eq!(lines[0]["media"][0]["kind"], "audio", "{lines:?}");
 }
 
+/// A tiny Gemma 4: each image resized to at most 70 pooled cells, its tokens set by its aspect
+/// ratio; a context whose text leaves less is refused here.
+#[test]
+fn gemma4_in_front_of_vllm_keeps_its_promise_on_its_soft_tokens() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "gemma4", 40);
+    let plans = promises_hold(&gateway, "gemma4", "gemma4-forward", &json!({}));
+    // The aspect ratios make several counts, none past the 70 of max_soft_tokens.
+    let counts = units(&plans, 1);
+    assert!(
+        counts.len() >= 3 && counts.iter().all(|&n| n <= 70),
+        "{counts:?}"
+    );
+    let content = json!([image_part("scene-640x480.jpg"), {"type": "text", "text": "What?"}]);
+    let body = json!({"model": "gemma4-tight", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": content}]});
+    let (status, promised, reply) = post(&gateway, &body);
+    assert_eq!((status.as_u16(), promised), (400, None), "{reply}");
+    assert_eq!(reply["error"]["code"], "context_length_exceeded", "{reply}");
+}
+
 #[test]
 fn llava_in_front_of_vllm_keeps_its_promise_on_its_one_view() {
     let Some(venv) = vllm_venv() else { return };

@@ -11,6 +11,7 @@
 //! prompt.
 
 mod gemma3;
+mod gemma4;
 mod glm4v;
 mod idefics3;
 mod internvl;
@@ -411,6 +412,7 @@ pub fn registry() -> &'static [&'static dyn Family] {
         &qwen2_audio::Qwen2AudioFamily,
         &qwen3_vl::Qwen3VlFamily,
         &gemma3::Gemma3Family,
+        &gemma4::Gemma4Family,
         &mistral3::Mistral3Family,
         &llava::LlavaFamily,
         &internvl::InternVlFamily,

@@ -6,6 +6,7 @@
 mod config;
 mod fixed;
 mod gemma3;
+mod gemma4;
 mod idefics3;
 mod internvl;
 mod llama4;
@@ -95,6 +96,7 @@ const TABLE: &[(&str, Make)] = &[
     ("CLIPFeatureExtractor", fixed::clip),
     ("SiglipImageProcessor", fixed::siglip),
     ("Gemma3ImageProcessor", gemma3::make),
+    ("Gemma4ImageProcessor", gemma4::make),
     ("PixtralImageProcessor", pixtral::make),
     ("LlavaNextImageProcessor", llava_next::llava_next),
     ("LlavaOnevisionImageProcessor", llava_next::llava_onevision),
