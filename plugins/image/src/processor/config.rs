@@ -51,6 +51,20 @@ impl SizeField {
     }
 }
 
+/// The side of a square tile `size` sets (`{height, width}`, equal), `default` when absent;
+/// `family` names whose tiles the error is about.
+pub fn square_tile(size: &Option<SizeField>, default: usize, family: &str) -> PluginResult<usize> {
+    let Some(size) = size else {
+        return Ok(default);
+    };
+    let side = size.square().ok_or_else(|| {
+        PluginError::unsupported(format!(
+            "processor config: {family}'s tiles need a square size {{height, width}}"
+        ))
+    })?;
+    positive("size.height", side)
+}
+
 /// The settings of HF's base image processor that most families read.
 #[derive(Debug, Default, Deserialize)]
 pub struct BaseConfig {

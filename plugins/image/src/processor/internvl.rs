@@ -15,7 +15,7 @@ use mmgate_plugin_sdk::*;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::config::{BaseConfig, SizeField, positive, read};
+use super::config::{BaseConfig, SizeField, positive, read, square_tile};
 use super::{ImageProcessor, boxed};
 use crate::choices::{Choices, tokens_u32};
 
@@ -50,17 +50,7 @@ pub struct InternVl {
 impl InternVl {
     fn from_config(config: &Value) -> PluginResult<Self> {
         let config: Config = read(config)?;
-        let tile = match &config.size {
-            None => 448,
-            Some(size) => positive(
-                "size.height",
-                size.square().ok_or_else(|| {
-                    PluginError::unsupported(
-                        "processor config: InternVL's tiles need a square size {height, width}",
-                    )
-                })?,
-            )?,
-        };
+        let tile = square_tile(&config.size, 448, "InternVL")?;
         let min_patches = positive("min_patches", config.min_patches.unwrap_or(1))?;
         let max_patches = positive("max_patches", config.max_patches.unwrap_or(12))?;
         if min_patches > max_patches || max_patches > 64 {

@@ -14,7 +14,7 @@ use mmgate_plugin_sdk::*;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::config::{BaseConfig, SizeField, positive, read};
+use super::config::{BaseConfig, SizeField, positive, read, square_tile};
 use super::{ImageProcessor, boxed};
 use crate::choices::{Choices, tokens_u32};
 
@@ -47,17 +47,7 @@ pub struct Llama4 {
 impl Llama4 {
     fn from_config(config: &Value) -> PluginResult<Self> {
         let config: Config = read(config)?;
-        let tile = match &config.size {
-            None => 336,
-            Some(size) => positive(
-                "size.height",
-                size.square().ok_or_else(|| {
-                    PluginError::unsupported(
-                        "processor config: Llama 4's tiles need a square size {height, width}",
-                    )
-                })?,
-            )?,
-        };
+        let tile = square_tile(&config.size, 336, "Llama 4")?;
         let patch = config.base.patch_edge(14)?;
         let ratio = config.pixel_shuffle_ratio.unwrap_or(0.5);
         if !(ratio > 0.0 && ratio <= 1.0) || tile < patch {
