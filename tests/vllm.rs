@@ -609,10 +609,23 @@ fn internvl_in_front_of_vllm_keeps_its_promise_on_its_tiles() {
 
 #[test]
 fn glm4v_in_front_of_vllm_keeps_its_promise_on_its_own_sizing() {
+    glm_keeps_its_promise("glm4v");
+}
+
+/// GLM-4.5V: GLM-4.1V's processor and prompts before a mixture of experts.
+#[test]
+fn glm4v_moe_in_front_of_vllm_keeps_its_promise_on_its_own_sizing() {
+    glm_keeps_its_promise("glm4v_moe");
+}
+
+/// `family`'s tiny checkpoint (GLM-4.1V's layout) behind vLLM: images keep their promise and a
+/// tight context shrinks one.
+fn glm_keeps_its_promise(family: &str) {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "glm4v", 40);
-    let plans = promises_hold(&gateway, "glm4v", "glm4v-forward", &json!({}));
+    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), family, 40);
+    let forward = format!("{family}-forward");
+    let plans = promises_hold(&gateway, family, &forward, &json!({}));
     // 20x30 is under a token's 28 px: scaled up first, as GLM's processor does.
     assert!(
         plans
@@ -622,7 +635,7 @@ fn glm4v_in_front_of_vllm_keeps_its_promise_on_its_own_sizing() {
     // A context too small for 640x480's 54 tokens: a smaller size.
     tight_holds(
         &gateway,
-        "glm4v",
+        family,
         image_part("scene-640x480.jpg"),
         40,
         &json!({}),
