@@ -189,6 +189,10 @@ impl TextProcessor {
             return Ok(out);
         };
         let mut env = minijinja::Environment::new();
+        // As transformers renders chat templates (and vLLM through it): a block tag's newline and
+        // the spaces before it on its line are not output.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -276,5 +280,33 @@ impl TextStream {
             &mut self.prefix_index,
         )
         .map_err(|e| Error::Input(format!("detokenizing: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// A template renders as transformers renders it: a block tag's newline (trim_blocks) and the
+    /// indentation before a block tag (lstrip_blocks) are not output, as vLLM's prompts have them.
+    #[test]
+    fn templates_render_with_transformers_whitespace_rules() {
+        let dir = tempfile::tempdir().unwrap();
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/vllm/counts/llava/tokenizer.json");
+        std::fs::copy(fixture, dir.path().join("tokenizer.json")).unwrap();
+        let template = "{% for message in messages %}{{ message['role'] }}:\n  \
+                        {% if true %}{{ message['content'][0]['text'] }}{% endif %}\n\
+                        {% endfor %}end";
+        let config = serde_json::json!({"chat_template": template});
+        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+        let text = TextProcessor::load(dir.path()).unwrap();
+        let rendered = text
+            .apply_chat_template(&[ChatMessage::text("user", "hi")], false)
+            .unwrap();
+        // jinja2 with trim_blocks and lstrip_blocks (transformers' settings) renders this.
+        assert_eq!(rendered, "user:\nhiend");
     }
 }
