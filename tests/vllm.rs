@@ -642,6 +642,29 @@ fn glm_keeps_its_promise(family: &str) {
     );
 }
 
+/// PaddleOCR-VL: Qwen2-VL's patches sized by PaddleOCR's rule (a side under a token's raised
+/// first); a tight context shrinks an image.
+#[test]
+fn paddleocr_vl_in_front_of_vllm_keeps_its_promise_on_its_own_sizing() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "paddleocr_vl", 40);
+    let plans = promises_hold(&gateway, "paddleocr_vl", "paddleocr_vl-forward", &json!({}));
+    assert!(
+        plans
+            .iter()
+            .all(|plan| (4..=64).contains(&plan["tokens"].as_u64().unwrap())),
+        "{plans:?}"
+    );
+    tight_holds(
+        &gateway,
+        "paddleocr_vl",
+        image_part("scene-640x480.jpg"),
+        40,
+        &json!({}),
+    );
+}
+
 #[test]
 fn llava_onevision_in_front_of_vllm_keeps_its_promise_on_pooled_tiles_and_videos() {
     let Some(venv) = vllm_venv() else { return };

@@ -18,6 +18,7 @@ mod internvl;
 mod llama4;
 mod llava;
 mod mistral3;
+mod paddleocr_vl;
 mod qwen2_audio;
 mod qwen2_vl;
 mod qwen3_vl;
@@ -417,6 +418,7 @@ pub fn registry() -> &'static [&'static dyn Family] {
         &llava::LlavaFamily,
         &internvl::InternVlFamily,
         &glm4v::Glm4vFamily,
+        &paddleocr_vl::PaddleOcrVlFamily,
         &idefics3::Idefics3Family,
         &llama4::Llama4Family,
     ]

@@ -92,6 +92,7 @@ const TABLE: &[(&str, Make)] = &[
     ("Qwen2VLImageProcessor", qwen2_vl::qwen2_vl),
     ("Qwen2_5_VLImageProcessor", qwen2_vl::qwen2_vl),
     ("Glm4vImageProcessor", qwen2_vl::glm4v),
+    ("PaddleOCRVLImageProcessor", qwen2_vl::paddleocr_vl),
     ("CLIPImageProcessor", fixed::clip),
     ("CLIPFeatureExtractor", fixed::clip),
     ("SiglipImageProcessor", fixed::siglip),

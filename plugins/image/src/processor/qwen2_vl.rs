@@ -1,5 +1,6 @@
 //! Qwen2-VL's image processor (`Qwen2VLImageProcessor`, Qwen2.5-VL's too) and GLM-4.1V's
-//! (`Glm4vImageProcessor`), which sizes images the same way with its own pixel count:
+//! (`Glm4vImageProcessor`) and PaddleOCR-VL's (`PaddleOCRVLImageProcessor`), which size images
+//! the same way with their own first step and limits:
 //! `smart_resize` within min/max pixels, bicubic, CLIP mean and std, patches of `patch_size`
 //! merged `merge_size` a side into a token, each still image tiled over the temporal patch. A large
 //! JPEG is made in bands of rows (contract 0.4's parts), each a run of the whole's patches.
@@ -26,6 +27,10 @@ pub fn glm4v(config: &Value) -> PluginResult<Box<dyn ImageProcessor>> {
     boxed(Qwen2Vl::from_config(config, SizeRule::Glm4v))
 }
 
+pub fn paddleocr_vl(config: &Value) -> PluginResult<Box<dyn ImageProcessor>> {
+    boxed(Qwen2Vl::from_config(config, SizeRule::PaddleOcr))
+}
+
 #[derive(Debug, Deserialize)]
 struct Config {
     #[serde(flatten)]
@@ -46,6 +51,9 @@ pub enum SizeRule {
     /// GLM-4.1V (`Glm4vImageProcessor`): a side under a token's scaled up first, and the pixels
     /// counted once for each frame of the temporal patch the image fills.
     Glm4v,
+    /// PaddleOCR-VL (`PaddleOCRVLImageProcessor`): a side under a token's raised to it first, the
+    /// other side scaled with it (rounded half to even); one frame a temporal patch.
+    PaddleOcr,
 }
 
 impl SizeRule {
@@ -65,6 +73,19 @@ impl SizeRule {
                 (grown(height), grown(width), temporal)
             }
             SizeRule::Glm4v => (height, width, temporal),
+            SizeRule::PaddleOcr => {
+                let scaled = |side: usize, by: usize| {
+                    ((side * factor) as f64 / by as f64).round_ties_even() as usize
+                };
+                let (mut h, mut w) = (height, width);
+                if h < factor {
+                    (h, w) = (factor, scaled(w, h));
+                }
+                if w < factor {
+                    (h, w) = (scaled(h, w), factor);
+                }
+                (h, w, 1)
+            }
         }
     }
 }
@@ -83,9 +104,10 @@ pub struct Qwen2Vl {
 impl Qwen2Vl {
     fn from_config(config: &Value, rule: SizeRule) -> PluginResult<Self> {
         let config: Config = read(config)?;
-        let default_pixels = match rule {
-            SizeRule::Glm4v => (112 * 112, 28 * 28 * 15_000),
-            SizeRule::Qwen2Vl => (56 * 56, 28 * 28 * 1280),
+        let (default_pixels, default_temporal) = match rule {
+            SizeRule::Glm4v => ((112 * 112, 28 * 28 * 15_000), 2),
+            SizeRule::Qwen2Vl => ((56 * 56, 28 * 28 * 1280), 2),
+            SizeRule::PaddleOcr => ((384 * 384, 1536 * 1536), 1),
         };
         let size = config.size.as_ref().and_then(SizeField::dict);
         let min_pixels = config
@@ -108,7 +130,7 @@ impl Qwen2Vl {
             patch: config.base.patch_edge(14)?,
             temporal: positive(
                 "temporal_patch_size",
-                config.temporal_patch_size.unwrap_or(2),
+                config.temporal_patch_size.unwrap_or(default_temporal),
             )?,
             merge: positive("merge_size", config.merge_size.unwrap_or(2))?,
             filter: config.base.filter(Filter::Bicubic)?,
@@ -457,5 +479,24 @@ mod tests {
         )
         .unwrap();
         assert!(!sent_resized(clip.as_ref(), 4032, 3024));
+    }
+
+    /// PaddleOCR-VL's grids as transformers' `PaddleOCRVLImageProcessor` makes them (between 4 and
+    /// 64 tokens' worth of pixels): a side under a token's raised first (20x30).
+    #[test]
+    fn paddleocr_vl_sizes_as_transformers() {
+        let processor = for_config(
+            r#"{"image_processor_type": "PaddleOCRVLImageProcessor", "min_pixels": 3136,
+                "max_pixels": 50176, "patch_size": 14, "merge_size": 2}"#,
+        )
+        .unwrap();
+        let grid = |width, height| {
+            let plan = processor.plan(width, height, true, u32::MAX).unwrap();
+            let choices: Choices = plan.choices().unwrap();
+            (choices.grid_thw.unwrap(), plan.tokens)
+        };
+        assert_eq!(grid(640, 480), ([1, 12, 18], 54));
+        assert_eq!(grid(20, 30), ([1, 6, 4], 6));
+        assert_eq!(grid(900, 300), ([1, 8, 26], 52));
     }
 }
