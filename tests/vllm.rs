@@ -562,6 +562,29 @@ fn llava_in_front_of_vllm_keeps_its_promise_on_its_one_view() {
     assert!(message.contains("16 tokens"), "{message}");
 }
 
+/// Pixtral in LLaVA's layout (`mistral-community/pixtral-12b`: `model_type` llava, a Pixtral
+/// tower): read as the LLaVA family, its images counted by the Pixtral processor its config names
+/// (rows of `[IMG]` and their breaks); a tight context lowers the longest edge.
+#[test]
+fn pixtral_in_llavas_layout_keeps_its_promise_in_vllm() {
+    let Some(venv) = vllm_venv() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "llava_pixtral", 200);
+    promises_hold(
+        &gateway,
+        "llava_pixtral",
+        "llava_pixtral-forward",
+        &json!({}),
+    );
+    tight_holds(
+        &gateway,
+        "llava_pixtral",
+        image_part("scene-640x480.jpg"),
+        200,
+        &json!({}),
+    );
+}
+
 #[test]
 fn llava_next_in_front_of_vllm_keeps_its_promise_on_anyres_tiles() {
     let Some(venv) = vllm_venv() else { return };
