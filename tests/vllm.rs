@@ -386,6 +386,82 @@ fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
     let kinds = ["text", "image", "file"];
     let lines = common::responses_sdk(&venv, &gateway.addr, "qwen2-vl", &kinds);
     assert!(lines.iter().any(|l| l["what"] == "follow-up"), "{lines:?}");
+    // Anthropic's SDK through the Messages API: `count_tokens` is the count vLLM then charges.
+    let kinds = ["text", "image", "document", "errors"];
+    let lines = common::messages_sdk(&venv, &gateway.addr, "qwen2-vl", &kinds);
+    assert!(lines.iter().any(|l| l["what"] == "document"), "{lines:?}");
+    messages_mean_what_vllm_makes_of_them(&_vllm, &gateway, &model);
+}
+
+/// A Messages request (a system prompt's blocks, turns, an image) through mmgate means the prompt
+/// vLLM's own `/v1/messages` makes of it: the same input tokens and greedy text; and a model whose
+/// media go as they came cannot count before sending.
+fn messages_mean_what_vllm_makes_of_them(vllm: &Vllm, gateway: &Server, served: &Path) {
+    let image = image_part("scene-640x480.jpg");
+    let data = image["image_url"]["url"].as_str().unwrap();
+    let (mime, payload) = data["data:".len()..].split_once(";base64,").unwrap();
+    let body = |model: &str| {
+        json!({"model": model, "max_tokens": 6, "temperature": 0,
+               "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+               "messages": [
+                   {"role": "user", "content": "Hello."},
+                   {"role": "assistant", "content": [{"type": "text", "text": "Hi."}]},
+                   {"role": "user", "content": [
+                       {"type": "text", "text": "What is this?"},
+                       {"type": "image", "source": {"type": "base64", "media_type": mime, "data": payload}}]}]})
+    };
+    let send = |addr: &str, path: &str, body: &Value| {
+        let response = client()
+            .post(format!("http://{addr}{path}"))
+            .header("anthropic-version", "2023-06-01")
+            .json(body)
+            .send()
+            .unwrap();
+        (
+            response.status().as_u16(),
+            response.json::<Value>().unwrap(),
+        )
+    };
+    let (status, own) = send(&vllm.addr, "/v1/messages", &body(served.to_str().unwrap()));
+    assert_eq!(status, 200, "{own}");
+    for model in ["qwen2-vl", "qwen2-vl-forward"] {
+        let (status, ours) = send(&gateway.addr, "/v1/messages", &body(model));
+        assert_eq!(status, 200, "{model}: {ours}");
+        assert_eq!(
+            ours["usage"]["input_tokens"], own["usage"]["input_tokens"],
+            "{model}"
+        );
+        assert_eq!(
+            ours["content"], own["content"],
+            "{model}: the greedy answer"
+        );
+        assert_eq!(ours["stop_reason"], own["stop_reason"], "{model}");
+    }
+    let (status, counted) = send(
+        &gateway.addr,
+        "/v1/messages/count_tokens",
+        &body("qwen2-vl"),
+    );
+    assert_eq!(
+        (status, &counted["input_tokens"]),
+        (200, &own["usage"]["input_tokens"])
+    );
+    let (status, error) = send(
+        &gateway.addr,
+        "/v1/messages/count_tokens",
+        &body("qwen2-vl-forward"),
+    );
+    assert_eq!(
+        (status, &error["error"]["type"]),
+        (400, &json!("invalid_request_error"))
+    );
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("forward"),
+        "{error}"
+    );
 }
 
 /// A demo checkpoint of `family` (`spec`: mmgate's demo name) behind vLLM, as [`fronted`].

@@ -396,7 +396,7 @@ fn stop_strings_and_seeds() {
     let mut req = request(&s, ids.clone(), vec![], 24);
     req.stop = vec![stop.clone()];
     let (_, stopped, end) = collect(s.engine.submit(req).unwrap());
-    assert_eq!(end.unwrap().0, FinishReason::Stop);
+    assert_eq!(end.unwrap().0, FinishReason::StopString(0));
     assert!(
         text.starts_with(&stopped) && !stopped.contains(&stop),
         "{stopped:?} vs {text:?} stop {stop:?}"

@@ -84,3 +84,27 @@ pub fn responses_sdk(
         .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}")))
         .collect()
 }
+
+/// Anthropic's Python SDK (the venv's) through the Messages API of the gateway at `addr`, on
+/// `model` for each of `kinds` (tests/fixtures/messages/sdk.py, which checks each answer and its
+/// `count_tokens`): the JSON lines it printed, one per request.
+pub fn messages_sdk(
+    venv: &std::path::Path,
+    addr: &str,
+    model: &str,
+    kinds: &[&str],
+) -> Vec<serde_json::Value> {
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/messages/sdk.py");
+    let output = run_ok(
+        Command::new(venv.join("bin/python"))
+            .arg(script)
+            .arg(format!("http://{addr}"))
+            .arg(model)
+            .args(kinds),
+    );
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}")))
+        .collect()
+}

@@ -208,7 +208,7 @@ impl Gateway {
             loop {
                 match generation.next().await? {
                     Step::Text(delta) => text.push_str(&delta),
-                    Step::Done { finish, usage } => {
+                    Step::Done { finish, usage, .. } => {
                         used(&usage);
                         let reply =
                             openai::completion_json(&id, created, name, &text, finish, usage);
@@ -242,7 +242,7 @@ impl Gateway {
                         openai::chunk_json(&id, created, name, json!({"content": delta}), None);
                     events.send(&chunk).await
                 }
-                Ok(Step::Done { finish, usage }) => {
+                Ok(Step::Done { finish, usage, .. }) => {
                     used(&usage);
                     let last = openai::chunk_json(&id, created, name, json!({}), Some(finish));
                     let mut sent = events.send(&last).await;
@@ -303,6 +303,13 @@ impl Gateway {
                         model["upstreams"] = pool.health_json();
                     }
                 }
+                // Every model answers each API; a count before sending only where media are
+                // planned here.
+                let mut apis = vec!["/v1/chat/completions", "/v1/responses", "/v1/messages"];
+                if self.planning_side(name).is_ok() {
+                    apis.push("/v1/messages/count_tokens");
+                }
+                model["apis"] = json!(apis);
                 model
             })
             .collect();

@@ -21,7 +21,7 @@ use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::Gateway;
+use super::{Gateway, bearer_key};
 use crate::access::{Access, UPSTREAM_FAILED_MID_ANSWER};
 use crate::config::ConnectionsConfig;
 use crate::deadline::Deadline;
@@ -192,7 +192,7 @@ impl Gateway {
         let started = Instant::now();
         let mut access = Access::start("POST", peer_ip(stream));
         let authorization = passable.authorization.clone().map(|r| &buf[r]);
-        if self.check_key(authorization).is_err() {
+        if self.check_key(bearer_key(authorization)).is_err() {
             // Refused in pingora's session, as every other unauthenticated request is.
             return Lane::Pingora;
         }
@@ -206,7 +206,7 @@ impl Gateway {
             return Lane::Pingora;
         };
         let request = buf.split_to(passable.len());
-        let caller = self.caller_for(authorization_of(&request, &passable));
+        let caller = self.caller_for(bearer_key(authorization_of(&request, &passable)));
         access.key = Some(caller.as_str().to_owned());
         access.model = Some(pool.model.clone());
         let permit = match self.key_limits.admit(&caller).await {
@@ -305,7 +305,9 @@ impl Gateway {
         // A body over the limit, or a key this gateway refuses, is answered from the head alone:
         // the client is not asked for the body (RFC 9110 10.1.1).
         let answered_from_head = head.content_length.is_some_and(|n| n > max_body)
-            || self.check_key(head.authorization.map(|r| &buf[r])).is_err();
+            || self
+                .check_key(bearer_key(head.authorization.map(|r| &buf[r])))
+                .is_err();
         if head.expects_continue && !answered_from_head && buf.len() == head.head_len {
             let written = send_within(
                 stream,

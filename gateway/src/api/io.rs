@@ -152,11 +152,19 @@ pub async fn write_error(session: &mut ServerSession, error: &ApiError) {
         .into_iter()
         .chain(error.allow.map(|methods| ("allow", methods)))
         .collect();
+    // Each API's errors in its own shape: Anthropic's on its routes, OpenAI's elsewhere.
+    let body = if crate::wire::anthropic::owns(session.req_header().uri.path()) {
+        crate::wire::anthropic::error_json(error.status, &error.message)
+            .to_string()
+            .into_bytes()
+    } else {
+        error.body()
+    };
     write_complete(
         session,
         error.status,
         "application/json",
-        Bytes::from(error.body()),
+        Bytes::from(body),
         &extra,
     )
     .await;

@@ -7,11 +7,13 @@ mod connection;
 pub(crate) mod files;
 mod io;
 mod media_modes;
+mod messages;
 mod plan;
 mod preprocess;
 mod replay;
 mod request;
 mod responses;
+mod steps;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -37,6 +39,7 @@ use crate::model::LocalModel;
 use crate::responses_store::ResponseStore;
 use crate::store::{Caller, Redis};
 use crate::upstream::{ClientHop, UpstreamPool};
+use crate::wire::anthropic;
 pub use connection::App;
 use io::{write_error, write_json};
 pub use media_modes::{EcMedia, UpstreamMedia};
@@ -176,6 +179,16 @@ impl Gateway {
                 let tally = _permit.as_ref().and_then(Permit::tally);
                 return self.responses(session, tally, access).await;
             }
+            ("POST", anthropic::MESSAGES) => {
+                let tally = _permit.as_ref().and_then(Permit::tally);
+                return self.messages(session, tally, access).await;
+            }
+            ("POST", anthropic::COUNT_TOKENS) => {
+                let tally = _permit.as_ref().and_then(Permit::tally);
+                let result = self.count_message_tokens(session, tally).await;
+                chat::refused_if_client_error(result.as_ref().err(), tally);
+                result
+            }
             ("GET", "/metrics") => {
                 let text = self.metrics.render(self.snapshot());
                 io::write_text(session, "text/plain; version=0.0.4", text).await;
@@ -276,22 +289,19 @@ impl Gateway {
             .headers(|_| None)
     }
 
-    /// With `api_keys` configured, `/v1/*` needs `Authorization: Bearer <one of them>`.
+    /// With `api_keys` configured, `/v1/*` needs one of them: `Authorization: Bearer <key>`, or
+    /// `x-api-key: <key>` as Anthropic's clients send it.
     fn authenticate(&self, session: &ServerSession) -> Result<(), ApiError> {
-        self.check_key(authorization(session))
+        self.check_key(presented_key(session))
     }
 
     /// Whose request this is (after [`Self::authenticate`] let it in).
     fn caller(&self, session: &ServerSession) -> Caller {
-        self.caller_for(authorization(session))
+        self.caller_for(presented_key(session))
     }
 
-    /// Whose request this is, from its `Authorization` header value (if any).
-    fn caller_for(&self, authorization: Option<&[u8]>) -> Caller {
-        let presented = authorization
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+    /// Whose request this is, from the key it presented (if any).
+    fn caller_for(&self, presented: Option<&str>) -> Caller {
         match presented {
             Some(key) if !self.api_keys.is_empty() => Caller::for_key(key),
             _ => Caller::public(),
@@ -314,15 +324,11 @@ impl Gateway {
         Ok(json!({ "status": "ready" }))
     }
 
-    /// Whether an `Authorization` header value (if any) lets a request in.
-    fn check_key(&self, authorization: Option<&[u8]>) -> Result<(), ApiError> {
+    /// Whether the key a request presented (if any) lets it in.
+    fn check_key(&self, presented: Option<&str>) -> Result<(), ApiError> {
         if self.api_keys.is_empty() {
             return Ok(());
         }
-        let presented = authorization
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
         match presented {
             Some(key) if self.api_keys.iter().any(|k| constant_time_eq(k, key)) => Ok(()),
             Some(_) => Err(ApiError::new(
@@ -333,7 +339,7 @@ impl Gateway {
             None => Err(ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "missing_api_key",
-                "this gateway needs an API key: Authorization: Bearer <key>",
+                "this gateway needs an API key: Authorization: Bearer <key> (or x-api-key: <key>)",
             )),
         }
     }
@@ -431,6 +437,8 @@ fn route_label(path: &str) -> &'static str {
         "/v1/files" => "/v1/files",
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/responses" => "/v1/responses",
+        anthropic::MESSAGES => anthropic::MESSAGES,
+        anthropic::COUNT_TOKENS => anthropic::COUNT_TOKENS,
         p if p.starts_with("/v1/files/") => "/v1/files/{id}",
         "/" => "/",
         p if crate::console::owns(p) => "/console",
@@ -449,19 +457,31 @@ fn allowed_methods(path: &str) -> Option<&'static str> {
     Some(match route_label(path) {
         "/health" | "/ready" | "/metrics" | "/v1/models" | "/v1/plugins" | "/" | "/console" => READ,
         "/v1/preprocess" | "/v1/chat/completions" | "/v1/responses" => WRITE,
+        anthropic::MESSAGES | anthropic::COUNT_TOKENS => WRITE,
         "/v1/files" => "GET, HEAD, POST, OPTIONS",
         "/v1/files/{id}" | "/v1/responses/{id}" => ITEM_METHODS,
         _ => return None,
     })
 }
 
-/// The request's `Authorization` header value, if any.
-fn authorization(session: &ServerSession) -> Option<&[u8]> {
-    session
-        .req_header()
-        .headers
+/// The key a request presents: `Authorization: Bearer <key>`, else `x-api-key: <key>`.
+fn presented_key(session: &ServerSession) -> Option<&str> {
+    let headers = &session.req_header().headers;
+    let bearer = headers
         .get(http::header::AUTHORIZATION)
-        .map(http::HeaderValue::as_bytes)
+        .map(http::HeaderValue::as_bytes);
+    bearer_key(bearer).or_else(|| {
+        let key = headers.get("x-api-key")?.to_str().ok()?.trim();
+        (!key.is_empty()).then_some(key)
+    })
+}
+
+/// The key of an `Authorization` header value, if it is `Bearer <key>`.
+fn bearer_key(authorization: Option<&[u8]>) -> Option<&str> {
+    authorization
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
 }
 
 /// Comparing keys without leaking through timing how much of a guess was right.

@@ -158,7 +158,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         let (finish, usage) = loop {
             match generation.next().await {
                 Ok(Step::Text(delta)) => text.push_str(&delta),
-                Ok(Step::Done { finish, usage }) => break (finish, usage),
+                Ok(Step::Done { finish, usage, .. }) => break (finish, usage),
                 Err(e) => bail!("generation failed: {}", e.message),
             }
         };

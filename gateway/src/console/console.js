@@ -131,7 +131,8 @@
       el('td', { 'data-context': m.context_length ?? '' }, m.context_length ? m.context_length.toLocaleString('en') : '—'),
       el('td', {}, (m.modalities || []).join(', ') || '—'),
       el('td', {}, m.media ? `${m.media}${m.images_encoded_here ? ' (images encoded here)' : ''}` : (m.served_by === 'native' ? 'encoded here' : '—')),
-      el('td', {}, upstreamList(m.upstreams))));
+      el('td', {}, upstreamList(m.upstreams)),
+      el('td', { class: 'apis' }, ...(m.apis || []).map((a) => el('code', {}, a)))));
     $('#models-table tbody').replaceChildren(...rows);
   }
 

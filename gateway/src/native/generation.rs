@@ -51,7 +51,12 @@ impl Drop for Generation<'_> {
 
 pub enum Step {
     Text(String),
-    Done { finish: &'static str, usage: Value },
+    Done {
+        finish: &'static str,
+        usage: Value,
+        /// The stop string that ended the answer, if one did.
+        stop_sequence: Option<String>,
+    },
 }
 
 impl<'m> Generation<'m> {
@@ -161,12 +166,14 @@ impl<'m> Generation<'m> {
     }
 
     fn done(&self, finish: FinishReason, usage: &Usage) -> Step {
-        let finish = match finish {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
+        let (finish, stop_sequence) = match finish {
+            FinishReason::Stop => ("stop", None),
+            FinishReason::StopString(which) => ("stop", self.stop.get(which).cloned()),
+            FinishReason::Length => ("length", None),
         };
         Step::Done {
             finish,
+            stop_sequence,
             usage: crate::wire::openai::usage_json(
                 usage.prompt_tokens,
                 usage.completion_tokens,

@@ -134,8 +134,10 @@ pub struct GenerateRequest {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An end-of-sequence token or a stop string.
+    /// An end-of-sequence token.
     Stop,
+    /// The request's stop string of this index.
+    StopString(usize),
     /// `max_tokens` reached.
     Length,
 }

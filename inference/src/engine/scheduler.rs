@@ -750,15 +750,12 @@ fn on_token<C>(seq: &mut Sequence<C>, token: u32, eos: &[u32], text: &TextProces
             return;
         }
     }
-    if let Some(at) = seq
-        .stop
-        .iter()
-        .filter_map(|s| seq.text[seq.emitted..].find(s.as_str()))
-        .min()
-    {
+    let unsent = &seq.text[seq.emitted..];
+    let found = (seq.stop.iter().enumerate()).filter_map(|(i, s)| Some((unsent.find(s)?, i)));
+    if let Some((at, which)) = found.min() {
         let end = seq.emitted + at;
         flush(seq, Some(end), token);
-        seq.outcome = Some(Outcome::Finished(FinishReason::Stop));
+        seq.outcome = Some(Outcome::Finished(FinishReason::StopString(which)));
         return;
     }
     let hold = held_back(&seq.text[seq.emitted..], &seq.stop);

@@ -29,7 +29,7 @@ const MEDIA_HEADER: &str = "x-mmgate-media";
 /// The reply header that says how many prompt tokens this gateway planned for a request whose
 /// media it planned (or encoded) for an upstream model: the upstream's `usage.prompt_tokens` must
 /// equal it.
-const PROMPT_TOKENS_HEADER: &str = "x-mmgate-prompt-tokens";
+pub(super) const PROMPT_TOKENS_HEADER: &str = "x-mmgate-prompt-tokens";
 
 fn prompt_tokens_header(tokens: usize) -> (&'static str, HeaderValue) {
     (PROMPT_TOKENS_HEADER, HeaderValue::from(tokens))
