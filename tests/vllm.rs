@@ -39,16 +39,17 @@ fn vllm_venv() -> Option<PathBuf> {
 }
 
 /// The committed checkpoint script, run by the venv's Python.
-fn checkpoints_py(venv: &Path) -> Command {
-    let mut command = Command::new(venv.join("bin/python"));
-    command
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm/checkpoints.py"));
-    command
+/// tests/fixtures/vllm/checkpoints.py with `args`, forked from the binary's zygote (torch and
+/// transformers imported once).
+fn checkpoints_py(venv: &Path, args: &[&str]) {
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm/checkpoints.py");
+    common::engine::run_python_script(venv, &script, args);
 }
 
 /// `family`'s tiny checkpoint, made in `into` by the committed script.
 fn checkpoint(venv: &Path, family: &str, into: &Path) -> PathBuf {
-    common::run_ok(checkpoints_py(venv).arg(into).arg(family));
+    checkpoints_py(venv, &[into.to_str().unwrap(), family]);
     into.join(family)
 }
 
@@ -573,7 +574,7 @@ fn qwen2_audio_planned_here_keeps_its_promise_in_vllm() {
         "audio",
     );
     // vLLM loads Qwen2-Audio only under the Hub's weight names (the demo has transformers 5's).
-    common::run_ok(checkpoints_py(&venv).arg("--hub-names").arg(&model));
+    checkpoints_py(&venv, &["--hub-names", model.to_str().unwrap()]);
     let (_vllm, gateway) = fronted(&venv, &model, &[], ("audio", 4096, ""), &[]);
     let clips = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/audio/clips");
     for name in [

@@ -2,9 +2,11 @@
 //! vLLM's CPU build, pinned in tests/fixtures/engine/ and installed by `./dev test` outside the
 //! clone.
 
+use std::io::{BufRead as _, BufReader, Write as _};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 /// The engine venv: `MMGATE_ENGINE_VENV` (set by `./dev test`), else the default place `./dev test`
 /// installs it, holding `entry` (`bin/transformers`, or vLLM's package). `None` (the test says why
@@ -85,21 +87,24 @@ pub fn vllm_package(venv: &Path) -> Option<PathBuf> {
         .find(|p| p.is_dir())
 }
 
-/// vLLM's OpenAI-compatible server (its CPU build) on one model directory, stopped with its
-/// engine processes when dropped; its log is shown if the test fails.
+/// vLLM's OpenAI-compatible server (its CPU build) on one model directory, forked by the binary's
+/// [`Zygote`]; stopped with its process group when dropped; its log is shown if the test fails.
 pub struct Vllm {
-    child: Child,
+    pid: u32,
     pub addr: String,
     log: PathBuf,
 }
 
 impl Drop for Vllm {
     fn drop(&mut self) {
-        // vLLM runs its engine in processes of its own, which outlive a killed API server (and
-        // keep the test's output open): the whole process group goes.
-        let group = format!("-{}", self.child.id());
+        // The server's process group: vLLM's engine, were it a process of its own, goes too.
+        let group = format!("-{}", self.pid);
         let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
-        let _ = self.child.wait();
+        // Gone before the next server starts: its memory and port are free again.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while running(self.pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         if std::thread::panicking() {
             let log = std::fs::read_to_string(&self.log).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(60).collect();
@@ -109,6 +114,105 @@ impl Drop for Vllm {
             }
         }
     }
+}
+
+/// Whether process `pid` runs (not gone, not a zombie waiting to be reaped).
+fn running(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // The state follows the command's name, which may hold anything but ends at the last ')'.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
+    !matches!(state, None | Some('Z' | 'X'))
+}
+
+/// One Python process per test binary that has imported vLLM (about 13 s of a tiny server's 21 s
+/// start here): servers and checkpoint scripts are forked from it
+/// (tests/fixtures/vllm/zygote.py), each running as its own `python` would.
+struct Zygote {
+    _process: Child,
+    requests: ChildStdin,
+    answers: BufReader<ChildStdout>,
+    log: PathBuf,
+}
+
+impl Zygote {
+    fn start(venv: &Path) -> Zygote {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm/zygote.py");
+        let log = std::env::temp_dir().join(format!("mmgate-zygote-{}.log", std::process::id()));
+        let mut process = Command::new(venv.join("bin/python"))
+            .arg(script)
+            .env("VLLM_TARGET_DEVICE", "cpu")
+            // GiB of KV cache: the tiny models need little.
+            .env("VLLM_CPU_KVCACHE_SPACE", "1")
+            .env("HF_HUB_OFFLINE", "1")
+            .env("VLLM_NO_USAGE_STATS", "1")
+            // The engine core in the server's own process: otherwise a second Python process
+            // imports torch and vLLM again, a quarter of every start here.
+            .env("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start the vLLM zygote");
+        Zygote {
+            requests: process.stdin.take().unwrap(),
+            answers: BufReader::new(process.stdout.take().unwrap()),
+            _process: process,
+            log,
+        }
+    }
+
+    /// Forks `request` (zygote.py's form): the new process's pid.
+    fn fork(&mut self, request: &serde_json::Value) -> u32 {
+        let mut answer = String::new();
+        let asked = writeln!(self.requests, "{request}").and_then(|()| self.requests.flush());
+        let read = asked.and_then(|()| self.answers.read_line(&mut answer));
+        let pid = serde_json::from_str::<serde_json::Value>(&answer)
+            .ok()
+            .and_then(|a| a["pid"].as_u64());
+        match (&read, pid) {
+            (Ok(_), Some(pid)) => pid as u32,
+            _ => panic!(
+                "the vLLM zygote failed ({read:?}): {}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            ),
+        }
+    }
+}
+
+/// The binary's zygote, started on first use.
+fn zygote(venv: &Path) -> std::sync::MutexGuard<'static, Zygote> {
+    static ZYGOTE: OnceLock<Mutex<Zygote>> = OnceLock::new();
+    let zygote = ZYGOTE.get_or_init(|| Mutex::new(Zygote::start(venv)));
+    zygote
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Runs the Python `script` with `args` as `python script args...` would, forked from the
+/// binary's zygote (torch and transformers already imported); panics with its output if it fails.
+pub fn run_python_script(venv: &Path, script: &Path, args: &[&str]) {
+    let log = tempfile::NamedTempFile::new().unwrap().into_temp_path();
+    let request = serde_json::json!({
+        "script": script, "argv": args, "log": log.to_str().unwrap(),
+    });
+    let pid = zygote(venv).fork(&request);
+    let status_file = format!("{}.status", log.display());
+    while running(pid) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = std::fs::read_to_string(&status_file).unwrap_or_default();
+    let _ = std::fs::remove_file(&status_file);
+    assert_eq!(
+        status.trim(),
+        "0",
+        "{} {args:?} failed: {}",
+        script.display(),
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
 }
 
 impl Vllm {
@@ -125,48 +229,48 @@ impl Vllm {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Vllm {
-        use std::os::unix::process::CommandExt as _;
         let port = super::server::free_port();
         let log = model.with_extension("vllm.log");
-        // The `vllm` script looks up a distribution named `vllm`; the CPU build's is `vllm-cpu`.
-        let child = Command::new(venv.join("bin/python"))
-            .args(["-m", "vllm.entrypoints.openai.api_server"])
-            .args(["--model", model.to_str().unwrap()])
-            .args(["--dtype", "float32", "--max-model-len"])
-            .arg(max_model_len.to_string())
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        let mut argv: Vec<String> = vec![
+            "--model".into(),
+            model.to_str().unwrap().into(),
+            "--dtype".into(),
+            "float32".into(),
+            "--max-model-len".into(),
+            max_model_len.to_string(),
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            port.to_string(),
             // Eager, as vLLM's own CPU CI runs: on CPU the default compiles the model with
             // TorchInductor at every start (C++ built by the system compiler), which doubled a
             // start of a tiny checkpoint here and changes no count or answer these tests compare.
-            .arg("--enforce-eager")
-            .args(args)
-            .env("VLLM_TARGET_DEVICE", "cpu")
-            // GiB of KV cache: the tiny models need little.
-            .env("VLLM_CPU_KVCACHE_SPACE", "1")
-            .env("HF_HUB_OFFLINE", "1")
-            .env("VLLM_NO_USAGE_STATS", "1")
-            // The engine core in the server's own process: otherwise a second Python process
-            // imports torch and vLLM again, a quarter of every start here.
-            .env("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .process_group(0)
-            .spawn()
-            .expect("start vLLM");
-        let mut vllm = Vllm {
-            child,
+            "--enforce-eager".into(),
+        ];
+        argv.extend(args.iter().map(|a| a.to_string()));
+        let env: serde_json::Map<String, serde_json::Value> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), (*v).into()))
+            .collect();
+        let request = serde_json::json!({"argv": argv, "env": env, "log": log});
+        let pid = zygote(venv).fork(&request);
+        let vllm = Vllm {
+            pid,
             addr: format!("127.0.0.1:{port}"),
             log,
         };
         let client = reqwest::blocking::Client::new();
         let health = format!("http://{}/health", vllm.addr);
-        super::server::wait_until_ready(&mut vllm.child, "vLLM", Duration::from_secs(600), || {
-            client
-                .get(&health)
-                .send()
-                .is_ok_and(|r| r.status().is_success())
-        });
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while !client
+            .get(&health)
+            .send()
+            .is_ok_and(|r| r.status().is_success())
+        {
+            assert!(running(vllm.pid), "vLLM exited during start-up");
+            assert!(Instant::now() < deadline, "vLLM did not start in 600 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
         vllm
     }
 }

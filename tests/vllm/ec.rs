@@ -499,7 +499,7 @@ fn qwen2_audio_encoded_here_answers_as_vllm_itself() {
     let cache = scratch.path().join("cache");
     let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo-audio", "audio");
     // vLLM loads Qwen2-Audio only under the Hub's weight names (the demo has transformers 5's).
-    common::run_ok(checkpoints_py(&venv).arg("--hub-names").arg(&model));
+    checkpoints_py(&venv, &["--hub-names", model.to_str().unwrap()]);
     let store = scratch.path().join("ec");
     let (_vllm, gateway) = ec_fronted(&venv, &model, &store);
     let clips = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/audio/clips");
