@@ -328,4 +328,16 @@ fn messages_take_anthropic_keys_and_refuse_in_anthropic_shape() {
         post_messages(&server, "/v1/messages", &anthropic, &hi).0,
         200
     );
+    // Counted as chat is, under the route's own label.
+    let metrics = reqwest::blocking::get(format!("http://{}/metrics", server.addr))
+        .unwrap()
+        .text()
+        .unwrap();
+    for series in [
+        "mmgate_requests_total{path=\"/v1/messages\",route=\"native\",status=\"200\"}",
+        "mmgate_requests_total{path=\"/v1/messages\",route=\"none\",status=\"415\"} 1",
+        "mmgate_requests_total{path=\"/v1/messages/count_tokens\",route=\"none\",status=\"200\"} 1",
+    ] {
+        assert!(metrics.contains(series), "{series} in {metrics}");
+    }
 }
