@@ -613,9 +613,23 @@ fn urls_and_uploads_for_an_upstream_model_are_fetched_here_and_sent_as_data() {
             .to_owned()
     };
     let png_id = upload(&front, "cat.png", png.clone());
+    // A file given inline, as OpenAI's SDK sends one (a data URL, or bare base64 under a name that
+    // says nothing of it), is what its bytes are, natively and through the front alike.
+    let png_b64 = base64::engine::general_purpose::STANDARD.encode(&png);
+    let inline_files = [
+        json!({"type": "file", "file": {"file_data": data_url("image/png", &png), "filename": "cat.png"}}),
+        json!({"type": "file", "file": {"file_data": png_b64, "filename": "cat.bin"}}),
+    ];
+    for part in &inline_files {
+        let (status, body) = ask(&back, "demo", part.clone());
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(usage(&body), usage(&direct), "natively: {part}");
+    }
     for part in [
         image_part(&format!("{}/cat.png", files.base)),
         json!({"type": "file", "file": {"file_id": png_id}}),
+        inline_files[0].clone(),
+        inline_files[1].clone(),
     ] {
         let (status, body) = ask(&front, "demo", part.clone());
         assert_eq!(status, 200, "{part}: {body}");
@@ -671,6 +685,29 @@ fn urls_and_uploads_for_an_upstream_model_are_fetched_here_and_sent_as_data() {
         (400, Some("image_embeds_not_accepted")),
         "{body}"
     );
+    // A file part needs its file, once; a PDF given inline is not media a plugin takes.
+    for (file, want, code) in [
+        (json!({"filename": "a.png"}), 400, "invalid_request"),
+        (
+            json!({"file_id": "file-1", "file_data": png_b64}),
+            400,
+            "invalid_request",
+        ),
+        (
+            json!({"file_data": base64::engine::general_purpose::STANDARD.encode(b"%PDF-1.7\n%\xe2\xe3\n")}),
+            415,
+            "unsupported_media",
+        ),
+    ] {
+        for (server, model) in [(&guarded, "demo"), (&back, "demo")] {
+            let (status, body) = ask(server, model, json!({"type": "file", "file": file}));
+            assert_eq!(
+                (status, body["error"]["code"].as_str()),
+                (want, Some(code)),
+                "{file}: {body}"
+            );
+        }
+    }
     let text_id = upload(&guarded, "notes.txt", b"plain text, not media".to_vec());
     let (status, body) = ask(
         &guarded,

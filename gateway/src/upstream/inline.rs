@@ -21,14 +21,17 @@ use mmgate_inference::families::MediaKind;
 /// Whether the body needs a look: it may hold a part whose bytes are elsewhere, or (when the model
 /// takes none) `image_embeds`. A cheap scan that lets the common requests (text, data URLs) go on
 /// without being parsed: `://` is in every URL but data URLs (base64 has no colon), `file_id` in
-/// every upload reference; a false alarm only costs a parse.
+/// every upload reference, `file_data` in every file given inline (its kind is told here, from
+/// its bytes); a false alarm only costs a parse.
 pub fn needs_a_look(body: &[u8], accept_image_embeds: bool) -> bool {
     // Built once: building a searcher costs more than running it over a typical body.
-    static FINDERS: LazyLock<[memmem::Finder<'static>; 3]> =
-        LazyLock::new(|| [b"://".as_slice(), b"file_id", b"image_embeds"].map(memmem::Finder::new));
-    let [url, upload, embeds] = &*FINDERS;
+    static FINDERS: LazyLock<[memmem::Finder<'static>; 4]> = LazyLock::new(|| {
+        [b"://".as_slice(), b"file_id", b"file_data", b"image_embeds"].map(memmem::Finder::new)
+    });
+    let [url, upload, inline_file, embeds] = &*FINDERS;
     url.find(body).is_some()
         || upload.find(body).is_some()
+        || inline_file.find(body).is_some()
         || (!accept_image_embeds && embeds.find(body).is_some())
 }
 
@@ -71,7 +74,7 @@ pub async fn inline_media(
                     http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
                     "unsupported_media",
                     format!(
-                        "media item {index}: the upload is {}, not an image, a video or audio",
+                        "media item {index}: the file is {}, not an image, a video or audio",
                         mime.as_deref().unwrap_or("of unknown type")
                     ),
                 )

@@ -105,6 +105,16 @@ impl ChatCompletionRequest {
                         ),
                     );
                 }
+                if let Part::File { file } = part
+                    && file.source().is_none()
+                {
+                    return invalid(
+                        "messages",
+                        format!(
+                            "messages[{i}].content[{j}].file needs one of file_id (an upload) and file_data (its bytes, base64)"
+                        ),
+                    );
+                }
                 if let Part::InputAudio { input_audio } = part {
                     let format = input_audio.format.as_deref().unwrap_or_default();
                     if !INPUT_AUDIO_FORMATS.contains(&format.to_ascii_lowercase().as_str()) {
@@ -309,9 +319,30 @@ pub struct InputAudio {
     pub format: Option<String>,
 }
 
+/// A `file` part's file: an upload of `/v1/files` (`file_id`), or its bytes inline (`file_data`, a
+/// base64 data URL or bare base64, as OpenAI's SDK sends them); either way, what it is is told by
+/// its bytes.
 #[derive(Debug, Deserialize)]
 pub struct FileRef {
-    pub file_id: String,
+    #[serde(default)]
+    pub file_id: Option<String>,
+    #[serde(default)]
+    pub file_data: Option<String>,
+    /// Accepted; a name says nothing trusted of what the bytes are.
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub filename: Option<String>,
+}
+
+impl FileRef {
+    /// Where its bytes are: `None` unless exactly one of `file_id` and `file_data` is given.
+    pub fn source(&self) -> Option<ByteSource> {
+        match (&self.file_id, &self.file_data) {
+            (Some(id), None) => Some(ByteSource::File(id.clone())),
+            (None, Some(data)) => Some(ByteSource::from_file_data(data)),
+            _ => None,
+        }
+    }
 }
 
 /// What a media part carries.
@@ -380,9 +411,10 @@ impl Part {
                         .map(|f| format!("audio/{}", f.to_ascii_lowercase())),
                 }),
             )),
+            // `check` refused a part with neither or both: none gets this far.
             Part::File { file } => Some((
                 None,
-                MediaSource::Bytes(ByteSource::File(file.file_id.clone())),
+                MediaSource::Bytes(file.source().unwrap_or(ByteSource::NotBase64)),
             )),
             Part::ImageEmbeds { image_embeds } => {
                 let (embeddings, grid) = match image_embeds {
@@ -402,6 +434,17 @@ impl Part {
 }
 
 impl ByteSource {
+    /// A `file` part's `file_data`: a base64 data URL, or bare base64 (its type told by its bytes).
+    pub fn from_file_data(data: &str) -> ByteSource {
+        if data.starts_with("data:") {
+            return ByteSource::from_url(data);
+        }
+        ByteSource::Base64 {
+            data: data.to_owned(),
+            mime_type: None,
+        }
+    }
+
     /// A data URL (`data:<mime>;base64,<payload>`) keeps its payload undecoded; anything else is
     /// a URL to fetch (its scheme is checked when it is fetched).
     pub fn from_url(url: &str) -> ByteSource {

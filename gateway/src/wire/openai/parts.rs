@@ -56,11 +56,14 @@ pub fn carried(part: &Value) -> Option<Carried> {
             });
         }
         "file" => {
-            let id = part["file"]["file_id"].as_str().unwrap_or_default();
-            return Some(Carried::Elsewhere {
-                kind: None,
-                source: ByteSource::File(id.to_owned()),
-            });
+            let file = &part["file"];
+            let source = match (file["file_id"].as_str(), file["file_data"].as_str()) {
+                (Some(id), None) => ByteSource::File(id.to_owned()),
+                (None, Some(data)) => ByteSource::from_file_data(data),
+                _ => return None, // the upstream's to judge, as a part this gateway does not know
+            };
+            // Its kind is what its bytes are, inline or uploaded.
+            return Some(Carried::Elsewhere { kind: None, source });
         }
         "image_embeds" => return Some(Carried::Embeddings),
         // Text, and types this gateway does not know: the upstream's to judge.
@@ -167,6 +170,20 @@ mod tests {
         assert!(matches!(
             found(json!({"type": "file", "file": {"file_id": "file-1"}})),
             Some(Carried::Elsewhere { kind: None, source: ByteSource::File(id) }) if id == "file-1"
+        ));
+        assert!(matches!(
+            found(json!({"type": "file", "file": {"file_data": "data:image/png;base64,AAAA", "filename": "a.png"}})),
+            Some(Carried::Elsewhere { kind: None, source: ByteSource::Base64 { data, .. } }) if data == "AAAA"
+        ));
+        assert!(matches!(
+            found(json!({"type": "file", "file": {"file_data": "AAAA"}})),
+            Some(Carried::Elsewhere {
+                kind: None,
+                source: ByteSource::Base64 {
+                    mime_type: None,
+                    ..
+                }
+            })
         ));
         assert!(matches!(
             found(
