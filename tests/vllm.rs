@@ -198,8 +198,22 @@ fn fronted(
     (name, tight, lines): (&str, usize, &str),
     more: &[(&str, &str)],
 ) -> (Vllm, Server) {
+    front(
+        Vllm::start(venv, model, 4096, args),
+        model,
+        (name, tight, lines),
+        more,
+    )
+}
+
+/// [`fronted`] in front of `vllm` (a server, or the render server's stand-in).
+fn front(
+    vllm: Vllm,
+    model: &Path,
+    (name, tight, lines): (&str, usize, &str),
+    more: &[(&str, &str)],
+) -> (Vllm, Server) {
     let weightless = weightless(model);
-    let vllm = Vllm::start(venv, model, 4096, args);
     let planned = format!("media = \"preprocess\"\npath = {{path}}\n{lines}");
     let tight_lines = format!("{planned}\nmax_model_len = {tight}");
     let (tight_name, forward) = (format!("{name}-tight"), format!("{name}-forward"));
@@ -224,10 +238,17 @@ fn fronted(
     (vllm, gateway)
 }
 
-/// `family`'s tiny checkpoint (checkpoints.py) behind vLLM, as [`fronted`] with no more models.
+/// `family`'s tiny checkpoint (checkpoints.py) behind vLLM's render server, as [`fronted`] with no
+/// more models: every count is vLLM's own frontend's, rendered without an engine (the families
+/// whose answers a test compares run a whole server).
 fn family_fronted(venv: &Path, scratch: &Path, family: &str, tight: usize) -> (Vllm, Server) {
     let model = checkpoint(venv, family, scratch);
-    fronted(venv, &model, &[], (family, tight, ""), &[])
+    front(
+        Vllm::render(venv, &model, 4096, &[]),
+        &model,
+        (family, tight, ""),
+        &[],
+    )
 }
 
 /// One item (`part`) through `{model}-tight`, a context of `context` tokens too small for it as
@@ -835,7 +856,9 @@ fn idefics3_in_front_of_vllm_keeps_its_promise_on_its_tile_grid() {
 fn llama4_in_front_of_vllm_keeps_its_promise_on_its_canvas_of_tiles() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let (_vllm, gateway) = family_fronted(&venv, scratch.path(), "llama4", 60);
+    // A whole server: the test sees the engine's own failure below.
+    let model = checkpoint(&venv, "llama4", scratch.path());
+    let (_vllm, gateway) = fronted(&venv, &model, &[], ("llama4", 60, ""), &[]);
     // Not the 20x30 image: it fits one tile, on which vLLM 0.32's CPU build crashes its engine
     // (its `onednn_mm` wants a contiguous tensor), however the image comes.
     let images: Vec<&str> = IMAGES

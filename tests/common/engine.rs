@@ -2,7 +2,8 @@
 //! vLLM's CPU build, pinned in tests/fixtures/engine/ and installed by `./dev test` outside the
 //! clone.
 
-use std::io::{BufRead as _, BufReader, Write as _};
+use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
@@ -221,6 +222,34 @@ impl Vllm {
         Self::start_with_env(venv, model, max_model_len, args, &[])
     }
 
+    /// vLLM's render server on `model` (tests/fixtures/vllm/render.py: its frontend with no engine
+    /// and no weights, which renders a chat request into the token ids the engine would get) behind
+    /// a stand-in engine at [`Vllm::addr`] that answers each chat completion with one word and
+    /// vLLM's count of its prompt. For tests of a family's counts: a start is a fraction of a
+    /// server's, and the count is vLLM's own code's.
+    pub fn render(venv: &Path, model: &Path, max_model_len: usize, args: &[&str]) -> Vllm {
+        let port = super::server::free_port();
+        let log = model.with_extension("render.log");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm/render.py");
+        let mut argv: Vec<String> = ["--model", model.to_str().unwrap(), "--max-model-len"]
+            .map(str::to_owned)
+            .to_vec();
+        argv.push(max_model_len.to_string());
+        argv.extend(["--host", "127.0.0.1", "--port"].map(str::to_owned));
+        argv.push(port.to_string());
+        argv.extend(args.iter().map(|a| a.to_string()));
+        let request = serde_json::json!({"script": script, "argv": argv, "log": log});
+        let pid = zygote(venv).fork(&request);
+        let render = format!("127.0.0.1:{port}");
+        let vllm = Vllm {
+            pid,
+            addr: counting_engine(render.clone()),
+            log,
+        };
+        vllm.wait_for_health(&render);
+        vllm
+    }
+
     /// [`Self::start`] with `env` set besides.
     pub fn start_with_env(
         venv: &Path,
@@ -259,18 +288,133 @@ impl Vllm {
             addr: format!("127.0.0.1:{port}"),
             log,
         };
+        vllm.wait_for_health(&vllm.addr);
+        vllm
+    }
+
+    /// Waits until the server at `addr` answers its `/health`.
+    fn wait_for_health(&self, addr: &str) {
         let client = reqwest::blocking::Client::new();
-        let health = format!("http://{}/health", vllm.addr);
+        let health = format!("http://{addr}/health");
         let deadline = Instant::now() + Duration::from_secs(600);
         while !client
             .get(&health)
             .send()
             .is_ok_and(|r| r.status().is_success())
         {
-            assert!(running(vllm.pid), "vLLM exited during start-up");
+            assert!(running(self.pid), "vLLM exited during start-up");
             assert!(Instant::now() < deadline, "vLLM did not start in 600 s");
             std::thread::sleep(Duration::from_millis(50));
         }
-        vllm
     }
+}
+
+/// A stand-in engine on loopback in front of vLLM's render server at `render`: each chat
+/// completion POSTed to it is rendered there and answered with one word and the rendered prompt's
+/// length as `usage.prompt_tokens` (streamed when asked); a refusal of the render server's is
+/// relayed as it came. Any other request (health checks) is answered `{}`. Its address.
+fn counting_engine(render: String) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let render = render.clone();
+            std::thread::spawn(move || answer_with_counts(stream, &render));
+        }
+    });
+    addr
+}
+
+/// [`counting_engine`]'s answers on one connection, until it closes.
+fn answer_with_counts(stream: TcpStream, render: &str) {
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap();
+    let Ok(read_half) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(read_half);
+    let mut stream = stream;
+    loop {
+        let mut request_line = String::new();
+        if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
+            return;
+        }
+        let mut length = 0;
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            if let Some(value) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                length = value.trim().parse().unwrap_or(0);
+            }
+            if line == "\r\n" {
+                break;
+            }
+        }
+        let mut body = vec![0; length];
+        if reader.read_exact(&mut body).is_err() {
+            return;
+        }
+        let (status, content_type, answer) = if request_line.starts_with("POST") {
+            counted_answer(&client, render, body)
+        } else {
+            (200, "application/json", "{}".to_owned())
+        };
+        let head = format!(
+            "HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n",
+            answer.len()
+        );
+        if stream.write_all(head.as_bytes()).is_err()
+            || stream.write_all(answer.as_bytes()).is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// The chat completion `body` rendered by vLLM at `render`, as an engine's answer would count it:
+/// (status, content type, body).
+fn counted_answer(
+    client: &reqwest::blocking::Client,
+    render: &str,
+    body: Vec<u8>,
+) -> (u16, &'static str, String) {
+    let request: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let rendered = client
+        .post(format!("http://{render}/v1/chat/completions/render"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send();
+    let rendered = match rendered {
+        Ok(r) if r.status().is_success() => r.json::<serde_json::Value>().unwrap_or_default(),
+        Ok(r) => {
+            return (
+                r.status().as_u16(),
+                "application/json",
+                r.text().unwrap_or_default(),
+            );
+        }
+        Err(e) => return (502, "text/plain", e.to_string()),
+    };
+    let prompt = rendered["token_ids"].as_array().map_or(0, Vec::len);
+    let usage = serde_json::json!({
+        "prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1,
+    });
+    let model = request["model"].clone();
+    if request["stream"] == true {
+        let chunk = serde_json::json!({"id": "render", "object": "chat.completion.chunk",
+            "created": 0, "model": model, "choices": [{"index": 0,
+            "delta": {"role": "assistant", "content": "ok"}, "finish_reason": "length"}]});
+        let last = serde_json::json!({"id": "render", "object": "chat.completion.chunk",
+            "created": 0, "model": model, "choices": [], "usage": usage});
+        let events = format!("data: {chunk}\n\ndata: {last}\n\ndata: [DONE]\n\n");
+        return (200, "text/event-stream", events);
+    }
+    let completion = serde_json::json!({"id": "render", "object": "chat.completion", "created": 0,
+        "model": model, "choices": [{"index": 0, "finish_reason": "length",
+        "message": {"role": "assistant", "content": "ok"}}], "usage": usage});
+    (200, "application/json", completion.to_string())
 }
