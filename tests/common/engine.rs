@@ -2,7 +2,7 @@
 //! vLLM's CPU build, pinned in tests/fixtures/engine/ and installed by `./dev test` outside the
 //! clone.
 
-use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::io::{BufRead as _, BufReader, Write as _};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -336,28 +336,7 @@ fn answer_with_counts(stream: TcpStream, render: &str) {
     };
     let mut reader = BufReader::new(read_half);
     let mut stream = stream;
-    loop {
-        let mut request_line = String::new();
-        if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
-            return;
-        }
-        let mut length = 0;
-        loop {
-            let mut line = String::new();
-            if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                return;
-            }
-            if let Some(value) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                length = value.trim().parse().unwrap_or(0);
-            }
-            if line == "\r\n" {
-                break;
-            }
-        }
-        let mut body = vec![0; length];
-        if reader.read_exact(&mut body).is_err() {
-            return;
-        }
+    while let Some((request_line, body)) = super::read_request(&mut reader) {
         let (status, content_type, answer) = if request_line.starts_with("POST") {
             counted_answer(&client, render, body)
         } else {

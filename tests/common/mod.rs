@@ -70,19 +70,13 @@ pub fn responses_sdk(
     model: &str,
     kinds: &[&str],
 ) -> Vec<serde_json::Value> {
-    let script =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/responses/sdk.py");
-    let output = run_ok(
-        Command::new(venv.join("bin/python"))
-            .arg(script)
-            .arg(format!("http://{addr}/v1"))
-            .arg(model)
-            .args(kinds),
-    );
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}")))
-        .collect()
+    sdk_script(
+        venv,
+        "responses/sdk.py",
+        &format!("http://{addr}/v1"),
+        model,
+        kinds,
+    )
 }
 
 /// Anthropic's Python SDK (the venv's) through the Messages API of the gateway at `addr`, on
@@ -94,12 +88,31 @@ pub fn messages_sdk(
     model: &str,
     kinds: &[&str],
 ) -> Vec<serde_json::Value> {
-    let script =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/messages/sdk.py");
+    sdk_script(
+        venv,
+        "messages/sdk.py",
+        &format!("http://{addr}"),
+        model,
+        kinds,
+    )
+}
+
+/// An SDK script of tests/fixtures (`script`) run with the venv's Python on `base_url`, `model`
+/// and `kinds`: the JSON lines it printed.
+fn sdk_script(
+    venv: &std::path::Path,
+    script: &str,
+    base_url: &str,
+    model: &str,
+    kinds: &[&str],
+) -> Vec<serde_json::Value> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(script);
     let output = run_ok(
         Command::new(venv.join("bin/python"))
             .arg(script)
-            .arg(format!("http://{addr}"))
+            .arg(base_url)
             .arg(model)
             .args(kinds),
     );
@@ -107,4 +120,29 @@ pub fn messages_sdk(
         .lines()
         .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}")))
         .collect()
+}
+
+/// One HTTP/1 request read from a connection a stand-in server holds: its request line and its
+/// body (by its `content-length`); `None` once the connection ends.
+pub fn read_request(reader: &mut impl std::io::BufRead) -> Option<(String, Vec<u8>)> {
+    let mut request_line = String::new();
+    if reader.read_line(&mut request_line).ok()? == 0 {
+        return None;
+    }
+    let mut length = 0;
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).ok()? == 0 {
+            return None;
+        }
+        if let Some(value) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+            length = value.trim().parse().ok()?;
+        }
+        if line == "\r\n" {
+            break;
+        }
+    }
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body).ok()?;
+    Some((request_line, body))
 }

@@ -5,7 +5,7 @@
 //! them, the body vLLM gets stays small, and a store that lost a file or is full never costs vLLM
 //! its engine.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 
@@ -28,25 +28,8 @@ fn recording_upstream() -> (String, Arc<Mutex<Vec<Vec<u8>>>>) {
             std::thread::spawn(move || {
                 let mut reader = BufReader::new(stream.try_clone().unwrap());
                 let mut stream = stream;
-                loop {
-                    let mut length = 0;
-                    let mut line = String::new();
-                    loop {
-                        line.clear();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        let lower = line.to_ascii_lowercase();
-                        if let Some(v) = lower.strip_prefix("content-length:") {
-                            length = v.trim().parse().unwrap();
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                    }
-                    let mut body = vec![0; length];
-                    reader.read_exact(&mut body).unwrap();
-                    if length > 0 {
+                while let Some((_, body)) = common::read_request(&mut reader) {
+                    if !body.is_empty() {
                         log.lock().unwrap().push(body);
                     }
                     let answer = json!({"id": "x", "object": "chat.completion", "created": 0,

@@ -6,13 +6,12 @@
 //! blocks joined, a lone text block sent as a string), so that a request means the same prompt
 //! whichever of the two serves it.
 
-use base64::Engine as _;
 use http::StatusCode;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::openai::Invalid;
-use crate::media::sniff::sniff_mime_type;
+use crate::media::sniff::sniff_base64;
 
 /// The paths this API answers on: their errors take its shape.
 pub const MESSAGES: &str = "/v1/messages";
@@ -77,9 +76,6 @@ impl From<Invalid> for Refusal {
 fn invalid(param: &'static str, message: String) -> Refusal {
     Refusal::Invalid(Invalid { param, message })
 }
-
-/// Bytes of a base64 source decoded to tell what it holds (its magic numbers).
-const SNIFFED_BASE64_CHARS: usize = 4096;
 
 impl MessagesRequest {
     /// The chat completion this request means (`stream` as asked), or why it cannot be served.
@@ -318,8 +314,8 @@ fn document_parts(here: &str, source: &Value, parts: &mut Vec<Value>) -> Result<
         },
         Some("base64") => {
             let (mime, data) = base64_source(here, source)?;
-            let sniffed = sniffed(data)
-                .map_err(|why| invalid("messages", format!("{here}.source.data: {why}")))?;
+            let sniffed = sniff_base64(data)
+                .map_err(|e| invalid("messages", format!("{here}.source.data: not base64: {e}")))?;
             match sniffed {
                 Some(image) if image.starts_with("image/") => parts.push(
                     json!({"type": "image_url", "image_url": {"url": format!("data:{image};base64,{data}")}}),
@@ -381,20 +377,6 @@ fn file_part(here: &str, source: &Value) -> Result<Value, Refusal> {
         )
     })?;
     Ok(json!({"type": "file", "file": {"file_id": id}}))
-}
-
-/// What the leading bytes of a base64 payload are: a MIME type when recognised (`application/pdf`
-/// for a PDF, by its `%PDF-` header).
-fn sniffed(payload: &str) -> Result<Option<&'static str>, String> {
-    // Bytes, not characters: a payload that is not base64 may hold any UTF-8.
-    let head = &payload.as_bytes()[..payload.len().min(SNIFFED_BASE64_CHARS) / 4 * 4];
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(head)
-        .map_err(|e| format!("not base64: {e}"))?;
-    if bytes.starts_with(b"%PDF-") {
-        return Ok(Some("application/pdf"));
-    }
-    Ok(sniff_mime_type(&bytes))
 }
 
 /// Anthropic's `stop_reason` (and `stop_sequence`) for a chat completion's finish.
@@ -471,6 +453,7 @@ pub fn error_json(status: StatusCode, message: &str) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use base64::Engine as _;
 
     fn request(body: Value) -> MessagesRequest {
         serde_json::from_value(body).unwrap()

@@ -2,12 +2,11 @@
 //! means (the route every model already serves), and the JSON of responses and of their stream's
 //! events. Parsing and shapes only; [`crate::api`] runs them.
 
-use base64::Engine as _;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::Invalid;
-use crate::media::sniff::sniff_mime_type;
+use crate::media::sniff::sniff_base64;
 
 /// The fields of a Responses request this gateway reads (`model` and `user` are read when
 /// routing; tools and reasoning are not served).
@@ -50,9 +49,6 @@ pub enum Input {
 
 /// The roles an input message may have.
 const ROLES: [&str; 4] = ["user", "assistant", "system", "developer"];
-
-/// Bytes of an `input_file`'s base64 decoded to tell what it holds (its magic numbers).
-const SNIFFED_BASE64_CHARS: usize = 4096;
 
 impl ResponsesRequest {
     /// The conversation this request continues: `history` (an earlier turn's messages), then
@@ -220,12 +216,8 @@ fn file_data_part(data: &str) -> Result<Value, String> {
         },
         None => data,
     };
-    // Bytes, not characters: a payload that is not base64 may hold any UTF-8.
-    let head = &payload.as_bytes()[..payload.len().min(SNIFFED_BASE64_CHARS) / 4 * 4];
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(head)
-        .map_err(|e| format!("file_data is not base64: {e}"))?;
-    let mime = sniff_mime_type(&bytes)
+    let mime = sniff_base64(payload)
+        .map_err(|e| format!("file_data is not base64: {e}"))?
         .ok_or("file_data holds no image, video or audio this gateway recognises")?;
     let url = format!("data:{mime};base64,{payload}");
     let field = match mime.split('/').next() {
@@ -338,6 +330,7 @@ pub fn output_text(text: &str) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use base64::Engine as _;
 
     fn request(body: Value) -> ResponsesRequest {
         serde_json::from_value(body).unwrap()
