@@ -47,6 +47,15 @@ impl ApiError {
         )
     }
 
+    /// A request for a model this gateway does not serve.
+    pub fn model_not_found(model: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "model_not_found",
+            format!("the model {model:?} does not exist"),
+        )
+    }
+
     /// `method` on `path`, which takes only the methods `allow` lists (RFC 9110: a 405 says which).
     pub fn method_not_allowed(method: &str, path: &str, allow: &'static str) -> ApiError {
         let mut error = ApiError::new(

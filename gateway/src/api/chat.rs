@@ -98,14 +98,7 @@ impl Gateway {
         access.model = Some(routing.model.chars().take(MODEL_NAME_LOGGED).collect());
         let caller = self.caller(session);
         match self.models.get(routing.model.as_ref()) {
-            None => Err((
-                "none",
-                ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    "model_not_found",
-                    format!("the model {:?} does not exist", routing.model),
-                ),
-            )),
+            None => Err(("none", ApiError::model_not_found(&routing.model))),
             Some(Route::Upstream { pool, media }) => {
                 let call = ModeCall {
                     pool,
@@ -189,12 +182,6 @@ impl Gateway {
         access: &mut Access,
     ) -> Result<StatusCode, ApiError> {
         let prepared = self.prepare(caller, model, request).await?;
-        let mut used = |usage: &Value| {
-            access.tokens = Some(Tokens::of_usage(usage));
-            if let (Some(tally), Some(total)) = (tally, usage["total_tokens"].as_u64()) {
-                tally.used(total);
-            }
-        };
         let (stream, include_usage) = (prepared.stream, prepared.include_usage);
         let mut generation = Generation::start(model, prepared)?;
         let id = completion_id();
@@ -209,7 +196,7 @@ impl Gateway {
                 match generation.next().await? {
                     Step::Text(delta) => text.push_str(&delta),
                     Step::Done { finish, usage, .. } => {
-                        used(&usage);
+                        charge_usage(access, tally, &usage);
                         let reply =
                             openai::completion_json(&id, created, name, &text, finish, usage);
                         write_json(session, StatusCode::OK, &reply).await;
@@ -243,7 +230,7 @@ impl Gateway {
                     events.send(&chunk).await
                 }
                 Ok(Step::Done { finish, usage, .. }) => {
-                    used(&usage);
+                    charge_usage(access, tally, &usage);
                     let last = openai::chunk_json(&id, created, name, json!({}), Some(finish));
                     let mut sent = events.send(&last).await;
                     if include_usage && sent.is_ok() {
@@ -314,6 +301,14 @@ impl Gateway {
             })
             .collect();
         json!({"object": "list", "data": data})
+    }
+}
+
+/// What an answer used (its `usage`), told to the access line and charged to the key's `tally`.
+pub(super) fn charge_usage(access: &mut Access, tally: Option<&TokenTally>, usage: &Value) {
+    access.tokens = Some(Tokens::of_usage(usage));
+    if let (Some(tally), Some(total)) = (tally, usage["total_tokens"].as_u64()) {
+        tally.used(total);
     }
 }
 

@@ -14,11 +14,11 @@ use pingora::protocols::http::ServerSession;
 use serde_json::{Value, json};
 
 use super::Gateway;
-use super::chat::{MODEL_NAME_LOGGED, refused_if_client_error};
+use super::chat::{MODEL_NAME_LOGGED, charge_usage, refused_if_client_error};
 use super::io::{EventStream, read_body, write_json_with};
 use super::request::{checked_shape, off_thread_if_large};
 use super::steps::Answer;
-use crate::access::{Access, CLIENT_CLOSED, Tokens};
+use crate::access::{Access, CLIENT_CLOSED};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
 use crate::native::generation::Step;
@@ -50,7 +50,7 @@ impl Gateway {
         let (request, chat) = self.messages_request(session, tally).await.map_err(none)?;
         access.model = Some(request.model.chars().take(MODEL_NAME_LOGGED).collect());
         let Some(route) = self.models.get(&request.model) else {
-            return Err(none(model_not_found(&request.model)));
+            return Err(none(ApiError::model_not_found(&request.model)));
         };
         match request.max_tokens {
             Some(tokens) if tokens >= 1 => {}
@@ -81,10 +81,8 @@ impl Gateway {
         session: &mut ServerSession,
         tally: Option<&TokenTally>,
     ) -> Result<Value, ApiError> {
+        // An unknown model is refused by the planning, as for the chat plan route.
         let (request, mut chat) = self.messages_request(session, tally).await?;
-        if !self.models.contains_key(&request.model) {
-            return Err(model_not_found(&request.model));
-        }
         chat["stream"] = json!(false);
         if let Some(options) = chat.as_object_mut() {
             options.remove("stream_options");
@@ -140,12 +138,6 @@ impl Gateway {
     ) -> Result<StatusCode, ApiError> {
         let id = format!("msg_{:032x}", rand::random::<u128>());
         let model = request.model.as_str();
-        let mut used = |usage: &Value| {
-            access.tokens = Some(Tokens::of_usage(usage));
-            if let (Some(tally), Some(total)) = (tally, usage["total_tokens"].as_u64()) {
-                tally.used(total);
-            }
-        };
         let added = std::mem::take(&mut answer.headers);
         let headers: Vec<(&str, &str)> = added.iter().map(|(n, v)| (*n, v.as_str())).collect();
         if !request.stream {
@@ -158,7 +150,7 @@ impl Gateway {
                         usage,
                         stop_sequence,
                     } => {
-                        used(&usage);
+                        charge_usage(access, tally, &usage);
                         let stop = anthropic::stop_reason(finish, stop_sequence.as_deref());
                         let message = anthropic::message_json(
                             &id,
@@ -217,7 +209,7 @@ impl Gateway {
                     usage,
                     stop_sequence,
                 }) => {
-                    used(&usage);
+                    charge_usage(access, tally, &usage);
                     let (reason, sequence) =
                         anthropic::stop_reason(finish, stop_sequence.as_deref());
                     let closing = [
@@ -256,14 +248,6 @@ impl Gateway {
             step = answer.steps.next().await;
         }
     }
-}
-
-fn model_not_found(model: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        "model_not_found",
-        format!("the model {model:?} does not exist"),
-    )
 }
 
 fn not_a_messages_request(error: &serde_json::Error) -> ApiError {

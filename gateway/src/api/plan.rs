@@ -93,11 +93,7 @@ impl Gateway {
             server_processes,
         };
         match self.models.get(model) {
-            None => Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "model_not_found",
-                format!("the model {model:?} does not exist"),
-            )),
+            None => Err(ApiError::model_not_found(model)),
             Some(Route::Native(native)) => Ok(side(
                 &native.runtime.prompt,
                 native.accept_image_embeds,

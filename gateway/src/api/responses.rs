@@ -14,11 +14,11 @@ use pingora::protocols::http::ServerSession;
 use serde_json::{Value, json};
 
 use super::Gateway;
-use super::chat::{MODEL_NAME_LOGGED, refused_if_client_error};
+use super::chat::{MODEL_NAME_LOGGED, charge_usage, refused_if_client_error};
 use super::io::{EventStream, read_body, write_json_with};
 use super::request::{checked_shape, off_thread_if_large, shape_error};
 use super::steps::{Answer, Steps};
-use crate::access::{Access, CLIENT_CLOSED, Tokens};
+use crate::access::{Access, CLIENT_CLOSED};
 use crate::error::ApiError;
 use crate::keylimits::TokenTally;
 use crate::native::generation::Step;
@@ -79,11 +79,7 @@ impl Gateway {
         access.model = Some(request.model.chars().take(MODEL_NAME_LOGGED).collect());
         let caller = self.caller(session);
         let Some(route) = self.models.get(&request.model) else {
-            return Err(none(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "model_not_found",
-                format!("the model {:?} does not exist", request.model),
-            )));
+            return Err(none(ApiError::model_not_found(&request.model)));
         };
         let history = match &request.previous_response_id {
             None => Vec::new(),
@@ -164,12 +160,6 @@ impl Gateway {
         access: &mut Access,
     ) -> Result<StatusCode, ApiError> {
         let object = turn.object();
-        let mut used = |usage: &Value| {
-            access.tokens = Some(Tokens::of_usage(usage));
-            if let (Some(tally), Some(total)) = (tally, usage["total_tokens"].as_u64()) {
-                tally.used(total);
-            }
-        };
         let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
         if !turn.request.stream {
             let mut text = String::new();
@@ -177,7 +167,7 @@ impl Gateway {
                 match steps.next().await? {
                     Step::Text(delta) => text.push_str(&delta),
                     Step::Done { finish, usage, .. } => {
-                        used(&usage);
+                        charge_usage(access, tally, &usage);
                         let response = object.finished(&text, finish, &usage);
                         self.keep(caller, turn, conversation, &response, &text)
                             .await?;
@@ -241,7 +231,7 @@ impl Gateway {
                     send(&mut events, "response.output_text.delta", delta).await
                 }
                 Ok(Step::Done { finish, usage, .. }) => {
-                    used(&usage);
+                    charge_usage(access, tally, &usage);
                     let response = object.finished(&text, finish, &usage);
                     // Kept before it is announced complete: a follow-up may come at once.
                     let kept = self

@@ -81,18 +81,18 @@ impl MessagesRequest {
     /// The chat completion this request means (`stream` as asked), or why it cannot be served.
     pub fn chat_body(&self) -> Result<Value, Refusal> {
         self.check_served()?;
+        if self.messages.is_empty() {
+            return Err(invalid(
+                "messages",
+                "messages: at least one message is required".into(),
+            ));
+        }
         let mut messages = Vec::with_capacity(self.messages.len() + 1);
         if let Some(system) = &self.system {
             messages.push(json!({"role": "system", "content": system_text(system)?}));
         }
         for (index, message) in self.messages.iter().enumerate() {
             messages.push(chat_message(index, message)?);
-        }
-        if self.messages.is_empty() {
-            return Err(invalid(
-                "messages",
-                "messages: at least one message is required".into(),
-            ));
         }
         let mut body = json!({"model": self.model, "messages": messages, "stream": self.stream});
         if self.stream {
