@@ -17,6 +17,7 @@ const BUILTIN: &[(&str, &str)] = &[
     ("image", "mmgate_image_plugin"),
     ("video", "mmgate_video_plugin"),
     ("audio", "mmgate_audio_plugin"),
+    ("document", "mmgate_document_plugin"),
 ];
 /// Test-only plugins: built beside the built-ins, never embedded.
 const TEST_ONLY: &[(&str, &str)] = &[
@@ -61,6 +62,7 @@ fn run() -> Result<(), String> {
         "image",
         "video",
         "audio",
+        "document",
         "testing",
         "testing-v0_1",
         "testing-v0_2",

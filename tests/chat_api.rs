@@ -685,7 +685,7 @@ fn urls_and_uploads_for_an_upstream_model_are_fetched_here_and_sent_as_data() {
         (400, Some("image_embeds_not_accepted")),
         "{body}"
     );
-    // A file part needs its file, once; a PDF given inline is not media a plugin takes.
+    // A file part needs its file, once; a broken PDF is what its plugin says it is.
     for (file, want, code) in [
         (json!({"filename": "a.png"}), 400, "invalid_request"),
         (
@@ -695,8 +695,8 @@ fn urls_and_uploads_for_an_upstream_model_are_fetched_here_and_sent_as_data() {
         ),
         (
             json!({"file_data": base64::engine::general_purpose::STANDARD.encode(b"%PDF-1.7\n%\xe2\xe3\n")}),
-            415,
-            "unsupported_media",
+            400,
+            "invalid_media",
         ),
     ] {
         for (server, model) in [(&guarded, "demo"), (&back, "demo")] {

@@ -115,7 +115,7 @@ fn responses_are_each_keys_own_and_bad_input_gets_a_clear_4xx() {
         (
             part(json!({"type": "input_file", "file_data": text_file})),
             400,
-            "no image, video or audio",
+            "no image, video, audio or PDF",
         ),
         (
             part(
@@ -245,6 +245,10 @@ fn messages_take_anthropic_keys_and_refuse_in_anthropic_shape() {
         &base64::engine::general_purpose::STANDARD,
         b"%PDF-1.7\n1 0 obj\n",
     );
+    let zip = base64::Engine::encode(
+        &base64::engine::general_purpose::STANDARD,
+        b"PK\x03\x04\x14\0\0\0\x08\0",
+    );
     let user = |content: Value| json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": content}]});
     for (body, want, kind, said) in [
         (
@@ -269,9 +273,17 @@ fn messages_take_anthropic_keys_and_refuse_in_anthropic_shape() {
             user(
                 json!([{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": pdf}}]),
             ),
+            400,
+            "invalid_request_error",
+            "PDF",
+        ),
+        (
+            user(
+                json!([{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": zip}}]),
+            ),
             415,
             "invalid_request_error",
-            "application/pdf",
+            "application/zip",
         ),
         (
             user(json!([{"type": "thinking", "thinking": "hm"}])),

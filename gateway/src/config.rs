@@ -10,6 +10,7 @@ use mmgate_inference::devices::DeviceName;
 use serde::Deserialize;
 
 use crate::keylimits::KeyLimitsConfig;
+pub use crate::media::documents::DocumentsConfig;
 use crate::media::fetch::FetchConfig;
 use crate::media::files::FilesConfig;
 pub use crate::media::plugins::{PluginsConfig, cores};
@@ -59,6 +60,8 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     /// What one request may carry.
     pub limits: RequestLimits,
+    /// How documents (PDFs) become the pages a model sees.
+    pub documents: DocumentsConfig,
     /// How many client connections, and how long a client may take to send and to receive.
     pub connections: ConnectionsConfig,
     /// Fetching http(s) media URLs.
@@ -396,6 +399,10 @@ pub struct RequestLimits {
     /// Content parts of all messages together: each costs memory when the request is parsed,
     /// however small it is on the wire.
     pub max_content_parts: usize,
+    /// One document (PDF) file.
+    pub max_document_bytes: usize,
+    /// Pages of one document, checked before any is rendered (each page is an image).
+    pub max_document_pages: usize,
 }
 
 impl RequestLimits {
@@ -420,6 +427,8 @@ impl Default for RequestLimits {
             max_text_bytes: 8 << 20,
             max_messages: 4096,
             max_content_parts: 16384,
+            max_document_bytes: 32_000_000,
+            max_document_pages: 100,
         }
     }
 }
@@ -646,6 +655,7 @@ impl Default for Config {
             trusted_proxies: Vec::new(),
             tls: None,
             limits: RequestLimits::default(),
+            documents: DocumentsConfig::default(),
             connections: ConnectionsConfig::default(),
             fetch: FetchConfig::default(),
             files: FilesConfig::default(),
@@ -731,6 +741,7 @@ impl Config {
         }
         self.store.validate()?;
         self.key_limits.validate()?;
+        self.documents.validate()?;
         self.connections.validate()?;
         if let Some(tls) = &self.tls {
             crate::tls_files::check_server_files(&tls.cert, &tls.key).context("tls")?;

@@ -14,7 +14,7 @@ use crate::wire::http1::{self, Chunked, Request, RequestCheck};
 pub type Target = fn(&[u8]);
 
 /// The fuzz targets, by name: what `./dev fuzz` runs and the corpus replay covers.
-pub const TARGETS: [(&str, Target); 13] = [
+pub const TARGETS: [(&str, Target); 14] = [
     ("lane_request", lane_request),
     ("request_framing", request_framing),
     ("upstream_response", upstream_response),
@@ -26,6 +26,7 @@ pub const TARGETS: [(&str, Target); 13] = [
     ("image_plugin", image_plugin),
     ("audio_plugin", audio_plugin),
     ("video_plugin", video_plugin),
+    ("document_plugin", document_plugin),
     ("video_decoder", video_decoder),
     ("image_decoder", image_decoder),
 ];
@@ -266,6 +267,29 @@ pub fn video_plugin(data: &[u8]) {
     run_plugin("video", data, "{}");
 }
 
+/// The built-in document plugin: probe, then page 1 rendered small (what a gateway asks of it
+/// once it has planned): never a trap, and a page is a PNG.
+pub fn document_plugin(data: &[u8]) {
+    let plugin = builtin_plugin("document");
+    let media = mmgate_host::Media {
+        data: data.to_vec(),
+        mime_type: None,
+    };
+    let Ok(info) = plugin.probe(&media) else {
+        return;
+    };
+    let config = r#"{"mmgate_document_pages": [{"page": 1, "width": 96, "height": 128}]}"#;
+    let budget = mmgate_host::Budget { max_tokens: 0 };
+    let Ok(plan) = plugin.plan(&info, budget, config) else {
+        return;
+    };
+    if let Ok(pages) = plugin.reduce(&media, &plan, config) {
+        for page in &pages.files {
+            assert!(page.data.starts_with(b"\x89PNG"), "a page is a PNG");
+        }
+    }
+}
+
 /// The host's video decoder on its own: open (demux and index within the limits), then decode
 /// the first, a middle and the last frame: never a panic, and a frame is as large as it says.
 pub fn video_decoder(data: &[u8]) {
@@ -332,7 +356,7 @@ fn builtin_plugin(modality: &str) -> std::sync::Arc<mmgate_host::LoadedPlugin> {
             Ok(sandbox) => Arc::new(sandbox),
             Err(e) => panic!("a sandbox for the plugin targets: {e}"),
         };
-        const NAMES: [&str; 3] = ["image", "audio", "video"];
+        const NAMES: [&str; 4] = ["image", "audio", "video", "document"];
         match std::env::var_os("MMGATE_FUZZ_PLUGINS") {
             Some(dir) => NAMES
                 .into_iter()

@@ -215,6 +215,7 @@ pub fn serve(config: Config) -> anyhow::Result<()> {
         responses,
         fetcher: Fetcher::new(config.fetch.clone())?,
         limits: config.limits.clone(),
+        documents: config.documents.clone(),
         connections: config.connections.clone(),
         open_connections: AtomicUsize::new(0),
         api_keys: config.api_keys.clone(),

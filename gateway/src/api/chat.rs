@@ -157,6 +157,7 @@ impl Gateway {
             limits: &self.limits,
             files: &self.files,
             fetcher: &self.fetcher,
+            documents: &self.documents,
         }
     }
 

@@ -64,6 +64,8 @@ pub struct Gateway {
     pub responses: ResponseStore,
     pub fetcher: Fetcher,
     pub limits: RequestLimits,
+    /// How documents become pages.
+    pub documents: crate::config::DocumentsConfig,
     /// How many client connections, and their timeouts.
     pub connections: ConnectionsConfig,
     /// Client connections open now (below `connections.max`).

@@ -128,6 +128,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
     let files_store = FileStore::in_memory(FilesConfig::default());
     let fetcher = Fetcher::new(FetchConfig::default())?;
     let caller = Caller::public();
+    let documents = crate::config::DocumentsConfig::default();
     let services = ChatServices {
         caller: &caller,
         registry,
@@ -135,6 +136,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         limits: &limits,
         files: &files_store,
         fetcher: &fetcher,
+        documents: &documents,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

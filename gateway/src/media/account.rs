@@ -5,6 +5,7 @@
 
 use serde_json::{Map, Value, json};
 
+use super::documents::PageOf;
 use super::pipeline;
 use mmgate_host::LoadedPlugin;
 use mmgate_inference::families::MediaKind;
@@ -21,6 +22,9 @@ pub struct MediaAccount {
     pub plugin_ms: Option<f64>,
     /// Why the item left the request under the drop policy.
     pub dropped: Option<String>,
+    /// The document page this item is, when it is one: `usage.media` tells a document's pages
+    /// as one entry.
+    pub page: Option<PageOf>,
     /// The rest of the item's report, in its order (`tokens`, `reduced` and `reason` among it are
     /// rendered from the typed fields).
     details: Map<String, Value>,
@@ -47,6 +51,7 @@ impl MediaAccount {
             reduced: processed.plan.reduced,
             plugin_ms: Some((plugin_ms * 1e3).round() / 1e3),
             dropped: None,
+            page: None,
             details,
         }
     }
@@ -63,8 +68,15 @@ impl MediaAccount {
             reduced: false,
             plugin_ms: None,
             dropped: None,
+            page: None,
             details,
         }
+    }
+
+    /// The account of a document's page, when the item is one.
+    pub fn of_page(mut self, page: Option<PageOf>) -> Self {
+        self.page = page;
+        self
     }
 
     /// The drop policy took the item out of the request: it costs nothing, and says why.
@@ -102,9 +114,72 @@ impl MediaAccount {
     }
 }
 
-/// Accounts as `usage.media` shows them.
+/// Accounts as `usage.media` shows them: a document's pages as one entry.
 pub fn render(accounts: &[MediaAccount]) -> Vec<Value> {
-    accounts.iter().map(|a| a.to_json(true)).collect()
+    let mut out = Vec::with_capacity(accounts.len());
+    let mut rest = accounts;
+    while let Some(first) = rest.first() {
+        let Some(page) = &first.page else {
+            out.push(first.to_json(true));
+            rest = &rest[1..];
+            continue;
+        };
+        let pages = rest
+            .iter()
+            .take_while(|a| a.page.as_ref().is_some_and(|p| p.document == page.document))
+            .count();
+        out.push(document_json(&rest[..pages]));
+        rest = &rest[pages..];
+    }
+    out
+}
+
+/// One document's entry: its page count, the pages kept, each page's size and tokens, and why
+/// pages were shrunk or left out.
+fn document_json(pages: &[MediaAccount]) -> Value {
+    let of = |a: &MediaAccount| a.page.clone();
+    let first = pages.first().and_then(of);
+    let total = first.as_ref().map_or(0, |p| p.pages);
+    let kept: Vec<u32> = pages.iter().filter_map(of).map(|p| p.page).collect();
+    let shrunk = pages.iter().filter_map(of).filter(|p| p.shrunk).count();
+    let mut reasons: Vec<String> = Vec::new();
+    if shrunk > 0 {
+        reasons.push(format!(
+            "{shrunk} of the pages rendered smaller than documents.scale to fit the context"
+        ));
+    }
+    if let Some(left_out) = first.as_ref().and_then(|p| p.left_out.as_deref()) {
+        reasons.push(left_out.to_owned());
+    }
+    let per_page: Vec<Value> = pages
+        .iter()
+        .map(|a| {
+            let page = a.page.as_ref().map_or(0, |p| p.page);
+            let mut entry = json!({
+                "page": page,
+                "size": a.details.get("original_size"),
+                "tokens": a.tokens,
+            });
+            if let Some(ms) = a.plugin_ms {
+                entry["plugin_ms"] = json!(ms);
+            }
+            entry
+        })
+        .collect();
+    let mut out = json!({
+        "index": pages.first().map_or(0, |a| a.index),
+        "kind": "document",
+        "format": "pdf",
+        "pages": total,
+        "pages_kept": kept,
+        "per_page": per_page,
+        "tokens": pages.iter().map(|a| a.tokens).sum::<usize>(),
+        "reduced": !reasons.is_empty() || pages.iter().any(|a| a.reduced),
+    });
+    if !reasons.is_empty() {
+        out["reason"] = json!(reasons.join("; "));
+    }
+    out
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 
 pub mod account;
 pub mod budget;
+pub mod documents;
 pub mod feature_cache;
 pub mod fetch;
 pub mod files;

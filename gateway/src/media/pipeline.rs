@@ -302,7 +302,7 @@ fn plan_items(
 /// come, first served: a request holding no more than a worker's worth of its items in it at a
 /// time lets another request's items in between, so a small chat beside a request of sixty images
 /// waits behind a few items, not all sixty. A lone request keeps every worker busy all the same.
-async fn at_most_at_once<T, E>(
+pub(crate) async fn at_most_at_once<T, E>(
     fair_share: usize,
     calls: impl Iterator<Item = impl Future<Output = Result<T, E>>>,
 ) -> Result<Vec<T>, E> {

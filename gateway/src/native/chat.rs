@@ -127,7 +127,8 @@ pub async fn prepare(
                 None => return Err(internal("a media item was not processed")),
             },
         };
-        let mut account = MediaAccount::plugin(index, item.kind, &plugin, &processed);
+        let mut account =
+            MediaAccount::plugin(index, item.kind, &plugin, &processed).of_page(item.page);
         let tokens = processed.plan.tokens as usize;
         let made = match processed.made {
             Made::EncodedParts(known) => {

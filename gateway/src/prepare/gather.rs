@@ -6,9 +6,11 @@
 use std::sync::Arc;
 
 use mmgate_host::{LoadedPlugin, Media};
+use mmgate_inference::families::MediaKind;
 use mmgate_inference::prompt::PromptModel;
 use mmgate_inference::text::{ChatMessage, ContentPart};
 
+use super::documents::{self, Resolved};
 use super::errors::{context_exceeded, embeds_refused, invalid, plugin_failed};
 use super::media::{ChatServices, Item, ItemInput, resolve_media};
 use super::prompt_text::{checked_text, prompt_ids_off_thread};
@@ -103,7 +105,7 @@ pub(crate) async fn gather(
 
     // The conversation as the chat template sees it, and the media parts in prompt order.
     checked_text(prompt, &request.messages, services.limits).await?;
-    let mut messages = Vec::with_capacity(request.messages.len());
+    let mut unplaced = Vec::with_capacity(request.messages.len());
     let mut sources = Vec::new();
     for message in std::mem::take(&mut request.messages) {
         let mut content = Vec::new();
@@ -127,31 +129,111 @@ pub(crate) async fn gather(
                 }
             }
         }
-        messages.push(ChatMessage {
+        unplaced.push(ChatMessage {
             role: message.role,
             content,
         });
     }
-    let items = resolve_media(prompt, sources, services).await?;
-    let mut next_item = items.iter();
-    for part in messages.iter_mut().flat_map(|m| m.content.iter_mut()) {
-        if !matches!(part, ContentPart::Text(_))
-            && let Some(item) = next_item.next()
-        {
-            *part = item.kind.content_part();
-        }
-    }
-
-    let (messages, ids) = prompt_ids_off_thread(prompt, messages).await?;
-    let text_tokens = prompt.text_tokens(&ids);
-    let context = prompt.context_length;
+    let resolved = resolve_media(prompt, sources, services).await?;
+    // Each media part's place takes its item's kind; a document's, one image per page.
+    let slots: Vec<(MediaKind, usize, bool)> = resolved
+        .iter()
+        .map(|r| match r {
+            Resolved::Item(item) => (item.kind, 1, false),
+            Resolved::Document(document) => (MediaKind::Image, document.pages.len(), true),
+        })
+        .collect();
+    let has_documents = resolved.iter().any(|r| matches!(r, Resolved::Document(_)));
+    // Kept only while pages may yet be left out, when the prompt is made again.
+    let again = has_documents.then(|| unplaced.clone());
+    let (mut messages, mut ids) =
+        prompt_ids_off_thread(prompt, placed(unplaced, &slots, 0)).await?;
     let max_tokens = match request.max_tokens {
         Some(0) => return Err(invalid("max_tokens", "max_tokens must be at least 1")),
         Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
         None => None,
     };
-    // Media share what the context leaves after the text and the completion; without max_tokens
-    // the completion gets whatever the media leave (at least one token).
+    // Embeddings cost what they hold; the plugins' items share the rest.
+    let fixed: usize = resolved
+        .iter()
+        .map(|r| match r {
+            Resolved::Item(Item {
+                input: ItemInput::Embeddings(item),
+                ..
+            }) => item.tokens,
+            _ => 0,
+        })
+        .sum();
+    let mut budget = media_budget(prompt, &ids, max_tokens, fixed)?;
+    let (items, pages_left_out) =
+        documents::into_items(&prompt.processor_config, services, resolved, budget).await?;
+    if let Some(unplaced) = again
+        && pages_left_out > 0
+    {
+        // Pages were left out: the prompt is made again without their places.
+        (messages, ids) =
+            prompt_ids_off_thread(prompt, placed(unplaced, &slots, pages_left_out)).await?;
+        budget = media_budget(prompt, &ids, max_tokens, fixed)?;
+    }
+    Ok(Gathered {
+        messages,
+        items,
+        ids,
+        budget,
+        max_tokens,
+        stop,
+    })
+}
+
+/// `messages` with each media part's place taken by its items' (`slots`: each part's kind and
+/// item count in order), the last `pages_left_out` document pages left out.
+fn placed(
+    mut messages: Vec<ChatMessage>,
+    slots: &[(MediaKind, usize, bool)],
+    pages_left_out: usize,
+) -> Vec<ChatMessage> {
+    let pages: usize = slots
+        .iter()
+        .filter(|(_, _, document)| *document)
+        .map(|(_, n, _)| n)
+        .sum();
+    let mut pages_kept = pages.saturating_sub(pages_left_out);
+    let mut slots = slots.iter();
+    for message in &mut messages {
+        let mut content = Vec::with_capacity(message.content.len());
+        for part in std::mem::take(&mut message.content) {
+            if matches!(part, ContentPart::Text(_)) {
+                content.push(part);
+                continue;
+            }
+            let Some(&(kind, count, document)) = slots.next() else {
+                continue;
+            };
+            let count = if document {
+                let kept = count.min(pages_kept);
+                pages_kept -= kept;
+                kept
+            } else {
+                count
+            };
+            content.extend(std::iter::repeat_n(kind.content_part(), count));
+        }
+        message.content = content;
+    }
+    messages
+}
+
+/// What the context leaves the plugins' items: less the text (`ids`), the completion and the
+/// embeddings' `fixed` tokens. Without max_tokens the completion gets whatever the media leave
+/// (at least one token).
+fn media_budget(
+    prompt: &PromptModel,
+    ids: &[u32],
+    max_tokens: Option<usize>,
+    fixed: usize,
+) -> Result<usize, ApiError> {
+    let text_tokens = prompt.text_tokens(ids);
+    let context = prompt.context_length;
     let budget = context
         .checked_sub(text_tokens)
         .and_then(|left| left.checked_sub(max_tokens.unwrap_or(1)))
@@ -161,25 +243,9 @@ pub(crate) async fn gather(
                 max_tokens.unwrap_or(1)
             ))
         })?;
-    // Embeddings cost what they hold; the plugins' items share the rest.
-    let fixed: usize = items
-        .iter()
-        .map(|i| match &i.input {
-            ItemInput::Embeddings(item) => item.tokens,
-            ItemInput::Plugin { .. } => 0,
-        })
-        .sum();
-    let budget = budget.checked_sub(fixed).ok_or_else(|| {
+    budget.checked_sub(fixed).ok_or_else(|| {
         context_exceeded(format!(
             "the request's image_embeds are {fixed} tokens; {budget} are left for media in this model's context of {context} tokens"
         ))
-    })?;
-    Ok(Gathered {
-        messages,
-        items,
-        ids,
-        budget,
-        max_tokens,
-        stop,
     })
 }

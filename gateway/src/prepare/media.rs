@@ -11,11 +11,13 @@ use mmgate_inference::families::MediaKind;
 use mmgate_inference::prompt::PromptModel;
 use tracing::Instrument as _;
 
+use super::documents::{Document, Resolved};
 use super::errors::{invalid, too_large, unsupported_media};
 use super::plugin_output::named_tensor;
 use crate::access::as_attribute;
 use crate::config::RequestLimits;
 use crate::error::ApiError;
+use crate::media::documents::{DocumentsConfig, PageOf};
 use crate::media::files::FileStore;
 use crate::media::pipeline;
 use crate::media::sniff::sniff_mime_type;
@@ -32,12 +34,15 @@ pub struct ChatServices<'a> {
     pub limits: &'a RequestLimits,
     pub files: &'a FileStore,
     pub fetcher: &'a crate::media::fetch::Fetcher,
+    pub documents: &'a DocumentsConfig,
 }
 
 /// One media part of the request, resolved: bytes for a plugin, or embeddings ready to merge.
 pub(crate) struct Item {
     pub(crate) kind: MediaKind,
     pub(crate) input: ItemInput,
+    /// The page of a document this item is, when it is one.
+    pub(crate) page: Option<PageOf>,
 }
 
 pub(crate) enum ItemInput {
@@ -50,12 +55,13 @@ pub(crate) enum ItemInput {
 }
 
 /// Every media part's bytes, within the limits (checked before decoding or fetching), and the
-/// plugin that takes each, which must handle the kind the part claims and the model must take it.
+/// plugin that takes each, which must handle the kind the part claims and the model must take it;
+/// a document probed, its pages made later ([`super::documents::into_items`]).
 pub(crate) async fn resolve_media(
     runtime: &PromptModel,
     sources: Vec<(Option<MediaKind>, MediaSource)>,
     services: &ChatServices<'_>,
-) -> Result<Vec<Item>, ApiError> {
+) -> Result<Vec<Resolved>, ApiError> {
     let mut tally = MediaTally::new(services.limits, sources.len())?;
     let mut resolved = Vec::with_capacity(sources.len());
     let mut items = Vec::with_capacity(sources.len());
@@ -74,10 +80,11 @@ pub(crate) async fn resolve_media(
                     .map_err(|e| invalid("messages", format!("media item {index}: {e}")))?;
                 items.push((
                     index,
-                    Item {
+                    Resolved::Item(Item {
                         kind,
                         input: ItemInput::Embeddings(input),
-                    },
+                        page: None,
+                    }),
                 ));
                 continue;
             }
@@ -150,6 +157,11 @@ pub(crate) async fn resolve_media(
             ))
         })?;
         let handles = |k: MediaKind| plugin.descriptor().modalities.iter().any(|m| m == k.name());
+        if kind.is_none() && plugin.descriptor().modalities.iter().any(|m| m == DOCUMENT) {
+            let document = document(index, runtime, plugin, media, services).await?;
+            items.push((index, Resolved::Document(document)));
+            continue;
+        }
         let kind = match kind {
             Some(kind) if handles(kind) => kind,
             Some(kind) => {
@@ -174,17 +186,43 @@ pub(crate) async fn resolve_media(
         tally.add(index, kind, media.data.len())?;
         items.push((
             index,
-            Item {
+            Resolved::Item(Item {
                 kind,
                 input: ItemInput::Plugin {
                     plugin,
                     media: Arc::new(media),
                 },
-            },
+                page: None,
+            }),
         ));
     }
     items.sort_by_key(|(index, _)| *index);
     Ok(items.into_iter().map(|(_, item)| item).collect())
+}
+
+/// The modality of documents (PDFs): their pages are the model's images.
+const DOCUMENT: &str = "document";
+
+/// Media item `index`, a document, probed: refused when the model takes no images (its pages) or
+/// it is over the document limits.
+async fn document(
+    index: usize,
+    runtime: &PromptModel,
+    plugin: Arc<LoadedPlugin>,
+    media: Media,
+    services: &ChatServices<'_>,
+) -> Result<Document, ApiError> {
+    runtime.placeholder(MediaKind::Image).map_err(|_| {
+        unsupported_media(format!(
+            "media item {index}: model {} does not take documents (their pages are images)",
+            runtime.name
+        ))
+    })?;
+    let limit = services.limits.max_document_bytes;
+    if media.data.len() > limit {
+        return Err(too_large(index, media.data.len(), limit));
+    }
+    Document::probe(index, plugin, Arc::new(media), services).await
 }
 
 /// The bytes of media item `index` and the MIME type its source declared: base64 decoded, a URL
@@ -304,7 +342,11 @@ impl<'a> MediaTally<'a> {
         match kind {
             Some(MediaKind::Image) => self.limits.max_image_bytes,
             Some(MediaKind::Audio) => self.limits.max_audio_bytes,
-            Some(MediaKind::Video) | None => self.limits.max_video_bytes,
+            Some(MediaKind::Video) => self.limits.max_video_bytes,
+            None => self
+                .limits
+                .max_video_bytes
+                .max(self.limits.max_document_bytes),
         }
     }
 

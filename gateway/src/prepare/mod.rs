@@ -6,6 +6,7 @@
 //! upstream is sent, `api::media_modes`'.
 
 mod bands;
+pub mod documents;
 pub mod errors;
 pub mod gather;
 pub mod media;

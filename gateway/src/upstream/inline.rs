@@ -2,7 +2,8 @@
 //! http(s) URL fetched here and every upload read here, as data URLs: this gateway's SSRF guard, byte
 //! limits and file store apply whichever route serves the model. Left as they were, an upstream
 //! engine would fetch the URLs itself from inside the network (past the guard), and would know
-//! nothing of this gateway's uploads.
+//! nothing of this gateway's uploads. A PDF goes as its pages, rendered here as PNG images: no
+//! engine takes PDFs.
 
 use std::sync::LazyLock;
 
@@ -13,6 +14,7 @@ use serde_json::Value;
 use super::UpstreamPool;
 use crate::error::ApiError;
 use crate::media::sniff::sniff_mime_type;
+use crate::prepare::documents::pages_for_engine;
 use crate::prepare::errors::embeds_refused;
 use crate::prepare::media::{ChatServices, MediaTally, source_bytes};
 use crate::wire::openai::parts::{Carried, carried, url_part, url_part_type};
@@ -55,6 +57,8 @@ pub async fn inline_media(
     }
     let mut tally = MediaTally::new(services.limits, found.len())?;
     let mut changed = false;
+    // Each PDF's place and its pages as image parts, spliced in once every place is known.
+    let mut documents = Vec::new();
     for (index, (m, p, media)) in found.into_iter().enumerate() {
         let (kind, source) = match media {
             Carried::Inline { kind, bytes } => {
@@ -67,6 +71,19 @@ pub async fn inline_media(
         };
         let (data, declared) = source_bytes(index, source, tally.limit(kind), services).await?;
         let mime = sniff_mime_type(&data).map(str::to_owned).or(declared);
+        if kind.is_none() && mime.as_deref() == Some("application/pdf") {
+            let mut pages = Vec::new();
+            for page in pages_for_engine(index, data, services).await? {
+                tally.add(index, MediaKind::Image, page.data.len())?;
+                let url = format!(
+                    "data:image/png;base64,{}",
+                    base64::engine::general_purpose::STANDARD.encode(&page.data)
+                );
+                pages.push(url_part(MediaKind::Image, url));
+            }
+            documents.push((m, p, pages));
+            continue;
+        }
         let kind = match kind {
             Some(kind) => kind,
             None => kind_of(mime.as_deref()).ok_or_else(|| {
@@ -100,6 +117,16 @@ pub async fn inline_media(
             None => *part = url_part(kind, url),
         }
         changed = true;
+    }
+    for (m, p, pages) in documents.into_iter().rev() {
+        if let Some(parts) = body
+            .pointer_mut(&format!("/messages/{m}/content"))
+            .and_then(Value::as_array_mut)
+            && p < parts.len()
+        {
+            parts.splice(p..=p, pages);
+            changed = true;
+        }
     }
     Ok(changed)
 }

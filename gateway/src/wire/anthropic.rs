@@ -320,6 +320,10 @@ fn document_parts(here: &str, source: &Value, parts: &mut Vec<Value>) -> Result<
                 Some(image) if image.starts_with("image/") => parts.push(
                     json!({"type": "image_url", "image_url": {"url": format!("data:{image};base64,{data}")}}),
                 ),
+                // Rendered page by page by the document plugin, as chat's file part is.
+                Some(pdf @ "application/pdf") => parts.push(
+                    json!({"type": "file", "file": {"file_data": format!("data:{pdf};base64,{data}")}}),
+                ),
                 Some(other) => return Err(unsupported_document(here, other)),
                 None => return Err(unsupported_document(here, mime)),
             }
@@ -346,8 +350,8 @@ fn document_parts(here: &str, source: &Value, parts: &mut Vec<Value>) -> Result<
 
 fn unsupported_document(here: &str, what: &str) -> Refusal {
     Refusal::Unsupported(format!(
-        "{here}: a document of {what} is not served: this gateway renders no documents yet (send \
-         its pages as image blocks, or its text as a text source)"
+        "{here}: a document of {what} is not served: documents are PDFs, images, or text (a \
+         text source)"
     ))
 }
 
@@ -463,6 +467,8 @@ mod tests {
     fn a_request_means_the_chat_completion_vllm_would_make_of_it() {
         let png =
             base64::engine::general_purpose::STANDARD.encode(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR");
+        let pdf =
+            base64::engine::general_purpose::STANDARD.encode(b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n");
         let body = request(json!({
             "model": "m", "max_tokens": 9, "stream": true,
             "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
@@ -477,6 +483,7 @@ mod tests {
                     {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "a note"}},
                     {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": png}},
                     {"type": "image", "source": {"type": "file", "file_id": "file-1"}},
+                    {"type": "document", "source": {"type": "base64", "media_type": "image/png", "data": pdf}},
                 ]},
             ],
         }))
@@ -502,6 +509,11 @@ mod tests {
         assert_eq!(
             parts[4],
             json!({"type": "file", "file": {"file_id": "file-1"}})
+        );
+        // Declared a PNG, but its bytes are a PDF: a file the document plugin renders.
+        assert_eq!(
+            parts[5],
+            json!({"type": "file", "file": {"file_data": format!("data:application/pdf;base64,{pdf}")}})
         );
         assert_eq!(body["stop"], json!(["END"]));
         assert_eq!(
@@ -546,14 +558,13 @@ mod tests {
             matches!(&tool_result, Refusal::Invalid(i) if i.message.contains("tool_result")),
             "{tool_result:?}"
         );
-        let pdf =
-            base64::engine::general_purpose::STANDARD.encode(b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n");
+        let zip = base64::engine::general_purpose::STANDARD.encode(b"PK\x03\x04\x14\0\0\0\x08\0");
         let document = refused(
             json!({}),
-            json!([{"type": "document", "source": {"type": "base64", "media_type": "image/png", "data": pdf}}]),
+            json!([{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": zip}}]),
         );
         assert!(
-            matches!(&document, Refusal::Unsupported(m) if m.contains("application/pdf")),
+            matches!(&document, Refusal::Unsupported(m) if m.contains("application/zip")),
             "{document:?}"
         );
         let role = request(json!({"model": "m", "messages": [{"role": "system", "content": "x"}]}));

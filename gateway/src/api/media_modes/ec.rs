@@ -31,7 +31,7 @@ use crate::media::account;
 use crate::model::LocalModel;
 use crate::native::chat;
 use crate::upstream::ReplyAdditions;
-use crate::wire::openai::parts::{self, Rewrite};
+use crate::wire::openai::parts::Rewrite;
 
 /// A model whose encoder outputs reach vLLM through its EC connector.
 pub struct EcMedia {
@@ -286,7 +286,7 @@ pub async fn prepare(
             }
         }
     }
-    parts::rewrite(&mut value, rewrites);
+    super::rewrite_parts(&mut value, rewrites, &accounts);
     let additions = ReplyAdditions {
         headers: encoded_headers(&accounts, prompt_tokens, dropped_here),
         usage_media: Some(Value::Array(account::render(&accounts))),

@@ -16,7 +16,7 @@ use crate::error::ApiError;
 use crate::model::LocalModel;
 use crate::native::chat;
 use crate::upstream::{ReplyAdditions, embeds};
-use crate::wire::openai::parts::{self, Rewrite};
+use crate::wire::openai::parts::Rewrite;
 
 /// Whether the request is encoded here (see [`embeds::encode_here`]).
 pub fn encodes_here(value: &Value) -> bool {
@@ -97,7 +97,7 @@ pub async fn prepare(
             return Err(encode_failed(&format!("media item {index}: {failure}")));
         }
     }
-    parts::rewrite(&mut value, rewrites);
+    super::rewrite_parts(&mut value, rewrites, &accounts);
     let additions = ReplyAdditions {
         headers: encoded_headers(&accounts, prompt_tokens, dropped_here),
         usage_media: None,

@@ -20,6 +20,7 @@ use crate::metrics::Metrics;
 use crate::model::LocalModel;
 use crate::prepare::media::ChatServices;
 use crate::upstream::{ReplyAdditions, UpstreamPool, inline};
+use crate::wire::openai::parts::{self, Rewrite};
 use mmgate_inference::prompt::PromptModel;
 
 /// The reply header that carries the media accounts of a request whose media were planned or
@@ -30,6 +31,32 @@ const MEDIA_HEADER: &str = "x-mmgate-media";
 /// media it planned (or encoded) for an upstream model: the upstream's `usage.prompt_tokens` must
 /// equal it.
 pub(super) const PROMPT_TOKENS_HEADER: &str = "x-mmgate-prompt-tokens";
+
+/// Rewrites the body's media parts with each item's rewrite (`rewrites`, one per account, in
+/// order): a document's pages, the items of one part, go together in that part's place.
+fn rewrite_parts(value: &mut Value, rewrites: Vec<Rewrite>, accounts: &[MediaAccount]) {
+    let mut per_part = Vec::with_capacity(rewrites.len());
+    let mut pages: Option<(usize, Vec<Value>)> = None;
+    for (rewrite, account) in rewrites.into_iter().zip(accounts) {
+        let Some(document) = account.page.as_ref().map(|p| p.document) else {
+            per_part.extend(pages.take().map(|(_, parts)| Rewrite::Many(parts)));
+            per_part.push(rewrite);
+            continue;
+        };
+        if pages.as_ref().is_some_and(|(d, _)| *d != document) {
+            per_part.extend(pages.take().map(|(_, parts)| Rewrite::Many(parts)));
+        }
+        let (_, parts) = pages.get_or_insert_with(|| (document, Vec::new()));
+        match rewrite {
+            Rewrite::Replace(part) => parts.push(part),
+            Rewrite::Many(more) => parts.extend(more),
+            // A page dropped leaves; a page has no part of its own to keep.
+            Rewrite::Drop | Rewrite::Keep => {}
+        }
+    }
+    per_part.extend(pages.map(|(_, parts)| Rewrite::Many(parts)));
+    parts::rewrite(value, per_part);
+}
 
 fn prompt_tokens_header(tokens: usize) -> (&'static str, HeaderValue) {
     (PROMPT_TOKENS_HEADER, HeaderValue::from(tokens))

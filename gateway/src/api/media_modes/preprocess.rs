@@ -64,7 +64,7 @@ pub async fn prepare(
             None => Rewrite::Keep,
         });
     }
-    parts::rewrite(&mut value, rewrites);
+    super::rewrite_parts(&mut value, rewrites, &planned.accounts);
     let mut additions = ReplyAdditions {
         headers: vec![prompt_tokens_header(planned.prompt_tokens)],
         usage_media: Some(Value::Array(account::render(&planned.accounts))),
@@ -177,7 +177,10 @@ async fn plan_upstream_once(
                         serde_json::from_str(&done.plan.choices).unwrap_or_default(),
                     ),
                 });
-                accounts.push(MediaAccount::plugin(index, item.kind, plugin, &done));
+                accounts.push(
+                    MediaAccount::plugin(index, item.kind, plugin, &done)
+                        .of_page(item.page.clone()),
+                );
                 sources.push(Some(PlannedSource {
                     plugin: plugin.clone(),
                     media: media.clone(),

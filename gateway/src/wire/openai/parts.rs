@@ -91,6 +91,8 @@ pub enum Rewrite {
     Drop,
     /// The part goes as it came.
     Keep,
+    /// The part goes as these parts (a document's pages).
+    Many(Vec<Value>),
 }
 
 /// The request's media parts, in the order chat processing takes them.
@@ -132,6 +134,7 @@ pub fn rewrite(body: &mut Value, rewrites: Vec<Rewrite>) {
             }
             match rewrites.next() {
                 Some(Rewrite::Replace(new)) => kept.push(new),
+                Some(Rewrite::Many(new)) => kept.extend(new),
                 Some(Rewrite::Drop) => {}
                 Some(Rewrite::Keep) | None => kept.push(part),
             }

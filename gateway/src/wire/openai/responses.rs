@@ -218,8 +218,12 @@ fn file_data_part(data: &str) -> Result<Value, String> {
     };
     let mime = sniff_base64(payload)
         .map_err(|e| format!("file_data is not base64: {e}"))?
-        .ok_or("file_data holds no image, video or audio this gateway recognises")?;
+        .ok_or("file_data holds no image, video, audio or PDF this gateway recognises")?;
     let url = format!("data:{mime};base64,{payload}");
+    if mime == "application/pdf" {
+        // A document: chat's file part takes it to the document plugin.
+        return Ok(json!({"type": "file", "file": {"file_data": url}}));
+    }
     let field = match mime.split('/').next() {
         Some("image") => "image_url",
         Some("video") => "video_url",
