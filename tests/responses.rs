@@ -163,7 +163,7 @@ fn the_anthropic_sdk_runs_messages_and_counts_their_tokens_on_native_models() {
         return;
     };
     let (server, _dir) = start("");
-    let kinds = ["text", "image", "document", "errors"];
+    let kinds = ["text", "image", "document", "pdf", "errors"];
     let lines = common::messages_sdk(&venv, &server.addr, "demo", &kinds);
     let line = |what: &str| lines.iter().find(|l| l["what"] == what).unwrap().clone();
     // The document whose bytes are a JPEG is that image, and the text beside it costs tokens.
@@ -171,6 +171,10 @@ fn the_anthropic_sdk_runs_messages_and_counts_their_tokens_on_native_models() {
     assert_eq!(document["media"][0]["kind"], "image", "{document}");
     assert!(document["counted"].as_u64() > Some(0), "{document}");
     assert_eq!(image["counted"], image["input_tokens"], "{image}");
+    // A PDF is its three pages, counted before it is sent.
+    let pdf = line("pdf");
+    assert_eq!(pdf["counted"], pdf["input_tokens"], "{pdf}");
+    assert_eq!(pdf["media"][0]["pages"], 3, "{pdf}");
     // Greedy, the answer's own words as a stop sequence end it there.
     assert!(
         lines.iter().any(|l| l["what"] == "stop_sequence"),

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use base64::Engine as _;
 use serde_json::{Value, json};
 
 use common::engine::{Vllm, engine_venv, vllm_package, weightless};
@@ -97,6 +98,31 @@ fn planned(gateway: &Server, model: &str, content: &Value, extra: &Value) -> (u6
     let promised = promised.unwrap_or_else(|| panic!("{model}: no promise: {reply}"));
     let counted = reply["usage"]["prompt_tokens"].as_u64().unwrap();
     (promised, counted, reply["usage"]["media"].clone())
+}
+
+/// A PDF through `model` (planned here) and `forward`: its pages, each rendered at the size its
+/// plan chose, are the tokens promised; forwarded, they go as PNG images vLLM counts itself.
+fn documents_hold(gateway: &Server, model: &str, forward: &str) {
+    let pdf = format!(
+        "data:application/pdf;base64,{}",
+        base64::engine::general_purpose::STANDARD
+            .encode(common::fixture("documents/three-pages.pdf"))
+    );
+    let content = json!([{"type": "text", "text": "Summarise."},
+                         {"type": "file", "file": {"filename": "r.pdf", "file_data": pdf}}]);
+    let (promised, counted, media) = planned(gateway, model, &content, &json!({}));
+    assert_eq!(promised, counted, "{model}, a PDF: {media}");
+    assert_eq!(media[0]["kind"], "document", "{media}");
+    assert_eq!(media[0]["pages_kept"], json!([1, 2, 3]), "{media}");
+    let body = json!({"model": forward, "max_tokens": 2,
+                      "messages": [{"role": "user", "content": content}]});
+    let (status, none, reply) = post(gateway, &body);
+    assert!(status.is_success(), "{forward}, a PDF: {reply}");
+    assert_eq!(none, None, "forward promises nothing");
+    assert!(
+        reply["usage"]["prompt_tokens"].as_u64() > Some(3),
+        "{reply}"
+    );
 }
 
 const IMAGES: [&str; 9] = [
@@ -295,6 +321,7 @@ fn gemma3_in_front_of_vllm_keeps_its_promise_with_and_without_pan_and_scan() {
         &[("gemma3", "media = \"preprocess\"\npath = {path}")],
     );
     promises_hold(&gateway, "gemma3", "gemma3-pas-forward", &json!({}));
+    documents_hold(&gateway, "gemma3", "gemma3-pas-forward");
     let pas = json!({"mm_processor_kwargs": {"do_pan_and_scan": true}});
     let plans = promises_hold(&gateway, "gemma3-pas", "gemma3-pas-forward", &pas);
     // 16 tokens a view: whole images and 2, 3 and 4 crops.
@@ -348,6 +375,7 @@ fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
         &[("qwen2-vl-embed", embed.as_str())],
     );
     promises_hold(&gateway, "qwen2-vl", "qwen2-vl-forward", &json!({}));
+    documents_hold(&gateway, "qwen2-vl", "qwen2-vl-forward");
     // A photo of more than twice the pixels its plan keeps is sent at its planned size (a PNG),
     // not as it came, though the budget did not cut it: the promise holds all the same.
     let big = "scene-1280x960.jpg";
@@ -411,9 +439,10 @@ fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
     let lines = common::responses_sdk(&venv, &gateway.addr, "qwen2-vl", &kinds);
     assert!(lines.iter().any(|l| l["what"] == "follow-up"), "{lines:?}");
     // Anthropic's SDK through the Messages API: `count_tokens` is the count vLLM then charges.
-    let kinds = ["text", "image", "document", "errors"];
+    let kinds = ["text", "image", "document", "pdf", "errors"];
     let lines = common::messages_sdk(&venv, &gateway.addr, "qwen2-vl", &kinds);
     assert!(lines.iter().any(|l| l["what"] == "document"), "{lines:?}");
+    assert!(lines.iter().any(|l| l["what"] == "pdf"), "{lines:?}");
     messages_mean_what_vllm_makes_of_them(&_vllm, &gateway, &model);
 }
 
