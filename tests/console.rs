@@ -78,7 +78,7 @@ fn the_console_shows_what_the_api_says_in_a_real_browser() {
     // Every check ran and held (the script stops at the first that fails).
     let checks = lines.iter().filter(|l| l["ok"] == true).count();
     assert!(checks >= 20, "{lines:#?}");
-    for page in ["try", "audio", "models", "plugins", "live"] {
+    for page in ["try", "audio", "document", "models", "plugins", "live"] {
         let shot = shots.join(format!("console-{page}.png"));
         assert!(
             std::fs::metadata(&shot).unwrap().len() > 10_000,

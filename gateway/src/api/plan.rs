@@ -67,8 +67,27 @@ impl Gateway {
         if pictures {
             let config = prompt.processor_config.as_str();
             let sources = planned.parts.iter().zip(&planned.sources);
-            for (item, ((kind, files), source)) in items.iter_mut().zip(sources) {
-                if let Some(picture) = self.picture(*kind, files.as_ref(), source, config).await? {
+            let mut drawn = Vec::with_capacity(planned.parts.len());
+            for ((kind, files), source) in sources {
+                drawn.push(self.picture(*kind, files.as_ref(), source, config).await?);
+            }
+            let mut drawn = drawn.into_iter();
+            for item in &mut items {
+                // A document's entry stands for its kept pages, each an item drawn as an image.
+                let picture = match item["pages_kept"].as_array() {
+                    Some(pages) => {
+                        let pages: Vec<Value> = pages
+                            .iter()
+                            .zip(drawn.by_ref())
+                            .map(|(page, picture)| {
+                                json!({"page": page, "image": picture.map(|p| p["image"].clone())})
+                            })
+                            .collect();
+                        Some(json!({ "pages": pages }))
+                    }
+                    None => drawn.next().flatten(),
+                };
+                if let Some(picture) = picture {
                     item["picture"] = picture;
                 }
             }

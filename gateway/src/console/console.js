@@ -173,6 +173,7 @@
   function kindOf(type, name) {
     for (const kind of ['image', 'video', 'audio']) if (type.startsWith(`${kind}/`)) return kind;
     const ext = (name.split(/[?#]/)[0].split('.').pop() || '').toLowerCase();
+    if (type === 'application/pdf' || ext === 'pdf') return 'document';
     if (['mp4', 'webm', 'mkv', 'mov', 'avi', 'mpeg', 'mpg', 'ogv', 'flv', '3gp'].includes(ext)) return 'video';
     if (['wav', 'mp3', 'flac', 'ogg', 'oga', 'm4a', 'aac', 'opus'].includes(ext)) return 'audio';
     return 'image';
@@ -219,6 +220,12 @@
     const content = [{ type: 'text', text: $('#prompt').value }];
     const sources = [];
     for (const c of chosen) {
+      if (c.kind === 'document') {
+        // A PDF goes as OpenAI's SDK sends files: its pages become the model's images.
+        content.push({ type: 'file', file: { filename: c.file.name, file_data: await dataUrl(c.file) } });
+        sources.push({ name: c.file.name, url: c.url });
+        continue;
+      }
       const type = PART_TYPE[c.kind];
       content.push({ type, [type]: { url: await dataUrl(c.file) } });
       sources.push({ name: c.file.name, url: c.url });
@@ -308,6 +315,19 @@
       card.append(el('div', { class: 'sheet' }, frames.map((f, n) => el('figure', { class: 'frame', 'data-timestamp': f.timestamp },
         el('img', { src: f.image, alt: `Frame ${n + 1} at ${f.timestamp.toFixed(2)} s` }),
         el('figcaption', {}, `#${n + 1} · ${f.timestamp.toFixed(2)} s`)))));
+    } else if (m.kind === 'document') {
+      const pages = picture.pages || [];
+      card.dataset.pages = m.pages;
+      card.dataset.kept = (m.pages_kept || []).length;
+      card.append(el('p', { class: 'facts' },
+        `${plural((m.pages_kept || []).length, 'page')} of ${m.pages} as the model gets them, each an image`));
+      const detail = new Map((m.per_page || []).map((p) => [p.page, p]));
+      card.append(el('div', { class: 'sheet' }, pages.map((p) => {
+        const d = detail.get(p.page) || {};
+        return el('figure', { class: 'page', 'data-page': p.page },
+          p.image ? el('img', { src: p.image, alt: `Page ${p.page} as the model gets it, ${size(d.size)}` }) : null,
+          el('figcaption', {}, `Page ${p.page} · ${size(d.size)} · ${plural(d.tokens || 0, 'token')}`));
+      })));
     } else if (m.kind === 'audio') {
       card.dataset.chunks = m.chunks ?? '';
       card.append(el('p', { class: 'facts' },
