@@ -366,3 +366,45 @@ fn a_pdf_reaches_the_responses_and_messages_apis() {
         "{answer}"
     );
 }
+
+/// The text layer: with `documents.text = "with_pages"` each page's text goes before its image
+/// (and the account counts its characters); with `"only"` the pages' text alone, no image.
+#[test]
+fn a_pdfs_text_layer_goes_with_or_instead_of_its_pages() {
+    let (images, _d1) = start("");
+    let (with_pages, _d2) = start("[documents]\ntext = \"with_pages\"\n");
+    let (only, _d3) = start("[documents]\ntext = \"only\"\n");
+    let file = || json!({"file_data": pdf_data("three-pages.pdf")});
+    let prompt = |server: &Server| {
+        let (status, _, body) = post(server, &ask(file(), 2));
+        assert_eq!(status, 200, "{body}");
+        body
+    };
+    let (images, with_pages, only) = (prompt(&images), prompt(&with_pages), prompt(&only));
+    let tokens = |body: &Value| body["usage"]["prompt_tokens"].as_u64().unwrap();
+    let media = |body: &Value| body["usage"]["media"].clone();
+    // The pages' images cost the same with their text; the text adds its tokens.
+    assert_eq!(media(&with_pages)[0]["tokens"], media(&images)[0]["tokens"]);
+    let per_page = media(&with_pages)[0]["per_page"].clone();
+    let chars: Vec<u64> = per_page
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["text_chars"].as_u64().unwrap())
+        .collect();
+    // The report page is text, the slide a few words, the photo page a caption and a paragraph.
+    assert!(
+        chars[0] > 1000 && chars[1] > 10 && chars[1] < 100,
+        "{chars:?}"
+    );
+    assert!(
+        tokens(&with_pages) > tokens(&images) + 300,
+        "{with_pages} vs {images}"
+    );
+    // The text alone: no images, and fewer tokens than the images with their text.
+    assert!(media(&only).as_array().is_none_or(Vec::is_empty), "{only}");
+    assert!(
+        tokens(&only) + media(&images)[0]["tokens"].as_u64().unwrap() <= tokens(&with_pages) + 12,
+        "{only} vs {with_pages}"
+    );
+}

@@ -401,7 +401,8 @@ pub struct RequestLimits {
     pub max_content_parts: usize,
     /// One document (PDF) file.
     pub max_document_bytes: usize,
-    /// Pages of one document, checked before any is rendered (each page is an image).
+    /// Pages of one request's documents together, checked before any is rendered (each page is
+    /// an image to render and encode).
     pub max_document_pages: usize,
 }
 
@@ -839,6 +840,11 @@ mod tests {
             default.limits.max_image_bytes
         );
         assert_eq!(config.models.len(), default.models.len());
+        assert_eq!(
+            config.limits.max_document_pages,
+            default.limits.max_document_pages
+        );
+        assert_eq!(config.documents, default.documents);
     }
 
     #[test]
@@ -903,6 +909,9 @@ mod tests {
             ),
             ("api_keys = [\"\"]\n", "empty key"),
             ("[limits]\nmax_image_byte = 5\n", "unknown field"),
+            ("[documents]\nscale = 0\n", "documents.scale"),
+            ("[documents]\nmin_long_side = 4000\n", "min_long_side"),
+            ("[documents]\noverflow = \"middle\"\n", "unknown variant"),
             ("[fetch]\nallow = [\"not a network\"]\n", "invalid"),
             (
                 "[plugins]\nthreads = 0\n",

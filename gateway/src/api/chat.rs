@@ -20,7 +20,7 @@ use crate::keylimits::TokenTally;
 use crate::model::LocalModel;
 use crate::native::chat::{self, Prepared};
 use crate::native::generation::{Generation, Step};
-use crate::prepare::media::ChatServices;
+use crate::prepare::items::ChatServices;
 use crate::store::Caller;
 use crate::upstream::{Forwarded, UpstreamPool};
 use crate::wire::openai::{self, ChatCompletionRequest};

@@ -20,7 +20,7 @@ use crate::model::LocalModel;
 use crate::model::{ModelRuntime, RuntimeOptions, default_cache_dir, resolve_model_dir};
 use crate::native::chat;
 use crate::native::generation::{Generation, Step};
-use crate::prepare::media::ChatServices;
+use crate::prepare::items::ChatServices;
 use crate::store::Caller;
 use crate::wire::openai::ChatCompletionRequest;
 use crate::wire::openai::parts::url_part;

@@ -160,6 +160,9 @@ fn document_json(pages: &[MediaAccount]) -> Value {
                 "size": a.details.get("original_size"),
                 "tokens": a.tokens,
             });
+            if let Some(chars) = a.page.as_ref().and_then(|p| p.text_chars) {
+                entry["text_chars"] = json!(chars);
+            }
             if let Some(ms) = a.plugin_ms {
                 entry["plugin_ms"] = json!(ms);
             }

@@ -18,7 +18,7 @@ use serde_json::Value;
 use crate::media::budget::{self, BudgetError};
 
 /// How documents become pages.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DocumentsConfig {
     /// Pixels per point a page is rendered at when the budget leaves room (2.0: 144 dpi).
@@ -29,6 +29,9 @@ pub struct DocumentsConfig {
     pub min_long_side: u32,
     /// What happens when not every page fits the context even at the legibility floor.
     pub overflow: Overflow,
+    /// A page's text layer in the prompt: `none`, `with_pages` (before each page's image) or
+    /// `only` (the text alone, no images: a text PDF then costs a fraction of the tokens).
+    pub text: TextLayer,
 }
 
 impl Default for DocumentsConfig {
@@ -38,6 +41,7 @@ impl Default for DocumentsConfig {
             max_long_side: 2048,
             min_long_side: 768,
             overflow: Overflow::Refuse,
+            text: TextLayer::None,
         }
     }
 }
@@ -84,6 +88,19 @@ pub enum Overflow {
     Refuse,
     /// Keep the first pages that fit, and say so in `usage.media`.
     FirstPages,
+}
+
+/// Where a document's text layer goes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TextLayer {
+    /// Not read: the pages' images alone.
+    #[default]
+    None,
+    /// Each page's text before its image.
+    WithPages,
+    /// The pages' text alone.
+    Only,
 }
 
 /// One item to plan: a page (its size in points), or any other item (its plugin plans it).
@@ -285,6 +302,8 @@ pub struct PageOf {
     pub shrunk: bool,
     /// Why pages of the document were left out, when some were.
     pub left_out: Option<std::sync::Arc<str>>,
+    /// Characters of the page's text layer before its image, when it is read.
+    pub text_chars: Option<usize>,
 }
 
 /// A page described as the image it will be: what the image plugin plans from.

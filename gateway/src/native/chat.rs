@@ -20,7 +20,7 @@ use crate::media::pipeline::{self, Made};
 use crate::model::LocalModel;
 use crate::prepare::errors::{context_exceeded, internal, invalid, plugin_failed, unencodable};
 use crate::prepare::gather::{Gathered, gather};
-use crate::prepare::media::{ChatServices, ItemInput};
+use crate::prepare::items::{ChatServices, ItemInput};
 use crate::prepare::plugin_output::{item_tensors, part_layouts, place_parts};
 use crate::prepare::prompt_text::{prompt_ids, without_media};
 use crate::wire::openai::ChatCompletionRequest;

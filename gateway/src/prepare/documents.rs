@@ -13,7 +13,7 @@ use serde_json::json;
 use tracing::Instrument as _;
 
 use super::errors::{context_exceeded, internal, plugin_failed, unsupported_media};
-use super::media::{ChatServices, Item, ItemInput};
+use super::items::{ChatServices, Item, ItemInput};
 use crate::access::as_attribute;
 use crate::error::ApiError;
 use crate::media::budget::BudgetError;
@@ -28,6 +28,8 @@ pub(crate) struct Document {
     pub media: Arc<Media>,
     /// Each page's size in points, as shown.
     pub pages: Vec<[f32; 2]>,
+    /// Each page's text layer, when it goes before the page's image (`documents.text`).
+    pub texts: Vec<String>,
 }
 
 impl Document {
@@ -64,7 +66,49 @@ impl Document {
             plugin,
             media,
             pages,
+            texts: Vec::new(),
         })
+    }
+
+    /// Each page's text layer (media item `index`), read in the sandbox; all of it together is
+    /// text of the request, within `limits.max_text_bytes`.
+    pub async fn read_text(
+        &self,
+        index: usize,
+        services: &ChatServices<'_>,
+    ) -> Result<Vec<String>, ApiError> {
+        let pages: Vec<_> = (1..=self.pages.len())
+            .map(|page| json!({"page": page, "width": 1, "height": 1}))
+            .collect();
+        let plan = TokenPlan {
+            tokens: 0,
+            reduced: false,
+            reason: String::new(),
+            choices: json!({"pages": pages, "text": true, "pixels": false}).to_string(),
+        };
+        let (plugin, media) = (self.plugin.clone(), self.media.clone());
+        let read = services
+            .pool
+            .run(move || plugin.reduce(&media, &plan, "{}"))
+            .await
+            .map_err(|e| plugin_failed(index, &e))?;
+        let texts: Vec<String> = read
+            .files
+            .into_iter()
+            .map(|file| String::from_utf8_lossy(&file.data).into_owned())
+            .collect();
+        let bytes: usize = texts.iter().map(String::len).sum();
+        let max = services.limits.max_text_bytes;
+        if bytes > max {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "text_too_large",
+                format!(
+                    "media item {index}: the document's text is {bytes} bytes; at most {max} are allowed (limits.max_text_bytes)"
+                ),
+            ));
+        }
+        Ok(texts)
     }
 }
 
@@ -76,10 +120,12 @@ fn page_sizes(info: &MediaInfo) -> Option<Vec<[f32; 2]>> {
         .filter(|s: &Vec<_>| !s.is_empty())
 }
 
-/// A media part resolved: an item, or a document whose pages become items.
+/// A media part resolved: an item, a document whose pages become items, or a document read as
+/// its pages' text alone (`documents.text = "only"`).
 pub(crate) enum Resolved {
     Item(Item),
     Document(Document),
+    Text(Vec<String>),
 }
 
 impl Resolved {
@@ -88,6 +134,7 @@ impl Resolved {
         match self {
             Self::Item(_) => 1,
             Self::Document(document) => document.pages.len(),
+            Self::Text(_) => 0,
         }
     }
 }
@@ -103,7 +150,7 @@ pub(crate) async fn into_items(
     if !resolved.iter().any(|r| matches!(r, Resolved::Document(_))) {
         let items = resolved.into_iter().filter_map(|r| match r {
             Resolved::Item(item) => Some(item),
-            Resolved::Document(_) => None,
+            Resolved::Document(_) | Resolved::Text(_) => None,
         });
         return Ok((items.collect(), 0));
     }
@@ -143,6 +190,7 @@ pub(crate) async fn into_items(
                 continue;
             }
             Resolved::Document(document) => document,
+            Resolved::Text(_) => continue,
         };
         let total = document.pages.len() as u32;
         let first = next;
@@ -173,6 +221,10 @@ pub(crate) async fn into_items(
                     pages: total,
                     shrunk: render.shrunk,
                     left_out: left_out.clone(),
+                    text_chars: document
+                        .texts
+                        .get(render.page as usize - 1)
+                        .map(|t| t.chars().count()),
                 }),
             });
         }
@@ -219,14 +271,13 @@ async fn render(
     pipeline::at_most_at_once(services.pool.threads(), rendering).await
 }
 
-/// Media item `index`, a PDF going to a model whose engine takes its media as they come: every
-/// page (within `limits.max_document_pages`), each rendered at `documents.scale` as a PNG, for
-/// the engine's own processor (no engine takes PDFs).
-pub(crate) async fn pages_for_engine(
+/// Media item `index`, the PDF in `data`, probed by the document plugin (within
+/// `limits.max_document_pages`), for a model whose engine takes media as they come.
+pub(crate) async fn probe_pdf(
     index: usize,
     data: Vec<u8>,
     services: &ChatServices<'_>,
-) -> Result<Vec<Media>, ApiError> {
+) -> Result<Document, ApiError> {
     let media = Media {
         data,
         mime_type: Some("application/pdf".into()),
@@ -237,7 +288,16 @@ pub(crate) async fn pages_for_engine(
         .ok_or_else(|| {
             unsupported_media(format!("media item {index}: no loaded plugin renders PDFs"))
         })?;
-    let document = Document::probe(index, plugin, Arc::new(media), services).await?;
+    Document::probe(index, plugin, Arc::new(media), services).await
+}
+
+/// Every page of `document` (media item `index`) rendered at `documents.scale` as a PNG, for an
+/// engine's own processor (no engine takes PDFs).
+pub(crate) async fn pages_for_engine(
+    index: usize,
+    document: &Document,
+    services: &ChatServices<'_>,
+) -> Result<Vec<Media>, ApiError> {
     let renders: Vec<PageRender> = (1..)
         .zip(&document.pages)
         .map(|(page, points)| PageRender {
@@ -314,7 +374,7 @@ async fn size(
                 others.push((plugin.clone(), media.clone()));
                 item_of.push(item);
             }
-            Resolved::Item(_) => {}
+            Resolved::Item(_) | Resolved::Text(_) => {}
             Resolved::Document(document) => {
                 for (page, points) in document.pages.iter().enumerate() {
                     planning.push(Planning::Page(*points));

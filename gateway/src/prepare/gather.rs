@@ -6,13 +6,13 @@
 use std::sync::Arc;
 
 use mmgate_host::{LoadedPlugin, Media};
-use mmgate_inference::families::MediaKind;
 use mmgate_inference::prompt::PromptModel;
 use mmgate_inference::text::{ChatMessage, ContentPart};
 
 use super::documents::{self, Resolved};
 use super::errors::{context_exceeded, embeds_refused, invalid, plugin_failed};
-use super::media::{ChatServices, Item, ItemInput, resolve_media};
+use super::items::{ChatServices, Item, ItemInput};
+use super::media::resolve_media;
 use super::prompt_text::{checked_text, prompt_ids_off_thread};
 use crate::error::ApiError;
 use crate::media::budget::BudgetError;
@@ -135,14 +135,9 @@ pub(crate) async fn gather(
         });
     }
     let resolved = resolve_media(prompt, sources, services).await?;
-    // Each media part's place takes its item's kind; a document's, one image per page.
-    let slots: Vec<(MediaKind, usize, bool)> = resolved
-        .iter()
-        .map(|r| match r {
-            Resolved::Item(item) => (item.kind, 1, false),
-            Resolved::Document(document) => (MediaKind::Image, document.pages.len(), true),
-        })
-        .collect();
+    // Each media part's place takes its item's kind; a document's, one image per page (its text
+    // before it, when read), or its pages' text alone.
+    let slots: Vec<Slot> = resolved.iter().map(Slot::of).collect();
     let has_documents = resolved.iter().any(|r| matches!(r, Resolved::Document(_)));
     // Kept only while pages may yet be left out, when the prompt is made again.
     let again = has_documents.then(|| unplaced.clone());
@@ -185,17 +180,56 @@ pub(crate) async fn gather(
     })
 }
 
-/// `messages` with each media part's place taken by its items' (`slots`: each part's kind and
-/// item count in order), the last `pages_left_out` document pages left out.
+/// What a media part's place in the prompt becomes: its groups of parts, in order; a document's
+/// `pages` are groups that may be left out (the last ones first).
+struct Slot {
+    groups: Vec<Vec<ContentPart>>,
+    pages: bool,
+}
+
+impl Slot {
+    fn of(resolved: &Resolved) -> Self {
+        let page_text =
+            |page: usize, text: &str| ContentPart::Text(format!("Page {page}:\n{text}\n"));
+        match resolved {
+            Resolved::Item(item) => Self {
+                groups: vec![vec![item.kind.content_part()]],
+                pages: false,
+            },
+            Resolved::Document(document) => Self {
+                groups: (1..=document.pages.len())
+                    .map(|page| {
+                        let text = document.texts.get(page - 1).map(|t| page_text(page, t));
+                        text.into_iter().chain([ContentPart::Image]).collect()
+                    })
+                    .collect(),
+                pages: true,
+            },
+            Resolved::Text(texts) => Self {
+                groups: vec![
+                    texts
+                        .iter()
+                        .enumerate()
+                        .map(|(at, text)| page_text(at + 1, text))
+                        .collect(),
+                ],
+                pages: false,
+            },
+        }
+    }
+}
+
+/// `messages` with each media part's place taken by its slot's parts, the last `pages_left_out`
+/// document pages left out.
 fn placed(
     mut messages: Vec<ChatMessage>,
-    slots: &[(MediaKind, usize, bool)],
+    slots: &[Slot],
     pages_left_out: usize,
 ) -> Vec<ChatMessage> {
     let pages: usize = slots
         .iter()
-        .filter(|(_, _, document)| *document)
-        .map(|(_, n, _)| n)
+        .filter(|slot| slot.pages)
+        .map(|slot| slot.groups.len())
         .sum();
     let mut pages_kept = pages.saturating_sub(pages_left_out);
     let mut slots = slots.iter();
@@ -206,17 +240,17 @@ fn placed(
                 content.push(part);
                 continue;
             }
-            let Some(&(kind, count, document)) = slots.next() else {
+            let Some(slot) = slots.next() else {
                 continue;
             };
-            let count = if document {
-                let kept = count.min(pages_kept);
+            let groups = if slot.pages {
+                let kept = slot.groups.len().min(pages_kept);
                 pages_kept -= kept;
-                kept
+                &slot.groups[..kept]
             } else {
-                count
+                &slot.groups[..]
             };
-            content.extend(std::iter::repeat_n(kind.content_part(), count));
+            content.extend(groups.iter().flatten().cloned());
         }
         message.content = content;
     }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use base64::Engine as _;
 use http::StatusCode;
-use mmgate_host::{LoadedPlugin, Media, PluginPool, PluginRegistry};
+use mmgate_host::{LoadedPlugin, Media};
 use mmgate_inference::engine::MediaItem;
 use mmgate_inference::families::MediaKind;
 use mmgate_inference::prompt::PromptModel;
@@ -13,46 +13,16 @@ use tracing::Instrument as _;
 
 use super::documents::{Document, Resolved};
 use super::errors::{invalid, too_large, unsupported_media};
+use super::items::{ChatServices, Item, ItemInput};
 use super::plugin_output::named_tensor;
 use crate::access::as_attribute;
 use crate::config::RequestLimits;
 use crate::error::ApiError;
-use crate::media::documents::{DocumentsConfig, PageOf};
-use crate::media::files::FileStore;
+use crate::media::documents::TextLayer;
 use crate::media::pipeline;
 use crate::media::sniff::sniff_mime_type;
-use crate::store::Caller;
 use crate::wire::openai::{self, ByteSource, MediaSource, PayloadError};
 use crate::wire::torchfile;
-
-/// What a chat request needs besides its model.
-pub struct ChatServices<'a> {
-    /// Whose request it is: uploads are looked up as theirs.
-    pub caller: &'a Caller,
-    pub registry: Arc<PluginRegistry>,
-    pub pool: &'a PluginPool,
-    pub limits: &'a RequestLimits,
-    pub files: &'a FileStore,
-    pub fetcher: &'a crate::media::fetch::Fetcher,
-    pub documents: &'a DocumentsConfig,
-}
-
-/// One media part of the request, resolved: bytes for a plugin, or embeddings ready to merge.
-pub(crate) struct Item {
-    pub(crate) kind: MediaKind,
-    pub(crate) input: ItemInput,
-    /// The page of a document this item is, when it is one.
-    pub(crate) page: Option<PageOf>,
-}
-
-pub(crate) enum ItemInput {
-    Plugin {
-        plugin: Arc<LoadedPlugin>,
-        media: Arc<Media>,
-    },
-    /// Encoded elsewhere (an `image_embeds` part): a fixed number of tokens, nothing to run.
-    Embeddings(MediaItem),
-}
 
 /// Every media part's bytes, within the limits (checked before decoding or fetching), and the
 /// plugin that takes each, which must handle the kind the part claims and the model must take it;
@@ -158,8 +128,17 @@ pub(crate) async fn resolve_media(
         })?;
         let handles = |k: MediaKind| plugin.descriptor().modalities.iter().any(|m| m == k.name());
         if kind.is_none() && plugin.descriptor().modalities.iter().any(|m| m == DOCUMENT) {
-            let document = document(index, runtime, plugin, media, services).await?;
-            items.push((index, Resolved::Document(document)));
+            let mut document = document(index, runtime, plugin, media, services).await?;
+            tally.add_pages(index, document.pages.len())?;
+            let resolved = match services.documents.text {
+                TextLayer::None => Resolved::Document(document),
+                TextLayer::WithPages => {
+                    document.texts = document.read_text(index, services).await?;
+                    Resolved::Document(document)
+                }
+                TextLayer::Only => Resolved::Text(document.read_text(index, services).await?),
+            };
+            items.push((index, resolved));
             continue;
         }
         let kind = match kind {
@@ -315,6 +294,7 @@ pub(crate) fn embeddings_item(
 pub struct MediaTally<'a> {
     limits: &'a RequestLimits,
     image_bytes: usize,
+    pages: usize,
 }
 
 impl<'a> MediaTally<'a> {
@@ -333,7 +313,26 @@ impl<'a> MediaTally<'a> {
         Ok(MediaTally {
             limits,
             image_bytes: 0,
+            pages: 0,
         })
+    }
+
+    /// Item `index`, a document of `pages` pages: each page is an image to render and encode, so
+    /// the request's documents together have at most `limits.max_document_pages`.
+    pub fn add_pages(&mut self, index: usize, pages: usize) -> Result<(), ApiError> {
+        self.pages += pages;
+        let max = self.limits.max_document_pages;
+        if self.pages > max {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "document_too_long",
+                format!(
+                    "media item {index}: the request's documents have {} pages together; at most {max} are allowed (limits.max_document_pages)",
+                    self.pages
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The most bytes an item of `kind` may have; an item of unknown kind (an upload, until its

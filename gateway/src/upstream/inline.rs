@@ -14,9 +14,10 @@ use serde_json::Value;
 use super::UpstreamPool;
 use crate::error::ApiError;
 use crate::media::sniff::sniff_mime_type;
-use crate::prepare::documents::pages_for_engine;
+use crate::prepare::documents::{pages_for_engine, probe_pdf};
 use crate::prepare::errors::embeds_refused;
-use crate::prepare::media::{ChatServices, MediaTally, source_bytes};
+use crate::prepare::items::ChatServices;
+use crate::prepare::media::{MediaTally, source_bytes};
 use crate::wire::openai::parts::{Carried, carried, url_part, url_part_type};
 use mmgate_inference::families::MediaKind;
 
@@ -72,8 +73,10 @@ pub async fn inline_media(
         let (data, declared) = source_bytes(index, source, tally.limit(kind), services).await?;
         let mime = sniff_mime_type(&data).map(str::to_owned).or(declared);
         if kind.is_none() && mime.as_deref() == Some("application/pdf") {
+            let document = probe_pdf(index, data, services).await?;
+            tally.add_pages(index, document.pages.len())?;
             let mut pages = Vec::new();
-            for page in pages_for_engine(index, data, services).await? {
+            for page in pages_for_engine(index, &document, services).await? {
                 tally.add(index, MediaKind::Image, page.data.len())?;
                 let url = format!(
                     "data:image/png;base64,{}",

@@ -8,14 +8,18 @@
 //!   and each page's size in points, which the gateway checks against its limits and plans with;
 //! - `plan` checks the pages and sizes the gateway chose (a processor config with
 //!   `mmgate_document_pages`), or, without them, chooses every page at twice its size in points;
-//! - `reduce` renders the planned pages, each as a PNG at exactly its planned size.
+//! - `reduce` renders the planned pages, each as a PNG at exactly its planned size, and, when the
+//!   plan asks for it (`text`), gives each page's text layer before its picture (`text/plain`);
+//!   a plan with `pixels: false` gives only the text.
 
 mod render;
+mod text;
 
 use mmgate_plugin_sdk::*;
 use serde::{Deserialize, Serialize};
 
 pub use render::{PageSize, open, page_sizes, render_page};
+pub use text::page_text;
 
 /// Most pages a document may have for this plugin to read it at all; the gateway's own limit
 /// (`limits.max_document_pages`) is lower and applies after the probe.
@@ -38,17 +42,31 @@ pub struct PageRender {
     pub height: u32,
 }
 
-/// What a plan chose: the pages, in the order they are rendered.
+/// What a plan chose: the pages, in the order they are rendered, and what of each is made.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Choices {
     pub pages: Vec<PageRender>,
+    /// Each page's text layer, before its picture.
+    #[serde(default)]
+    pub text: bool,
+    /// Each page's picture (a PNG).
+    #[serde(default = "yes")]
+    pub pixels: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The part of the processor config this plugin reads: the pages and sizes the gateway planned.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Deserialize)]
 struct DocumentConfig {
     #[serde(default)]
     mmgate_document_pages: Option<Vec<PageRender>>,
+    #[serde(default)]
+    mmgate_document_text: bool,
+    #[serde(default = "yes")]
+    mmgate_document_pixels: bool,
 }
 
 /// The plugin; public so its code can also run natively (parity and speed benchmarks).
@@ -96,8 +114,13 @@ impl Plugin for DocumentPlugin {
             check_render(render, pages)?;
         }
         let reason = format!("{} of {pages} pages rendered", chosen.len());
+        let choices = Choices {
+            pages: chosen,
+            text: config.mmgate_document_text,
+            pixels: config.mmgate_document_pixels,
+        };
         // A document's tokens are its pages', which the image plugin plans and counts.
-        TokenPlan::new(0, false, reason, &Choices { pages: chosen })
+        TokenPlan::new(0, false, reason, &choices)
     }
 
     fn preprocess(
@@ -121,7 +144,15 @@ impl Plugin for DocumentPlugin {
         let mut files = Vec::with_capacity(choices.pages.len());
         for render in &choices.pages {
             check_render(render, count)?;
-            files.push(files::png(&render_page(&pdf, render)?)?);
+            if choices.text {
+                files.push(Media {
+                    data: page_text(&pdf, render.page)?.into_bytes(),
+                    mime_type: Some("text/plain; charset=utf-8".into()),
+                });
+            }
+            if choices.pixels {
+                files.push(files::png(&render_page(&pdf, render)?)?);
+            }
         }
         let timestamps = vec![0.0; files.len()];
         Ok(ReducedItem { files, timestamps })

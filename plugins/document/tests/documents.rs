@@ -203,3 +203,44 @@ fn mutated_documents_never_panic() {
         "{rendered} rendered, {refused} refused"
     );
 }
+
+/// A page's text layer comes in reading order; a scanned page has none; a plan may ask for the
+/// text alone.
+#[test]
+fn a_pages_text_layer_is_its_lines_in_reading_order() {
+    let text = |name: &str| {
+        let pdf = open(read(name)).expect("opens");
+        mmgate_document_plugin::page_text(&pdf, 1).expect("the text")
+    };
+    let report = text("text.pdf");
+    let first = report.lines().next().unwrap_or_default();
+    assert_eq!(first, "Quarterly report", "{report}");
+    assert!(
+        report.contains("Multimodal gateways turn documents into the images"),
+        "{report}"
+    );
+    assert_eq!(
+        report,
+        text("rotated.pdf"),
+        "rotation does not change the text"
+    );
+    let slide = text("slide.pdf");
+    assert!(slide.starts_with("Architecture"), "{slide}");
+    assert!(
+        slide.contains("Gateway") && slide.contains("Engine"),
+        "{slide}"
+    );
+    assert_eq!(text("scanned.pdf"), "", "a scan has no text layer");
+
+    let media = || Media {
+        data: read("three-pages.pdf"),
+        mime_type: None,
+    };
+    let info = DocumentPlugin::probe(media()).expect("the probe");
+    let config = r#"{"mmgate_document_pages": [{"page": 1, "width": 1, "height": 1}, {"page": 2, "width": 1, "height": 1}], "mmgate_document_text": true, "mmgate_document_pixels": false}"#;
+    let plan = DocumentPlugin::plan(info, Budget { max_tokens: 0 }, config.into()).expect("plan");
+    let made = DocumentPlugin::reduce(media(), plan, config.into()).expect("the text");
+    let kinds: Vec<Option<&str>> = made.files.iter().map(|f| f.mime_type.as_deref()).collect();
+    assert_eq!(kinds, vec![Some("text/plain; charset=utf-8"); 2]);
+    assert!(String::from_utf8_lossy(&made.files[1].data).starts_with("Architecture"));
+}

@@ -18,7 +18,7 @@ use crate::error::ApiError;
 use crate::media::account::{self, MediaAccount};
 use crate::metrics::Metrics;
 use crate::model::LocalModel;
-use crate::prepare::media::ChatServices;
+use crate::prepare::items::ChatServices;
 use crate::upstream::{ReplyAdditions, UpstreamPool, inline};
 use crate::wire::openai::parts::{self, Rewrite};
 use mmgate_inference::prompt::PromptModel;

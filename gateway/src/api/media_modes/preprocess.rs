@@ -20,7 +20,7 @@ use crate::media::account::{self, MediaAccount};
 use crate::media::pipeline::{self, Made};
 use crate::prepare::errors::{context_exceeded, internal};
 use crate::prepare::gather::{Gathered, gather};
-use crate::prepare::media::{ChatServices, ItemInput};
+use crate::prepare::items::{ChatServices, ItemInput};
 use crate::upstream::{ReplyAdditions, planned};
 use crate::wire::openai::ChatCompletionRequest;
 use crate::wire::openai::parts::{self, Rewrite};
