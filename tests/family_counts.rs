@@ -26,21 +26,6 @@ struct Case {
     tokens: u32,
 }
 
-fn image_info(width: u32, height: u32) -> MediaInfo {
-    MediaInfo {
-        modality: "image".into(),
-        format: "png".into(),
-        width: Some(width),
-        height: Some(height),
-        frame_count: None,
-        fps: None,
-        duration_seconds: None,
-        sample_rate: None,
-        channels: None,
-        extra: Vec::new(),
-    }
-}
-
 #[test]
 fn the_image_plugin_counts_as_transformers_for_every_upstream_family() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm/counts");
@@ -60,7 +45,7 @@ fn the_image_plugin_counts_as_transformers_for_every_upstream_family() {
             .unwrap_or_else(|e| panic!("{family}: {e}"));
         for case in cases {
             let plan = plugin.plan(
-                &image_info(case.width, case.height),
+                &MediaInfo::image("png", case.width, case.height),
                 Budget {
                     max_tokens: u32::MAX,
                 },

@@ -75,6 +75,26 @@ pub use mmgate::modality::types::{
 };
 pub use mmgate::modality::video::{Frame, VideoError, VideoInfo};
 
+impl MediaInfo {
+    /// What a plugin's probe says of a `width` x `height` image in `format`: how the host asks an
+    /// image plugin to plan an image it has not made yet (a document's page at a size it may be
+    /// rendered at).
+    pub fn image(format: &str, width: u32, height: u32) -> Self {
+        MediaInfo {
+            modality: "image".into(),
+            format: format.into(),
+            width: Some(width),
+            height: Some(height),
+            frame_count: None,
+            fps: None,
+            duration_seconds: None,
+            sample_rate: None,
+            channels: None,
+            extra: Vec::new(),
+        }
+    }
+}
+
 /// The contract version this host implements (the `mmgate:modality` package version in `wit/`).
 pub const CONTRACT_VERSION: Version = Version {
     major: 0,

@@ -11,7 +11,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use mmgate_host::{CallError, MediaInfo, PluginError, TokenPlan};
+use mmgate_host::{CallError, PluginError, TokenPlan};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -304,22 +304,6 @@ pub struct PageOf {
     pub left_out: Option<std::sync::Arc<str>>,
     /// Characters of the page's text layer before its image, when it is read.
     pub text_chars: Option<usize>,
-}
-
-/// A page described as the image it will be: what the image plugin plans from.
-pub fn page_info(width: u32, height: u32) -> MediaInfo {
-    MediaInfo {
-        modality: "image".into(),
-        format: "png".into(),
-        width: Some(width),
-        height: Some(height),
-        frame_count: None,
-        fps: None,
-        duration_seconds: None,
-        sample_rate: None,
-        channels: None,
-        extra: Vec::new(),
-    }
 }
 
 #[cfg(test)]

@@ -17,9 +17,7 @@ use super::items::{ChatServices, Item, ItemInput};
 use crate::access::as_attribute;
 use crate::error::ApiError;
 use crate::media::budget::BudgetError;
-use crate::media::documents::{
-    PageOf, PlannedPage, Planning, Sized, SizingError, page_info, size_pages,
-};
+use crate::media::documents::{PageOf, PlannedPage, Planning, Sized, SizingError, size_pages};
 use crate::media::pipeline;
 
 /// A document among a request's media, probed: its pages not yet made.
@@ -411,7 +409,11 @@ async fn size(
                     infos.push(Some((plugin, info)));
                 }
                 let plan_image = |width, height, max_tokens| {
-                    image.plan(&page_info(width, height), Budget { max_tokens }, &config)
+                    image.plan(
+                        &MediaInfo::image("png", width, height),
+                        Budget { max_tokens },
+                        &config,
+                    )
                 };
                 let plan_other = |i: usize, max_tokens| match &infos[i] {
                     Some((plugin, info)) => plugin.plan(info, Budget { max_tokens }, &config),
