@@ -234,6 +234,14 @@ fn hostile_documents_are_refused_clearly() {
             );
         }
     }
+    // 100 000 pages (8 MB: one page tree of empty pages) are refused before any is rendered.
+    let id = upload(&server, "many.pdf", pdf_of_empty_pages(100_000));
+    let (got, _, body) = post(&server, &ask(json!({"file_id": id}), 4));
+    assert_eq!(got, 413, "{body}");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("pages"),
+        "{body}"
+    );
     // A PDF sent as an image is what its part says it is not.
     let (got, _, body) = post(
         &server,
@@ -259,6 +267,43 @@ fn hostile_documents_are_refused_clearly() {
     );
     let (got, _, body) = post(&server, &ask(json!({"file_data": pdf_data("text.pdf")}), 2));
     assert_eq!(got, 200, "{body}");
+}
+
+/// A PDF of `pages` empty US-letter pages under one page tree, with its cross-reference table.
+fn pdf_of_empty_pages(pages: usize) -> Vec<u8> {
+    let mut pdf = b"%PDF-1.7\n".to_vec();
+    let mut offsets = Vec::with_capacity(pages + 2);
+    let mut object = |pdf: &mut Vec<u8>, body: String| {
+        offsets.push(pdf.len());
+        let number = offsets.len();
+        pdf.extend_from_slice(format!("{number} 0 obj\n{body}\nendobj\n").as_bytes());
+    };
+    object(&mut pdf, "<< /Type /Catalog /Pages 2 0 R >>".into());
+    let kids: Vec<String> = (0..pages).map(|i| format!("{} 0 R", i + 3)).collect();
+    object(
+        &mut pdf,
+        format!(
+            "<< /Type /Pages /Count {pages} /Kids [{}] >>",
+            kids.join(" ")
+        ),
+    );
+    for _ in 0..pages {
+        object(
+            &mut pdf,
+            "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] >>".into(),
+        );
+    }
+    let xref = pdf.len();
+    let mut table = format!("xref\n0 {}\n0000000000 65535 f \n", offsets.len() + 1);
+    for offset in &offsets {
+        table.push_str(&format!("{offset:010} 00000 n \n"));
+    }
+    table.push_str(&format!(
+        "trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
+        offsets.len() + 1
+    ));
+    pdf.extend_from_slice(table.as_bytes());
+    pdf
 }
 
 /// A model whose engine preprocesses for itself (`forward`) gets a PDF's pages as PNG image
@@ -406,5 +451,24 @@ fn a_pdfs_text_layer_goes_with_or_instead_of_its_pages() {
     assert!(
         tokens(&only) + media(&images)[0]["tokens"].as_u64().unwrap() <= tokens(&with_pages) + 12,
         "{only} vs {with_pages}"
+    );
+
+    // A text layer is the request's text: the two together stay within `limits.max_text_bytes`,
+    // though each alone fits (a page's character is at most 4 bytes).
+    let chars: u64 = chars.iter().sum();
+    let limit = 4 * chars + 10;
+    let (limited, _d4) = start(&format!(
+        "[documents]\ntext = \"with_pages\"\n[limits]\nmax_text_bytes = {limit}\n"
+    ));
+    let (status, _, body) = post(&limited, &ask(file(), 2));
+    assert_eq!(status, 200, "{body}");
+    let mut long = ask(file(), 2);
+    long["messages"][0]["content"][0]["text"] = json!("a".repeat(4 * chars as usize));
+    let (status, _, body) = post(&limited, &long);
+    assert_eq!(status, 413, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("with the document's text") && message.contains("max_text_bytes"),
+        "{body}"
     );
 }

@@ -174,12 +174,22 @@ pub fn size_pages(
             Planning::Other => None,
         })
         .collect();
+    // Each item's count of pages before it: a page is kept when that is below the pages kept.
+    let ordinals: Vec<usize> = sizes
+        .iter()
+        .scan(0, |before, size| {
+            let ordinal = *before;
+            *before += usize::from(size.is_some());
+            Some(ordinal)
+        })
+        .collect();
     let floor_tokens = |floor: [u32; 2]| image(floor, u32::MAX).map(|p| p.tokens);
-    let (sizes_ref, image_ref, floor_ref, other_ref) = (&sizes, &image, &floor_tokens, &plan_other);
+    let (sizes_ref, ordinals_ref) = (&sizes, &ordinals);
+    let (image_ref, floor_ref, other_ref) = (&image, &floor_tokens, &plan_other);
     let plan = |kept: usize| {
         move |i: usize, max_tokens: u32| match sizes_ref[i] {
             Some((nominal, floor)) => {
-                if !page_kept(sizes_ref, i, kept) {
+                if ordinals_ref[i] >= kept {
                     return Ok(nothing());
                 }
                 let floor = floor_ref(floor)?;
@@ -223,7 +233,7 @@ pub fn size_pages(
     let mut pages = Vec::with_capacity(kept);
     for (i, (plan, size)) in plans.iter().zip(&sizes).enumerate() {
         let Some((nominal, _)) = *size else { continue };
-        if page_kept(&sizes, i, kept) {
+        if ordinals[i] < kept {
             let native =
                 image(nominal, u32::MAX).map_err(|error| BudgetError::Plugin { item: i, error })?;
             let shrunk = plan.tokens < native.tokens;
@@ -234,11 +244,6 @@ pub fn size_pages(
         }
     }
     Ok(Sized { pages, left_out })
-}
-
-/// Whether item `i`, a page, is among the first `kept` pages.
-fn page_kept(sizes: &[Option<([u32; 2], [u32; 2])>], i: usize, kept: usize) -> bool {
-    sizes[..i].iter().filter(|s| s.is_some()).count() < kept
 }
 
 /// A plan of no tokens: a page left out.

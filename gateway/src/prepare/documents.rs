@@ -1,12 +1,11 @@
 //! A request's documents made into the pages its model sees: each document probed by its plugin
-//! (pages and their sizes, within `limits.max_document_pages`), its pages sized under the
+//! (pages and their sizes; `limits.max_document_pages` for them all), its pages sized under the
 //! request-wide budget as the model's images are planned ([`crate::media::documents`]), and each
 //! kept page rendered in the document plugin's sandbox at exactly that size, as a PNG the image
 //! plugin then takes like any image.
 
 use std::sync::Arc;
 
-use http::StatusCode;
 use mmgate_host::{Budget, CallError, LoadedPlugin, Media, MediaInfo, TokenPlan};
 use mmgate_inference::families::MediaKind;
 use serde_json::json;
@@ -31,7 +30,8 @@ pub(crate) struct Document {
 }
 
 impl Document {
-    /// Media item `index` (a document), probed by its plugin; more pages than `max_pages` is 413.
+    /// Media item `index` (a document), probed by its plugin: its pages' count and sizes (the
+    /// caller bounds the request's pages together before any is rendered).
     pub async fn probe(
         index: usize,
         plugin: Arc<LoadedPlugin>,
@@ -49,17 +49,6 @@ impl Document {
                 "media item {index}: the document plugin gave no page sizes"
             ))
         })?;
-        let max = services.limits.max_document_pages;
-        if pages.len() > max {
-            return Err(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "document_too_long",
-                format!(
-                    "media item {index}: the document has {} pages; at most {max} are allowed (limits.max_document_pages)",
-                    pages.len()
-                ),
-            ));
-        }
         Ok(Self {
             plugin,
             media,
@@ -68,8 +57,8 @@ impl Document {
         })
     }
 
-    /// Each page's text layer (media item `index`), read in the sandbox; all of it together is
-    /// text of the request, within `limits.max_text_bytes`.
+    /// Each page's text layer (media item `index`), read in the sandbox (the caller counts it as
+    /// the request's text, within `limits.max_text_bytes`).
     pub async fn read_text(
         &self,
         index: usize,
@@ -95,17 +84,6 @@ impl Document {
             .into_iter()
             .map(|file| String::from_utf8_lossy(&file.data).into_owned())
             .collect();
-        let bytes: usize = texts.iter().map(String::len).sum();
-        let max = services.limits.max_text_bytes;
-        if bytes > max {
-            return Err(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "text_too_large",
-                format!(
-                    "media item {index}: the document's text is {bytes} bytes; at most {max} are allowed (limits.max_text_bytes)"
-                ),
-            ));
-        }
         Ok(texts)
     }
 }
@@ -269,8 +247,8 @@ async fn render(
     pipeline::at_most_at_once(services.pool.threads(), rendering).await
 }
 
-/// Media item `index`, the PDF in `data`, probed by the document plugin (within
-/// `limits.max_document_pages`), for a model whose engine takes media as they come.
+/// Media item `index`, the PDF in `data`, probed by the document plugin, for a model whose engine
+/// takes media as they come.
 pub(crate) async fn probe_pdf(
     index: usize,
     data: Vec<u8>,

@@ -104,7 +104,7 @@ pub(crate) async fn gather(
     }
 
     // The conversation as the chat template sees it, and the media parts in prompt order.
-    checked_text(prompt, &request.messages, services.limits).await?;
+    let text_bytes = checked_text(prompt, &request.messages, services.limits).await?;
     let mut unplaced = Vec::with_capacity(request.messages.len());
     let mut sources = Vec::new();
     for message in std::mem::take(&mut request.messages) {
@@ -134,7 +134,7 @@ pub(crate) async fn gather(
             content,
         });
     }
-    let resolved = resolve_media(prompt, sources, services).await?;
+    let resolved = resolve_media(prompt, sources, text_bytes, services).await?;
     // Each media part's place takes its item's kind; a document's, one image per page (its text
     // before it, when read), or its pages' text alone.
     let slots: Vec<Slot> = resolved.iter().map(Slot::of).collect();

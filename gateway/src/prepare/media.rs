@@ -30,9 +30,10 @@ use crate::wire::torchfile;
 pub(crate) async fn resolve_media(
     runtime: &PromptModel,
     sources: Vec<(Option<MediaKind>, MediaSource)>,
+    text_bytes: usize,
     services: &ChatServices<'_>,
 ) -> Result<Vec<Resolved>, ApiError> {
-    let mut tally = MediaTally::new(services.limits, sources.len())?;
+    let mut tally = MediaTally::new(services.limits, sources.len())?.with_text(text_bytes);
     let mut resolved = Vec::with_capacity(sources.len());
     let mut items = Vec::with_capacity(sources.len());
     for (index, (kind, source)) in sources.into_iter().enumerate() {
@@ -134,9 +135,14 @@ pub(crate) async fn resolve_media(
                 TextLayer::None => Resolved::Document(document),
                 TextLayer::WithPages => {
                     document.texts = document.read_text(index, services).await?;
+                    tally.add_text(index, &document.texts)?;
                     Resolved::Document(document)
                 }
-                TextLayer::Only => Resolved::Text(document.read_text(index, services).await?),
+                TextLayer::Only => {
+                    let texts = document.read_text(index, services).await?;
+                    tally.add_text(index, &texts)?;
+                    Resolved::Text(texts)
+                }
             };
             items.push((index, resolved));
             continue;
@@ -290,11 +296,13 @@ pub(crate) fn embeddings_item(
 }
 
 /// A request's media measured against its limits as they are resolved (the same checks on every
-/// route): how many items, each one's bytes by kind, and all images' bytes together.
+/// route): how many items, each one's bytes by kind, all images' bytes together, documents' pages
+/// together, and the text documents add to the request's own.
 pub struct MediaTally<'a> {
     limits: &'a RequestLimits,
     image_bytes: usize,
     pages: usize,
+    text_bytes: usize,
 }
 
 impl<'a> MediaTally<'a> {
@@ -314,7 +322,33 @@ impl<'a> MediaTally<'a> {
             limits,
             image_bytes: 0,
             pages: 0,
+            text_bytes: 0,
         })
+    }
+
+    /// The request's own text is `bytes` (already within `limits.max_text_bytes`): documents' text
+    /// layers count with it.
+    pub fn with_text(mut self, bytes: usize) -> Self {
+        self.text_bytes = bytes;
+        self
+    }
+
+    /// Item `index`, a document whose text layer is `texts`: the request's text with it stays
+    /// within `limits.max_text_bytes`.
+    pub fn add_text(&mut self, index: usize, texts: &[String]) -> Result<(), ApiError> {
+        self.text_bytes += texts.iter().map(String::len).sum::<usize>();
+        let max = self.limits.max_text_bytes;
+        if self.text_bytes > max {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "text_too_large",
+                format!(
+                    "media item {index}: with the document's text the request's text is {} bytes; at most {max} are allowed (limits.max_text_bytes)",
+                    self.text_bytes
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Item `index`, a document of `pages` pages: each page is an image to render and encode, so

@@ -13,12 +13,12 @@ use crate::wire::openai;
 /// What tokenizing a request's text costs is bounded before it is paid: all its text together
 /// within `max_text_bytes`, and text that surely makes more tokens than the model's context
 /// refused after counting only as much as shows that. Counting runs off the threads that serve
-/// connections.
+/// connections. Gives the text's bytes (documents' text layers count with them).
 pub(crate) async fn checked_text(
     prompt: &PromptModel,
     messages: &[openai::Message],
     limits: &RequestLimits,
-) -> Result<(), ApiError> {
+) -> Result<usize, ApiError> {
     let texts: Vec<&str> = messages.iter().flat_map(|m| m.texts()).collect();
     let bytes: usize = texts.iter().map(|t| t.len()).sum();
     if bytes > limits.max_text_bytes {
@@ -26,7 +26,7 @@ pub(crate) async fn checked_text(
     }
     // Short text is counted in full in a moment below; only long text is worth a check first.
     if bytes < TEXT_WORTH_COUNTING_FIRST {
-        return Ok(());
+        return Ok(bytes);
     }
     let joined = texts.join("\n");
     let (text, context) = (prompt.text.clone(), prompt.context_length);
@@ -40,7 +40,7 @@ pub(crate) async fn checked_text(
             "the messages' text alone is more than {context} tokens, this model's context"
         )));
     }
-    Ok(())
+    Ok(bytes)
 }
 
 /// The answer to a request whose messages' text is `bytes`, over `limit`.
