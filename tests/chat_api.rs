@@ -2,9 +2,7 @@
 //! loopback, media as data URLs, uploads and http URLs from a local server; another real mmgate as
 //! the upstream of a proxied model.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

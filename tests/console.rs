@@ -3,9 +3,7 @@
 //! installs) by tests/fixtures/console/console.py, which checks what the page shows against the
 //! API; and the plan route it draws from, over raw HTTP.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -2,9 +2,7 @@
 //! plugin rendering pages inside its sandbox, over loopback HTTP; another real mmgate as the
 //! upstream of a forwarded model. Fixtures: tests/fixtures/documents (made by its make.py).
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -11,9 +11,7 @@
 //! corrupt media, is refused here before any upstream sees it; a streamed answer passes through as
 //! SSE.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -106,7 +104,7 @@ fn the_engine_counts_and_answers_as_mmgate_does() {
         return;
     };
     let scratch = tempfile::tempdir().unwrap();
-    let cache = scratch.path().join("cache");
+    let cache = common::server::demo_cache();
     let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
     let audio_model =
         common::engine::demo_checkpoint(&cache, scratch.path(), "demo-audio", "qwen2-audio");

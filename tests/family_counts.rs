@@ -5,8 +5,6 @@
 //! `mmgate preprocess`'s; every size's plan must count what the processor wrote. No engine runs
 //! here: tests/vllm.rs checks a few of these counts against vLLM itself.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::path::Path;
 use std::sync::Arc;
 

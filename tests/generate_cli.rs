@@ -5,9 +5,7 @@
 //! (tests/fixtures/generate, made by its make_expected.py); media a model does not take is refused
 //! with a one-line reason.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::path::Path;
 
@@ -45,7 +43,7 @@ fn json(out: &std::process::Output) -> Value {
 
 #[test]
 fn generates_from_an_image_and_from_audio_on_the_demo_models() {
-    let cache = tempfile::tempdir().unwrap();
+    let cache = common::server::demo_cache();
     let image = fixture("image/images/png-rgb-wide.png");
     let args = [
         "--model",
@@ -57,8 +55,8 @@ fn generates_from_an_image_and_from_audio_on_the_demo_models() {
         "--max-tokens",
         "6",
     ];
-    let first = json(&generate(cache.path(), &args));
-    let again = json(&generate(cache.path(), &args));
+    let first = json(&generate(cache.as_path(), &args));
+    let again = json(&generate(cache.as_path(), &args));
     assert_eq!(first, again, "greedy generation repeats");
     let tokens = first["token_ids"].as_array().unwrap().len();
     assert_eq!(first["usage"]["completion_tokens"], tokens);
@@ -83,10 +81,10 @@ fn generates_from_an_image_and_from_audio_on_the_demo_models() {
         "--seed",
         "42",
     ];
-    let sampled = json(&generate(cache.path(), &args));
+    let sampled = json(&generate(cache.as_path(), &args));
     assert_eq!(
         sampled,
-        json(&generate(cache.path(), &args)),
+        json(&generate(cache.as_path(), &args)),
         "a seed repeats"
     );
     assert_eq!(sampled["usage"]["media"][0]["kind"], "audio");
@@ -97,12 +95,12 @@ fn qwen2_5_vl_demo_takes_video_and_images_like_qwen2_vl_costs_them() {
     // Same tokenizer, template and processor config as `demo`: the same media cost the same tokens
     // and the prompt is the same length, while the window-attention tower and time-scaled video
     // positions make it a different model.
-    let cache = tempfile::tempdir().unwrap();
+    let cache = common::server::demo_cache();
     let video = fixture("video/clips/short.mp4");
     let image = fixture("image/images/png-rgb-wide.png");
     let run = |model: &str| {
         json(&generate(
-            cache.path(),
+            cache.as_path(),
             &[
                 "--model",
                 model,
@@ -140,7 +138,7 @@ fn greedy_tokens_match_transformers_on_the_demo_models() {
     let expected: Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("generate/expected.json")).unwrap())
             .unwrap();
-    let cache = tempfile::tempdir().unwrap();
+    let cache = common::server::demo_cache();
     let max_tokens = expected["max_tokens"].to_string();
     for case in expected["cases"].as_array().unwrap() {
         let mut args = vec![
@@ -160,7 +158,7 @@ fn greedy_tokens_match_transformers_on_the_demo_models() {
             max_tokens.clone(),
         ]);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let ours = json(&generate(cache.path(), &args));
+        let ours = json(&generate(cache.as_path(), &args));
         assert_eq!(
             ours["usage"]["prompt_tokens"], case["prompt_tokens"],
             "{case}"
@@ -181,10 +179,10 @@ fn greedy_tokens_match_transformers_on_the_demo_models() {
 
 #[test]
 fn refuses_media_the_model_does_not_take() {
-    let cache = tempfile::tempdir().unwrap();
+    let cache = common::server::demo_cache();
     let audio = fixture("audio/clips/speech-16k-s16.wav");
     let out = generate(
-        cache.path(),
+        cache.as_path(),
         &["--model", "demo", "--audio", &audio, "--prompt", "x"],
     );
     assert!(!out.status.success());
@@ -192,7 +190,7 @@ fn refuses_media_the_model_does_not_take() {
     assert!(stderr.contains("does not take audio input"), "{stderr}");
     let truncated = fixture("image/bad/truncated.jpg");
     let out = generate(
-        cache.path(),
+        cache.as_path(),
         &["--model", "demo", "--image", &truncated, "--prompt", "x"],
     );
     assert!(!out.status.success());
@@ -225,10 +223,10 @@ fn copy_model_dir(from: &Path, to: &Path) {
 /// and its sampling settings are the defaults of a run that names none.
 #[test]
 fn generation_config_eos_ids_end_a_generation() {
-    let cache = tempfile::tempdir().unwrap();
+    let cache = common::server::demo_cache();
     let run = |model: &str| {
         json(&generate(
-            cache.path(),
+            cache.as_path(),
             &[
                 "--model",
                 model,
@@ -247,12 +245,9 @@ fn generation_config_eos_ids_end_a_generation() {
         .find(|&i| !tokens[..i].contains(&tokens[i]))
         .expect("a token not seen before");
 
-    let demo_dir = std::fs::read_dir(cache.path().join("mmgate/models"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.join("generation_config.json").exists())
-        .expect("the demo model directory");
-    let model = cache.path().join("two-eos");
+    let demo_dir = common::demo_model_dir(&cache, "demo-qwen2-vl");
+    let scratch = tempfile::tempdir().unwrap();
+    let model = scratch.path().join("two-eos");
     copy_model_dir(&demo_dir, &model);
     let mut generation: Value = serde_json::from_str(
         &std::fs::read_to_string(model.join("generation_config.json")).unwrap(),
@@ -278,7 +273,7 @@ fn generation_config_eos_ids_end_a_generation() {
 /// audio file of more than one part). Each answers exactly as the same item made whole does.
 #[test]
 fn media_made_in_parts_generate_as_the_whole_items_do() {
-    let cache = tempfile::tempdir().unwrap();
+    let cache = common::server::demo_cache();
     let run = |model: &str, flag: &str, media: &str, whole: bool| {
         let mut args = vec![
             "--model",
@@ -293,7 +288,7 @@ fn media_made_in_parts_generate_as_the_whole_items_do() {
         if whole {
             args.push("--whole-media");
         }
-        json(&generate(cache.path(), &args))
+        json(&generate(cache.as_path(), &args))
     };
     let mut cases: Vec<(&str, &str, String)> = std::fs::read_dir(fixture("video/clips"))
         .unwrap()

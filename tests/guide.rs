@@ -1,10 +1,7 @@
 //! The plugin guide (docs/plugins.md) stays true: its contract reference is generated from the WIT
-//! (`MMGATE_BLESS=1 cargo test --test guide` rewrites it), and every command in it runs, in order, in
-//! a scratch directory with the real binary, a real build of a new plugin and a running gateway.
-
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+//! (`MMGATE_BLESS=1 cargo test --test end_to_end guide::` rewrites it), and every command in it
+//! runs, in order, in a scratch directory with the real binary, a real build of a new plugin and a
+//! running gateway.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -185,7 +182,7 @@ fn the_contract_reference_is_generated_from_the_wit() {
     }
     panic!(
         "docs/plugins.md's contract reference is out of date with wit/modality.wit: run \
-         `MMGATE_BLESS=1 cargo test -p mmgate-gateway --test guide` and review the diff"
+         `MMGATE_BLESS=1 cargo test -p mmgate-gateway --test end_to_end guide::` and review the diff"
     );
 }
 

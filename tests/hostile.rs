@@ -4,9 +4,7 @@
 //! every probe, and each request leaves one line in the access log saying how it ended, without
 //! the prompt. (Behaviour only: how fast a refusal comes is measured by `bench/hostile.py`.)
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -62,7 +60,7 @@ fn serve_logging(config: &str) -> (Server, tempfile::TempDir) {
     let work = tempfile::tempdir().unwrap();
     let path = work.path().join("mmgate.toml");
     std::fs::write(&path, format!("log_format = \"json\"\n{config}")).unwrap();
-    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hostile-cache");
+    let cache = common::server::demo_cache();
     let server = Server::start_logging_to(
         &["--config", path.to_str().unwrap()],
         &[

@@ -5,9 +5,7 @@
 //! body cut short, not HTTP at all) reach the client as the upstream sent them, or as a clear error.
 //! The upstreams are a real mmgate and a scripted HTTP/1.1 server that answers each case exactly.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -19,7 +17,7 @@ use common::server::Server;
 use serde_json::{Value, json};
 
 fn start(config: &str) -> (Server, tempfile::TempDir) {
-    let cache = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("passthrough-cache");
+    let cache = common::server::demo_cache();
     Server::with_config(config, &cache)
 }
 

@@ -3,9 +3,7 @@
 //! request with it; then a broken build dropped over it, rejected, while the old version keeps
 //! serving; and SIGHUP reloading.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

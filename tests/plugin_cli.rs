@@ -1,8 +1,6 @@
 //! `mmgate plugin list` and `mmgate plugin check`, run as a user runs them: the real binary.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;

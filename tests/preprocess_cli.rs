@@ -2,9 +2,7 @@
 //! fixtures, its safetensors output read back and compared with what transformers wrote for the same
 //! inputs.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;

@@ -7,9 +7,7 @@
 //! recover when it returns; a replica sent SIGTERM under load drains (`/ready` 503, then the
 //! listener closes) and no client request fails.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::io::Write;
 use std::net::TcpStream;
@@ -30,7 +28,7 @@ const IN_FLIGHT: usize = 4;
 
 /// Demo models are written once into this cache, shared by all the processes.
 fn cache_dir() -> PathBuf {
-    Path::new(env!("CARGO_TARGET_TMPDIR")).join("replicas-cache")
+    common::server::demo_cache()
 }
 
 fn start(config: &str, dir: &Path, name: &str) -> Server {

@@ -5,9 +5,7 @@
 //! `count_tokens`; and the errors of each, in its own shape, over raw HTTP. The same scripts run
 //! against vLLM behind mmgate in tests/vllm.rs.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

@@ -1,8 +1,6 @@
 //! `mmgate serve` on its embedded default: the real binary, real pingora, real HTTP over loopback.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use common::server::{Server, request};
 

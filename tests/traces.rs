@@ -4,9 +4,7 @@
 //! `traceparent`, its spans nested under the request's and within its time, named in the response;
 //! the upstream case (vLLM's spans joining the trace) is in tests/vllm.rs.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -100,7 +98,7 @@ fn each_request_is_one_trace_with_a_span_per_stage_continued_from_the_client() {
     let config = dir.path().join("mmgate.toml");
     // Enough plugin workers idle for a video to be made in its parts.
     std::fs::write(&config, "[plugins]\nthreads = 4\n").unwrap();
-    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("chat-api-cache");
+    let cache = common::server::demo_cache();
     let server = Server::start_with_env(
         &["--config", config.to_str().unwrap()],
         &[

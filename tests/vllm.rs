@@ -8,10 +8,7 @@
 //! under a tight context the plan cuts what the family's processor can cut and still keeps its
 //! promise and fits; `forward` reaches vLLM unchanged; bad media are refused here with a 4xx.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
-#[path = "vllm/ec.rs"]
+use crate::common;
 mod ec;
 
 use std::path::{Path, PathBuf};
@@ -256,7 +253,7 @@ fn front(
         gateway_config(model, &vllm.addr, &weightless, &models),
     )
     .unwrap();
-    let cache = scratch.join("cache");
+    let cache = common::server::demo_cache();
     let gateway = Server::start_with_env(
         &["--config", config.to_str().unwrap()],
         &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
@@ -364,7 +361,7 @@ fn mistral3_in_front_of_vllm_keeps_its_promise_at_native_resolution() {
 fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let cache = scratch.path().join("cache");
+    let cache = common::server::demo_cache();
     let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
     let embed = format!("media = \"embed\"\npath = {model:?}");
     let (_vllm, gateway) = fronted(
@@ -517,26 +514,31 @@ fn messages_mean_what_vllm_makes_of_them(vllm: &Vllm, gateway: &Server, served: 
     );
 }
 
-/// A demo checkpoint of `family` (`spec`: mmgate's demo name) behind vLLM, as [`fronted`].
+/// The demo checkpoint `spec` of `family` behind one vLLM, an EC consumer, for every media mode
+/// (see [`ec::ec_fronted`]); the store of what is encoded here.
 fn demo_fronted(
     venv: &Path,
     scratch: &Path,
-    spec: &str,
-    family: &str,
+    (spec, family): (&str, &str),
     tight: usize,
-) -> (Vllm, Server) {
-    let model = common::engine::demo_checkpoint(&scratch.join("cache"), scratch, spec, family);
-    fronted(venv, &model, &[], (family, tight, ""), &[])
+) -> (Vllm, Server, PathBuf) {
+    let model =
+        common::engine::demo_checkpoint(&common::server::demo_cache(), scratch, spec, family);
+    let store = scratch.join("ec");
+    let (vllm, gateway) = ec::ec_fronted(venv, &model, &store, (family, tight));
+    (vllm, gateway, store)
 }
 
 /// The demo Qwen2.5-VL: images and videos (frames sent as vLLM's frame list, with Qwen2.5-VL's
-/// seconds per temporal patch) planned here keep their promise, and a tight context cuts frames.
+/// seconds per temporal patch) planned here keep their promise, and a tight context cuts frames;
+/// encoded here, vLLM answers as encoding them itself.
 #[test]
-fn qwen2_5_vl_images_and_videos_planned_here_keep_their_promise_in_vllm() {
+fn qwen2_5_vl_images_and_videos_planned_or_encoded_here_keep_their_promise_in_vllm() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let (_vllm, gateway) =
-        demo_fronted(&venv, scratch.path(), "demo-qwen2.5-vl", "qwen2.5-vl", 400);
+    let spec = ("demo-qwen2.5-vl", "qwen2.5-vl");
+    let (_vllm, gateway, store) = demo_fronted(&venv, scratch.path(), spec, 400);
+    ec::qwen_vl_encoded_here_answers_as_vllm_itself(&gateway, "qwen2.5-vl", "qwen2.5-vl", &store);
     promises_hold(&gateway, "qwen2.5-vl", "qwen2.5-vl-forward", &json!({}));
     for clip in ["h264.mp4", "portrait.mp4", "vp9.webm"] {
         let content = json!([video_part(clip), {"type": "text", "text": "What happens?"}]);
@@ -556,12 +558,14 @@ fn qwen2_5_vl_images_and_videos_planned_here_keep_their_promise_in_vllm() {
 
 /// The demo Qwen3-VL: images planned here (16 px patches, transformers' pixel bounds) and videos
 /// (each temporal patch after its timestamp, as vLLM writes it for frames sent as a list) keep
-/// their promise.
+/// their promise; encoded here, vLLM answers as encoding them itself.
 #[test]
-fn qwen3_vl_images_and_videos_planned_here_keep_their_promise_in_vllm() {
+fn qwen3_vl_images_and_videos_planned_or_encoded_here_keep_their_promise_in_vllm() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let (_vllm, gateway) = demo_fronted(&venv, scratch.path(), "demo-qwen3-vl", "qwen3-vl", 200);
+    let spec = ("demo-qwen3-vl", "qwen3-vl");
+    let (_vllm, gateway, store) = demo_fronted(&venv, scratch.path(), spec, 200);
+    ec::qwen_vl_encoded_here_answers_as_vllm_itself(&gateway, "qwen3-vl", "qwen3-vl", &store);
     promises_hold(&gateway, "qwen3-vl", "qwen3-vl-forward", &json!({}));
     // 12 s: times of two digits, as vLLM numbers the frames (not as the source times them).
     for clip in ["h264.mp4", "portrait.mp4", "vp9.webm", "12s.mp4"] {
@@ -608,21 +612,24 @@ fn qwen3_5_images_and_videos_planned_here_keep_their_promise_in_vllm() {
 }
 
 /// The demo Qwen2-Audio: audio of several encodings, rates and lengths (61 s: three 30 s chunks)
-/// planned here and sent as 16 kHz WAV keeps its promise.
+/// planned here and sent as 16 kHz WAV keeps its promise; encoded here, vLLM answers as encoding
+/// it itself.
 #[test]
-fn qwen2_audio_planned_here_keeps_its_promise_in_vllm() {
+fn qwen2_audio_planned_or_encoded_here_keeps_its_promise_in_vllm() {
     use base64::Engine as _;
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
     let model = common::engine::demo_checkpoint(
-        &scratch.path().join("cache"),
+        &common::server::demo_cache(),
         scratch.path(),
         "demo-audio",
         "audio",
     );
     // vLLM loads Qwen2-Audio only under the Hub's weight names (the demo has transformers 5's).
     checkpoints_py(&venv, &["--hub-names", model.to_str().unwrap()]);
-    let (_vllm, gateway) = fronted(&venv, &model, &[], ("audio", 4096, ""), &[]);
+    let store = scratch.path().join("ec");
+    let (_vllm, gateway) = ec::ec_fronted(&venv, &model, &store, ("audio", 4096));
+    ec::qwen2_audio_encoded_here_answers_as_vllm_itself(&gateway, "audio", &store);
     let clips = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/audio/clips");
     for name in [
         "speech-16k-s16.wav",
@@ -928,7 +935,7 @@ fn an_upstream_request_is_one_trace_joined_by_vllms_own_spans() {
     let Some(venv) = vllm_venv() else { return };
     let receiver = common::traces::Receiver::start(&venv);
     let scratch = tempfile::tempdir().unwrap();
-    let cache = scratch.path().join("cache");
+    let cache = common::server::demo_cache();
     let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
     let endpoint = format!("{}/v1/traces", receiver.endpoint);
     let vllm = Vllm::start_with_env(

@@ -5,9 +5,7 @@
 //! the real host: probe, plan, preprocess. Shapes, chunk counts, token counts and attention masks
 //! must be exact; features within the tolerance of their kind of input.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

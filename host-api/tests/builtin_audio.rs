@@ -2,9 +2,7 @@
 //! (never a crash of the plugin, let alone the host), and a damaged file that still decodes keeps
 //! the plan's promise. (Feature parity with transformers is `audio_parity.rs`.)
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,9 +1,7 @@
 //! The built-in image plugin through the real host: probe, plan within a budget, preprocess.
 //! (Pixel parity with HF transformers is the image issue's fixture suite; this checks the contract.)
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -1,8 +1,6 @@
 //! The compile cache under a real engine: a second load comes from disk and behaves the same; a
 //! corrupted, truncated or foreign entry is recompiled (and rewritten), never loaded.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

@@ -4,9 +4,7 @@
 //! transformers and Pillow. Every case runs through the real host: probe, plan within the case's
 //! budget, preprocess. Token counts, grids and shapes must be exact, and so must the pixels (up to the goldens' f16).
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

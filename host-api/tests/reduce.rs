@@ -3,9 +3,7 @@
 //! model server would meet it: the reduced files are probed and planned again with the same
 //! processor config and an unlimited budget, and must cost what the plan said, unreduced.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use mmgate_host::{Budget, LoadedPlugin, Media, ReducedItem, TokenPlan};
 

@@ -1,8 +1,6 @@
 //! Reloading a plugin directory while serving: unchanged plugins are reused, changed ones reloaded,
 //! broken ones rejected while the version before keeps serving, removed ones dropped.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::path::Path;
 use std::sync::Arc;
 
@@ -11,7 +9,7 @@ use mmgate_host::{LoadError, PluginOrigin, PluginRegistry, Sandbox, SandboxLimit
 use sha2::{Digest, Sha256};
 
 fn sandbox() -> Arc<Sandbox> {
-    Arc::new(Sandbox::new(SandboxLimits::default()).unwrap())
+    crate::common::sandbox_with(SandboxLimits::default())
 }
 
 /// Puts `component` into `dir` as NAME.wasm with a manifest that pins it.

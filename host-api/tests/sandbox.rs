@@ -1,5 +1,3 @@
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 //! Hostile plugins against the real sandbox. Each test fails if the limit it exercises were removed:
 //! without a deadline `spin` never returns (the watchdog below fails the test), without a memory cap
 //! `grow` would end as a plain trap or exhaust the machine, and so on.

@@ -5,9 +5,7 @@
 //! (pinned versions in its requirements.txt; decord as qwen-vl-utils' reader). Frame indices, grids
 //! and token counts must be exact; pixels within 0.05.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

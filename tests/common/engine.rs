@@ -57,11 +57,7 @@ pub fn demo_checkpoint(cache: &Path, into: &Path, spec: &str, family: &str) -> P
             .args(["generate", "--model", spec, "--max-tokens", "1"])
             .args(["--prompt", "hi"]),
     );
-    let demo = std::fs::read_dir(cache.join("mmgate/models"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.file_name().unwrap().to_string_lossy().contains(family))
-        .unwrap_or_else(|| panic!("the demo {family} directory"));
+    let demo = super::demo_model_dir(cache, family);
     let model = into.join(format!("demo-{family}"));
     std::fs::create_dir_all(&model).unwrap();
     for entry in std::fs::read_dir(&demo).unwrap() {

@@ -1,5 +1,4 @@
 //! What the end-to-end tests share: running the real `mmgate` binary.
-// Each test file is its own crate and uses only part of this module.
 #![allow(dead_code)]
 
 pub mod engine;
@@ -10,11 +9,36 @@ pub mod traces;
 
 use std::process::{Command, Output};
 
-/// The built `mmgate` binary, with logs quiet enough that stderr carries only what a test checks.
+/// The built `mmgate` binary, with logs quiet enough that stderr carries only what a test checks,
+/// caching in the tests' shared cache ([`server::demo_cache`]) unless a test sets its own.
 pub fn mmgate_command() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_mmgate"));
-    command.env("RUST_LOG", "warn");
     command
+        .env("RUST_LOG", "warn")
+        .env("XDG_CACHE_HOME", server::demo_cache());
+    command
+}
+
+/// The newest demo model whose name holds `family` in the models of `cache` (an `XDG_CACHE_HOME`
+/// the demo was made in): not another process's half-written one (a hidden directory), nor one
+/// of an older demo version kept from an earlier run.
+pub fn demo_model_dir(cache: &std::path::Path, family: &str) -> std::path::PathBuf {
+    let version = |path: &std::path::Path| {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let number = name
+            .rsplit_once("-v")
+            .and_then(|(_, v)| v.parse::<u32>().ok());
+        (!name.starts_with('.') && name.contains(family))
+            .then_some(number)
+            .flatten()
+    };
+    std::fs::read_dir(cache.join("mmgate/models"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter_map(|path| version(&path).map(|v| (v, path)))
+        .max()
+        .map(|(_, path)| path)
+        .unwrap_or_else(|| panic!("the demo {family} directory"))
 }
 
 /// The bytes of `tests/fixtures/<path>`.

@@ -27,9 +27,11 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// Where the demo models are written once, shared by the tests' servers.
+/// The cache (`XDG_CACHE_HOME`) the tests' servers and commands share: the demo models made once
+/// and the plugins compiled once (compiling the built-in plugins is most of a first start's
+/// time), kept between runs. Both are written whole or not at all, so concurrent starts share it.
 pub fn demo_cache() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("chat-api-cache")
+    std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("shared-cache")
 }
 
 impl Server {

@@ -135,8 +135,15 @@ fn answers_alike_told(
 }
 
 /// vLLM serving `model` as an EC consumer of `store`, and a gateway in front of it with the model
-/// in `ec` mode (`ec`) and planned here (`planned`, vLLM encoding the planned media itself).
-fn ec_fronted(venv: &Path, model: &Path, store: &Path) -> (Vllm, Server) {
+/// in `ec` mode (`ec`) and as [`front`] makes it: planned here (`name`, vLLM encoding the planned
+/// media itself; the reference of `ec`), under a tight context (`{name}-tight`) and forwarded
+/// (`{name}-forward`). One vLLM serves the family's tests of every media mode.
+pub(super) fn ec_fronted(
+    venv: &Path,
+    model: &Path,
+    store: &Path,
+    (name, tight): (&str, usize),
+) -> (Vllm, Server) {
     let transfer = json!({"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
         "ec_connector_extra_config": {"shared_storage_path": store}})
     .to_string();
@@ -149,70 +156,48 @@ fn ec_fronted(venv: &Path, model: &Path, store: &Path) -> (Vllm, Server) {
     let vllm = Vllm::start(venv, model, 4096, &args);
     let ec =
         format!("media = \"ec\"\npath = {model:?}\nec_storage = {store:?}\nec_dtype = \"float32\"");
-    let planned = format!("media = \"preprocess\"\npath = {model:?}");
-    let mut config = String::new();
-    for (name, lines) in [("ec", ec), ("planned", planned)] {
-        config.push_str(&format!(
-            "[[models]]\nname = {name:?}\nupstream_model = {model:?}\nupstreams = [{:?}]\n{lines}\n\n",
-            vllm.addr
-        ));
-    }
-    let scratch = model.parent().unwrap();
-    let file = scratch.join("ec-gateway.toml");
-    std::fs::write(&file, config).unwrap();
-    let cache = scratch.join("cache");
-    let gateway = Server::start_with_env(
-        &["--config", file.to_str().unwrap()],
-        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
-    );
-    (vllm, gateway)
+    front(vllm, model, (name, tight, ""), &[("ec", ec.as_str())])
 }
 
-/// Qwen2.5-VL (images; videos at one second per temporal patch, as vLLM assumes) and Qwen3-VL
-/// (images with their deepstack features; videos with their temporal patches' timestamps)
-/// through vLLM's EC connector answer as vLLM encoding the same media itself.
-#[test]
-fn qwen2_5_vl_and_qwen3_vl_encoded_here_answer_as_vllm_itself() {
-    let Some(venv) = vllm_venv() else { return };
-    for (spec, family) in [
-        ("demo-qwen2.5-vl", "qwen2.5-vl"),
-        ("demo-qwen3-vl", "qwen3-vl"),
+/// The demo Qwen2.5-VL (images; videos at one second per temporal patch, as vLLM assumes) or
+/// Qwen3-VL (images with their deepstack features; videos with their temporal patches'
+/// timestamps) through vLLM's EC connector (`ec`) answer as vLLM encoding the same media itself
+/// (`planned`), and the items went through the `store`.
+pub(super) fn qwen_vl_encoded_here_answers_as_vllm_itself(
+    gateway: &Server,
+    family: &str,
+    planned: &str,
+    store: &Path,
+) {
+    for image in [
+        "scene-640x480.jpg",
+        "scene-300x1000.jpg",
+        "png-rgb-wide.png",
     ] {
-        let scratch = tempfile::tempdir().unwrap();
-        let cache = scratch.path().join("cache");
-        let model = common::engine::demo_checkpoint(&cache, scratch.path(), spec, family);
-        let store = scratch.path().join("ec");
-        let (_vllm, gateway) = ec_fronted(&venv, &model, &store);
-        for image in [
-            "scene-640x480.jpg",
-            "scene-300x1000.jpg",
-            "png-rgb-wide.png",
-        ] {
-            let content = json!([image_part(image), {"type": "text", "text": "What is this?"}]);
-            answers_alike(&gateway, "ec", "planned", content);
-        }
-        let two = json!([image_part("scene-1200x300.jpg"), {"type": "text", "text": "and"},
-                         image_part("scene-256x256.jpg")]);
-        answers_alike(&gateway, "ec", "planned", two);
-        if family == "qwen2.5-vl" {
-            let clip = json!([video_part("h264.mp4"), {"type": "text", "text": "What happens?"}]);
-            answers_alike(&gateway, "ec", "planned", clip);
-        } else {
-            // The reference is told the frames' source rate and indices, so that it writes the
-            // same times as the timestamps sent beside the grid (12 s: times of two digits).
-            for (clip, told) in [
-                ("h264.mp4", qwen3_vl_frames(90, 30.0)),
-                ("12s.mp4", qwen3_vl_frames(48, 4.0)),
-            ] {
-                let content = json!([video_part(clip), {"type": "text", "text": "What happens?"}]);
-                answers_alike_told(&gateway, "ec", "planned", content, &told);
-            }
-        }
-        assert!(
-            !stored_items(&store).is_empty(),
-            "{family}: nothing went through the store"
-        );
+        let content = json!([image_part(image), {"type": "text", "text": "What is this?"}]);
+        answers_alike(gateway, "ec", planned, content);
     }
+    let two = json!([image_part("scene-1200x300.jpg"), {"type": "text", "text": "and"},
+                     image_part("scene-256x256.jpg")]);
+    answers_alike(gateway, "ec", planned, two);
+    if family == "qwen2.5-vl" {
+        let clip = json!([video_part("h264.mp4"), {"type": "text", "text": "What happens?"}]);
+        answers_alike(gateway, "ec", planned, clip);
+    } else {
+        // The reference is told the frames' source rate and indices, so that it writes the
+        // same times as the timestamps sent beside the grid (12 s: times of two digits).
+        for (clip, told) in [
+            ("h264.mp4", qwen3_vl_frames(90, 30.0)),
+            ("12s.mp4", qwen3_vl_frames(48, 4.0)),
+        ] {
+            let content = json!([video_part(clip), {"type": "text", "text": "What happens?"}]);
+            answers_alike_told(gateway, "ec", planned, content, &told);
+        }
+    }
+    assert!(
+        !stored_items(store).is_empty(),
+        "{family}: nothing went through the store"
+    );
 }
 
 /// vLLM's `media_io_kwargs` naming the frames Qwen3-VL's processor samples (2 a second, at least
@@ -249,7 +234,7 @@ fn qwen2_vl_encoded_here_reaches_vllm_through_its_ec_connector() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
     let model = common::engine::demo_checkpoint(
-        &scratch.path().join("cache"),
+        &common::server::demo_cache(),
         scratch.path(),
         "demo",
         "qwen2-vl",
@@ -303,7 +288,7 @@ fn qwen2_vl_encoded_here_reaches_vllm_through_its_ec_connector() {
     }
     let config_file = scratch.path().join("gateway.toml");
     std::fs::write(&config_file, config).unwrap();
-    let cache = scratch.path().join("cache");
+    let cache = common::server::demo_cache();
     let gateway = Server::start_with_env(
         &["--config", config_file.to_str().unwrap()],
         &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
@@ -472,19 +457,14 @@ fn qwen2_vl_encoded_here_reaches_vllm_through_its_ec_connector() {
     assert_eq!(lines[0]["media"][0]["kind"], "image", "{lines:?}");
 }
 
-/// The demo Qwen2-Audio: audio encoded here reaches vLLM as `audio_embeds` with its token count,
-/// and vLLM answers as it does encoding the same planned audio itself.
-#[test]
-fn qwen2_audio_encoded_here_answers_as_vllm_itself() {
+/// The demo Qwen2-Audio: audio encoded here (`ec`) reaches vLLM as `audio_embeds` with its token
+/// count, and vLLM answers as it does encoding the same audio planned here (`planned`) itself.
+pub(super) fn qwen2_audio_encoded_here_answers_as_vllm_itself(
+    gateway: &Server,
+    planned: &str,
+    store: &Path,
+) {
     use base64::Engine as _;
-    let Some(venv) = vllm_venv() else { return };
-    let scratch = tempfile::tempdir().unwrap();
-    let cache = scratch.path().join("cache");
-    let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo-audio", "audio");
-    // vLLM loads Qwen2-Audio only under the Hub's weight names (the demo has transformers 5's).
-    checkpoints_py(&venv, &["--hub-names", model.to_str().unwrap()]);
-    let store = scratch.path().join("ec");
-    let (_vllm, gateway) = ec_fronted(&venv, &model, &store);
     let clips = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/audio/clips");
     // Clips under 30 s: of a longer one vLLM's processor keeps the first 30 s, while the encoders
     // here take all of it (the count promised is then the longer one's, which vLLM keeps).
@@ -498,10 +478,10 @@ fn qwen2_audio_encoded_here_answers_as_vllm_itself() {
         let format = name.rsplit('.').next().unwrap();
         let content = json!([{"type": "input_audio", "input_audio": {"data": data, "format": format}},
                              {"type": "text", "text": "What is said?"}]);
-        answers_alike(&gateway, "ec", "planned", content);
+        answers_alike(gateway, "ec", planned, content);
     }
     assert!(
-        !stored_items(&store).is_empty(),
+        !stored_items(store).is_empty(),
         "nothing went through the store"
     );
 }

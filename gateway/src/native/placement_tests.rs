@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use mmgate_host::{Dtype, PartPlan, Tensor};
 use mmgate_inference::engine::{EncodeInput, InputPart, PixelValues};
@@ -178,6 +178,14 @@ struct Made {
     part_plans: Option<Vec<PartPlan>>,
 }
 
+/// The built-in plugins, compiled once for every test here (compiling them is most of what these
+/// tests would otherwise spend).
+static BUILTINS: LazyLock<mmgate_host::PluginRegistry> = LazyLock::new(|| {
+    let sandbox =
+        Arc::new(mmgate_host::Sandbox::new(mmgate_host::SandboxLimits::default()).unwrap());
+    mmgate_host::PluginRegistry::builtin(&sandbox).unwrap()
+});
+
 /// A built-in plugin's output for `media` under `model`'s processor config (`config` adjusts
 /// it): whole (`preprocess`) and in its parts.
 fn whole_and_parts(
@@ -186,10 +194,7 @@ fn whole_and_parts(
     media: &[u8],
     config: impl FnOnce(&mut serde_json::Value),
 ) -> Made {
-    let sandbox =
-        Arc::new(mmgate_host::Sandbox::new(mmgate_host::SandboxLimits::default()).unwrap());
-    let registry = mmgate_host::PluginRegistry::builtin(&sandbox).unwrap();
-    let plugin = registry.for_modality(modality).unwrap();
+    let plugin = BUILTINS.for_modality(modality).unwrap();
     let mut json: serde_json::Value = serde_json::from_str(&model.prompt.processor_config).unwrap();
     config(&mut json);
     let config = json.to_string();

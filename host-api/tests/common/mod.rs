@@ -6,11 +6,20 @@ use std::any::Any;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use mmgate_host::{LoadedPlugin, PluginRegistry, Sandbox, SandboxLimits};
+use mmgate_host::{CompileCache, LoadedPlugin, PluginRegistry, Sandbox, SandboxLimits};
+
+/// A sandbox with `limits` whose components are compiled once for all tests (and kept between
+/// runs) in the product's own compile cache: compiling the built-ins is most of what a test would
+/// otherwise spend.
+pub fn sandbox_with(limits: SandboxLimits) -> Arc<Sandbox> {
+    let cache = CompileCache::open(Path::new(env!("CARGO_TARGET_TMPDIR")).join("compiled-plugins"))
+        .unwrap();
+    Arc::new(Sandbox::new(limits).unwrap().with_compile_cache(cache))
+}
 
 /// The built-in plugin for `modality`, in a sandbox of its own with `limits`.
 pub fn builtin_plugin_with(modality: &str, limits: SandboxLimits) -> Arc<LoadedPlugin> {
-    let sandbox = Arc::new(Sandbox::new(limits).unwrap());
+    let sandbox = sandbox_with(limits);
     PluginRegistry::builtin(&sandbox)
         .unwrap()
         .for_modality(modality)
