@@ -444,6 +444,21 @@ fn a_pdfs_text_layer_goes_with_or_instead_of_its_pages() {
         tokens(&with_pages) > tokens(&images) + 300,
         "{with_pages} vs {images}"
     );
+    // Each page's text tokens are what its text adds to the prompt (give or take the tokens its
+    // joins with the parts around it make).
+    let text_tokens: Vec<u64> = per_page
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["text_tokens"].as_u64().unwrap())
+        .collect();
+    let added = tokens(&with_pages) - tokens(&images);
+    let counted: u64 = text_tokens.iter().sum();
+    assert_eq!(media(&with_pages)[0]["text_tokens"], counted);
+    assert!(
+        counted.abs_diff(added) <= 2 * text_tokens.len() as u64,
+        "{text_tokens:?} vs {added} added"
+    );
     // The text alone: no images, and fewer tokens than the images with their text.
     assert!(media(&only).as_array().is_none_or(Vec::is_empty), "{only}");
     assert!(

@@ -163,6 +163,9 @@ fn document_json(pages: &[MediaAccount]) -> Value {
             if let Some(chars) = a.page.as_ref().and_then(|p| p.text_chars) {
                 entry["text_chars"] = json!(chars);
             }
+            if let Some(tokens) = a.page.as_ref().and_then(|p| p.text_tokens) {
+                entry["text_tokens"] = json!(tokens);
+            }
             if let Some(ms) = a.plugin_ms {
                 entry["plugin_ms"] = json!(ms);
             }
@@ -179,6 +182,14 @@ fn document_json(pages: &[MediaAccount]) -> Value {
         "tokens": pages.iter().map(|a| a.tokens).sum::<usize>(),
         "reduced": !reasons.is_empty() || pages.iter().any(|a| a.reduced),
     });
+    let text_tokens: Vec<usize> = pages
+        .iter()
+        .filter_map(of)
+        .filter_map(|p| p.text_tokens)
+        .collect();
+    if !text_tokens.is_empty() {
+        out["text_tokens"] = json!(text_tokens.iter().sum::<usize>());
+    }
     if !reasons.is_empty() {
         out["reason"] = json!(reasons.join("; "));
     }

@@ -307,8 +307,15 @@ pub struct PageOf {
     pub shrunk: bool,
     /// Why pages of the document were left out, when some were.
     pub left_out: Option<std::sync::Arc<str>>,
-    /// Characters of the page's text layer before its image, when it is read.
+    /// The page's text layer before its image, when it is read: its characters, and the tokens
+    /// it makes in the prompt (as [`page_text`] puts it there).
     pub text_chars: Option<usize>,
+    pub text_tokens: Option<usize>,
+}
+
+/// How page `page`'s (1-based) text layer goes into the prompt, before the page's image or alone.
+pub fn page_text(page: usize, text: &str) -> String {
+    format!("Page {page}:\n{text}\n")
 }
 
 #[cfg(test)]

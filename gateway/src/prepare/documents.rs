@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use mmgate_host::{Budget, CallError, LoadedPlugin, Media, MediaInfo, TokenPlan};
 use mmgate_inference::families::MediaKind;
+use mmgate_inference::prompt::PromptModel;
 use serde_json::json;
 use tracing::Instrument as _;
 
@@ -16,7 +17,9 @@ use super::items::{ChatServices, Item, ItemInput};
 use crate::access::as_attribute;
 use crate::error::ApiError;
 use crate::media::budget::BudgetError;
-use crate::media::documents::{PageOf, PlannedPage, Planning, Sized, SizingError, size_pages};
+use crate::media::documents::{
+    PageOf, PlannedPage, Planning, Sized, SizingError, page_text, size_pages,
+};
 use crate::media::pipeline;
 
 /// A document among a request's media, probed: its pages not yet made.
@@ -25,8 +28,10 @@ pub(crate) struct Document {
     pub media: Arc<Media>,
     /// Each page's size in points, as shown.
     pub pages: Vec<[f32; 2]>,
-    /// Each page's text layer, when it goes before the page's image (`documents.text`).
+    /// Each page's text layer, when it goes before the page's image (`documents.text`), and the
+    /// tokens each makes in the prompt.
     pub texts: Vec<String>,
+    pub text_tokens: Vec<usize>,
 }
 
 impl Document {
@@ -54,6 +59,7 @@ impl Document {
             media,
             pages,
             texts: Vec::new(),
+            text_tokens: Vec::new(),
         })
     }
 
@@ -86,6 +92,24 @@ impl Document {
             .collect();
         Ok(texts)
     }
+}
+
+/// The tokens each page's text (`texts`, already within `limits.max_text_bytes`) makes where the
+/// prompt has it, counted by `prompt`'s tokenizer off the threads that serve connections.
+pub(crate) async fn text_tokens(
+    prompt: &PromptModel,
+    texts: &[String],
+) -> Result<Vec<usize>, ApiError> {
+    let (text, pages) = (prompt.text.clone(), texts.to_vec());
+    tokio::task::spawn_blocking(move || {
+        (1..)
+            .zip(&pages)
+            .map(|(page, t)| text.encode(&page_text(page, t)).map(|ids| ids.len()))
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .await
+    .map_err(|e| internal(e.to_string()))?
+    .map_err(|e| internal(format!("counting a document's text: {e}")))
 }
 
 /// The page sizes a document plugin's probe gives (`page-sizes`, a JSON list of `[w, h]`).
@@ -201,6 +225,7 @@ pub(crate) async fn into_items(
                         .texts
                         .get(render.page as usize - 1)
                         .map(|t| t.chars().count()),
+                    text_tokens: document.text_tokens.get(render.page as usize - 1).copied(),
                 }),
             });
         }

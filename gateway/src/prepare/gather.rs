@@ -16,6 +16,7 @@ use super::media::resolve_media;
 use super::prompt_text::{checked_text, prompt_ids_off_thread};
 use crate::error::ApiError;
 use crate::media::budget::BudgetError;
+use crate::media::documents::page_text;
 use crate::media::pipeline;
 use crate::wire::openai::{self, ChatCompletionRequest, Content, Part};
 
@@ -189,8 +190,7 @@ struct Slot {
 
 impl Slot {
     fn of(resolved: &Resolved) -> Self {
-        let page_text =
-            |page: usize, text: &str| ContentPart::Text(format!("Page {page}:\n{text}\n"));
+        let page_text = |page: usize, text: &str| ContentPart::Text(page_text(page, text));
         match resolved {
             Resolved::Item(item) => Self {
                 groups: vec![vec![item.kind.content_part()]],

@@ -11,7 +11,7 @@ use mmgate_inference::families::MediaKind;
 use mmgate_inference::prompt::PromptModel;
 use tracing::Instrument as _;
 
-use super::documents::{Document, Resolved};
+use super::documents::{Document, Resolved, text_tokens};
 use super::errors::{invalid, too_large, unsupported_media};
 use super::items::{ChatServices, Item, ItemInput};
 use super::plugin_output::named_tensor;
@@ -136,6 +136,7 @@ pub(crate) async fn resolve_media(
                 TextLayer::WithPages => {
                     document.texts = document.read_text(index, services).await?;
                     tally.add_text(index, &document.texts)?;
+                    document.text_tokens = text_tokens(runtime, &document.texts).await?;
                     Resolved::Document(document)
                 }
                 TextLayer::Only => {
