@@ -356,7 +356,8 @@ fn mistral3_in_front_of_vllm_keeps_its_promise_at_native_resolution() {
 
 /// mmgate's demo Qwen2-VL (random weights, run by vLLM too): images encoded here and sent as
 /// `image_embeds` (vLLM's `--enable-mm-embeds`), and images planned here; both promise vLLM's
-/// count, and the embeddings give vLLM's own greedy answer to the image sent as it came.
+/// count, and the embeddings give vLLM's own greedy answer to the image sent as it came. The same
+/// server answers the SDKs and joins the gateway's trace.
 #[test]
 fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
     let Some(venv) = vllm_venv() else { return };
@@ -364,10 +365,22 @@ fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
     let cache = common::server::demo_cache();
     let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
     let embed = format!("media = \"embed\"\npath = {model:?}");
-    let (_vllm, gateway) = fronted(
+    // vLLM exports its spans too: the trace check below shares this server.
+    let receiver = common::traces::Receiver::start(&venv);
+    let endpoint = format!("{}/v1/traces", receiver.endpoint);
+    let vllm = Vllm::start_with_env(
         &venv,
         &model,
-        &["--enable-mm-embeds"],
+        4096,
+        &["--enable-mm-embeds", "--otlp-traces-endpoint", &endpoint],
+        &[
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+            ("OTEL_SERVICE_NAME", "vllm"),
+        ],
+    );
+    let (_vllm, gateway) = front(
+        vllm,
+        &model,
         ("qwen2-vl", 200, ""),
         &[("qwen2-vl-embed", embed.as_str())],
     );
@@ -441,6 +454,12 @@ fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
     assert!(lines.iter().any(|l| l["what"] == "document"), "{lines:?}");
     assert!(lines.iter().any(|l| l["what"] == "pdf"), "{lines:?}");
     messages_mean_what_vllm_makes_of_them(&_vllm, &gateway, &model);
+    an_upstream_request_is_one_trace_joined_by_vllms_own_spans(
+        &receiver,
+        &_vllm,
+        &model,
+        scratch.path(),
+    );
 }
 
 /// A Messages request (a system prompt's blocks, turns, an image) through mmgate means the prompt
@@ -927,39 +946,28 @@ fn llama4_in_front_of_vllm_keeps_its_promise_on_its_canvas_of_tiles() {
     assert!(models.status().is_success());
 }
 
-/// A request planned here and answered by vLLM is one trace: the gateway's spans (continued from
-/// the client's `traceparent`), its call upstream, and under that vLLM's own span, which vLLM
-/// exported itself to the same receiver.
-#[test]
-fn an_upstream_request_is_one_trace_joined_by_vllms_own_spans() {
-    let Some(venv) = vllm_venv() else { return };
-    let receiver = common::traces::Receiver::start(&venv);
-    let scratch = tempfile::tempdir().unwrap();
-    let cache = common::server::demo_cache();
-    let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
-    let endpoint = format!("{}/v1/traces", receiver.endpoint);
-    let vllm = Vllm::start_with_env(
-        &venv,
-        &model,
-        4096,
-        &["--otlp-traces-endpoint", &endpoint],
-        &[
-            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
-            ("OTEL_SERVICE_NAME", "vllm"),
-        ],
-    );
-    let config = scratch.path().join("traced.toml");
+/// A request planned here and answered by `vllm` (exporting its spans to `receiver`) is one
+/// trace: the gateway's spans (continued from the client's `traceparent`), its call upstream, and
+/// under that vLLM's own span, which vLLM exported itself to the same receiver.
+fn an_upstream_request_is_one_trace_joined_by_vllms_own_spans(
+    receiver: &common::traces::Receiver,
+    vllm: &Vllm,
+    model: &Path,
+    scratch: &Path,
+) {
+    let config = scratch.join("traced.toml");
     let planned = "media = \"preprocess\"\npath = {path}";
     std::fs::write(
         &config,
         gateway_config(
-            &model,
+            model,
             &vllm.addr,
-            &weightless(&model),
+            &weightless(model),
             &[("qwen2-vl", planned)],
         ),
     )
     .unwrap();
+    let cache = common::server::demo_cache();
     let gateway = Server::start_with_env(
         &["--config", config.to_str().unwrap()],
         &[
