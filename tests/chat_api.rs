@@ -21,12 +21,8 @@ fn data_url(mime: &str, bytes: &[u8]) -> String {
     )
 }
 
-fn cache_dir() -> PathBuf {
-    common::server::demo_cache()
-}
-
 fn start(config: &str) -> (Server, tempfile::TempDir) {
-    Server::with_config(config, &cache_dir())
+    Server::with_config(config)
 }
 
 fn client() -> reqwest::blocking::Client {
@@ -79,17 +75,10 @@ fn image_part(url: &str) -> Value {
 }
 
 /// The plan `POST /v1/preprocess` makes for `media` with the demo model's processor config.
-fn planned_tokens(server: &Server, media: &str, model_dir: &str) -> u64 {
-    let config: Value = serde_json::from_slice(
-        &std::fs::read(
-            cache_dir()
-                .join("mmgate/models")
-                .join(model_dir)
-                .join("preprocessor_config.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
+fn planned_tokens(server: &Server, media: &str, model_dir: &Path) -> u64 {
+    let config: Value =
+        serde_json::from_slice(&std::fs::read(model_dir.join("preprocessor_config.json")).unwrap())
+            .unwrap();
     let (status, body) = post(
         server,
         "/v1/preprocess",
@@ -97,15 +86,6 @@ fn planned_tokens(server: &Server, media: &str, model_dir: &str) -> u64 {
     );
     assert_eq!(status, 200, "{body}");
     body["tokens"].as_u64().unwrap()
-}
-
-fn demo_dir(prefix: &str) -> String {
-    std::fs::read_dir(cache_dir().join("mmgate/models"))
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .find(|n| n.starts_with(prefix))
-        .unwrap()
 }
 
 /// A PNG and a WAV fixture, and the test media server's routes serving them as `/cat.png` and
@@ -150,7 +130,7 @@ fn images_and_audio_by_data_url_upload_and_http_url_cost_what_their_plugins_plan
     let (server, _dir) = start("[fetch]\nallow = [\"127.0.0.1/32\"]\n");
 
     let image = data_url("image/png", &png);
-    let planned = planned_tokens(&server, &image, &demo_dir("demo-qwen2-vl"));
+    let planned = planned_tokens(&server, &image, &common::demo_model_dir("demo-qwen2-vl"));
     let mut usages = Vec::new();
     for source in [
         image.clone(),
@@ -206,7 +186,11 @@ fn images_and_audio_by_data_url_upload_and_http_url_cost_what_their_plugins_plan
 
     // Audio: input_audio (base64) and audio_url (fetched) on the audio demo model.
     let wav_url = data_url("audio/wav", &wav);
-    let planned = planned_tokens(&server, &wav_url, &demo_dir("demo-qwen2-audio"));
+    let planned = planned_tokens(
+        &server,
+        &wav_url,
+        &common::demo_model_dir("demo-qwen2-audio"),
+    );
     for part in [
         json!({"type": "input_audio", "input_audio": {"data": base64::engine::general_purpose::STANDARD.encode(&wav), "format": "wav"}}),
         json!({"type": "audio_url", "audio_url": {"url": format!("{}/speech.wav", files.base)}}),
@@ -259,7 +243,7 @@ fn a_video_by_data_url_and_by_http_url_costs_what_its_plugin_planned() {
     let files = FilesServer::start(routes);
     let (server, _dir) = start("[fetch]\nallow = [\"127.0.0.1/32\"]\n");
     let video = data_url("video/mp4", &mp4);
-    let planned = planned_tokens(&server, &video, &demo_dir("demo-qwen2-vl"));
+    let planned = planned_tokens(&server, &video, &common::demo_model_dir("demo-qwen2-vl"));
     for source in [video.clone(), format!("{}/clip.mp4", files.base)] {
         let (status, body) = post(
             &server,
@@ -764,11 +748,7 @@ fn an_https_upstream_is_verified_and_gets_its_own_key_never_the_gateways() {
     let back_dir = tempfile::tempdir().unwrap();
     let back_path = back_dir.path().join("mmgate.toml");
     std::fs::write(&back_path, back_config).unwrap();
-    let back = Server::start_tls_with_env(
-        &["--config", back_path.to_str().unwrap()],
-        &[("XDG_CACHE_HOME", cache_dir().to_str().unwrap())],
-        &ca_pem,
-    );
+    let back = Server::start_tls_with_env(&["--config", back_path.to_str().unwrap()], &[], &ca_pem);
     let port = back.addr.rsplit(':').next().unwrap();
     let check = "health_check = { path = \"/health\", interval_ms = 200 }";
     let ca = ca.to_str().unwrap();
@@ -1201,9 +1181,7 @@ fn qwen3_vl_takes_images_and_videos() {
     let (server, _dir) = start("[[models]]\nname = \"demo-qwen3-vl\"\npath = \"demo-qwen3-vl\"\n");
     let image = data_url("image/png", &fixture("image/images/png-rgb-wide.png"));
     let video = data_url("video/mp4", &fixture("video/clips/h264.mp4"));
-    let dir = cache_dir()
-        .join("mmgate/models")
-        .join(demo_dir("demo-qwen3-vl"));
+    let dir = common::demo_model_dir("demo-qwen3-vl");
     let read = |name: &str| -> Value {
         serde_json::from_slice(&std::fs::read(dir.join(name)).unwrap()).unwrap()
     };

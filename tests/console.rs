@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 const KEY: &str = "console-test-key";
 
 fn start(config: &str) -> (Server, tempfile::TempDir) {
-    Server::with_config(config, &common::server::demo_cache())
+    Server::with_config(config)
 }
 
 /// The console venv's Python, with Chromium and its driver beside it; `None` (the test says why

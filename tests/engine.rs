@@ -104,10 +104,8 @@ fn the_engine_counts_and_answers_as_mmgate_does() {
         return;
     };
     let scratch = tempfile::tempdir().unwrap();
-    let cache = common::server::demo_cache();
-    let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
-    let audio_model =
-        common::engine::demo_checkpoint(&cache, scratch.path(), "demo-audio", "qwen2-audio");
+    let model = common::engine::demo_checkpoint(scratch.path(), "demo", "qwen2-vl");
+    let audio_model = common::engine::demo_checkpoint(scratch.path(), "demo-audio", "qwen2-audio");
     let engine = Engine::start(&venv, &model);
     let audio_engine = Engine::start(&venv, &audio_model);
     // The engine serves one forced model whatever the request names; the gateway forwards requests
@@ -182,10 +180,7 @@ max_model_len = 200
         ),
     )
     .unwrap();
-    let gateway = Server::start_with_env(
-        &["--config", config.to_str().unwrap()],
-        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
-    );
+    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
 
     let special = special_tokens(&model);
     let mut contents = vec![json!("Hello there"), json!("Tell me about the sea.")];

@@ -1,5 +1,5 @@
 //! `mmgate generate` as a user runs it: the real binary, the built-in plugins and the native core on
-//! the demo models (written into a scratch cache directory on first use). The usage it reports
+//! the demo models (written into the tests' shared cache on first use). The usage it reports
 //! counts each media item at the tokens its plugin planned; greedy and seeded runs repeat exactly;
 //! greedy tokens equal what transformers generates from the same preprocessed media
 //! (tests/fixtures/generate, made by its make_expected.py); media a model does not take is refused
@@ -21,9 +21,8 @@ fn fixture(path: &str) -> String {
         .to_string()
 }
 
-fn generate(cache: &Path, args: &[&str]) -> std::process::Output {
+fn generate(args: &[&str]) -> std::process::Output {
     mmgate_command()
-        .env("XDG_CACHE_HOME", cache)
         .arg("generate")
         .args(args)
         .output()
@@ -43,7 +42,6 @@ fn json(out: &std::process::Output) -> Value {
 
 #[test]
 fn generates_from_an_image_and_from_audio_on_the_demo_models() {
-    let cache = common::server::demo_cache();
     let image = fixture("image/images/png-rgb-wide.png");
     let args = [
         "--model",
@@ -55,8 +53,8 @@ fn generates_from_an_image_and_from_audio_on_the_demo_models() {
         "--max-tokens",
         "6",
     ];
-    let first = json(&generate(cache.as_path(), &args));
-    let again = json(&generate(cache.as_path(), &args));
+    let first = json(&generate(&args));
+    let again = json(&generate(&args));
     assert_eq!(first, again, "greedy generation repeats");
     let tokens = first["token_ids"].as_array().unwrap().len();
     assert_eq!(first["usage"]["completion_tokens"], tokens);
@@ -81,12 +79,8 @@ fn generates_from_an_image_and_from_audio_on_the_demo_models() {
         "--seed",
         "42",
     ];
-    let sampled = json(&generate(cache.as_path(), &args));
-    assert_eq!(
-        sampled,
-        json(&generate(cache.as_path(), &args)),
-        "a seed repeats"
-    );
+    let sampled = json(&generate(&args));
+    assert_eq!(sampled, json(&generate(&args)), "a seed repeats");
     assert_eq!(sampled["usage"]["media"][0]["kind"], "audio");
 }
 
@@ -95,25 +89,21 @@ fn qwen2_5_vl_demo_takes_video_and_images_like_qwen2_vl_costs_them() {
     // Same tokenizer, template and processor config as `demo`: the same media cost the same tokens
     // and the prompt is the same length, while the window-attention tower and time-scaled video
     // positions make it a different model.
-    let cache = common::server::demo_cache();
     let video = fixture("video/clips/short.mp4");
     let image = fixture("image/images/png-rgb-wide.png");
     let run = |model: &str| {
-        json(&generate(
-            cache.as_path(),
-            &[
-                "--model",
-                model,
-                "--video",
-                &video,
-                "--image",
-                &image,
-                "--prompt",
-                "Describe the video.",
-                "--max-tokens",
-                "8",
-            ],
-        ))
+        json(&generate(&[
+            "--model",
+            model,
+            "--video",
+            &video,
+            "--image",
+            &image,
+            "--prompt",
+            "Describe the video.",
+            "--max-tokens",
+            "8",
+        ]))
     };
     let qwen2_5 = run("demo-qwen2.5-vl");
     let qwen2 = run("demo");
@@ -138,7 +128,6 @@ fn greedy_tokens_match_transformers_on_the_demo_models() {
     let expected: Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("generate/expected.json")).unwrap())
             .unwrap();
-    let cache = common::server::demo_cache();
     let max_tokens = expected["max_tokens"].to_string();
     for case in expected["cases"].as_array().unwrap() {
         let mut args = vec![
@@ -158,7 +147,7 @@ fn greedy_tokens_match_transformers_on_the_demo_models() {
             max_tokens.clone(),
         ]);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let ours = json(&generate(cache.as_path(), &args));
+        let ours = json(&generate(&args));
         assert_eq!(
             ours["usage"]["prompt_tokens"], case["prompt_tokens"],
             "{case}"
@@ -179,20 +168,13 @@ fn greedy_tokens_match_transformers_on_the_demo_models() {
 
 #[test]
 fn refuses_media_the_model_does_not_take() {
-    let cache = common::server::demo_cache();
     let audio = fixture("audio/clips/speech-16k-s16.wav");
-    let out = generate(
-        cache.as_path(),
-        &["--model", "demo", "--audio", &audio, "--prompt", "x"],
-    );
+    let out = generate(&["--model", "demo", "--audio", &audio, "--prompt", "x"]);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("does not take audio input"), "{stderr}");
     let truncated = fixture("image/bad/truncated.jpg");
-    let out = generate(
-        cache.as_path(),
-        &["--model", "demo", "--image", &truncated, "--prompt", "x"],
-    );
+    let out = generate(&["--model", "demo", "--image", &truncated, "--prompt", "x"]);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("truncated.jpg"), "{stderr}");
@@ -223,19 +205,15 @@ fn copy_model_dir(from: &Path, to: &Path) {
 /// and its sampling settings are the defaults of a run that names none.
 #[test]
 fn generation_config_eos_ids_end_a_generation() {
-    let cache = common::server::demo_cache();
     let run = |model: &str| {
-        json(&generate(
-            cache.as_path(),
-            &[
-                "--model",
-                model,
-                "--prompt",
-                "Tell me a story.",
-                "--max-tokens",
-                "8",
-            ],
-        ))
+        json(&generate(&[
+            "--model",
+            model,
+            "--prompt",
+            "Tell me a story.",
+            "--max-tokens",
+            "8",
+        ]))
     };
     let free = run("demo");
     let tokens = token_ids(&free);
@@ -245,7 +223,7 @@ fn generation_config_eos_ids_end_a_generation() {
         .find(|&i| !tokens[..i].contains(&tokens[i]))
         .expect("a token not seen before");
 
-    let demo_dir = common::demo_model_dir(&cache, "demo-qwen2-vl");
+    let demo_dir = common::demo_model_dir("demo-qwen2-vl");
     let scratch = tempfile::tempdir().unwrap();
     let model = scratch.path().join("two-eos");
     copy_model_dir(&demo_dir, &model);
@@ -273,7 +251,6 @@ fn generation_config_eos_ids_end_a_generation() {
 /// audio file of more than one part). Each answers exactly as the same item made whole does.
 #[test]
 fn media_made_in_parts_generate_as_the_whole_items_do() {
-    let cache = common::server::demo_cache();
     let run = |model: &str, flag: &str, media: &str, whole: bool| {
         let mut args = vec![
             "--model",
@@ -288,7 +265,7 @@ fn media_made_in_parts_generate_as_the_whole_items_do() {
         if whole {
             args.push("--whole-media");
         }
-        json(&generate(cache.as_path(), &args))
+        json(&generate(&args))
     };
     let mut cases: Vec<(&str, &str, String)> = std::fs::read_dir(fixture("video/clips"))
         .unwrap()

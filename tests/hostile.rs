@@ -60,13 +60,9 @@ fn serve_logging(config: &str) -> (Server, tempfile::TempDir) {
     let work = tempfile::tempdir().unwrap();
     let path = work.path().join("mmgate.toml");
     std::fs::write(&path, format!("log_format = \"json\"\n{config}")).unwrap();
-    let cache = common::server::demo_cache();
     let server = Server::start_logging_to(
         &["--config", path.to_str().unwrap()],
-        &[
-            ("XDG_CACHE_HOME", cache.to_str().unwrap()),
-            ("RUST_LOG", "warn,mmgate::access=info"),
-        ],
+        &[("RUST_LOG", "warn,mmgate::access=info")],
         std::fs::File::create(work.path().join("mmgate.log")).unwrap(),
     );
     (server, work)

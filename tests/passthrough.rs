@@ -17,8 +17,7 @@ use common::server::Server;
 use serde_json::{Value, json};
 
 fn start(config: &str) -> (Server, tempfile::TempDir) {
-    let cache = common::server::demo_cache();
-    Server::with_config(config, &cache)
+    Server::with_config(config)
 }
 
 fn connect(server: &Server) -> BufReader<TcpStream> {

@@ -11,7 +11,7 @@ use crate::common;
 
 use std::io::Write;
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -26,18 +26,10 @@ const RPM: usize = 300;
 const TPM: u64 = 12_000;
 const IN_FLIGHT: usize = 4;
 
-/// Demo models are written once into this cache, shared by all the processes.
-fn cache_dir() -> PathBuf {
-    common::server::demo_cache()
-}
-
 fn start(config: &str, dir: &Path, name: &str) -> Server {
     let path = dir.join(format!("{name}.toml"));
     std::fs::write(&path, config).unwrap();
-    Server::start_with_env(
-        &["--config", path.to_str().unwrap()],
-        &[("XDG_CACHE_HOME", cache_dir().to_str().unwrap())],
-    )
+    Server::start(&["--config", path.to_str().unwrap()])
 }
 
 fn replica_config(redis: &str, upstreams: [&str; 2]) -> String {

@@ -15,7 +15,7 @@ use common::server::Server;
 use serde_json::{Value, json};
 
 fn start(config: &str) -> (Server, tempfile::TempDir) {
-    Server::with_config(config, &common::server::demo_cache())
+    Server::with_config(config)
 }
 
 fn request(

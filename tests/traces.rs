@@ -98,11 +98,9 @@ fn each_request_is_one_trace_with_a_span_per_stage_continued_from_the_client() {
     let config = dir.path().join("mmgate.toml");
     // Enough plugin workers idle for a video to be made in its parts.
     std::fs::write(&config, "[plugins]\nthreads = 4\n").unwrap();
-    let cache = common::server::demo_cache();
     let server = Server::start_with_env(
         &["--config", config.to_str().unwrap()],
         &[
-            ("XDG_CACHE_HOME", cache.to_str().unwrap()),
             ("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint),
             ("OTEL_SERVICE_NAME", "mmgate-under-test"),
             ("OTEL_BSP_SCHEDULE_DELAY", "100"),

@@ -253,11 +253,7 @@ fn front(
         gateway_config(model, &vllm.addr, &weightless, &models),
     )
     .unwrap();
-    let cache = common::server::demo_cache();
-    let gateway = Server::start_with_env(
-        &["--config", config.to_str().unwrap()],
-        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
-    );
+    let gateway = Server::start(&["--config", config.to_str().unwrap()]);
     (vllm, gateway)
 }
 
@@ -362,8 +358,7 @@ fn mistral3_in_front_of_vllm_keeps_its_promise_at_native_resolution() {
 fn qwen2_vl_embeddings_and_plans_from_here_keep_their_promise_in_vllm() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let cache = common::server::demo_cache();
-    let model = common::engine::demo_checkpoint(&cache, scratch.path(), "demo", "qwen2-vl");
+    let model = common::engine::demo_checkpoint(scratch.path(), "demo", "qwen2-vl");
     let embed = format!("media = \"embed\"\npath = {model:?}");
     // vLLM exports its spans too: the trace check below shares this server.
     let receiver = common::traces::Receiver::start(&venv);
@@ -541,8 +536,7 @@ fn demo_fronted(
     (spec, family): (&str, &str),
     tight: usize,
 ) -> (Vllm, Server, PathBuf) {
-    let model =
-        common::engine::demo_checkpoint(&common::server::demo_cache(), scratch, spec, family);
+    let model = common::engine::demo_checkpoint(scratch, spec, family);
     let store = scratch.join("ec");
     let (vllm, gateway) = ec::ec_fronted(venv, &model, &store, (family, tight));
     (vllm, gateway, store)
@@ -638,12 +632,7 @@ fn qwen2_audio_planned_or_encoded_here_keeps_its_promise_in_vllm() {
     use base64::Engine as _;
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let model = common::engine::demo_checkpoint(
-        &common::server::demo_cache(),
-        scratch.path(),
-        "demo-audio",
-        "audio",
-    );
+    let model = common::engine::demo_checkpoint(scratch.path(), "demo-audio", "audio");
     // vLLM loads Qwen2-Audio only under the Hub's weight names (the demo has transformers 5's).
     checkpoints_py(&venv, &["--hub-names", model.to_str().unwrap()]);
     let store = scratch.path().join("ec");
@@ -967,11 +956,9 @@ fn an_upstream_request_is_one_trace_joined_by_vllms_own_spans(
         ),
     )
     .unwrap();
-    let cache = common::server::demo_cache();
     let gateway = Server::start_with_env(
         &["--config", config.to_str().unwrap()],
         &[
-            ("XDG_CACHE_HOME", cache.to_str().unwrap()),
             ("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.endpoint),
             ("OTEL_BSP_SCHEDULE_DELAY", "100"),
         ],

@@ -50,14 +50,13 @@ pub fn weightless(model: &Path) -> PathBuf {
 /// A demo checkpoint (`spec`: `demo`, `demo-audio`; its directory's name holds `family`) as
 /// transformers 5 lays one out: its processor reads the chat template from `chat_template.jinja`
 /// (the demo keeps it in `tokenizer_config.json`, which mmgate reads too).
-pub fn demo_checkpoint(cache: &Path, into: &Path, spec: &str, family: &str) -> PathBuf {
+pub fn demo_checkpoint(into: &Path, spec: &str, family: &str) -> PathBuf {
     super::run_ok(
         super::mmgate_command()
-            .env("XDG_CACHE_HOME", cache)
             .args(["generate", "--model", spec, "--max-tokens", "1"])
             .args(["--prompt", "hi"]),
     );
-    let demo = super::demo_model_dir(cache, family);
+    let demo = super::demo_model_dir(family);
     let model = into.join(format!("demo-{family}"));
     std::fs::create_dir_all(&model).unwrap();
     for entry in std::fs::read_dir(&demo).unwrap() {

@@ -1,5 +1,4 @@
 //! What the end-to-end tests share: running the real `mmgate` binary.
-#![allow(dead_code)]
 
 pub mod engine;
 pub mod files_server;
@@ -19,10 +18,10 @@ pub fn mmgate_command() -> Command {
     command
 }
 
-/// The newest demo model whose name holds `family` in the models of `cache` (an `XDG_CACHE_HOME`
-/// the demo was made in): not another process's half-written one (a hidden directory), nor one
-/// of an older demo version kept from an earlier run.
-pub fn demo_model_dir(cache: &std::path::Path, family: &str) -> std::path::PathBuf {
+/// The newest demo model whose name holds `family` in the shared cache (once a command or server
+/// made it): not another process's half-written one (a hidden directory), nor one of an older
+/// demo version kept from an earlier run.
+pub fn demo_model_dir(family: &str) -> std::path::PathBuf {
     let version = |path: &std::path::Path| {
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         let number = name
@@ -32,7 +31,7 @@ pub fn demo_model_dir(cache: &std::path::Path, family: &str) -> std::path::PathB
             .then_some(number)
             .flatten()
     };
-    std::fs::read_dir(cache.join("mmgate/models"))
+    std::fs::read_dir(server::demo_cache().join("mmgate/models"))
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter_map(|path| version(&path).map(|v| (v, path)))

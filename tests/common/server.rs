@@ -35,16 +35,12 @@ pub fn demo_cache() -> std::path::PathBuf {
 }
 
 impl Server {
-    /// `mmgate serve` with `config` (TOML, in a directory kept as long as the handle returned),
-    /// models cached in `cache`.
-    pub fn with_config(config: &str, cache: &std::path::Path) -> (Server, tempfile::TempDir) {
+    /// `mmgate serve` with `config` (TOML, in a directory kept as long as the handle returned).
+    pub fn with_config(config: &str) -> (Server, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("mmgate.toml");
         std::fs::write(&path, config).unwrap();
-        let server = Server::start_with_env(
-            &["--config", path.to_str().unwrap()],
-            &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
-        );
+        let server = Server::start(&["--config", path.to_str().unwrap()]);
         (server, dir)
     }
 

@@ -233,12 +233,7 @@ fn stored_items(store: &Path) -> Vec<PathBuf> {
 fn qwen2_vl_encoded_here_reaches_vllm_through_its_ec_connector() {
     let Some(venv) = vllm_venv() else { return };
     let scratch = tempfile::tempdir().unwrap();
-    let model = common::engine::demo_checkpoint(
-        &common::server::demo_cache(),
-        scratch.path(),
-        "demo",
-        "qwen2-vl",
-    );
+    let model = common::engine::demo_checkpoint(scratch.path(), "demo", "qwen2-vl");
     let store = scratch.path().join("ec");
     let transfer = json!({"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
         "ec_connector_extra_config": {"shared_storage_path": store}})
@@ -288,11 +283,7 @@ fn qwen2_vl_encoded_here_reaches_vllm_through_its_ec_connector() {
     }
     let config_file = scratch.path().join("gateway.toml");
     std::fs::write(&config_file, config).unwrap();
-    let cache = common::server::demo_cache();
-    let gateway = Server::start_with_env(
-        &["--config", config_file.to_str().unwrap()],
-        &[("XDG_CACHE_HOME", cache.to_str().unwrap())],
-    );
+    let gateway = Server::start(&["--config", config_file.to_str().unwrap()]);
 
     // Images of several sizes, alone and several in one message, and videos: the answer and the
     // prompt tokens are vLLM's own for the same media (forwarded images; videos as planned here,
